@@ -1,0 +1,524 @@
+"""The tailguard spec: one YAML file -> one tree of pydantic v2 models (extra="forbid").
+
+The models are the truth; `tailguard spec schema` prints their JSON Schema and docs/spec.schema.json
+holds a copy (a test keeps it in step). Cross-field rules live in model validators so every problem
+is reported with its field path in one pass (`load_spec` raises `SpecError` with all of them).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tailguard.errors import FieldError, SpecError
+
+API_VERSION = "tailguard/v1"
+NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # DNS-1123 label: usable as a KFP task name and a K8s name
+
+Task = Literal["classification", "embedding", "regression", "generic"]
+Precision = Literal["fp32", "fp16", "int8"]
+
+# Parity metrics each task produces (overall and per slice). Formulas: components/validate/parity.py.
+TASK_METRICS: dict[str, tuple[str, ...]] = {
+    "classification": ("accuracy", "reference_accuracy", "top1_agreement", "kl_divergence.mean",
+                       "kl_divergence.p99", "abs_error.max", "abs_error.mean"),
+    "embedding": ("cosine_similarity.mean", "cosine_similarity.p01", "cosine_similarity.min",
+                  "nn_top1_agreement", "nn_top5_agreement", "abs_error.max", "abs_error.mean"),
+    "regression": ("abs_error.max", "abs_error.mean", "abs_error.p99", "rel_error.max", "rel_error.mean"),
+    "generic": ("abs_error.max", "abs_error.mean", "abs_error.p99", "rel_error.max", "rel_error.mean"),
+}
+# Performance metrics every variant produces (overall scope only). latency_* and throughput/cost are per batch size.
+PERF_METRICS: tuple[str, ...] = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
+                                 "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32",
+                                 "peak_rss_mb", "model_size_mb")
+BATCHED_METRICS = frozenset({"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
+                             "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32"})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+class TensorSpec(_Model):
+    """One model input or output."""
+
+    name: str = Field(description="Tensor name in the ONNX graph / the torch forward() argument name.")
+    dtype: Literal["int64", "int32", "float32", "float16", "bool"] = Field(description="Element type.")
+    shape: list[str | int] = Field(
+        description="Axes: a string is a named dynamic axis (e.g. batch, sequence), an int a fixed size.")
+
+
+class ExportTolerance(_Model):
+    """Allowed difference between the torch model and its ONNX export for one output: |a-b| <= atol + rtol*|b|."""
+
+    atol: float = Field(1e-4, ge=0, description="Absolute tolerance.")
+    rtol: float = Field(1e-3, ge=0, description="Relative tolerance.")
+
+
+class ExportSpec(_Model):
+    """torch -> ONNX export settings (ignored when the reference is already ONNX)."""
+
+    opset: int = Field(17, ge=13, le=23, description="ONNX opset version.")
+    dynamo: bool = Field(False, description=(
+        "Use torch.export-based exporter (torch.onnx.export(dynamo=True)). The legacy TorchScript exporter "
+        "(False) produces graphs that ONNX Runtime's transformer fusions recognise."))
+    check_samples: int = Field(8, ge=1, description="Validation rows used to compare ONNX and torch outputs.")
+    tolerances: dict[str, ExportTolerance] = Field(
+        default_factory=dict, description="Per-output tolerance by output name; missing outputs use `default`.")
+    default: ExportTolerance = Field(default_factory=ExportTolerance,
+                                     description="Tolerance for outputs not named in `tolerances`.")
+
+
+class ModelSource(_Model):
+    """How the FP32 reference is stored in the registry version, and how far it may be trusted."""
+
+    format: Literal["auto", "onnx", "torch_export", "state_dict", "pickle"] = Field(
+        "auto", description=("auto: read the MLmodel flavor (onnx, pytorch exported program, pytorch pickle) or "
+                             "find a state dict; state_dict needs class_path."))
+    class_path: str | None = Field(None, description=(
+        "'module:Class' of a torch.nn.Module built with init_kwargs, into which a state dict is loaded with "
+        "torch.load(weights_only=True) or safetensors."), pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    init_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for class_path.")
+    weights_file: str | None = Field(None, description=(
+        "State-dict file inside the registry version's artifacts (default: the single *.safetensors/*.pt file)."))
+    trusted: bool = Field(False, description=(
+        "Allow a pickled PyTorch model (mlflow.pytorch default flavor). Unpickling runs arbitrary code: set only "
+        "for sources you control."))
+
+    @model_validator(mode="after")
+    def _class_for_state_dict(self) -> "ModelSource":
+        if self.format == "state_dict" and not self.class_path:
+            raise ValueError("format 'state_dict' needs class_path ('module:Class') to load the weights into")
+        return self
+
+
+class ModelSpec(_Model):
+    """The FP32 reference: an MLflow registered model version."""
+
+    registered_name: str = Field(description="MLflow registered model holding the FP32 reference.")
+    version: str = Field("latest", description="'latest', a version number, or '@alias'. The trigger overrides it.")
+    task: Task = Field(description="Decides the parity metrics (see components/validate/README.md).")
+    inputs: list[TensorSpec] = Field(min_length=1, description="Model inputs, in forward() order.")
+    outputs: list[TensorSpec] = Field(min_length=1, description="Model outputs; the first is compared for parity.")
+    source: ModelSource = Field(default_factory=ModelSource, description="Storage format and trust.")
+    export: ExportSpec = Field(default_factory=ExportSpec, description="torch -> ONNX export settings.")
+    pad_values: dict[str, float] = Field(default_factory=dict, description=(
+        "Value used to pad each variable-length input per batch (default 0; attention masks pad with 0)."))
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        v = str(v)
+        if v == "latest" or re.fullmatch(r"[1-9]\d*", v) or re.fullmatch(r"@[A-Za-z0-9_\-]+", v):
+            return v
+        raise ValueError("must be 'latest', a positive version number, or '@alias'")
+
+
+# ---------------------------------------------------------------------------------------------- data
+class Expectation(_Model):
+    """A Great Expectations expectation, by its snake_case type and keyword arguments."""
+
+    type: str = Field(description="e.g. expect_column_values_to_be_between", pattern=r"^expect_[a-z0-9_]+$")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Arguments, e.g. {column: n_tokens, min_value: 1}.")
+    datasets: list[Literal["calibration", "validation"]] = Field(
+        default_factory=lambda: ["calibration", "validation"], description="Datasets the expectation applies to.")
+
+
+class DatasetSpec(_Model):
+    """One Parquet dataset: a column per model input (array-valued), plus label and metadata columns."""
+
+    uri: str = Field(description="Parquet file path (relative to the spec file) or s3:// URI.")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many rows (seeded sample).")
+    min_rows: int = Field(1, ge=1, description="Fewer rows fails the data check.")
+    batch_size: int = Field(32, ge=1, description="Rows per inference batch (padded per batch).")
+    label_column: str | None = Field(None, description="Ground-truth label column (classification accuracy).")
+    seed: int = Field(0, description="Seed for the max_samples subsample.")
+
+
+class CalibrationSpec(DatasetSpec):
+    """The calibration set for static quantization."""
+
+    max_samples: int | None = Field(256, ge=1, description="Calibration rows (seeded sample).")
+    batch_size: int = Field(8, ge=1, description="Rows per calibration batch.")
+    stratify_by: str | None = Field(None, description=(
+        "Metadata column to stratify the calibration sample over, so rare slices are represented."))
+
+
+class DataSpec(_Model):
+    """Calibration and validation data, and the expectations the data check enforces."""
+
+    calibration: CalibrationSpec = Field(description="Calibration set (static INT8).")
+    validation: DatasetSpec = Field(description="Validation set: parity, slices and latency inputs.")
+    expectations: list[Expectation] = Field(default_factory=list, description=(
+        "Extra Great Expectations run on top of the built-in ones (input columns present, non-null, finite)."))
+
+
+# -------------------------------------------------------------------------------------------- slices
+class SliceSpec(_Model):
+    """A declared slice: rows grouped by a metadata column's value, bins or quantiles."""
+
+    name: str = Field(description="Slice name used in metric keys: slice.<name>.<value>.<metric>.",
+                      pattern=r"^[A-Za-z0-9_\-]+$")
+    column: str = Field(description="Metadata column in the validation data.")
+    values: list[str | int] | None = Field(None, description="Only these values (default: every value seen).")
+    bins: list[float] | None = Field(None, min_length=2, description="Bin edges, left-closed [a, b).")
+    quantiles: int | None = Field(None, ge=2, le=100, description="Number of equal-frequency bins.")
+    max_groups: int = Field(100, ge=1, description="At most this many groups; the rest go to 'other'.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "SliceSpec":
+        kinds = [k for k in ("values", "bins", "quantiles") if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"give at most one of values, bins, quantiles (got {', '.join(kinds)})")
+        if self.bins is not None and sorted(self.bins) != self.bins:
+            raise ValueError("bins must be increasing")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ variants
+class GraphOptimizationSpec(_Model):
+    """ONNX Runtime graph optimization applied before (or instead of) quantization."""
+
+    level: Literal["disabled", "basic", "extended", "all"] = Field(
+        "extended", description="ORT GraphOptimizationLevel used when saving the optimized model.")
+    fusion: Literal["none", "bert"] = Field("none", description=(
+        "Transformer fusion (onnxruntime.transformers.optimizer): 'bert' fuses attention/LayerNorm/GELU."))
+    num_heads: int = Field(0, ge=0, description="Attention heads for fusion (0: detect).")
+    hidden_size: int = Field(0, ge=0, description="Hidden size for fusion (0: detect).")
+
+
+class QuantizationSpec(_Model):
+    """INT8 quantization with ONNX Runtime (onnxruntime.quantization)."""
+
+    mode: Literal["dynamic", "static"] = Field(description="dynamic: weights only, activations at run time; "
+                                                           "static: activations calibrated on the calibration set.")
+    format: Literal["qdq", "qoperator"] = Field("qdq", description="Static quantization format (QDQ recommended).")
+    per_channel: bool = Field(False, description="Per-channel weight scales (per output channel).")
+    reduce_range: bool = Field(False, description="7-bit weights (for CPUs without VNNI).")
+    weight_type: Literal["int8", "uint8"] = Field("int8", description="Weight integer type.")
+    activation_type: Literal["int8", "uint8"] = Field("uint8", description="Activation type (static only).")
+    calibration_method: Literal["minmax", "entropy", "percentile"] = Field(
+        "minmax", description="Static only. Entropy/percentile calibrate on fixed-length padded batches.")
+    percentile: float = Field(99.999, gt=90, le=100, description="Percentile for calibration_method=percentile.")
+    num_bins: int = Field(2048, ge=128, description="Histogram bins for entropy/percentile calibration.")
+    op_types: list[str] = Field(default_factory=list, description="Quantize only these op types (default: all).")
+    exclude_nodes: list[str] = Field(default_factory=list, description="Node names kept in float.")
+    exclude_op_types: list[str] = Field(default_factory=list, description="Op types kept in float (every node).")
+    preprocess: bool = Field(True, description="Run quant_pre_process (shape inference, auto_merge) first.")
+
+    @model_validator(mode="after")
+    def _static_only(self) -> "QuantizationSpec":
+        if self.mode == "dynamic" and self.format == "qdq" and "format" in self.model_fields_set:
+            raise ValueError("format applies to static quantization only; drop it for mode: dynamic")
+        return self
+
+
+class VariantSpec(_Model):
+    """One inference variant to build and validate: backend x precision x calibration."""
+
+    name: str = Field(description="Unique, DNS-1123 (a KFP task and MLflow run name).", pattern=NAME_RE)
+    backend: Literal["onnxruntime", "tensorrt"] = Field(description="Inference engine.")
+    precision: Precision = Field(description="Numeric precision of weights/compute.")
+    execution_provider: str = Field("CPUExecutionProvider", description="ONNX Runtime execution provider.")
+    graph_optimization: GraphOptimizationSpec = Field(default_factory=GraphOptimizationSpec,
+                                                      description="Graph optimization before quantization.")
+    quantization: QuantizationSpec | None = Field(None, description="Required for int8, forbidden otherwise.")
+    fp16_op_block_list: list[str] = Field(default_factory=lambda: ["Cast"], description=(
+        "fp16 only: op types kept in fp32 (Cast must stay: converting it breaks type inference)."))
+    gpu: bool | None = Field(None, description="Runs on a GPU node pool (default: tensorrt or a CUDA/TensorRT EP).")
+
+    @model_validator(mode="after")
+    def _precision_rules(self) -> "VariantSpec":
+        if self.precision == "int8" and self.backend == "onnxruntime" and self.quantization is None:
+            raise ValueError("precision int8 on onnxruntime needs a quantization section (mode: dynamic|static)")
+        if self.precision != "int8" and self.quantization is not None:
+            raise ValueError(f"quantization applies to int8 only (precision is {self.precision})")
+        return self
+
+    @property
+    def needs_gpu(self) -> bool:
+        """True for TensorRT or a CUDA/TensorRT execution provider, unless `gpu` says otherwise."""
+        if self.gpu is not None:
+            return self.gpu
+        return self.backend == "tensorrt" or self.execution_provider in (
+            "CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+# --------------------------------------------------------------------------------------------- gates
+class GateSpec(_Model):
+    """A threshold a variant must meet. Exactly one of min / max."""
+
+    metric: str = Field(description="A parity metric of the task, or a performance metric (see docs/spec.md).")
+    min: float | None = Field(None, description="Pass when observed >= min.")
+    max: float | None = Field(None, description="Pass when observed <= max.")
+    scope: Literal["overall", "per_slice"] = Field("overall", description="per_slice: every group must pass.")
+    slice: str | None = Field(None, description="per_slice: only this declared slice (default: all slices).")
+    min_support: int = Field(30, ge=1, description=(
+        "per_slice: groups with fewer validation rows are reported 'insufficient data', never passed or failed."))
+    batch_size: int | None = Field(None, ge=1, description="Latency/throughput/cost/speedup: the batch size "
+                                                           "(default: the first benchmark batch size).")
+    variants: list[str] | None = Field(None, description="Apply only to these variants (default: all).")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> "GateSpec":
+        if (self.min is None) == (self.max is None):
+            raise ValueError("give exactly one of min or max")
+        if self.scope == "overall" and self.slice is not None:
+            raise ValueError("slice applies to scope: per_slice only")
+        return self
+
+    @property
+    def key(self) -> str:
+        """Stable id of the gate, e.g. 'nn_top1_agreement>=0.95@per_slice:lexname'."""
+        op, bound = (">=", self.min) if self.min is not None else ("<=", self.max)
+        where = "" if self.scope == "overall" else f"@per_slice{':' + self.slice if self.slice else ''}"
+        bs = f"@bs{self.batch_size}" if self.batch_size else ""
+        return f"{self.metric}{op}{bound:g}{bs}{where}"
+
+
+# ------------------------------------------------------------------------------- benchmark and cost
+class BenchmarkSpec(_Model):
+    """Latency measurement on this node: warm-up, then timed iterations per batch size."""
+
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32], min_length=1,
+                                   description="Batch sizes to time.")
+    warmup: int = Field(20, ge=0, description="Untimed iterations first.")
+    iterations: int = Field(200, ge=1, description="Timed iterations per batch size.")
+    max_seconds: float = Field(30.0, gt=0, description="Stop timing a batch size after this long (s).")
+    intra_op_num_threads: int = Field(0, ge=0, description="ORT/torch threads (0: all cores).")
+    seed: int = Field(0, description="Seed for drawing the benchmark batches from the validation set.")
+
+
+class CostSpec(_Model):
+    """Price of the serving node, for cost per 1M inferences = usd_per_hour / 3600 / throughput * 1e6."""
+
+    usd_per_hour: float = Field(gt=0, description="On-demand price of the node (USD/hour).")
+    instance: str | None = Field(None, description="Node type the price is for, for the report.")
+
+
+class PromotionSpec(_Model):
+    """Registration and promotion in the MLflow model registry."""
+
+    enabled: bool = Field(True, description="False: register and report, move no alias.")
+    alias: str = Field("production", pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$",
+                       description="Registry alias set on the selected version.")
+    select: Literal["fastest_passing"] = Field("fastest_passing", description=(
+        "fastest_passing: lowest latency_ms.p50 at `batch_size` among variants passing every gate."))
+    batch_size: int | None = Field(None, ge=1, description="Batch size for 'fastest' (default: the first).")
+    registered_name: str | None = Field(None, description="Registered model for variants "
+                                                          "(default: <model.registered_name>-optimized).")
+
+
+class MlflowSpec(_Model):
+    """Where runs and models go. Defaults to the embedded store under $TAILGUARD_HOME."""
+
+    tracking_uri: str | None = Field(None, description="Default sqlite:///$TAILGUARD_HOME/mlflow.db.")
+    registry_uri: str | None = Field(None, description="Default: the tracking URI.")
+    experiment: str | None = Field(None, description="Experiment name (default: tailguard/<metadata.name>).")
+
+
+# -------------------------------------------------------------------------- kubeflow and monitoring
+class Toleration(_Model):
+    """A Kubernetes toleration for GPU node pools."""
+
+    key: str = Field(description="Taint key, e.g. nvidia.com/gpu.")
+    operator: Literal["Exists", "Equal"] = Field("Exists", description="Toleration operator.")
+    value: str | None = Field(None, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        "NoSchedule", description="Taint effect.")
+
+
+class GpuPoolSpec(_Model):
+    """Scheduling of GPU steps on a GPU node pool."""
+
+    accelerator_type: str = Field("nvidia.com/gpu", description="dsl set_accelerator_type value.")
+    count: int = Field(1, ge=1, description="GPUs per GPU step.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels for GPU steps.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations for GPU steps.")
+
+
+class SecretRef(_Model):
+    """A Kubernetes secret mounted as environment variables: {ENV_VAR: secret key}."""
+
+    name: str = Field(description="Secret name.")
+    env: dict[str, str] = Field(description="Environment variable -> key in the secret.")
+
+
+class KubeflowSpec(_Model):
+    """Cluster settings for `tailguard compile` / `submit` (filled in by the Kubeflow issue)."""
+
+    image: str | None = Field(None, description="Default component image (CPU steps).")
+    gpu_image: str | None = Field(None, description="Image for GPU steps (TensorRT base).")
+    gpu: GpuPoolSpec = Field(default_factory=GpuPoolSpec, description="GPU node pool for GPU steps.")
+    secrets: list[SecretRef] = Field(default_factory=list, description="Secrets as env vars, never parameters.")
+    experiment: str | None = Field(None, description="KFP experiment name.")
+
+
+class MonitoringSpec(_Model):
+    """Shadow-traffic monitor settings (used by `tailguard monitor`)."""
+
+    sample_rate: float = Field(gt=0, le=1, description="Base fraction of live requests sent to the shadow.")
+
+
+# ---------------------------------------------------------------------------------------------- root
+class Metadata(_Model):
+    """Spec identity."""
+
+    name: str = Field(description="Pipeline name (DNS-1123).", pattern=NAME_RE)
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels, copied to MLflow tags.")
+
+
+class Spec(_Model):
+    """A tailguard OptimizationSpec."""
+
+    apiVersion: Literal["tailguard/v1"] = Field(description="Spec API version.")
+    kind: Literal["OptimizationSpec"] = Field(description="Spec kind.")
+    metadata: Metadata = Field(description="Name and labels.")
+    model: ModelSpec = Field(description="The FP32 reference in the MLflow registry.")
+    data: DataSpec = Field(description="Calibration and validation data.")
+    slices: list[SliceSpec] = Field(default_factory=list, description="Declared slices.")
+    variants: list[VariantSpec] = Field(min_length=1, description="Variants to build and validate.")
+    gates: list[GateSpec] = Field(default_factory=list, description="Every gate must pass for promotion.")
+    benchmark: BenchmarkSpec = Field(default_factory=BenchmarkSpec, description="Latency measurement.")
+    cost: CostSpec | None = Field(None, description="Node price for cost per 1M inferences.")
+    promotion: PromotionSpec = Field(default_factory=PromotionSpec, description="Registry promotion.")
+    mlflow: MlflowSpec = Field(default_factory=MlflowSpec, description="MLflow tracking/registry location.")
+    kubeflow: KubeflowSpec = Field(default_factory=KubeflowSpec, description="Cluster settings.")
+    monitoring: MonitoringSpec | None = Field(None, description="Shadow-traffic monitor settings.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "Spec":
+        errors: list[str] = []
+        names = [v.name for v in self.variants]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            errors.append(f"variants: duplicate names {dup}")
+        slice_names = [s.name for s in self.slices]
+        if len(set(slice_names)) != len(slice_names):
+            errors.append("slices: duplicate slice names")
+        allowed = set(TASK_METRICS[self.model.task]) | set(PERF_METRICS)
+        for i, g in enumerate(self.gates):
+            if g.metric not in allowed:
+                errors.append(f"gates.{i}.metric: {g.metric!r} is not produced for task {self.model.task!r}; "
+                              f"choose one of {sorted(allowed)}")
+            if g.scope == "per_slice" and g.metric in PERF_METRICS:
+                errors.append(f"gates.{i}.scope: performance metric {g.metric!r} is overall only")
+            if g.scope == "per_slice" and not self.slices:
+                errors.append(f"gates.{i}.scope: per_slice gate but no slices are declared")
+            if g.slice is not None and g.slice not in slice_names:
+                errors.append(f"gates.{i}.slice: unknown slice {g.slice!r}; declared: {slice_names}")
+            if g.batch_size is not None and g.batch_size not in self.benchmark.batch_sizes:
+                errors.append(f"gates.{i}.batch_size: {g.batch_size} is not in benchmark.batch_sizes "
+                              f"{self.benchmark.batch_sizes}")
+            for v in g.variants or []:
+                if v not in names:
+                    errors.append(f"gates.{i}.variants: unknown variant {v!r}")
+            if g.metric == "speedup_vs_torch" and self.model.source.format == "onnx":
+                errors.append(f"gates.{i}.metric: speedup_vs_torch needs a PyTorch reference (source is onnx)")
+        pb = self.promotion.batch_size
+        if pb is not None and pb not in self.benchmark.batch_sizes:
+            errors.append(f"promotion.batch_size: {pb} is not in benchmark.batch_sizes")
+        if self.model.task == "classification" and self.data.validation.label_column is None:
+            pass  # accuracy is then not computed; agreement metrics still are
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    @property
+    def optimized_model_name(self) -> str:
+        """Registered model name that holds the variants."""
+        return self.promotion.registered_name or f"{self.model.registered_name}-optimized"
+
+    def gate_batch_size(self, gate: GateSpec) -> int:
+        """Batch size a batched gate applies to (the gate's, else the first benchmark batch size)."""
+        return gate.batch_size or self.benchmark.batch_sizes[0]
+
+
+# --------------------------------------------------------------------------------------------- loading
+def _loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after")))
+
+
+def _field_errors(exc: ValidationError) -> list[FieldError]:
+    out: list[FieldError] = []
+    for e in exc.errors(include_url=False):
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see `tailguard spec schema`)"
+        loc = _loc(e["loc"])
+        if e["type"] == "value_error" and "; " in msg and not loc:  # cross-field: one message per problem
+            for part in msg.split("; "):
+                field_path, _, text = part.partition(": ")
+                out.append(FieldError(field_path, text or part))
+            continue
+        out.append(FieldError(loc, msg, e.get("input")))
+    return out
+
+
+def parse_spec(data: Any, *, source: str = "spec") -> Spec:
+    """Validate a parsed YAML/JSON document as a Spec.
+
+    Raises:
+        SpecError: with every problem and its field path.
+    """
+    if not isinstance(data, dict):
+        raise SpecError([FieldError("", f"expected a mapping at the top level, got {type(data).__name__}")],
+                        source=source)
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_field_errors(exc), source=source,
+                        hint="fix the fields above; `tailguard spec schema` prints every field") from None
+
+
+def load_spec(path: str | Path, *, resolve_paths: bool = True) -> Spec:
+    """Load and validate a spec file.
+
+    Args:
+        path: YAML file.
+        resolve_paths: make relative data URIs absolute, relative to the spec file's folder.
+
+    Raises:
+        SpecError: the file is missing, is not YAML, or is not a valid spec (every error with its field path).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError([FieldError("", f"file not found: {p}")], source=str(p),
+                        hint="pass the path of a spec YAML file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError([FieldError("", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}")],
+                        source=str(p)) from None
+    spec = parse_spec(data, source=str(p))
+    if resolve_paths:
+        base = p.resolve().parent
+        for ds in (spec.data.calibration, spec.data.validation):
+            if "://" not in ds.uri and not Path(ds.uri).is_absolute():
+                ds.uri = str((base / ds.uri).resolve())
+    return spec
+
+
+def dump_spec(spec: Spec) -> str:
+    """YAML text of a spec (what KFP tasks receive as the `spec_yaml` parameter)."""
+    return yaml.safe_dump(spec.model_dump(mode="json", exclude_none=False), sort_keys=False)
+
+
+def spec_from_yaml(text: str) -> Spec:
+    """Inverse of `dump_spec`. Raises SpecError."""
+    return parse_spec(yaml.safe_load(text))
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a spec (draft 2020-12, as pydantic generates it)."""
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://tailguard.dev/schemas/tailguard-v1.json"
+    return schema
