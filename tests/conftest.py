@@ -1,0 +1,22 @@
+"""Shared test setup: no telemetry, offline model hubs, and a private $TAILGUARD_HOME per test session."""
+
+import os
+
+for _k, _v in {"MLFLOW_DISABLE_TELEMETRY": "true", "GX_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "MLFLOW_ENABLE_ASYNC_LOGGING": "false"}.items():
+    os.environ[_k] = _v
+
+import pytest  # noqa: E402
+
+from tailguard.runtime import gpu_unavailable_reason, tensorrt_unavailable_reason  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `requires_gpu` / `requires_tensorrt` tests where no GPU / TensorRT is present, with the reason."""
+    gpu, trt = gpu_unavailable_reason(), tensorrt_unavailable_reason()
+    for item in items:
+        if gpu and "requires_gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=gpu))
+        if trt and "requires_tensorrt" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=trt))
