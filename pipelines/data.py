@@ -165,3 +165,16 @@ def iter_batches(ds: Dataset, input_specs: Sequence, batch_size: int, *, pad_val
     """Yield (row indices, feeds) batches over the whole dataset; see `make_batch`."""
     for idx in batch_indices(ds, batch_size, sort_by_length=sort_by_length):
         yield idx, make_batch(ds, idx, input_specs, pad_values=pad_values, fixed_length=fixed_length)
+
+
+def load_validation(spec) -> Dataset:
+    """The spec's validation set (`data.validation`), subsampled to max_samples if set."""
+    v = spec.data.validation
+    return load_dataset(v.uri, spec.model.inputs, field="data.validation", max_samples=v.max_samples, seed=v.seed)
+
+
+def load_calibration(spec) -> Dataset:
+    """The spec's calibration set (`data.calibration`): max_samples rows, stratified by `stratify_by` if set."""
+    c = spec.data.calibration
+    return load_dataset(c.uri, spec.model.inputs, field="data.calibration", max_samples=c.max_samples,
+                        seed=c.seed, stratify_by=c.stratify_by)

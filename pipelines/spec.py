@@ -51,6 +51,15 @@ class TensorSpec(_Model):
     dtype: Literal["int64", "int32", "float32", "float16", "bool"] = Field(description="Element type.")
     shape: list[str | int] = Field(
         description="Axes: a string is a named dynamic axis (e.g. batch, sequence), an int a fixed size.")
+    value_range: tuple[float, float] | None = Field(None, description=(
+        "Inputs only: inclusive [min, max] of every element, e.g. [0, 30521] for token ids of a 30522-word "
+        "vocabulary. The data check fails rows with an element outside it."))
+
+    @model_validator(mode="after")
+    def _range_order(self) -> "TensorSpec":
+        if self.value_range is not None and self.value_range[0] > self.value_range[1]:
+            raise ValueError("value_range must be [min, max] with min <= max")
+        return self
 
 
 class ExportTolerance(_Model):
@@ -359,10 +368,126 @@ class KubeflowSpec(_Model):
     experiment: str | None = Field(None, description="KFP experiment name.")
 
 
-class MonitoringSpec(_Model):
-    """Shadow-traffic monitor settings (used by `tailguard monitor`)."""
+# Per-row parity metrics (components/validate/parity.py) the shadow monitor can track and alert on.
+MONITOR_METRICS: tuple[str, ...] = ("top1_agree", "kl_divergence", "cosine_similarity", "abs_error", "rel_error")
 
-    sample_rate: float = Field(gt=0, le=1, description="Base fraction of live requests sent to the shadow.")
+
+class MonitorThreshold(_Model):
+    """When a monitored per-row parity metric is bad in a slice: an absolute bound, or an allowed drop from a
+    baseline (e.g. the variant's validation value). Give exactly one of `min`, `max`, or `baseline` + `max_drop`.
+
+    The direction of `max_drop` follows the metric: agreement and cosine similarity are higher-is-better
+    (bad when < baseline - max_drop); KL divergence and errors are lower-is-better (bad when > baseline + max_drop).
+    """
+
+    min: float | None = Field(None, description="Bad when the slice's mean is confidently below this value.")
+    max: float | None = Field(None, description="Bad when the slice's mean is confidently above this value.")
+    baseline: float | None = Field(None, description=(
+        "Expected value of the metric (e.g. the promoted variant's validation value); needs max_drop."))
+    max_drop: float | None = Field(None, ge=0, description=(
+        "Allowed change from `baseline` in the metric's bad direction (absolute units of the metric)."))
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "MonitorThreshold":
+        kinds = [k for k, v in (("min", self.min), ("max", self.max)) if v is not None]
+        relative = self.baseline is not None or self.max_drop is not None
+        if relative and (self.baseline is None or self.max_drop is None):
+            raise ValueError("baseline and max_drop go together")
+        if len(kinds) + int(relative) != 1:
+            raise ValueError("give exactly one of min, max, or baseline + max_drop")
+        return self
+
+
+class MonitorS3Spec(_Model):
+    """Where sampled (request, reference, candidate) pairs go: Parquet batches in S3 (boto3)."""
+
+    bucket: str = Field(description="S3 bucket.", min_length=3)
+    prefix: str = Field("tailguard/monitor", description="Key prefix; objects are <prefix>/<model>/<date>/<id>.parquet.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); default AWS.")
+    region: str | None = Field(None, description="AWS region (default: the boto3 configuration).")
+    batch_rows: int = Field(500, ge=1, description="Sampled pairs per Parquet object.")
+    flush_interval_s: float = Field(60.0, gt=0, description="Write a partial batch after this long (s).")
+    retry_interval_s: float = Field(30.0, gt=0, description="Retry spooled batches this often (s).")
+
+
+class MonitoringSpec(_Model):
+    """Shadow-traffic monitor settings (used by `tailguard monitor serve` / `replay`; docs/monitor.md).
+
+    Slices come from the request's OIP `parameters` (serve) or the metadata columns (replay). Statistics:
+    per slice, a sliding window of per-row parity values; a one-sided test per (slice, metric) against its
+    threshold (Clopper-Pearson for 0/1 metrics, Student t for continuous ones) once `min_support` rows are in the
+    window, with Benjamini-Hochberg or Bonferroni control across every (slice, metric) pair.
+    """
+
+    sample_rate: float = Field(gt=0, le=1, description=(
+        "Base fraction of live requests compared with the reference (required: there is no safe default)."))
+    seed: int | None = Field(None, description="Sampler seed (serve); None draws one. Replay takes --seed.")
+    rare_slice_frequency: float = Field(0.05, ge=0, le=1, description=(
+        "A slice seen in less than this fraction of the traffic so far is oversampled by "
+        "rare_slice_frequency / frequency (capped by max_oversample); 0 turns oversampling off."))
+    max_oversample: float = Field(20.0, ge=1, description="Cap of the rare-slice oversampling factor.")
+    slice_columns: list[str] | None = Field(None, description=(
+        "Slices to track: names of declared `slices` (their column, bins and values apply) or plain metadata "
+        "columns / request parameters (grouped by value). Default: every declared slice."))
+    max_slices: int = Field(50, ge=1, le=1000, description=(
+        "At most this many slice groups get their own statistics and metric labels; later ones go to "
+        "'<slice>=other'."))
+    metrics: list[str] | None = Field(None, description=(
+        "Per-row parity metrics to track (components/validate/parity.py); default by task: classification "
+        "top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error; regression/generic "
+        "abs_error, rel_error."))
+    thresholds: dict[str, MonitorThreshold] | None = Field(None, description=(
+        "Alert thresholds by per-row metric; default: classification top1_agree min 0.97, embedding "
+        "cosine_similarity min 0.98, none for regression/generic. Metrics without a threshold are exported, "
+        "never alerted on."))
+    window_size: int = Field(1000, ge=10, description="Sliding window: the last N sampled rows per slice.")
+    min_support: int = Field(100, ge=5, description=(
+        "A (slice, metric) is tested only once its window holds this many rows (effective sample size)."))
+    alpha: float = Field(0.01, gt=0, lt=0.5, description=(
+        "False-alarm level of each evaluation across all (slice, metric) pairs (FDR for "
+        "benjamini_hochberg, family-wise error for bonferroni)."))
+    correction: Literal["benjamini_hochberg", "bonferroni"] = Field("benjamini_hochberg", description=(
+        "Multiple-testing control across slices and metrics."))
+    clear_factor: float = Field(10.0, ge=1, description=(
+        "An active alert clears when its p-value rises above alpha * clear_factor (hysteresis)."))
+    noise_floor: bool = Field(False, description=(
+        "Compare the reference with itself (a second run) instead of the candidate: measures the "
+        "comparison's own noise; must never alert."))
+    queue_size: int = Field(1000, ge=1, description="Sampled requests waiting for the shadow; more are dropped.")
+    reference_timeout_s: float = Field(2.0, gt=0, description="A reference call slower than this is dropped (s).")
+    model_name: str | None = Field(None, description=(
+        "Model name in the OIP paths /v2/models/{name}/... (default: metadata.name)."))
+    redact_fields: list[str] = Field(default_factory=list, description=(
+        "Input names or request parameters replaced by '<redacted>' before sampled pairs leave the process."))
+    s3: MonitorS3Spec | None = Field(None, description="Sampled pairs to S3 as Parquet (off when absent).")
+    spool_dir: str | None = Field(None, description=(
+        "Local spool for batches S3 did not take (default $TAILGUARD_HOME/monitor/spool)."))
+    spool_max_bytes: int = Field(256 * 2**20, ge=1024, description="Spool bound (bytes); beyond it batches are "
+                                                                    "dropped and counted.")
+    evidently_workspace: str | None = Field(None, description=(
+        "Evidently workspace folder for drift snapshots (`evidently ui --workspace PATH`); off when absent."))
+    evidently_project: str = Field("tailguard-monitor", description="Evidently project name.")
+    snapshot_every: int = Field(1000, ge=10, description="Sampled rows per Evidently snapshot (one window).")
+    drift_reference: str | None = Field(None, description=(
+        "Parquet file of reference inputs for input drift (default: data.calibration.uri)."))
+
+    @field_validator("thresholds")
+    @classmethod
+    def _known_threshold_metrics(cls, v: dict[str, MonitorThreshold] | None) -> dict[str, MonitorThreshold] | None:
+        known = MONITOR_METRICS
+        for k in v or {}:
+            if k not in known:
+                raise ValueError(f"unknown per-row metric {k!r}; choose from {sorted(known)}")
+        return v
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, v: list[str] | None) -> list[str] | None:
+        known = MONITOR_METRICS
+        for k in v or []:
+            if k not in known:
+                raise ValueError(f"unknown per-row metric {k!r}; choose from {sorted(known)}")
+        return v
 
 
 # ---------------------------------------------------------------------------------------------- root

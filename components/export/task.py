@@ -1,0 +1,140 @@
+"""Task glue of the export components: torch -> ONNX (checked), and the FP32 reference pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tailguard.taskio import task_entry, write_json
+
+ONNX_FILE = "model.onnx"
+REFERENCE_FILE = "reference_outputs.npz"
+
+
+def _copy_onnx(src: Path, out_dir: Path) -> Path:
+    """Copy an ONNX file and its external-data files (same folder) into out_dir as model.onnx."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import onnx
+
+    model = onnx.load(str(src), load_external_data=True)
+    dst = out_dir / ONNX_FILE
+    if model.ByteSize() < 2_000_000_000:
+        onnx.save(model, str(dst))
+    else:
+        onnx.save(model, str(dst), save_as_external_data=True, location=ONNX_FILE + ".data")
+    return dst
+
+
+def check_batches(spec: Any, ds: Any) -> list[dict[str, np.ndarray]]:
+    """Batches for the export check: the `export.check_samples` shortest-to-longest rows in two batch sizes.
+
+    Two different batch sizes and padded lengths exercise both dynamic axes.
+    """
+    from tailguard.data import make_batch
+
+    n = min(spec.model.export.check_samples, ds.n_rows)
+    order = np.argsort(ds.lengths, kind="stable")
+    picks = order[np.linspace(0, ds.n_rows - 1, num=n).astype(int)]
+    first = picks[: max(1, n // 2)]
+    second = picks[max(1, n // 2):] if n > 1 else picks
+    return [make_batch(ds, idx, spec.model.inputs, pad_values=spec.model.pad_values) for idx in (first, second)]
+
+
+@task_entry("export")
+def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str) -> str:
+    """Write `out_dir/model.onnx`: the exported (torch) or checked (ONNX) FP32 reference.
+
+    Raises:
+        ExportMismatchError: an output differs beyond its tolerance (every output's max diff listed; exit 1).
+        InputError: a corrupt ONNX reference (exit 2).
+    """
+    from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
+    from tailguard.components.resolve.logic import ResolvedModel, load_torch_reference
+    from tailguard.data import load_validation
+    from tailguard.runtime import TorchRunner
+    from tailguard.spec import spec_from_yaml
+
+    spec = spec_from_yaml(spec_yaml)
+    resolved = ResolvedModel.from_dict(json.loads(resolved_json))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if resolved.format == "onnx":
+        facts = check_onnx_file(resolved.onnx_path)
+        _copy_onnx(Path(resolved.onnx_path), out)
+        facts["exporter"] = "none (reference is ONNX)"
+        return json.dumps(facts, default=str)
+    module = load_torch_reference(resolved, spec.model)
+    ds = load_validation(spec)
+    batches = check_batches(spec, ds)
+    facts = export_onnx(module, spec.model, batches[-1], out / ONNX_FILE)
+    runner = TorchRunner(module, [i.name for i in spec.model.inputs])
+    facts["check"] = check_export(runner, str(out / ONNX_FILE), batches, spec.model)
+    write_json(out / "export.json", facts)
+    return json.dumps(facts, default=str)
+
+
+@task_entry("reference-pass")
+def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri: str,
+                   reference_dir: str, onnx_dir: str, out_dir: str, metrics: Any = None) -> str:
+    """Run the FP32 reference over the validation set; time torch eager FP32 and ONNX Runtime FP32.
+
+    Writes `out_dir/reference_outputs.npz` (one array per model output, (rows, ...), original row order).
+
+    Returns:
+        JSON {"torch": {batch size: perf} | null, "onnx_fp32": {batch size: perf}, "rows": n}.
+
+    Raises:
+        StepError: the reference produced NaN/Inf (exit 1).
+    """
+    import mlflow
+
+    from tailguard.components.resolve.logic import ResolvedModel, load_torch_reference
+    from tailguard.components.validate.latency import benchmark
+    from tailguard.data import load_validation
+    from tailguard.errors import StepError
+    from tailguard.runtime import OrtRunner, TorchRunner, run_dataset
+    from tailguard.spec import spec_from_yaml
+    from tailguard.tracking import configure
+
+    spec = spec_from_yaml(spec_yaml)
+    resolved = ResolvedModel.from_dict(json.loads(resolved_json))
+    configure(tracking_uri)
+    ds = load_validation(spec)
+    threads = spec.benchmark.intra_op_num_threads
+    names = [i.name for i in spec.model.inputs]
+    onnx_runner = OrtRunner(Path(onnx_dir) / ONNX_FILE, intra_op_num_threads=threads)
+    torch_runner = None
+    if resolved.format != "onnx":
+        torch_runner = TorchRunner(load_torch_reference(resolved, spec.model), names, intra_op_num_threads=threads)
+    truth = torch_runner or onnx_runner
+    outputs = run_dataset(truth, ds, spec.model.inputs, batch_size=spec.data.validation.batch_size,
+                          pad_values=spec.model.pad_values)
+    for spec_out, arr in zip(spec.model.outputs, outputs):
+        if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+            bad = int((~np.isfinite(arr.reshape(len(arr), -1))).any(axis=1).sum())
+            raise StepError(f"the FP32 reference output {spec_out.name!r} has NaN/Inf in {bad} validation rows",
+                            step="reference-pass",
+                            hint="check the validation inputs (data.validation.uri) and the reference model")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / REFERENCE_FILE, **{o.name: a for o, a in zip(spec.model.outputs, outputs)})
+    baselines: dict[str, Any] = {"rows": ds.n_rows, "torch": None,
+                                 "onnx_fp32": benchmark(onnx_runner, ds, spec.model.inputs, spec.benchmark,
+                                                        pad_values=spec.model.pad_values)}
+    if torch_runner is not None:
+        baselines["torch"] = benchmark(torch_runner, ds, spec.model.inputs, spec.benchmark,
+                                       pad_values=spec.model.pad_values)
+    client = mlflow.MlflowClient()
+    for name in ("torch", "onnx_fp32"):
+        for bs, perf in (baselines[name] or {}).items():
+            for k in ("p50", "p95", "p99"):
+                key = f"baseline.{name}.bs{bs}.latency_ms.{k}"
+                client.log_metric(parent_run_id, key, float(perf[f"latency_ms.{k}"]))
+                if metrics is not None:
+                    metrics.log_metric(key, float(perf[f"latency_ms.{k}"]))
+    write_json(out / "baselines.json", baselines)
+    return json.dumps(baselines, default=str)

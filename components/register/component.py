@@ -1,0 +1,18 @@
+"""KFP component: register every built variant and promote the selected passing one by alias."""
+
+from kfp import dsl
+
+from tailguard.components.images import CPU_IMAGE
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def register_and_promote(spec_yaml: str, resolved: str, parent_run_id: str, tracking_uri: str) -> str:
+    """Read the variants' nested runs, register each built variant, set the alias on the selected one.
+
+    Returns:
+        JSON run summary (per variant: status, speedups, latency, worst slice, gates; promoted version).
+    """
+    from tailguard.components.register.task import main
+
+    return main(spec_yaml=spec_yaml, resolved_json=resolved, parent_run_id=parent_run_id,
+                tracking_uri=tracking_uri)

@@ -1,0 +1,194 @@
+"""Register every built variant in the MLflow model registry and promote the selected one by alias.
+
+Order matters for "nothing is lost, no alias moved by a failed or partial run": this step runs only
+after every variant's validation finished; it registers all built variants first and moves the alias
+last, only to a variant that passed every gate. Registry aliases, not the deprecated stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tailguard.components.validate.task import GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG
+
+
+@dataclass
+class VariantSummary:
+    """One row of the run summary.
+
+    Attributes:
+        variant, backend, precision: from the spec.
+        status: ok | failed | skipped (build/validation); reason: why not ok, or which gates failed.
+        passed: every gate passed. run_id: the nested MLflow run. version: registered version (or None).
+        p50_ms, p99_ms: latency at the promotion batch size (ms). speedup_vs_torch, speedup_vs_onnx_fp32: ratios
+        of the baseline p50 to this variant's p50 at that batch size.
+        worst_slice: {"slice", "value", "metric", "value_observed", "support"} of the lowest per-slice parity.
+        gates: {gate key: status}.
+    """
+
+    variant: str
+    backend: str
+    precision: str
+    status: str
+    reason: str = ""
+    passed: bool = False
+    run_id: str | None = None
+    version: str | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    speedup_vs_torch: float | None = None
+    speedup_vs_onnx_fp32: float | None = None
+    worst_slice: dict[str, Any] | None = None
+    gates: dict[str, str] = field(default_factory=dict)
+    promoted: bool = False
+
+
+@dataclass
+class RunSummary:
+    """What a pipeline run decided.
+
+    Attributes:
+        parent_run_id, experiment_id: the MLflow parent run.
+        source_model, source_version: the FP32 reference.
+        optimized_model: registered model holding the variants; alias: the spec's promotion alias.
+        promoted_variant / promoted_version: the selected variant, or None (no alias moved).
+        promotion_enabled: False when the spec turns promotion off.
+        batch_size: the batch size 'fastest' was judged at.
+        variants: one VariantSummary per spec variant, spec order.
+    """
+
+    parent_run_id: str
+    experiment_id: str
+    source_model: str
+    source_version: str
+    optimized_model: str
+    alias: str
+    promotion_enabled: bool
+    batch_size: int
+    promoted_variant: str | None = None
+    promoted_version: str | None = None
+    variants: list[VariantSummary] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunSummary":
+        """Inverse of to_dict."""
+        d = dict(d)
+        d["variants"] = [VariantSummary(**v) for v in d.get("variants", [])]
+        return cls(**d)
+
+    @property
+    def any_passed(self) -> bool:
+        """At least one variant passed every gate."""
+        return any(v.passed for v in self.variants)
+
+
+def _metric(run: Any, key: str) -> float | None:
+    v = run.data.metrics.get(key)
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def _worst_slice(run: Any, task_metric: str | None) -> dict[str, Any] | None:
+    """Lowest per-slice value of the key parity metric among the run's `slice.<slice>.<value>.<metric>` metrics."""
+    if not task_metric:
+        return None
+    worst = None
+    suffix = "." + task_metric
+    for k, v in run.data.metrics.items():
+        if k.startswith("slice.") and k.endswith(suffix):
+            name, _, value = k[len("slice."):-len(suffix)].partition(".")
+            support = run.data.metrics.get(f"slice.{name}.{value}.support")
+            if support is not None and support < 1:
+                continue
+            if worst is None or v < worst["observed"]:
+                worst = {"slice": name, "value": value, "metric": task_metric, "observed": float(v),
+                         "support": int(support) if support is not None else None}
+    return worst
+
+
+KEY_PARITY_METRIC = {"embedding": "nn_top1_agreement", "classification": "top1_agreement",
+                     "regression": "abs_error.max", "generic": "abs_error.max"}
+
+
+def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
+    """The passing variant with the lowest p50 latency (ties: spec order). None when none passed."""
+    passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
+    return min(passing, key=lambda v: v.p50_ms) if passing else None
+
+
+def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, source_version: str,
+                         source_sha256: str | None = None) -> RunSummary:
+    """Register every built variant of the parent run and move the alias to the fastest passing one.
+
+    Args:
+        spec: the Spec.
+        parent_run_id: the parent run whose nested runs (tag mlflow.parentRunId) are the variants.
+        experiment_id: experiment of the parent run.
+        source_version: the FP32 reference version (tag tailguard.source_version on every registered version).
+        source_sha256: fingerprint of the reference artifact.
+
+    Returns:
+        The RunSummary (also logged to the parent run as summary.json).
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                              max_results=1000)
+    by_variant = {r.data.tags.get(VARIANT_TAG): r for r in runs}
+    bs = spec.promotion.batch_size or spec.benchmark.batch_sizes[0]
+    summary = RunSummary(parent_run_id=parent_run_id, experiment_id=experiment_id,
+                         source_model=spec.model.registered_name, source_version=str(source_version),
+                         optimized_model=spec.optimized_model_name, alias=spec.promotion.alias,
+                         promotion_enabled=spec.promotion.enabled, batch_size=bs)
+    try:
+        client.get_registered_model(spec.optimized_model_name)
+    except MlflowException:
+        client.create_registered_model(spec.optimized_model_name, tags={"tailguard.source_model":
+                                                                        spec.model.registered_name},
+                                       description=f"Optimized variants of {spec.model.registered_name} "
+                                                   "built and validated by tailguard.")
+    spec_sha = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+    for v in spec.variants:
+        run = by_variant.get(v.name)
+        if run is None:
+            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, "failed",
+                                                   reason="no validation run was logged"))
+            continue
+        tags = run.data.tags
+        row = VariantSummary(
+            variant=v.name, backend=v.backend, precision=v.precision, status=tags.get(STATUS_TAG, "failed"),
+            reason=tags.get("tailguard.reason", ""), passed=tags.get(GATES_TAG) == "passed",
+            run_id=run.info.run_id,
+            p50_ms=_metric(run, f"bs{bs}.latency_ms.p50"), p99_ms=_metric(run, f"bs{bs}.latency_ms.p99"),
+            speedup_vs_torch=_metric(run, f"bs{bs}.speedup_vs_torch"),
+            speedup_vs_onnx_fp32=_metric(run, f"bs{bs}.speedup_vs_onnx_fp32"),
+            worst_slice=_worst_slice(run, KEY_PARITY_METRIC.get(spec.model.task)),
+            gates={k[len("gate."):]: val for k, val in tags.items() if k.startswith("gate.")})
+        model_uri = tags.get(MODEL_URI_TAG)
+        if row.status == "ok" and model_uri:
+            mv = mlflow.register_model(model_uri, spec.optimized_model_name, tags={
+                "tailguard.variant": v.name, "tailguard.backend": v.backend, "tailguard.precision": v.precision,
+                "tailguard.execution_provider": v.execution_provider,
+                "tailguard.source_model": spec.model.registered_name,
+                "tailguard.source_version": str(source_version),
+                "tailguard.source_sha256": source_sha256 or "",
+                "tailguard.gates": "passed" if row.passed else "failed",
+                "tailguard.sha256": tags.get("tailguard.sha256", ""),
+                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run.info.run_id})
+            row.version = str(mv.version)
+        summary.variants.append(row)
+    chosen = select_fastest_passing(summary.variants)
+    if chosen is not None and spec.promotion.enabled:
+        # The alias moves last, after every variant is registered: a failure before this line moves nothing.
+        client.set_registered_model_alias(spec.optimized_model_name, spec.promotion.alias, chosen.version)
+        chosen.promoted = True
+        summary.promoted_variant, summary.promoted_version = chosen.variant, chosen.version
+    return summary

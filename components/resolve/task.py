@@ -1,0 +1,49 @@
+"""Task glue of the resolve component: resolve the registry version, open the parent MLflow run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tailguard.taskio import task_entry
+
+PARENT_TAG = "tailguard.pipeline_run"
+
+
+@task_entry("resolve")
+def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run: str,
+         out_dir: str) -> tuple[str, str]:
+    """Resolve the FP32 reference into `out_dir` and create the parent run (status RUNNING).
+
+    Returns:
+        (resolved model JSON, parent run id).
+
+    Raises:
+        InputError: unknown registered model / version / alias (exit 2). UntrustedModelError: pickled model
+        without `model.source.trusted` (exit 2).
+    """
+    import mlflow
+
+    from tailguard.components.resolve.logic import resolve_reference
+    from tailguard.spec import spec_from_yaml
+    from tailguard.tracking import configure, experiment_name_for
+
+    spec = spec_from_yaml(spec_yaml)
+    exp_id = configure(tracking_uri, experiment_name_for(spec))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    resolved = resolve_reference(spec, tracking_uri=tracking_uri, out_dir=Path(out_dir),
+                                 version=model_version or None)
+    client = mlflow.MlflowClient()
+    spec_hash = hashlib.sha256(spec_yaml.encode()).hexdigest()
+    tags = {PARENT_TAG: pipeline_run or "", "tailguard.spec": spec.metadata.name,
+            "tailguard.spec_sha256": spec_hash, "tailguard.source_model": spec.model.registered_name,
+            "tailguard.source_version": str(resolved.version), "tailguard.source_format": resolved.format,
+            "tailguard.source_sha256": resolved.sha256 or ""}
+    tags.update({f"tailguard.label.{k}": v for k, v in spec.metadata.labels.items()})
+    run = client.create_run(exp_id, run_name=f"{spec.metadata.name}-v{resolved.version}", tags=tags)
+    client.log_text(run.info.run_id, spec_yaml, "spec.yaml")
+    client.log_param(run.info.run_id, "model.registered_name", spec.model.registered_name)
+    client.log_param(run.info.run_id, "model.version", str(resolved.version))
+    client.log_param(run.info.run_id, "variants", ",".join(v.name for v in spec.variants))
+    return json.dumps(resolved.to_dict(), default=str), run.info.run_id

@@ -1,0 +1,162 @@
+"""Task glue of the validate component: run the variant, compute parity/latency/gates, log the nested run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tailguard.taskio import task_entry, write_json
+
+VARIANT_TAG = "tailguard.variant"
+STATUS_TAG = "tailguard.status"      # ok | failed | skipped (the build/validation outcome)
+GATES_TAG = "tailguard.gates"        # passed | failed | not_evaluated
+MODEL_URI_TAG = "tailguard.model_uri"
+
+
+def _flat_params(variant: Any) -> dict[str, str]:
+    """The variant's spec as flat MLflow params (quantization.mode=static, ...)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = json.dumps(obj) if isinstance(obj, list) else str(obj)
+
+    walk("", variant.model_dump(mode="json"))
+    return {k: v[:6000] for k, v in out.items()}
+
+
+def gate_tag(gate_key: str) -> str:
+    """MLflow tag key for a gate verdict: `gate.<key>` with characters MLflow refuses in keys spelled out
+    ('nn_top1_agreement>=0.9@per_slice:lexname' -> 'gate.nn_top1_agreement ge 0.9 per_slice lexname')."""
+    import re
+
+    k = gate_key.replace(">=", " ge ").replace("<=", " le ").replace("@", " ").replace(":", " ")
+    return "gate." + re.sub(r"[^A-Za-z0-9_\-. /]", "_", re.sub(r"\s+", " ", k).strip())
+
+
+def _sha256(path: Path) -> str:
+    """sha256 of a file, hex."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _baselines(baselines_json: str) -> dict[str, Any]:
+    """Baselines JSON with batch-size keys turned back into ints."""
+    raw = json.loads(baselines_json) if baselines_json else {}
+    fix = lambda d: {int(k): v for k, v in d.items()} if d else None  # noqa: E731
+    return {"torch": fix(raw.get("torch")), "onnx_fp32": fix(raw.get("onnx_fp32")), "rows": raw.get("rows")}
+
+
+@task_entry("validate")
+def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: str, parent_run_id: str,
+         tracking_uri: str, variant_dir: str, reference_dir: str, metrics: Any = None,
+         report_path: str | None = None) -> str:
+    """Validate one built variant and log its nested MLflow run (also for skipped/failed builds).
+
+    Returns:
+        JSON {variant, status, reason, passed, run_id, model_uri, overall, perf, gates, worst_slice}.
+    """
+    import mlflow
+
+    from tailguard.components.export.task import REFERENCE_FILE
+    from tailguard.spec import spec_from_yaml
+    from tailguard.tracking import configure, experiment_name_for
+
+    spec = spec_from_yaml(spec_yaml)
+    variant = next(v for v in spec.variants if v.name == variant_name)
+    build = json.loads(build_json)
+    exp_id = configure(tracking_uri, experiment_name_for(spec))
+    client = mlflow.MlflowClient()
+    tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
+            "tailguard.backend": variant.backend, "tailguard.precision": variant.precision,
+            STATUS_TAG: build["status"], GATES_TAG: "not_evaluated"}
+    run = client.create_run(exp_id, run_name=variant.name, tags=tags)
+    run_id = run.info.run_id
+    client.log_params(run_id, {k: v for k, v in _flat_params(variant).items()})
+    summary: dict[str, Any] = {"variant": variant.name, "status": build["status"], "reason": build.get("reason", ""),
+                               "passed": False, "run_id": run_id, "model_uri": None, "build": build}
+    try:
+        client.log_dict(run_id, build, "build.json")
+        if build["status"] != "ok":
+            client.set_tag(run_id, "tailguard.reason", build.get("reason", "")[:5000])
+            return json.dumps(summary, default=str)
+        summary.update(_validate(spec, variant, build, _baselines(baselines_json), Path(variant_dir),
+                                 Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path))
+        return json.dumps(summary, default=str)
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    finally:
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, "FINISHED")
+
+
+def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
+              run_id: str, client: Any, metrics: Any, report_path: str | None) -> dict[str, Any]:
+    import mlflow
+
+    from tailguard.components.validate.logic import validate_variant
+    from tailguard.data import load_validation
+    from tailguard.runtime import OrtRunner
+
+    model_file = variant_dir / build["artifact"]
+    runner = OrtRunner(model_file, providers=[variant.execution_provider],
+                       intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    with np.load(reference_file) as npz:
+        reference_outputs = [npz[o.name] for o in spec.model.outputs]
+    ds = load_validation(spec)
+    work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
+    try:
+        result = validate_variant(spec, variant.name, runner, reference_outputs, ds, work,
+                                  reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"])
+        flat = result.mlflow_metrics()
+        client.log_batch(run_id, metrics=[mlflow.entities.Metric(k, float(v), 0, 0) for k, v in flat.items()
+                                          if v is not None and np.isfinite(v)])
+        if metrics is not None:
+            for k, v in flat.items():
+                if v is not None and not k.startswith("slice.") and np.isfinite(v):
+                    metrics.log_metric(k, float(v))
+        for f in sorted(work.iterdir()):
+            client.log_artifact(run_id, str(f))
+        if report_path and (work / "report.html").exists():
+            Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(work / "report.html", report_path)
+        passed = bool(result.passed)
+        reason = ""
+        if result.non_finite_rows:
+            passed, reason = False, f"non-finite outputs in {result.non_finite_rows} validation rows"
+        elif not passed:
+            reason = "failed gates: " + ", ".join(g.gate for g in result.gates if g.status == "failed")
+        client.set_tag(run_id, GATES_TAG, "passed" if passed else "failed")
+        for g in result.gates:
+            client.set_tag(run_id, gate_tag(g.gate), g.status)
+        client.set_tag(run_id, "tailguard.sha256", _sha256(model_file))
+        if reason:
+            client.set_tag(run_id, "tailguard.reason", reason[:5000])
+        import onnx
+
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
+                                         save_as_external_data=False,
+                                         onnx_execution_providers=[variant.execution_provider])
+        client.set_tag(run_id, MODEL_URI_TAG, info.model_uri)
+        d = result.to_dict()
+        write_json(work / "result.json", d)
+        return {"passed": passed, "reason": reason, "model_uri": info.model_uri,
+                "overall": d.get("overall"), "perf": d.get("perf"), "gates": d.get("gates"),
+                "worst_slice": d.get("worst_slice")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

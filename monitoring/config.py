@@ -1,0 +1,245 @@
+"""The monitor's resolved configuration: the spec's `monitoring` section plus what it needs from the rest of
+the spec (task, inputs, declared slices), with task-dependent defaults filled in and checked.
+
+Slice rules turn one request's metadata (OIP `parameters`, or a replay row's metadata columns) into slice
+keys such as ``length=[16,32)`` or ``domain=legal``; every request also belongs to the slice ``all``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from tailguard.errors import FieldError, SpecError
+from tailguard.spec import MonitoringSpec, MonitorThreshold, SliceSpec, Spec, TensorSpec
+
+ALL_SLICE = "all"
+OTHER_VALUE = "other"
+MISSING_VALUE = "missing"
+
+# Metric direction: True = higher is better (bad when low). Formulas: components/validate/parity.py.
+HIGHER_IS_BETTER: dict[str, bool] = {"top1_agree": True, "cosine_similarity": True, "kl_divergence": False,
+                                     "abs_error": False, "rel_error": False}
+# 0/1 per-row metrics: tested with an exact binomial (Clopper-Pearson) bound; the others with Student's t.
+BINARY_METRICS = frozenset({"top1_agree"})
+DEFAULT_METRICS: dict[str, tuple[str, ...]] = {
+    "classification": ("top1_agree", "kl_divergence", "abs_error"),
+    "embedding": ("cosine_similarity", "abs_error"),
+    "regression": ("abs_error", "rel_error"),
+    "generic": ("abs_error", "rel_error"),
+}
+# Default alert thresholds. 0.97 top-1 agreement matches the per-slice gate of the example spec
+# (shared/DESIGN.md); 0.98 cosine is the usual "near-lossless" bar for INT8 sentence embeddings.
+DEFAULT_THRESHOLDS: dict[str, dict[str, MonitorThreshold]] = {
+    "classification": {"top1_agree": MonitorThreshold(min=0.97)},
+    "embedding": {"cosine_similarity": MonitorThreshold(min=0.98)},
+    "regression": {},
+    "generic": {},
+}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A resolved alert threshold: the slice is bad when its mean is confidently on the wrong side of `value`.
+
+    Attributes:
+        metric: per-row metric name.
+        value: threshold in the metric's units.
+        higher_is_better: True: bad when mean < value; False: bad when mean > value.
+        source: how it was given ("min", "max" or "baseline-max_drop"), for the alert record.
+    """
+
+    metric: str
+    value: float
+    higher_is_better: bool
+    source: str
+
+
+@dataclass(frozen=True)
+class SliceRule:
+    """How one slice dimension groups requests.
+
+    Attributes:
+        name: slice name in keys (`<name>=<group>`).
+        column: metadata column / request parameter read.
+        bins: left-closed bin edges [a, b) (values outside go to `<name>=out_of_range`), or None.
+        values: only these values get their own group (the rest: `<name>=other`), or None for every value.
+    """
+
+    name: str
+    column: str
+    bins: tuple[float, ...] | None = None
+    values: frozenset[str] | None = None
+
+    def group(self, value: Any) -> str:
+        """The group label of one metadata value (a string; `missing` when absent or NaN)."""
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return MISSING_VALUE
+        if self.bins is not None:
+            try:
+                x = float(value)
+            except (TypeError, ValueError):
+                return MISSING_VALUE
+            edges = self.bins
+            for lo, hi in zip(edges[:-1], edges[1:]):
+                if lo <= x < hi:
+                    return f"[{lo:g},{hi:g})"
+            return "out_of_range"
+        text = _label(value)
+        if self.values is not None and text not in self.values:
+            return OTHER_VALUE
+        return text
+
+
+def _label(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if hasattr(value, "item"):  # numpy scalar
+        value = value.item()
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+    return str(value)
+
+
+@dataclass
+class MonitorConfig:
+    """Everything the sampler, statistics and exporters need, resolved from a Spec.
+
+    Attributes:
+        spec: the whole spec.
+        mon: its monitoring section.
+        task: model.task.
+        inputs: model.inputs (name, dtype, shape).
+        output: model.outputs[0] (the compared output).
+        model_name: name in the OIP paths and the `model` metric label.
+        rules: slice rules, in order.
+        metrics: tracked per-row metrics.
+        bounds: {metric: Bound} for metrics with a threshold.
+    """
+
+    spec: Spec
+    mon: MonitoringSpec
+    task: str
+    inputs: list[TensorSpec]
+    output: TensorSpec
+    model_name: str
+    rules: list[SliceRule]
+    metrics: tuple[str, ...]
+    bounds: dict[str, Bound] = field(default_factory=dict)
+
+    def slice_keys(self, meta: Mapping[str, Any]) -> list[str]:
+        """Slice keys of one request: ``all`` then ``<rule name>=<group>`` per rule (unbounded; see SliceRegistry)."""
+        return [ALL_SLICE] + [f"{r.name}={r.group(meta.get(r.column))}" for r in self.rules]
+
+    @property
+    def metadata_columns(self) -> list[str]:
+        """Metadata columns / request parameters the slice rules read."""
+        return list(dict.fromkeys(r.column for r in self.rules))
+
+
+def _rule_from_slice(s: SliceSpec) -> SliceRule:
+    return SliceRule(s.name, s.column, tuple(float(b) for b in s.bins) if s.bins else None,
+                     frozenset(_label(v) for v in s.values) if s.values else None)
+
+
+def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
+    """Resolve the spec's monitoring section.
+
+    Args:
+        spec: a validated Spec.
+        source: file name for error messages.
+
+    Returns:
+        The MonitorConfig.
+
+    Raises:
+        SpecError: no monitoring section; a metric or threshold the task does not produce; a quantile slice
+            (its edges depend on data the monitor does not hold: give `bins`); every problem with its field path.
+    """
+    mon = spec.monitoring
+    if mon is None:
+        raise SpecError([FieldError("monitoring", "section missing")], source=source,
+                        hint="add `monitoring: {sample_rate: 0.05}` (sample_rate is required)")
+    task = spec.model.task
+    errors: list[FieldError] = []
+    available = set(DEFAULT_METRICS[task]) | ({"kl_divergence", "abs_error"} if task == "classification" else set())
+    metrics = tuple(mon.metrics) if mon.metrics else DEFAULT_METRICS[task]
+    for i, m in enumerate(metrics):
+        if m not in available:
+            errors.append(FieldError(f"monitoring.metrics.{i}",
+                                     f"{m!r} is not a per-row metric of task {task!r}; use {sorted(available)}"))
+    thresholds = mon.thresholds if mon.thresholds is not None else DEFAULT_THRESHOLDS[task]
+    bounds: dict[str, Bound] = {}
+    for m, t in thresholds.items():
+        if m not in metrics:
+            errors.append(FieldError(f"monitoring.thresholds.{m}",
+                                     f"{m!r} is not tracked; tracked metrics: {list(metrics)}"))
+            continue
+        hib = HIGHER_IS_BETTER[m]
+        if t.baseline is not None:
+            value = t.baseline - t.max_drop if hib else t.baseline + t.max_drop  # type: ignore[operator]
+            bounds[m] = Bound(m, float(value), hib, "baseline-max_drop")
+        elif t.min is not None:
+            if not hib:
+                errors.append(FieldError(f"monitoring.thresholds.{m}.min",
+                                         f"{m} is lower-is-better: give max, not min"))
+                continue
+            bounds[m] = Bound(m, float(t.min), True, "min")
+        else:
+            if hib:
+                errors.append(FieldError(f"monitoring.thresholds.{m}.max",
+                                         f"{m} is higher-is-better: give min, not max"))
+                continue
+            bounds[m] = Bound(m, float(t.max), False, "max")  # type: ignore[arg-type]
+    declared = {s.name: s for s in spec.slices}
+    rules: list[SliceRule] = []
+    names = mon.slice_columns if mon.slice_columns is not None else list(declared)
+    for i, name in enumerate(names):
+        if name == ALL_SLICE:
+            errors.append(FieldError(f"monitoring.slice_columns.{i}", f"{ALL_SLICE!r} is reserved"))
+        elif name in declared:
+            if declared[name].quantiles is not None:
+                errors.append(FieldError(f"monitoring.slice_columns.{i}", (
+                    f"slice {name!r} uses quantiles, whose edges depend on the validation data; declare "
+                    "bins for it (or name its column) to monitor it")))
+            else:
+                rules.append(_rule_from_slice(declared[name]))
+        else:
+            rules.append(SliceRule(name, name))
+    if errors:
+        raise SpecError(errors, source=source, hint="see docs/monitor.md for the monitoring section")
+    return MonitorConfig(spec=spec, mon=mon, task=task, inputs=list(spec.model.inputs), output=spec.model.outputs[0],
+                         model_name=mon.model_name or spec.metadata.name, rules=rules, metrics=metrics, bounds=bounds)
+
+
+class SliceRegistry:
+    """Bounded slice cardinality: the first `max_slices` groups seen keep their key, later ones become
+    ``<name>=other`` (``all`` is always kept and not counted).
+
+    Args:
+        max_slices: the bound (spec monitoring.max_slices).
+    """
+
+    def __init__(self, max_slices: int) -> None:
+        self.max_slices = max_slices
+        self._known: set[str] = set()
+
+    def bound(self, keys: Sequence[str]) -> list[str]:
+        """Map raw slice keys to bounded ones (admits new keys while there is room)."""
+        out = []
+        for k in keys:
+            if k == ALL_SLICE or k in self._known:
+                out.append(k)
+            elif len(self._known) < self.max_slices:
+                self._known.add(k)
+                out.append(k)
+            else:
+                other = k.split("=", 1)[0] + "=" + OTHER_VALUE
+                out.append(other)
+        return out
+
+    @property
+    def known(self) -> list[str]:
+        """Keys with their own group, sorted."""
+        return sorted(self._known)

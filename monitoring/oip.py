@@ -1,0 +1,211 @@
+"""Open Inference Protocol (KServe v2) JSON bodies: parse and check requests and responses against the spec.
+
+Request (what Istio mirrors to ``POST /v2/models/{name}/infer``)::
+
+    {"id": "optional", "inputs": [{"name": "input_ids", "shape": [1, 12], "datatype": "INT64",
+                                   "data": [101, 2023, ...]}],
+     "parameters": {"domain": "legal", "n_tokens": 12}}
+
+Slice metadata travels in the request's top-level ``parameters`` (scalar values, applied to every row of the
+request). ``data`` may be flat (row-major) or nested. Response (``model_name``, ``outputs`` with the same
+tensor layout). A pairs body (``POST /v2/models/{name}/pairs``) is ``{"request": <request>, "response":
+<response>}``: the live response as a KServe payload logger records it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+# OIP datatype <-> spec dtype (numpy)
+OIP_TO_NUMPY: dict[str, Any] = {"BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16,
+                                "INT32": np.int32, "INT64": np.int64, "FP16": np.float16, "FP32": np.float32,
+                                "FP64": np.float64}
+SPEC_TO_OIP: dict[str, str] = {"int64": "INT64", "int32": "INT32", "float32": "FP32", "float16": "FP16",
+                               "bool": "BOOL"}
+NUMPY_TO_OIP: dict[str, str] = {np.dtype(v).name: k for k, v in OIP_TO_NUMPY.items()}
+INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_input", "unknown_input",
+                   "bad_datatype", "bad_shape", "bad_data", "batch_mismatch", "bad_parameters", "missing_output",
+                   "body_too_large")
+
+
+class OipError(Exception):
+    """A malformed OIP body.
+
+    Attributes:
+        reason: short code, one of INVALID_REASONS (the `reason` label of invalid_requests_total).
+        message: what is wrong and how to fix it (returned to the client).
+        status: HTTP status (400 malformed JSON, 422 well-formed but unusable).
+    """
+
+    def __init__(self, reason: str, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.reason, self.message, self.status = reason, message, status
+
+
+@dataclass
+class InferRequest:
+    """A parsed request.
+
+    Attributes:
+        id: request id ("" when absent).
+        feeds: {input name: array (batch, ...)} with the spec's dtypes.
+        parameters: request parameters (slice metadata), scalars only.
+        batch: rows in the request.
+    """
+
+    id: str
+    feeds: dict[str, np.ndarray]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    batch: int = 1
+
+
+def _tensor(t: Any, where: str) -> tuple[str, list[int], str, Any]:
+    if not isinstance(t, dict):
+        raise OipError("bad_data", f"{where}: each tensor must be an object with name, shape, datatype, data")
+    for k in ("name", "shape", "datatype", "data"):
+        if k not in t:
+            raise OipError("bad_data" if k != "name" else "missing_input", f"{where}: tensor has no {k!r}")
+    shape = t["shape"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise OipError("bad_shape", f"{where} {t['name']!r}: shape must be a list of non-negative ints, got {shape!r}")
+    return str(t["name"]), shape, str(t["datatype"]), t["data"]
+
+
+def _array(name: str, shape: list[int], datatype: str, data: Any, where: str) -> np.ndarray:
+    if datatype not in OIP_TO_NUMPY:
+        raise OipError("bad_datatype", f"{where} {name!r}: datatype {datatype!r} is not supported; use one of "
+                                       f"{sorted(OIP_TO_NUMPY)}")
+    try:
+        arr = np.asarray(data, dtype=OIP_TO_NUMPY[datatype])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise OipError("bad_data", f"{where} {name!r}: data is not {datatype}: {str(exc)[:120]}") from None
+    size = int(np.prod(shape)) if shape else 1
+    if arr.size != size:
+        raise OipError("bad_shape", f"{where} {name!r}: shape {shape} needs {size} values, data has {arr.size}")
+    return arr.reshape(shape)
+
+
+def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes: int = 8 * 2**20) -> InferRequest:
+    """Parse and check an OIP inference request against the spec's inputs.
+
+    Args:
+        body: raw JSON bytes/text, or an already-decoded dict.
+        input_specs: the spec's model.inputs (name, dtype, shape).
+        max_bytes: larger bodies are refused (reason body_too_large).
+
+    Returns:
+        The InferRequest.
+
+    Raises:
+        OipError: malformed JSON (400) or a body that does not match the inputs (422): a missing or unknown
+            input, a datatype other than the spec's, a rank or fixed dimension that differs, inputs with
+            different batch sizes, or non-scalar parameters.
+    """
+    if not isinstance(body, dict):
+        if len(body) > max_bytes:
+            raise OipError("body_too_large", f"request body over {max_bytes} bytes", status=413)
+        try:
+            body = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OipError("invalid_json", f"body is not JSON: {str(exc)[:120]}", status=400) from None
+    if not isinstance(body, dict):
+        raise OipError("not_an_object", "body must be a JSON object with 'inputs'", status=400)
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise OipError("missing_inputs", "body has no 'inputs' list (Open Inference Protocol v2 request)")
+    given: dict[str, tuple[list[int], str, Any]] = {}
+    for i, t in enumerate(inputs):
+        name, shape, dt, data = _tensor(t, f"inputs[{i}]")
+        given[name] = (shape, dt, data)
+    expected = {s.name: s for s in input_specs}
+    unknown = sorted(set(given) - set(expected))
+    if unknown:
+        raise OipError("unknown_input", f"unknown input(s) {unknown}; the model takes {list(expected)}")
+    missing = [n for n in expected if n not in given]
+    if missing:
+        raise OipError("missing_input", f"missing input(s) {missing}; the model takes {list(expected)}")
+    feeds: dict[str, np.ndarray] = {}
+    batch = None
+    for name, s in expected.items():
+        shape, dt, data = given[name]
+        want = SPEC_TO_OIP[s.dtype]
+        if dt != want:
+            raise OipError("bad_datatype", f"input {name!r}: datatype {dt!r}, the model takes {want!r}")
+        if len(shape) != len(s.shape):
+            raise OipError("bad_shape", f"input {name!r}: shape {shape} has rank {len(shape)}, the model takes "
+                                        f"rank {len(s.shape)} {s.shape}")
+        for d, want_d in zip(shape, s.shape):
+            if isinstance(want_d, int) and d != want_d:
+                raise OipError("bad_shape", f"input {name!r}: shape {shape} does not match {s.shape}")
+        if shape[0] == 0:
+            raise OipError("bad_shape", f"input {name!r}: empty batch")
+        arr = _array(name, shape, dt, data, "input")
+        if batch is not None and arr.shape[0] != batch:
+            raise OipError("batch_mismatch", f"input {name!r}: batch {arr.shape[0]}, other inputs have {batch}")
+        batch = arr.shape[0]
+        feeds[name] = arr
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise OipError("bad_parameters", "'parameters' must be an object of scalar slice metadata")
+    for k, v in params.items():
+        if v is not None and not isinstance(v, (str, int, float, bool)):
+            raise OipError("bad_parameters", f"parameter {k!r} must be a scalar (str, number, bool), got "
+                                             f"{type(v).__name__}")
+    rid = body.get("id")
+    return InferRequest(id=str(rid) if rid is not None else "", feeds=feeds, parameters=dict(params),
+                        batch=int(batch or 1))
+
+
+def parse_response_output(body: Any, output_spec: Any, batch: int) -> np.ndarray:
+    """The compared output (model.outputs[0]) of a live OIP response.
+
+    Args:
+        body: decoded response dict ({"model_name", "outputs": [...]}).
+        output_spec: the spec's model.outputs[0] (its name is looked up; a single output is taken as it).
+        batch: rows of the matching request.
+
+    Returns:
+        (batch, ...) float array.
+
+    Raises:
+        OipError: no usable output, bad shape/datatype, or a batch size other than the request's.
+    """
+    if not isinstance(body, dict) or not isinstance(body.get("outputs"), list) or not body["outputs"]:
+        raise OipError("missing_output", "response has no 'outputs' list")
+    outs = {}
+    for i, t in enumerate(body["outputs"]):
+        name, shape, dt, data = _tensor(t, f"response.outputs[{i}]")
+        outs[name] = (shape, dt, data)
+    if output_spec.name in outs:
+        shape, dt, data = outs[output_spec.name]
+    elif len(outs) == 1:
+        shape, dt, data = next(iter(outs.values()))
+    else:
+        raise OipError("missing_output", f"response has no output {output_spec.name!r}; has {sorted(outs)}")
+    arr = _array(output_spec.name, shape, dt, data, "response output")
+    if arr.ndim == 0 or arr.shape[0] != batch:
+        raise OipError("batch_mismatch", f"response output has shape {list(arr.shape)}, request batch is {batch}")
+    return arr
+
+
+def tensor_json(name: str, arr: np.ndarray) -> dict[str, Any]:
+    """An OIP tensor object for an array (row-major flat data)."""
+    arr = np.asarray(arr)
+    return {"name": name, "shape": list(arr.shape), "datatype": NUMPY_TO_OIP.get(arr.dtype.name, "FP32"),
+            "data": arr.reshape(-1).tolist()}
+
+
+def request_json(feeds: dict[str, np.ndarray], parameters: dict[str, Any] | None = None,
+                 request_id: str | None = None) -> dict[str, Any]:
+    """An OIP request body for feeds (used by tests, the benchmark and clients)."""
+    body: dict[str, Any] = {"inputs": [tensor_json(k, v) for k, v in feeds.items()]}
+    if parameters:
+        body["parameters"] = parameters
+    if request_id is not None:
+        body["id"] = request_id
+    return body

@@ -1,0 +1,116 @@
+"""Turn a spec into a KFP v2 pipeline: the one builder used by local runs and by `tailguard compile`.
+
+DAG (variants unrolled from the spec, so each gets its own task names and, for GPU backends, its own
+node-pool settings):
+
+    check-data -> resolve -> export -> reference-pass
+                                    \\-> build-<variant> -> validate-<variant>   (one pair per variant)
+    register-and-promote  (after every validate task; reads the variants' nested MLflow runs)
+
+State that crosses tasks: model files as KFP artifacts; metrics and decisions in MLflow (the parent
+run id is a task output). Caching is off: the tasks write to MLflow.
+"""
+
+# no `from __future__ import annotations`: KFP reads the pipeline function's annotations as types
+
+from typing import Any, Callable
+
+from tailguard.spec import Spec, VariantSpec
+
+PARAMS = ("spec_yaml", "tracking_uri", "model_version", "pipeline_run")
+
+
+def _image_for(spec: Spec, gpu: bool) -> "str | None":
+    kf = spec.kubeflow
+    return (kf.gpu_image or kf.image) if gpu else kf.image
+
+
+def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: bool) -> Any:
+    """Display name, no caching, and (for the cluster) image, GPU resources, node pool and secrets."""
+    task.set_display_name(name)
+    task.set_caching_options(False)
+    if not cluster:
+        return task
+    image = _image_for(spec, gpu)
+    if image and task.container_spec is not None:
+        task.container_spec.image = image
+    from kfp import kubernetes
+
+    for secret in spec.kubeflow.secrets:
+        kubernetes.use_secret_as_env(task, secret_name=secret.name,
+                                     secret_key_to_env={key: env for env, key in secret.env.items()})
+    if gpu:
+        pool = spec.kubeflow.gpu
+        task.set_accelerator_type(pool.accelerator_type)
+        task.set_accelerator_limit(pool.count)
+        for label, value in pool.node_selector.items():
+            kubernetes.add_node_selector(task, label_key=label, label_value=value)
+        for t in pool.tolerations:
+            kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
+    return task
+
+
+def build_pipeline(spec: Spec, *, cluster: bool = False) -> Callable[..., Any]:
+    """A `@dsl.pipeline` function for `spec`.
+
+    Args:
+        spec: a validated spec (its variants become tasks).
+        cluster: add what only a cluster uses (images, GPU requests, node selectors, tolerations, secrets).
+            Local runs leave them out; the DAG is the same.
+
+    Returns:
+        The pipeline function; parameters spec_yaml, tracking_uri, model_version ('' = the spec's), pipeline_run
+        (a label for the parent run). It returns the run summary JSON (register-and-promote's output).
+    """
+    from kfp import dsl
+
+    from tailguard.components.check_data.component import check_data
+    from tailguard.components.export.component import export, reference_pass
+    from tailguard.components.quantize.component import build_variant
+    from tailguard.components.register.component import register_and_promote
+    from tailguard.components.resolve.component import resolve
+    from tailguard.components.validate.component import validate_variant
+
+    variants: list[VariantSpec] = list(spec.variants)
+
+    @dsl.pipeline(name=spec.metadata.name,
+                  description=f"tailguard: optimize and validate {spec.model.registered_name} "
+                              f"({len(variants)} variants), promote by alias '{spec.promotion.alias}'")
+    def tailguard_pipeline(spec_yaml: str, tracking_uri: str, model_version: str = "",
+                           pipeline_run: str = "") -> str:
+        def cfg(task: Any, name: str, gpu: bool = False) -> Any:
+            return _configure_task(task, spec, name=name, gpu=gpu, cluster=cluster)
+
+        chk = cfg(check_data(spec_yaml=spec_yaml), "check-data")
+        res = cfg(resolve(spec_yaml=spec_yaml, tracking_uri=tracking_uri, model_version=model_version,
+                          pipeline_run=pipeline_run), "resolve").after(chk)
+        exp = cfg(export(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
+                         reference=res.outputs["reference"]), "export")
+        ref = cfg(reference_pass(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
+                                 parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri,
+                                 reference=res.outputs["reference"], onnx_model=exp.outputs["onnx_model"]),
+                  "reference-pass")
+        validations = []
+        for v in variants:
+            build = cfg(build_variant(spec_yaml=spec_yaml, variant_name=v.name,
+                                      onnx_model=exp.outputs["onnx_model"]), f"build-{v.name}", v.needs_gpu)
+            val = cfg(validate_variant(spec_yaml=spec_yaml, variant_name=v.name, build=build.outputs["Output"],
+                                       baselines=ref.outputs["Output"], parent_run_id=res.outputs["parent_run_id"],
+                                       tracking_uri=tracking_uri, variant_model=build.outputs["variant_model"],
+                                       reference_outputs=ref.outputs["outputs"]),
+                      f"validate-{v.name}", v.needs_gpu)
+            validations.append(val)
+        reg = cfg(register_and_promote(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
+                                       parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri),
+                  "register-and-promote").after(*validations)
+        return reg.outputs["Output"]
+
+    return tailguard_pipeline
+
+
+def compile_pipeline(spec: Spec, out_path: str) -> str:
+    """Compile the cluster form of the pipeline to KFP IR YAML at `out_path`; returns the path."""
+    from kfp import compiler
+
+    compiler.Compiler().compile(build_pipeline(spec, cluster=True), package_path=out_path)
+    return out_path

@@ -1,0 +1,217 @@
+"""The `tailguard` command line (typer + rich). Exit codes are a contract (../shared/DESIGN.md):
+0 ok / promoted, 1 runtime error, 2 bad spec / bad input / usage, 3 no variant passed the gates,
+4 monitor alert(s) fired. A user error never ends in a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tailguard.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, SpecError,
+                              TailguardError)
+
+app = typer.Typer(help="tailguard: quantize/compile models, prove every variant against its FP32 reference per "
+                       "slice and on the tail, promote the fastest passing one in MLflow.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+spec_app = typer.Typer(help="Validate specs and print their JSON Schema.", no_args_is_help=True)
+monitor_app = typer.Typer(help="The shadow-traffic monitor.", no_args_is_help=True)
+trigger_app = typer.Typer(help="Start runs when new model versions are registered (MLflow webhooks).",
+                          no_args_is_help=True)
+app.add_typer(spec_app, name="spec")
+app.add_typer(monitor_app, name="monitor")
+app.add_typer(trigger_app, name="trigger")
+
+console = Console(stderr=False, highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn TailguardErrors into a message and their exit code; unexpected errors into exit 1 with a log file."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except TailguardError as err:
+            print_error(err)
+            raise typer.Exit(err.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("[red]interrupted[/red]: no alias was moved")
+            raise typer.Exit(EXIT_RUNTIME) from None
+        except Exception as exc:  # a bug: keep the traceback in a file, not on the user's screen
+            from tailguard.home import home
+
+            path = home() / "last-error.txt"
+            path.write_text(traceback.format_exc())
+            err_console.print(f"[red]internal error[/red]: {type(exc).__name__}: {exc}\n  traceback: {path}")
+            raise typer.Exit(EXIT_RUNTIME) from None
+
+    return wrapper
+
+
+def print_error(err: TailguardError) -> None:
+    """Print an error the way every command does: kind, message, fix."""
+    kind = type(err).__name__ if type(err) is not TailguardError else "error"
+    record = getattr(err, "record", None)
+    if record:
+        kind = record.get("type", kind)
+    from rich.text import Text
+
+    err_console.print(Text.assemble((kind, "bold red"), ": ", err.message), soft_wrap=True)
+    if err.hint:
+        err_console.print(Text.assemble("  ", ("fix", "yellow"), ": ", err.hint), soft_wrap=True)
+
+
+# ----------------------------------------------------------------------------------------------- spec
+@spec_app.command("check")
+@handle_errors
+def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file.")) -> None:
+    """Validate SPEC; print every error with its field path (exit 2 when invalid)."""
+    from tailguard.spec import load_spec
+
+    s = load_spec(spec, resolve_paths=False)
+    console.print(f"[green]valid[/green]: {spec} ({s.metadata.name}: {len(s.variants)} variants, "
+                  f"{len(s.gates)} gates, {len(s.slices)} slices)")
+
+
+@spec_app.command("schema")
+@handle_errors
+def spec_schema(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to this file.")) -> None:
+    """Print the spec's JSON Schema (docs/spec.schema.json holds a copy)."""
+    from tailguard.spec import json_schema
+
+    text = json.dumps(json_schema(), indent=2) + "\n"
+    if out:
+        out.write_text(text)
+        console.print(f"wrote {out}")
+    else:
+        sys.stdout.write(text)
+
+
+# ------------------------------------------------------------------------------------------------ run
+def print_summary(summary: Any) -> None:
+    """The end-of-run table."""
+    from tailguard.runner import summary_rows
+
+    table = Table(title=f"{summary.source_model} v{summary.source_version} -> {summary.optimized_model} "
+                        f"(latency at batch {summary.batch_size})", show_lines=False)
+    rows = summary_rows(summary)
+    for col in ("variant", "status", "x torch", "x onnx fp32", "p50 ms", "p99 ms", "worst slice", "gates",
+                "promoted"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
+        style = "green" if r["status"] == "passed" else ("yellow" if r["status"] == "skipped" else "red")
+        table.add_row(*[fmt(r[c]) for c in ("variant",)], f"[{style}]{r['status']}[/{style}]",
+                      *[fmt(r[c]) for c in ("x torch", "x onnx fp32", "p50 ms", "p99 ms", "worst slice", "gates",
+                                            "promoted")])
+    console.print(table)
+
+
+def _run_with_progress(spec: Any, model_version: Optional[str]) -> Any:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from tailguard.runner import run_local, task_count
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total} tasks"), TimeElapsedColumn(), console=console, transient=False) as progress:
+        bar = progress.add_task(f"{spec.metadata.name}: starting", total=task_count(spec))
+
+        def on_event(task: str, state: str) -> None:
+            if state == "running":
+                progress.update(bar, description=f"{spec.metadata.name}: {task}")
+            else:
+                progress.advance(bar)
+                if state != "success":
+                    progress.console.print(f"  [red]{task}: {state}[/red]")
+
+        return run_local(spec, model_version=model_version, on_event=on_event)
+
+
+@app.command("run")
+@handle_errors
+def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
+        model_version: Optional[str] = typer.Option(None, "--model-version", help="'latest', a number or '@alias' "
+                                                                                  "(overrides model.version)."),
+        runner: str = typer.Option("local", "--runner", help="local (kfp.local, embedded MLflow) or kfp."),
+        host: Optional[str] = typer.Option(None, "--host", help="KFP endpoint for --runner kfp."),
+        summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary here.")
+        ) -> None:
+    """One pipeline run for one model version. Exit 0 promoted (or promotion off), 3 no variant passed."""
+    from tailguard.spec import load_spec
+
+    s = load_spec(spec)
+    if runner == "kfp":
+        if not host:
+            raise SpecError([], source="--host", hint="--runner kfp needs --host URL of the KFP API")
+        from tailguard.submit import submit
+
+        run_id = submit(s, host=host, model_version=model_version)
+        console.print(f"submitted: {run_id}")
+        return
+    if runner != "local":
+        raise typer.BadParameter("--runner must be local or kfp")
+    result = _run_with_progress(s, model_version)
+    summary = result.summary
+    print_summary(summary)
+    if summary_json:
+        summary_json.write_text(json.dumps(summary.to_dict(), indent=2))
+    from tailguard.tracking import tracking_uri_for
+
+    uri = tracking_uri_for(s)
+    console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")
+    if summary.promoted_version:
+        console.print(f"[green]promoted[/green] {summary.optimized_model} v{summary.promoted_version} "
+                      f"({summary.promoted_variant}) as @{summary.alias}")
+        raise typer.Exit(EXIT_OK)
+    if not summary.any_passed:
+        err_console.print("[red]no variant passed every gate[/red]: no alias moved (reasons in the table)")
+        raise typer.Exit(EXIT_NO_PASSING_VARIANT)
+    console.print("promotion is off: variants registered, no alias moved")
+
+
+# -------------------------------------------------------------------------------------------- compile
+@app.command("compile")
+@handle_errors
+def compile_(spec: Path = typer.Argument(..., help="Spec YAML file."),
+             output: Path = typer.Option(..., "--output", "-o", help="KFP IR YAML to write.")) -> None:
+    """Compile SPEC to KFP IR YAML (GPU node-pool settings, images and secrets from the kubeflow section)."""
+    from tailguard.builder import compile_pipeline
+    from tailguard.spec import load_spec
+
+    s = load_spec(spec)
+    compile_pipeline(s, str(output))
+    console.print(f"wrote {output}")
+
+
+# ----------------------------------------------------------------------------------------------- demo
+@app.command("demo")
+@handle_errors
+def demo(skip_monitor: bool = typer.Option(False, "--skip-monitor", help="Skip the monitor replay."),
+         n_validation: int = typer.Option(2500, help="Validation rows (WordNet glosses)."),
+         n_calibration: int = typer.Option(256, help="Calibration rows.")) -> None:
+    """The main job on real input: MiniLM + WordNet, embedded MLflow, local KFP run, monitor replay."""
+    from tailguard.demo import run_demo
+
+    code = run_demo(console, skip_monitor=skip_monitor, n_validation=n_validation, n_calibration=n_calibration)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

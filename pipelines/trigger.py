@@ -1,0 +1,402 @@
+"""`tailguard trigger serve`: start a pipeline run when MLflow registers a new model version.
+
+MLflow (>= 3.3, tracking server with a SQL store) POSTs a webhook for the `model_version.created` event. The
+request is signed as MLflow's `mlflow/webhooks/delivery.py` does it, following the Standard Webhooks scheme
+(https://www.standardwebhooks.com):
+
+    headers   X-MLflow-Delivery-Id: <uuid4>   X-MLflow-Timestamp: <unix seconds>
+              X-MLflow-Signature: "v1,<base64(HMAC-SHA256(secret, f"{delivery_id}.{timestamp}.{body}"))>"
+    body      {"entity": "model_version", "action": "created", "timestamp": "<ISO 8601>",
+               "data": {"name", "version", "source", "run_id", "tags", "description"}}
+
+Checks, in this order, each rejection counted in `tailguard_trigger_webhooks_total{outcome}` and logged:
+
+1. the signature (constant-time compare; several space-separated `v1,<sig>` entries are accepted, for secret
+   rotation) -> `bad_signature` (401);
+2. the timestamp within `max_clock_skew_s` of the receiver's clock, both directions -> `stale` (401);
+3. the delivery id not already accepted within the replay window -> `replayed` (409);
+4. the body is JSON with the fields above -> `bad_payload` (400);
+5. the event is `model_version.created` -> else `ignored_event` (200, nothing started);
+6. the registered model name is configured -> else `unknown_model` (200, nothing started).
+
+A delivery that passes all six starts one run through the injectable `Launcher`
+(`launch(spec_path, model_name, version) -> run id`); the default is `tailguard.runner.launch_run` (KFP client when
+`kfp_host` is set, else the local runner), imported lazily. Runs are idempotent on (model, version, sha256 of the
+spec file): a second delivery for the same version answers with the first run id and starts nothing. When the
+launcher raises, the receiver answers 500 (outcome `launch_failed`) and does not remember the delivery, so MLflow's
+own retry (urllib3 Retry on 5xx, same headers) can succeed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import yaml
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from tailguard.errors import FieldError, InputError, SpecError, TailguardError
+
+log = logging.getLogger("tailguard.trigger")
+
+# Header names and signature version: mlflow/webhooks/constants.py (MLflow 3.17).
+SIGNATURE_HEADER = "X-MLflow-Signature"
+TIMESTAMP_HEADER = "X-MLflow-Timestamp"
+DELIVERY_ID_HEADER = "X-MLflow-Delivery-Id"
+SIGNATURE_VERSION = "v1"
+EVENT = ("model_version", "created")
+
+# Label values of tailguard_trigger_webhooks_total{outcome} (a contract with the PrometheusRule and dashboard).
+OUTCOMES: tuple[str, ...] = ("accepted", "bad_signature", "stale", "replayed", "unknown_model", "ignored_event",
+                             "bad_payload", "launch_failed")
+WEBHOOKS_METRIC = "tailguard_trigger_webhooks_total"
+RUNS_METRIC = "tailguard_trigger_runs_started_total"
+METRIC_NAMES: tuple[str, ...] = (WEBHOOKS_METRIC, RUNS_METRIC)
+
+
+class Launcher(Protocol):
+    """Starts one pipeline run and returns its id (a KFP run id, or a local run id)."""
+
+    def __call__(self, spec_path: str, model_name: str, version: str) -> str: ...
+
+
+class TriggerConfig(BaseModel):
+    """The trigger's YAML config (`tailguard trigger serve --config trigger.yaml`).
+
+    The webhook secret itself never appears in the file: `secret_env` names the environment variable holding it
+    (in Kubernetes, filled from a Secret by `secretKeyRef`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    secret_env: str = Field("TAILGUARD_WEBHOOK_SECRET", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description=(
+        "Name of the environment variable holding the webhook secret (the `secret` given to MLflow's "
+        "create_webhook). The receiver refuses to start when it is unset or empty."))
+    models: dict[str, str] = Field(min_length=1, description=(
+        "Registered model name -> spec file path (relative paths are relative to this config file). Only these "
+        "models start runs; webhooks for any other model are counted as unknown_model and ignored."))
+    max_clock_skew_s: float = Field(300.0, gt=0, le=3600, description=(
+        "Reject deliveries whose X-MLflow-Timestamp differs from the receiver's clock by more than this (s), in "
+        "either direction. 300 s is the Standard Webhooks recommendation."))
+    kfp_host: str | None = Field(None, description=(
+        "Kubeflow Pipelines API URL (e.g. http://ml-pipeline.kubeflow:8888). Unset: runs start on the local runner."))
+    replay_cache_size: int = Field(10_000, ge=1, description=(
+        "Delivery ids remembered for replay detection (each for 2 x max_clock_skew_s; older ones are stale anyway)."))
+    check_specs: bool = Field(True, description=(
+        "At start-up, load every spec and require spec.model.registered_name to equal its key in `models`."))
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not name.strip() or not str(path).strip():
+                raise ValueError("model names and spec paths must be non-empty")
+        return v
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TriggerConfig":
+        """Read and validate a trigger config YAML; relative spec paths become absolute (config folder).
+
+        Raises:
+            SpecError: the file is missing, not YAML, or invalid (every problem with its field path).
+        """
+        p = Path(path)
+        if not p.is_file():
+            raise SpecError([FieldError("", f"file not found: {p}")], source=str(p),
+                            hint="pass --config with the path of the trigger YAML (see docs/deploy.md)")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise SpecError([FieldError("", f"not valid YAML: {exc}")], source=str(p)) from None
+        if not isinstance(data, dict):
+            raise SpecError([FieldError("", "expected a mapping at the top level")], source=str(p))
+        try:
+            cfg = cls.model_validate(data)
+        except ValidationError as exc:
+            raise SpecError(_field_errors(exc), source=str(p),
+                            hint="fix the fields above; see docs/deploy.md#trigger-config") from None
+        base = p.resolve().parent
+        cfg.models = {k: str(v if Path(v).is_absolute() else (base / v).resolve()) for k, v in cfg.models.items()}
+        return cfg
+
+
+def _field_errors(exc: ValidationError) -> list[FieldError]:
+    out = []
+    for e in exc.errors(include_url=False):
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling)"
+        out.append(FieldError(".".join(str(x) for x in e["loc"]), msg, e.get("input")))
+    return out
+
+
+def sign(secret: str, delivery_id: str, timestamp: str, body: bytes | str) -> str:
+    """The `X-MLflow-Signature` value MLflow sends: "v1," + base64(HMAC-SHA256(secret, id.timestamp.body)).
+
+    Source: mlflow/webhooks/delivery.py `_generate_hmac_signature` (MLflow 3.17).
+
+    Args:
+        secret: the webhook secret (UTF-8).
+        delivery_id: X-MLflow-Delivery-Id.
+        timestamp: X-MLflow-Timestamp, Unix seconds as a decimal string.
+        body: the raw request body, exactly as sent.
+    """
+    payload = body.decode("utf-8") if isinstance(body, bytes) else body
+    mac = hmac.new(secret.encode("utf-8"), f"{delivery_id}.{timestamp}.{payload}".encode("utf-8"), hashlib.sha256)
+    return f"{SIGNATURE_VERSION},{base64.b64encode(mac.digest()).decode('ascii')}"
+
+
+def verify_signature(secret: str, delivery_id: str, timestamp: str, body: bytes, header: str) -> bool:
+    """True when any `v1,<sig>` entry of the (space-separated) signature header matches, compared in constant time."""
+    try:
+        expected = sign(secret, delivery_id, timestamp, body)
+    except UnicodeDecodeError:
+        return False
+    return any(hmac.compare_digest(expected.encode(), part.encode()) for part in header.split() if part)
+
+
+class _ReplayCache:
+    """Delivery ids seen recently (bounded, oldest evicted), each kept for `ttl_s` seconds."""
+
+    def __init__(self, size: int, ttl_s: float) -> None:
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._size, self._ttl = size, ttl_s
+
+    def __contains__(self, key: str) -> bool:
+        self._expire()
+        return key in self._seen
+
+    def add(self, key: str) -> None:
+        self._seen[key] = time.monotonic()
+        self._seen.move_to_end(key)
+        while len(self._seen) > self._size:
+            self._seen.popitem(last=False)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._seen and now - next(iter(self._seen.values())) > self._ttl:
+            self._seen.popitem(last=False)
+
+
+def spec_hash(spec_path: str | Path) -> str:
+    """sha256 hex digest of a spec file's bytes (part of the idempotency key)."""
+    return hashlib.sha256(Path(spec_path).read_bytes()).hexdigest()
+
+
+def default_launcher(config: TriggerConfig) -> Launcher:
+    """The production launcher: `tailguard.runner.launch_run`, imported on first use.
+
+    `kfp_host` is passed as the `host` keyword when launch_run accepts one.
+
+    Raises:
+        TailguardError: (at launch) `kfp_host` is set but launch_run takes no `host` argument.
+    """
+
+    def launch(spec_path: str, model_name: str, version: str) -> str:
+        from tailguard.runner import launch_run  # lazy: pulls kfp / the local runner
+
+        params = inspect.signature(launch_run).parameters
+        if "host" in params:
+            return launch_run(spec_path, model_name, version, host=config.kfp_host)
+        if config.kfp_host:
+            raise TailguardError("tailguard.runner.launch_run takes no `host` argument; cannot submit to "
+                                 f"{config.kfp_host}", hint="unset kfp_host, or update tailguard")
+        return launch_run(spec_path, model_name, version)
+
+    return launch
+
+
+def _check_specs(config: TriggerConfig) -> None:
+    from tailguard.spec import load_spec
+
+    errors = []
+    for name, path in config.models.items():
+        try:
+            spec = load_spec(path, resolve_paths=False)
+        except SpecError as exc:
+            errors.append(FieldError(f"models.{name}", f"spec {path} is invalid: {exc.message}"))
+            continue
+        if spec.model.registered_name != name:
+            errors.append(FieldError(f"models.{name}", f"spec {path} has model.registered_name "
+                                                       f"{spec.model.registered_name!r}, not {name!r}"))
+    if errors:
+        raise SpecError(errors, source="trigger config",
+                        hint="map each registered model name to the spec that optimizes it")
+
+
+class TriggerState:
+    """What one receiver holds: its config, secret, launcher, replay cache, launched runs and counters.
+
+    Attributes:
+        registry: the prometheus_client CollectorRegistry exposed on /metrics.
+        webhooks: Counter `tailguard_trigger_webhooks_total{outcome}` (every outcome pre-set to 0).
+        runs_started: Counter `tailguard_trigger_runs_started_total`.
+        launched: {(model, version, spec sha256): run id}.
+    """
+
+    def __init__(self, config: TriggerConfig, secret: str, launch: Launcher,
+                 clock: Callable[[], float] = time.time) -> None:
+        from prometheus_client import CollectorRegistry, Counter
+
+        self.config, self._secret, self.launch, self.clock = config, secret, launch, clock
+        self.registry = CollectorRegistry()
+        self.webhooks = Counter("tailguard_trigger_webhooks", "MLflow webhook deliveries by outcome.",
+                                ["outcome"], registry=self.registry)
+        for o in OUTCOMES:
+            self.webhooks.labels(outcome=o)
+        self.runs_started = Counter("tailguard_trigger_runs_started", "Pipeline runs started by the trigger.",
+                                    registry=self.registry)
+        self.replays = _ReplayCache(config.replay_cache_size, 2 * config.max_clock_skew_s)
+        self.launched: dict[tuple[str, str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def count(self, outcome: str, status: int, detail: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        """Count and log one outcome; returns (HTTP status, response body)."""
+        self.webhooks.labels(outcome=outcome).inc()
+        level = logging.INFO if outcome in ("accepted", "ignored_event") else logging.WARNING
+        log.log(level, "webhook %s: %s %s", outcome, detail, json.dumps(fields, sort_keys=True, default=str))
+        return status, {"outcome": outcome, "detail": detail, **fields}
+
+    def handle(self, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """Check one delivery and start a run when it is valid (see the module docstring for the order).
+
+        Args:
+            headers: request headers, lower-cased names.
+            body: raw request body.
+
+        Returns:
+            (HTTP status, JSON response body with `outcome`, `detail` and, when accepted, `run_id`).
+        """
+        delivery = headers.get(DELIVERY_ID_HEADER.lower(), "")
+        ts = headers.get(TIMESTAMP_HEADER.lower(), "")
+        sig = headers.get(SIGNATURE_HEADER.lower(), "")
+        if not (delivery and ts and sig):
+            return self.count("bad_signature", 401, "missing X-MLflow-Delivery-Id/Timestamp/Signature header",
+                              delivery=delivery)
+        if not verify_signature(self._secret, delivery, ts, body, sig):
+            return self.count("bad_signature", 401, "signature does not match", delivery=delivery)
+        try:
+            skew = abs(self.clock() - int(ts))
+        except ValueError:
+            return self.count("stale", 401, f"timestamp {ts!r} is not Unix seconds", delivery=delivery)
+        if skew > self.config.max_clock_skew_s:
+            return self.count("stale", 401, f"timestamp off by {skew:.0f} s (max {self.config.max_clock_skew_s:g})",
+                              delivery=delivery)
+        with self._lock:
+            if delivery in self.replays:
+                return self.count("replayed", 409, "delivery id already accepted", delivery=delivery)
+            try:
+                msg = json.loads(body)
+                event = (msg["entity"], msg["action"])
+                data = msg["data"]
+            except (ValueError, KeyError, TypeError):
+                return self.count("bad_payload", 400, "body is not an MLflow webhook JSON object", delivery=delivery)
+            if event != EVENT:
+                self.replays.add(delivery)
+                return self.count("ignored_event", 200, f"event {'.'.join(map(str, event))} is not "
+                                                        f"{'.'.join(EVENT)}", delivery=delivery)
+            name, version = (data.get("name"), data.get("version")) if isinstance(data, dict) else (None, None)
+            if not isinstance(name, str) or not isinstance(version, (str, int)) or not str(version).isdigit():
+                return self.count("bad_payload", 400, "data.name / data.version missing or invalid",
+                                  delivery=delivery)
+            version = str(version)
+            if name not in self.config.models:
+                self.replays.add(delivery)
+                return self.count("unknown_model", 200, f"registered model {name!r} is not configured",
+                                  delivery=delivery, model=name, version=version)
+            spec_path = self.config.models[name]
+            key = (name, version, spec_hash(spec_path))
+            if key in self.launched:
+                self.replays.add(delivery)
+                return self.count("accepted", 200, "already launched for this model version and spec",
+                                  delivery=delivery, model=name, version=version, run_id=self.launched[key],
+                                  started=False)
+            try:
+                run_id = self.launch(spec_path, name, version)
+            except Exception as exc:  # noqa: BLE001 - any launcher failure is a 500 so MLflow retries
+                log.exception("launch failed for %s v%s", name, version)
+                return self.count("launch_failed", 500, f"{type(exc).__name__}: {exc}", delivery=delivery,
+                                  model=name, version=version)
+            self.launched[key] = str(run_id)
+            self.replays.add(delivery)
+            self.runs_started.inc()
+            return self.count("accepted", 202, "run started", delivery=delivery, model=name, version=version,
+                              run_id=str(run_id), started=True)
+
+
+def create_app(config: TriggerConfig, *, launch: Launcher | None = None,
+               clock: Callable[[], float] = time.time, secret: str | None = None) -> FastAPI:
+    """The receiver as a FastAPI app: POST /webhook, GET /metrics, /healthz, /readyz.
+
+    Args:
+        config: the trigger config.
+        launch: starts a run (default `default_launcher(config)`, i.e. tailguard.runner.launch_run).
+        clock: current Unix time in s (injectable for tests).
+        secret: the webhook secret; default read from the environment variable `config.secret_env`.
+
+    Returns:
+        A `fastapi.FastAPI`; its `state.trigger` is the `TriggerState` (counters, launched runs).
+
+    Raises:
+        InputError: the secret environment variable is unset or empty.
+        SpecError: a configured spec is invalid or names another registered model (when `check_specs`).
+    """
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    secret = secret if secret is not None else os.environ.get(config.secret_env, "")
+    if not secret:
+        raise InputError(f"the webhook secret environment variable {config.secret_env} is unset or empty",
+                         hint=f"export {config.secret_env}=<the secret given to MLflow create_webhook>")
+    if config.check_specs:
+        _check_specs(config)
+    state = TriggerState(config, secret, launch or default_launcher(config), clock)
+    app = FastAPI(title="tailguard trigger", version="1")
+    app.state.trigger = state
+
+    @app.post("/webhook")
+    async def webhook(request: Request) -> JSONResponse:
+        body = await request.body()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        status, payload = await run_in_threadpool(state.handle, headers, body)
+        return JSONResponse(payload, status_code=status)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> dict[str, Any]:
+        return {"status": "ready", "models": sorted(config.models), "kfp_host": config.kfp_host}
+
+    return app
+
+
+def serve(config_path: str | Path, host: str = "0.0.0.0", port: int = 8080) -> None:  # noqa: S104
+    """Run the receiver with uvicorn until interrupted (`tailguard trigger serve`).
+
+    Raises:
+        SpecError: invalid config or spec.
+        InputError: the webhook secret is not set.
+    """
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app = create_app(TriggerConfig.load(config_path))
+    uvicorn.run(app, host=host, port=port, log_level="info")
