@@ -195,6 +195,23 @@ def compile_(spec: Path = typer.Argument(..., help="Spec YAML file."),
     console.print(f"wrote {output}")
 
 
+@app.command("submit")
+@handle_errors
+def submit_(spec: Path = typer.Argument(..., help="Spec YAML file."),
+            host: str = typer.Option(..., "--host", help="KFP API endpoint, e.g. https://kfp.example.com/pipeline"),
+            model_version: Optional[str] = typer.Option(None, "--model-version", help="Overrides model.version."),
+            experiment: Optional[str] = typer.Option(None, "--experiment", help="KFP experiment name."),
+            tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                                       help="MLflow server the pods use.")) -> None:
+    """Submit SPEC to a KFP cluster; re-submitting the same (model, version, spec) returns the existing run."""
+    from tailguard.spec import load_spec
+    from tailguard.submit import submit
+
+    run_id = submit(load_spec(spec), host=host, model_version=model_version, experiment=experiment,
+                    tracking_uri=tracking_uri)
+    console.print(f"run: {run_id}")
+
+
 # ----------------------------------------------------------------------------------------------- demo
 @app.command("demo")
 @handle_errors
