@@ -8,11 +8,12 @@ last, only to a variant that passed every gate. Registry aliases, not the deprec
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tailguard.components.validate.task import GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG
+from tailguard.components.validate.task import GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
 
 
 @dataclass
@@ -94,26 +95,10 @@ def _metric(run: Any, key: str) -> float | None:
     return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
 
 
-def _worst_slice(run: Any, task_metric: str | None) -> dict[str, Any] | None:
-    """Lowest per-slice value of the key parity metric among the run's `slice.<slice>.<value>.<metric>` metrics."""
-    if not task_metric:
-        return None
-    worst = None
-    suffix = "." + task_metric
-    for k, v in run.data.metrics.items():
-        if k.startswith("slice.") and k.endswith(suffix):
-            name, _, value = k[len("slice."):-len(suffix)].partition(".")
-            support = run.data.metrics.get(f"slice.{name}.{value}.support")
-            if support is not None and support < 1:
-                continue
-            if worst is None or v < worst["observed"]:
-                worst = {"slice": name, "value": value, "metric": task_metric, "observed": float(v),
-                         "support": int(support) if support is not None else None}
-    return worst
-
-
-KEY_PARITY_METRIC = {"embedding": "nn_top1_agreement", "classification": "top1_agreement",
-                     "regression": "abs_error.max", "generic": "abs_error.max"}
+def _worst_slice(run: Any) -> dict[str, Any] | None:
+    """The validate step's worst slice group (key parity metric, groups with enough support), from its tag."""
+    raw = run.data.tags.get(WORST_SLICE_TAG)
+    return json.loads(raw) if raw else None
 
 
 def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
@@ -170,7 +155,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             p50_ms=_metric(run, f"bs{bs}.latency_ms.p50"), p99_ms=_metric(run, f"bs{bs}.latency_ms.p99"),
             speedup_vs_torch=_metric(run, f"bs{bs}.speedup_vs_torch"),
             speedup_vs_onnx_fp32=_metric(run, f"bs{bs}.speedup_vs_onnx_fp32"),
-            worst_slice=_worst_slice(run, KEY_PARITY_METRIC.get(spec.model.task)),
+            worst_slice=_worst_slice(run),
             gates={k[len("gate."):]: val for k, val in tags.items() if k.startswith("gate.")})
         model_uri = tags.get(MODEL_URI_TAG)
         if row.status == "ok" and model_uri:

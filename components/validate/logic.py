@@ -46,7 +46,7 @@ from tailguard.spec import Spec
 from .gates import GateResult, all_passed, evaluate_gates
 from .latency import benchmark, cost_per_1m, peak_rss_mb
 from .parity import aggregate, non_finite_rows, per_sample_metrics
-from .report import write_report
+from .report import higher_is_better, key_metric, write_report
 from .slices import per_slice_table, slice_groups
 
 PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean", "throughput_per_s",
@@ -87,6 +87,9 @@ class ValidationResult:
         non_finite_rows: validation rows whose candidate output held NaN/inf.
         batch_sizes: benchmark batch sizes, in spec order (the first is the default for gates and metrics).
         files: {"report": path, "slices_csv": path, "result_json": path}.
+        worst_slice: the slice group with the worst value of the report's key metric among groups with
+            support >= the smallest per-slice gate min_support (30 without per-slice gates):
+            {slice, value, support, metric, observed}; None when no group qualifies.
     """
 
     variant: str
@@ -100,6 +103,7 @@ class ValidationResult:
     non_finite_rows: int
     batch_sizes: list[int]
     files: dict[str, str] = field(default_factory=dict)
+    worst_slice: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (perf keys become strings in JSON; `from_dict` turns them back)."""
@@ -107,7 +111,7 @@ class ValidationResult:
                 "perf": {str(k): v for k, v in self.perf.items()}, "slices": list(self.slices),
                 "gates": [g.to_dict() for g in self.gates], "passed": self.passed,
                 "non_finite_rows": self.non_finite_rows, "batch_sizes": list(self.batch_sizes),
-                "files": dict(self.files)}
+                "files": dict(self.files), "worst_slice": self.worst_slice}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ValidationResult":
@@ -116,7 +120,7 @@ class ValidationResult:
                    perf={int(k): v for k, v in d["perf"].items()}, slices=list(d["slices"]),
                    gates=[GateResult.from_dict(g) for g in d["gates"]], passed=bool(d["passed"]),
                    non_finite_rows=int(d["non_finite_rows"]), batch_sizes=[int(b) for b in d["batch_sizes"]],
-                   files=dict(d.get("files", {})))
+                   files=dict(d.get("files", {})), worst_slice=d.get("worst_slice"))
 
     @classmethod
     def load(cls, path: str | Path) -> "ValidationResult":
@@ -186,6 +190,21 @@ def _labels(spec: Spec, validation: Dataset) -> np.ndarray | None:
         raise InputError(f"data.validation.label_column: column {col!r} must hold integer class ids "
                          f"(index of the logit), got dtype {s.dtype}", hint="map class names to ids in the data")
     return s.to_numpy().astype(np.int64)
+
+
+def worst_slice(spec: Spec, table: pd.DataFrame) -> dict[str, Any] | None:
+    """The worst slice group for the report's key metric (see `ValidationResult.worst_slice`)."""
+    metric = key_metric(table) if len(table) else None
+    if metric is None:
+        return None
+    supports = [g.min_support for g in spec.gates if g.scope == "per_slice"]
+    floor = min(supports) if supports else 30
+    t = table[(table["support"] >= floor) & table[metric].notna()]
+    if t.empty:
+        return None
+    row = t.sort_values(metric, ascending=higher_is_better(metric), kind="stable").iloc[0]
+    return {"slice": str(row["slice"]), "value": str(row["value"]), "support": int(row["support"]),
+            "metric": metric, "observed": float(row[metric])}
 
 
 def _model_size_mb(model_path: str | Path | None) -> float | None:
@@ -266,7 +285,7 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     table.to_csv(files["slices_csv"], index=False)
     write_report(files["report"], variant=variant_name, overall=overall, slice_table=table, gates=gates,
                  perf=perf, reference_perf=reference_perf, passed=passed)
-    result = ValidationResult(
+    result = ValidationResult(worst_slice=worst_slice(spec, table),
         variant=variant_name, task=task, rows=validation.n_rows, overall=overall, perf=perf,
         slices=table.to_dict("records"), gates=gates, passed=passed,
         non_finite_rows=int(non_finite_rows(cand).sum()), batch_sizes=list(spec.benchmark.batch_sizes),

@@ -104,7 +104,8 @@ def _latency_plot(perf: dict[int, dict], reference_perf: dict | None, variant: s
     return _png(fig)
 
 
-def _key_metric(slice_table: pd.DataFrame) -> str | None:
+def key_metric(slice_table: pd.DataFrame) -> str | None:
+    """The per-slice metric plotted (and used for the worst slice): the first of KEY_METRICS in the table."""
     for m in KEY_METRICS:
         if m in slice_table.columns:
             return m
@@ -129,7 +130,7 @@ def _slice_plot(slice_table: pd.DataFrame, metric: str) -> str | None:
     y = np.arange(len(t))[::-1]
     ax.barh(y, np.nan_to_num(finite, nan=0.0), color="#4c72b0")
     for yi, v, bar in zip(y, vals, np.nan_to_num(finite, nan=0.0)):
-        ax.text(bar, yi, f" {_fmt(v)}", va="center", fontsize=7)
+        ax.text(bar, yi, f" {v:.4g}" if np.isfinite(v) else f" {_fmt(v)}", va="center", fontsize=7)
     ax.set_yticks(y, labels, fontsize=7)
     ax.set_xlabel(metric)
     worst = "lowest" if higher_is_better(metric) else "highest"
@@ -223,7 +224,7 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
         parts.append("<p><small>" + "<br/>".join(html.escape(m) for m in methods) + "</small></p>")
 
     parts.append("<h2>Per-slice parity</h2>")
-    key = _key_metric(slice_table) if len(slice_table) else None
+    key = key_metric(slice_table) if len(slice_table) else None
     if key:
         sp = _slice_plot(slice_table, key)
         if sp:

@@ -16,6 +16,7 @@ VARIANT_TAG = "tailguard.variant"
 STATUS_TAG = "tailguard.status"      # ok | failed | skipped (the build/validation outcome)
 GATES_TAG = "tailguard.gates"        # passed | failed | not_evaluated
 MODEL_URI_TAG = "tailguard.model_uri"
+WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
 
 
 def _flat_params(variant: Any) -> dict[str, str]:
@@ -121,7 +122,8 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
     try:
         result = validate_variant(spec, variant.name, runner, reference_outputs, ds, work,
-                                  reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"])
+                                  reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
+                                  model_path=model_file)
         flat = result.mlflow_metrics()
         client.log_batch(run_id, metrics=[mlflow.entities.Metric(k, float(v), 0, 0) for k, v in flat.items()
                                           if v is not None and np.isfinite(v)])
@@ -144,6 +146,8 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
         for g in result.gates:
             client.set_tag(run_id, gate_tag(g.gate), g.status)
         client.set_tag(run_id, "tailguard.sha256", _sha256(model_file))
+        if result.worst_slice:
+            client.set_tag(run_id, WORST_SLICE_TAG, json.dumps(result.worst_slice, default=str))
         if reason:
             client.set_tag(run_id, "tailguard.reason", reason[:5000])
         import onnx
