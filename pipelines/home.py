@@ -31,6 +31,7 @@ def artifact_root() -> Path:
 def quiet_environment() -> None:
     """Turn off telemetry and chatty logs of MLflow, Great Expectations and friends (idempotent)."""
     for k, v in {"MLFLOW_DISABLE_TELEMETRY": "true", "GX_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-                 "MLFLOW_ENABLE_ASYNC_LOGGING": "false", "TOKENIZERS_PARALLELISM": "false",
+                 "MLFLOW_ENABLE_ASYNC_LOGGING": "false",
+                 "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "TOKENIZERS_PARALLELISM": "false",
                  "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}.items():
         os.environ.setdefault(k, v)

@@ -10,16 +10,21 @@ from tailguard.taskio import task_entry
 
 @task_entry("check-data")
 def main(*, spec_yaml: str, report_dir: str) -> str:
-    """Run the Great Expectations suite; write data_check.json into `report_dir`.
+    """Run the Great Expectations suite; write data_check.json into `report_dir` (also when it fails).
 
     Raises:
         DataCheckError: an expectation failed (exit 1). InputError: a data file is missing (exit 2).
     """
     from tailguard.components.check_data.logic import check_datasets, write_report
+    from tailguard.errors import DataCheckError
     from tailguard.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
     Path(report_dir).mkdir(parents=True, exist_ok=True)
-    report = check_datasets(spec)
+    try:
+        report = check_datasets(spec)
+    except DataCheckError as err:
+        write_report(err.report, Path(report_dir))  # a failed check leaves its evidence
+        raise
     write_report(report, Path(report_dir))
     return json.dumps(report.to_dict(), default=str)

@@ -59,7 +59,7 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str
     from tailguard.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
-    resolved = ResolvedModel.from_dict(json.loads(resolved_json))
+    resolved = ResolvedModel.from_dict(json.loads(resolved_json)).with_local_dir(reference_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if resolved.format == "onnx":
@@ -101,7 +101,7 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
     from tailguard.tracking import configure
 
     spec = spec_from_yaml(spec_yaml)
-    resolved = ResolvedModel.from_dict(json.loads(resolved_json))
+    resolved = ResolvedModel.from_dict(json.loads(resolved_json)).with_local_dir(reference_dir)
     configure(tracking_uri)
     ds = load_validation(spec)
     threads = spec.benchmark.intra_op_num_threads
