@@ -225,6 +225,18 @@ def demo(skip_monitor: bool = typer.Option(False, "--skip-monitor", help="Skip t
     raise typer.Exit(code)
 
 
+# ------------------------------------------------------------------------------------------- trigger
+@trigger_app.command("serve")
+@handle_errors
+def trigger_serve(config: Path = typer.Option(..., "--config", help="Trigger config YAML (models -> specs)."),
+                  host: str = typer.Option("127.0.0.1", "--host", help="Bind address."),
+                  port: int = typer.Option(8080, "--port", help="Port.")) -> None:
+    """Receive MLflow model_version.created webhooks (HMAC-SHA256 checked) and start runs."""
+    from tailguard.trigger import serve
+
+    serve(config, host, port)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -44,11 +44,11 @@ from typing import Any, Callable, Protocol
 
 import yaml
 from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from starlette.concurrency import run_in_threadpool
 
-from tailguard.errors import FieldError, InputError, SpecError, TailguardError
+from tailguard.errors import FieldError, InputError, SpecError
 
 log = logging.getLogger("tailguard.trigger")
 
@@ -58,6 +58,7 @@ TIMESTAMP_HEADER = "X-MLflow-Timestamp"
 DELIVERY_ID_HEADER = "X-MLflow-Delivery-Id"
 SIGNATURE_VERSION = "v1"
 EVENT = ("model_version", "created")
+KFP_HOST_ENV = "TAILGUARD_KFP_HOST"  # read by tailguard.runner.launch_run
 
 # Label values of tailguard_trigger_webhooks_total{outcome} (a contract with the PrometheusRule and dashboard).
 OUTCOMES: tuple[str, ...] = ("accepted", "bad_signature", "stale", "replayed", "unknown_model", "ignored_event",
@@ -199,21 +200,20 @@ def spec_hash(spec_path: str | Path) -> str:
 def default_launcher(config: TriggerConfig) -> Launcher:
     """The production launcher: `tailguard.runner.launch_run`, imported on first use.
 
-    `kfp_host` is passed as the `host` keyword when launch_run accepts one.
-
-    Raises:
-        TailguardError: (at launch) `kfp_host` is set but launch_run takes no `host` argument.
+    The trigger config decides where runs go: `kfp_host` is handed to launch_run as its `host` keyword when it
+    takes one, else through $TAILGUARD_KFP_HOST (which launch_run reads); with no `kfp_host` the variable is
+    removed, so the run starts on the local runner.
     """
 
     def launch(spec_path: str, model_name: str, version: str) -> str:
         from tailguard.runner import launch_run  # lazy: pulls kfp / the local runner
 
-        params = inspect.signature(launch_run).parameters
-        if "host" in params:
+        if "host" in inspect.signature(launch_run).parameters:
             return launch_run(spec_path, model_name, version, host=config.kfp_host)
         if config.kfp_host:
-            raise TailguardError("tailguard.runner.launch_run takes no `host` argument; cannot submit to "
-                                 f"{config.kfp_host}", hint="unset kfp_host, or update tailguard")
+            os.environ[KFP_HOST_ENV] = config.kfp_host
+        else:
+            os.environ.pop(KFP_HOST_ENV, None)
         return launch_run(spec_path, model_name, version)
 
     return launch
@@ -318,7 +318,11 @@ class TriggerState:
                 return self.count("unknown_model", 200, f"registered model {name!r} is not configured",
                                   delivery=delivery, model=name, version=version)
             spec_path = self.config.models[name]
-            key = (name, version, spec_hash(spec_path))
+            try:
+                key = (name, version, spec_hash(spec_path))
+            except OSError as exc:
+                return self.count("launch_failed", 500, f"cannot read spec {spec_path}: {exc}", delivery=delivery,
+                                  model=name, version=version)
             if key in self.launched:
                 self.replays.add(delivery)
                 return self.count("accepted", 200, "already launched for this model version and spec",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -246,7 +247,7 @@ def mlflow_server(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{d / 'mlflow.db'}",
          "--default-artifact-root", (d / "artifacts").as_uri(), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT)
+         "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     import requests
 
@@ -260,14 +261,14 @@ def mlflow_server(tmp_path_factory):
         except requests.RequestException:
             time.sleep(0.3)
     else:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("mlflow server did not become healthy in 90 s")
     yield url
-    proc.terminate()
+    os.killpg(proc.pid, signal.SIGTERM)  # the CLI starts uvicorn as a child: end the whole group it leads
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
     log.close()
 
 
@@ -280,7 +281,8 @@ def receiver(tmp_path, monkeypatch):
     launcher = RecordingLauncher()
     app = create_app(TriggerConfig.load(write_config(tmp_path)), launch=launcher)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.time() + 20
@@ -320,3 +322,20 @@ def test_trigger_launches_run_when_real_mlflow_server_creates_model_version(mlfl
     assert launcher.calls == [(spec_path, "tiny-clf", "1")]
     assert c["accepted"] == 1 and c["bad_signature"] == 2 and c["unknown_model"] == 1
     assert app.state.trigger.runs_started._value.get() == 1
+
+
+def test_default_launcher_passes_kfp_host_to_runner_when_configured(config, monkeypatch):
+    """Seam: tailguard.runner.launch_run is replaced by a recorder (it would submit to KFP or start a run)."""
+    import tailguard.runner
+    from tailguard.trigger import KFP_HOST_ENV, default_launcher
+
+    seen = []
+    monkeypatch.setattr(tailguard.runner, "launch_run",
+                        lambda spec, name, version: seen.append((spec, name, version,
+                                                                 os.environ.get(KFP_HOST_ENV))) or "run-x")
+    monkeypatch.setenv(KFP_HOST_ENV, "http://stale-host")
+    assert default_launcher(config)("s.yaml", "tiny-clf", "4") == "run-x"  # no kfp_host: local runner
+    cfg = config.model_copy(update={"kfp_host": "http://ml-pipeline.kubeflow:8888"})
+    default_launcher(cfg)("s.yaml", "tiny-clf", "5")
+    assert seen == [("s.yaml", "tiny-clf", "4", None),
+                    ("s.yaml", "tiny-clf", "5", "http://ml-pipeline.kubeflow:8888")]

@@ -1,0 +1,36 @@
+# syntax=docker/dockerfile:1
+# tailguard GPU component image: the CPU image's steps plus TensorRT engines and onnxruntime-gpu, for the steps
+# that KFP schedules on the GPU node pool (spec kubeflow.gpu_image).
+#   docker build -f manifests/images/gpu.Dockerfile -t ghcr.io/tailguard/tailguard-gpu:0.1.0 .
+# Base: NGC TensorRT 25.01 (TensorRT 10.8, CUDA 12.8, cuDNN 9, Ubuntu 24.04, Python 3.12; its release notes list
+# the driver it needs). Pinned by tag; add @sha256:<digest> when you build (not knowable offline).
+FROM nvcr.io/nvidia/tensorrt:25.01-py3
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
+    TAILGUARD_HOME=/tmp/tailguard \
+    MLFLOW_DISABLE_TELEMETRY=true \
+    GX_ANALYTICS_ENABLED=false \
+    DO_NOT_TRACK=1
+
+WORKDIR /opt/tailguard
+
+COPY manifests/images/requirements-common.txt manifests/images/requirements-gpu.txt /opt/tailguard/requirements/
+RUN python3 -m pip install --no-cache-dir -r /opt/tailguard/requirements/requirements-gpu.txt \
+    && python3 -c "import tensorrt, onnxruntime; print(tensorrt.__version__, onnxruntime.get_available_providers())"
+
+COPY pyproject.toml README.md /opt/tailguard/
+COPY pipelines/ /opt/tailguard/pipelines/
+COPY components/ /opt/tailguard/components/
+COPY monitoring/ /opt/tailguard/monitoring/
+RUN python3 -m pip install --no-cache-dir --no-deps /opt/tailguard \
+    && python3 -c "import tailguard.components, tailguard.monitoring" \
+    && groupadd --gid 10001 tailguard \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp/tailguard --shell /usr/sbin/nologin tailguard
+
+USER 10001:10001
+ENTRYPOINT ["tailguard"]
+CMD ["--help"]
