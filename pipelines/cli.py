@@ -30,8 +30,9 @@ app.add_typer(spec_app, name="spec")
 app.add_typer(monitor_app, name="monitor")
 app.add_typer(trigger_app, name="trigger")
 
-console = Console(stderr=False, highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# Wide enough for the summary table when output goes to a file or a CI log (no terminal to measure).
+console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -206,7 +206,9 @@ class QuantizationSpec(_Model):
 
     mode: Literal["dynamic", "static"] = Field(description="dynamic: weights only, activations at run time; "
                                                            "static: activations calibrated on the calibration set.")
-    format: Literal["qdq", "qoperator"] = Field("qdq", description="Static quantization format (QDQ recommended).")
+    format: Literal["qdq", "qoperator"] = Field("qdq", description=(
+        "Static quantization format (QDQ recommended). Dynamic quantization always writes QOperator "
+        "(MatMulInteger/DynamicQuantizeLinear) and ignores this field."))
     per_channel: bool = Field(False, description="Per-channel weight scales (per output channel).")
     reduce_range: bool = Field(False, description="7-bit weights (for CPUs without VNNI).")
     weight_type: Literal["int8", "uint8"] = Field("int8", description="Weight integer type.")
@@ -219,12 +221,6 @@ class QuantizationSpec(_Model):
     exclude_nodes: list[str] = Field(default_factory=list, description="Node names kept in float.")
     exclude_op_types: list[str] = Field(default_factory=list, description="Op types kept in float (every node).")
     preprocess: bool = Field(True, description="Run quant_pre_process (shape inference, auto_merge) first.")
-
-    @model_validator(mode="after")
-    def _static_only(self) -> "QuantizationSpec":
-        if self.mode == "dynamic" and self.format == "qdq" and "format" in self.model_fields_set:
-            raise ValueError("format applies to static quantization only; drop it for mode: dynamic")
-        return self
 
 
 class VariantSpec(_Model):

@@ -1,10 +1,12 @@
 """Tiny real models and data for tests (milliseconds to build, no downloads).
 
-`make_tiny_encoder()` is a one-block transformer-shaped encoder (embedding, feed-forward with two Linear layers,
-residual + LayerNorm, masked mean pool, a classification head). It takes `input_ids` and `attention_mask`
+`make_tiny_encoder()` is a one-block transformer-shaped encoder (embedding, single-head self-attention with a
+BERT-style additive mask, feed-forward with two Linear layers, residual + LayerNorm, masked mean pool, a
+classification head). It takes `input_ids` and `attention_mask`
 (int64, [batch, sequence]) and returns `logits` (float32, [batch, N_CLASSES]) and `pooled` (float32,
 [batch, HIDDEN]), so it exercises everything the export and quantize steps care about: MatMul/Gemm to quantize,
-LayerNormalization, variable sequence length and a masked reduction.
+an attention MatMul pair that ORT fuses into FusedMatMul, LayerNormalization, variable sequence length and a
+masked reduction.
 
 Reuse from other tests::
 
@@ -41,6 +43,10 @@ def make_tiny_encoder(seed: int = 0):
 
         def forward(self, input_ids, attention_mask):
             x = self.emb(input_ids)
+            # single-head self-attention without projections, BERT-style additive mask
+            scores = torch.matmul(x, x.transpose(-1, -2)) / 4.0
+            scores = scores + (1.0 - attention_mask[:, None, :].to(x.dtype)) * -10000.0
+            x = x + torch.matmul(torch.softmax(scores, dim=-1), x)
             h = self.ln(x + self.l2(torch.nn.functional.gelu(self.l1(x))))
             m = attention_mask.unsqueeze(-1).to(h.dtype)
             pooled = (h * m).sum(1) / m.sum(1).clamp(min=1.0)

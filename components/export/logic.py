@@ -55,8 +55,8 @@ def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], 
     Args:
         module: torch.nn.Module; called with the inputs positionally in `spec.inputs` order.
         spec: `tailguard.spec.ModelSpec` (inputs, outputs, export.opset, export.dynamo).
-        sample_feeds: {input name: array (batch, sequence, ...)} used for tracing; with dynamo every dynamic axis
-            must have size >= 2 here.
+        sample_feeds: {input name: array (batch, sequence, ...)} used for tracing; with dynamo a dynamic axis of
+            size 1 is repeated to size 2 (torch.export would otherwise specialize it to a constant).
         out_path: the .onnx file to write (folders are created).
 
     Returns:
@@ -65,8 +65,8 @@ def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], 
         "dynamic_axes"}.
 
     Raises:
-        InputError: a spec input is missing from `sample_feeds`, a dynamic axis is too small for dynamo, or the
-            module's outputs do not match `spec.outputs` in number.
+        InputError: a spec input is missing from `sample_feeds`, or the module's outputs do not match
+            `spec.outputs` in number.
         StepError: the torch exporter itself failed (step "export"), with its message.
     """
     import torch
@@ -79,8 +79,11 @@ def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], 
     if missing:
         raise InputError(f"export: sample feeds lack model input(s) {missing} (model.inputs: {names_in})",
                          hint="give one sample array per model input, named as in model.inputs")
-    args = tuple(torch.from_numpy(np.ascontiguousarray(sample_feeds[n])) for n in names_in)
     axes = dynamic_axes_from_spec(spec)
+    feeds = {n: np.asarray(sample_feeds[n]) for n in names_in}
+    if spec.export.dynamo:
+        feeds = _grow_dynamic_axes(feeds, axes)
+    args = tuple(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names_in)
     if hasattr(module, "eval"):
         module.eval()
     t0 = time.perf_counter()
@@ -108,6 +111,18 @@ def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], 
     return facts
 
 
+def _grow_dynamic_axes(feeds: dict[str, np.ndarray], axes: dict[str, dict[int, str]]) -> dict[str, np.ndarray]:
+    """Repeat samples along every dynamic axis shorter than 2: torch.export specializes sizes 0 and 1 into
+    constants. Tracing records shapes, not values, so repeated rows/positions change nothing in the graph."""
+    grown = {}
+    for name, a in feeds.items():
+        for i in axes.get(name, {}):
+            if i < a.ndim and 0 < a.shape[i] < 2:
+                a = np.concatenate([a, a], axis=i)
+        grown[name] = a
+    return grown
+
+
 def _export_dynamo(module: Any, args: tuple, spec: Any, axes: dict[str, dict[int, str]], out_path: Path) -> None:
     import torch
 
@@ -116,10 +131,6 @@ def _export_dynamo(module: Any, args: tuple, spec: Any, axes: dict[str, dict[int
     for t, a in zip(spec.inputs, args):
         per_axis = {}
         for i, name in axes.get(t.name, {}).items():
-            if a.shape[i] < 2:
-                raise InputError(f"export: sample input {t.name!r} has size {a.shape[i]} on dynamic axis "
-                                 f"{name!r}; torch.export needs >= 2 to keep it dynamic",
-                                 hint="trace with at least 2 rows and 2 positions per dynamic axis")
             per_axis[i] = dims.setdefault(name, torch.export.Dim(name, min=2))
         dynamic_shapes[t.name] = per_axis
     try:

@@ -53,13 +53,14 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str
         InputError: a corrupt ONNX reference (exit 2).
     """
     from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
-    from tailguard.components.resolve.logic import ResolvedModel, load_torch_reference
+    from tailguard.components.resolve.logic import load_torch_reference
+    from tailguard.components.resolve.task import load_resolved
     from tailguard.data import load_validation
     from tailguard.runtime import TorchRunner
     from tailguard.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
-    resolved = ResolvedModel.from_dict(json.loads(resolved_json)).with_local_dir(reference_dir)
+    resolved = load_resolved(resolved_json, reference_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if resolved.format == "onnx":
@@ -92,7 +93,8 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
     """
     import mlflow
 
-    from tailguard.components.resolve.logic import ResolvedModel, load_torch_reference
+    from tailguard.components.resolve.logic import load_torch_reference
+    from tailguard.components.resolve.task import load_resolved
     from tailguard.components.validate.latency import benchmark
     from tailguard.data import load_validation
     from tailguard.errors import StepError
@@ -101,7 +103,7 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
     from tailguard.tracking import configure
 
     spec = spec_from_yaml(spec_yaml)
-    resolved = ResolvedModel.from_dict(json.loads(resolved_json)).with_local_dir(reference_dir)
+    resolved = load_resolved(resolved_json, reference_dir)
     configure(tracking_uri)
     ds = load_validation(spec)
     threads = spec.benchmark.intra_op_num_threads

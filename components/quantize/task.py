@@ -30,7 +30,7 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
     needs_calibration = variant.quantization is not None and variant.quantization.mode == "static"
     calibration = load_calibration(spec) if needs_calibration else None
     result = build_variant(variant, str(Path(onnx_dir) / ONNX_FILE), str(out), calibration=calibration,
-                           model=spec.model)
+                           model=spec.model, calibration_batch_size=spec.data.calibration.batch_size)
     if result.artifact:
         result.artifact = str(Path(result.artifact).resolve().relative_to(out.resolve()))
     d = result.to_dict()

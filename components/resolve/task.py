@@ -46,4 +46,16 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     client.log_param(run.info.run_id, "model.registered_name", spec.model.registered_name)
     client.log_param(run.info.run_id, "model.version", str(resolved.version))
     client.log_param(run.info.run_id, "variants", ",".join(v.name for v in spec.variants))
-    return json.dumps(resolved.to_dict(), default=str), run.info.run_id
+    d = resolved.to_dict()
+    # Where the files sit inside the KFP artifact folder: later tasks see that folder at another path.
+    d["artifact_subdir"] = str(Path(resolved.local_dir).resolve().relative_to(Path(out_dir).resolve()))
+    return json.dumps(d, default=str), run.info.run_id
+
+
+def load_resolved(resolved_json: str, reference_dir: str):
+    """The ResolvedModel of `main`'s JSON with its paths rebased onto this task's view of the artifact folder."""
+    from tailguard.components.resolve.logic import ResolvedModel
+
+    d = json.loads(resolved_json)
+    sub = d.pop("artifact_subdir", ".")
+    return ResolvedModel.from_dict(d).with_local_dir(str(Path(reference_dir) / sub))

@@ -86,7 +86,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
             STATUS_TAG: build["status"], GATES_TAG: "not_evaluated"}
     run = client.create_run(exp_id, run_name=variant.name, tags=tags)
     run_id = run.info.run_id
-    client.log_params(run_id, {k: v for k, v in _flat_params(variant).items()})
+    client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in _flat_params(variant).items()])
     summary: dict[str, Any] = {"variant": variant.name, "status": build["status"], "reason": build.get("reason", ""),
                                "passed": False, "run_id": run_id, "model_uri": None, "build": build}
     try:

@@ -1,0 +1,627 @@
+"""Build one inference variant from the FP32 ONNX reference: ONNX Runtime graph optimization, FP16 conversion,
+INT8 dynamic / static quantization, and the TensorRT seam.
+
+One entry point, `build_variant`, dispatches through the step registry (`tailguard.steps`) on the variant's
+backend: `quantize.onnxruntime` builds every ONNX Runtime variant, `compile.tensorrt` builds TensorRT engines
+(skipped, with the reason, where no GPU / TensorRT is present). Each step returns a `StepResult`: ok with the
+artifact and the facts of the build, failed with the reason when ONNX Runtime's tooling breaks for that variant
+(the run goes on with the other variants), or skipped with the reason.
+
+Pipeline of an ONNX Runtime variant (every stage recorded in `details`):
+
+1. graph optimization (`variant.graph_optimization`): `fusion: bert` runs
+   `onnxruntime.transformers.optimizer.optimize_model` (Attention, SkipLayerNormalization, Gelu fusions);
+   otherwise an ORT session at `level` saves its optimized graph (`SessionOptions.optimized_model_filepath`).
+2. precision: fp32 keeps the optimized graph; fp16 runs `onnxruntime.transformers.float16.
+   convert_float_to_float16(keep_io_types=True)`; int8 runs `quant_pre_process` (optional) then
+   `quantize_dynamic` or `quantize_static` with a calibration reader over the calibration set.
+3. the result is written as one self-contained .onnx file (external data only above 2 GB), loaded once in
+   ONNX Runtime on the variant's execution provider, and a `reproduce.sh` is written beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import json
+import shlex
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from tailguard.data import Dataset, batch_indices, make_batch
+from tailguard.errors import InputError
+from tailguard.runtime import ort_providers_unavailable_reason, tensorrt_unavailable_reason
+from tailguard.steps import StepResult, get_step, register_step
+
+TWO_GB = 2 * 1024**3  # protobuf's limit for one serialized ModelProto
+
+STEP_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt"}
+
+# ORT graph optimization levels by spec name, and the matching `opt_level` of onnxruntime.transformers.optimizer
+# (0 disables ORT's own pass; 99 = ORT_ENABLE_ALL).
+_OPT_LEVELS = {"disabled": 0, "basic": 1, "extended": 2, "all": 99}
+
+# Fused operators reported after graph optimization (onnxruntime.transformers BertOnnxModel's statistics list,
+# plus the contrib ops ORT's own extended-level fusions produce on CPU).
+FUSED_OP_TYPES = ("EmbedLayerNormalization", "Attention", "MultiHeadAttention", "Gelu", "FastGelu", "BiasGelu",
+                  "GemmFastGelu", "LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+                  "SkipSimplifiedLayerNormalization", "RotaryEmbedding", "FusedMatMul", "FusedGemm",
+                  "MatMulIntegerToFloat", "BiasSoftmax", "QuickGelu")
+
+# Operators that compute in integer arithmetic (QOperator format and dynamic quantization).
+INTEGER_OP_TYPES = frozenset({"MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
+                              "QAttention", "QGemm", "QEmbedLayerNormalization", "DynamicQuantizeLSTM"})
+QDQ_OP_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+_MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "Conv", "Attention")
+
+
+# --------------------------------------------------------------------------------------------- dispatch
+def step_name_for(variant: Any) -> str:
+    """Registered step name that builds `variant` (by its backend), e.g. "quantize.onnxruntime"."""
+    return STEP_FOR_BACKEND[variant.backend]
+
+
+def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None,
+                  model: Any, calibration_batch_size: int = 8) -> StepResult:
+    """Build one variant from the FP32 ONNX reference, through the step registered for its backend.
+
+    Args:
+        variant: `tailguard.spec.VariantSpec`.
+        fp32_onnx: the FP32 reference .onnx file (the checked export).
+        out_dir: folder for the variant's files (created): `<variant.name>.onnx`, `build.log` (the tools' output;
+            the traceback on failure), `reproduce.sh` with `variant.json` and `model.json`, and
+            `calibration.parquet` (the exact calibration rows) for static INT8.
+        calibration: calibration rows (needed by static INT8 only; `tailguard.data.load_dataset`).
+        model: `tailguard.spec.ModelSpec` (inputs, pad_values).
+        calibration_batch_size: rows per calibration batch (`spec.data.calibration.batch_size`).
+
+    Returns:
+        StepResult: ok (artifact = the .onnx file, details = facts of the build), failed (ORT tooling broke for
+        this variant; reason and log path), or skipped (execution provider / GPU / TensorRT missing; reason).
+
+    Raises:
+        InputError: `fp32_onnx` is missing or not an ONNX file, or a static INT8 variant gets no calibration rows.
+        UnknownStepError: no step is registered for the variant's backend.
+    """
+    return get_step(step_name_for(variant))(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
+                                            calibration_batch_size=calibration_batch_size)
+
+
+def _check_inputs(variant: Any, fp32_onnx: str | Path, calibration: Dataset | None) -> Path:
+    path = Path(fp32_onnx)
+    if not path.is_file():
+        raise InputError(f"variant {variant.name}: FP32 ONNX file not found: {path}",
+                         hint="run the export step first, or pass the path of the exported .onnx file")
+    try:
+        import onnx
+
+        onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # DecodeError and friends: not an ONNX file
+        raise InputError(f"variant {variant.name}: {path} is not a readable ONNX model: "
+                         f"{type(exc).__name__}: {str(exc)[:200]}",
+                         hint="pass the .onnx file written by the export step") from None
+    q = variant.quantization
+    if q is not None and q.mode == "static" and (calibration is None or calibration.n_rows == 0):
+        raise InputError(f"variants.{variant.name}.quantization: static INT8 needs calibration rows but none "
+                         "were given", hint="set data.calibration in the spec (a Parquet file with the model inputs)")
+    return path
+
+
+# --------------------------------------------------------------------------------------------- TensorRT
+@register_step("compile.tensorrt")
+def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None = None,
+                     model: Any = None, calibration_batch_size: int = 8) -> StepResult:
+    """Build a TensorRT engine for `variant`: skipped with the reason where no GPU or TensorRT is present.
+
+    TensorRT is never imported at module level; `tailguard.runtime.tensorrt_unavailable_reason` is the seam.
+    Arguments and result as `build_variant`.
+
+    Raises:
+        InputError: `fp32_onnx` is missing.
+    """
+    _check_inputs(variant, fp32_onnx, None)
+    reason = tensorrt_unavailable_reason()
+    if reason:
+        return StepResult("skipped", reason=f"TensorRT variant {variant.name} needs a GPU with TensorRT: {reason}",
+                          details={"backend": "tensorrt", "precision": variant.precision})
+    return _build_tensorrt_engine(variant, Path(fp32_onnx), Path(out_dir), calibration, model)
+
+
+def _build_tensorrt_engine(variant: Any, fp32_onnx: Path, out_dir: Path, calibration: Dataset | None,
+                           model: Any) -> StepResult:
+    """The GPU seam: the real engine build (tensorrt imported here, lazily) is a later issue; until then the
+    variant is skipped visibly even on a GPU node."""
+    return StepResult("skipped", reason=(f"TensorRT variant {variant.name}: building TensorRT engines is not "
+                                         "implemented in this tailguard version (GPU and TensorRT are present)"),
+                      details={"backend": "tensorrt", "precision": variant.precision})
+
+
+# ----------------------------------------------------------------------------------------- ONNX Runtime
+@register_step("quantize.onnxruntime")
+def quantize_onnxruntime(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *,
+                         calibration: Dataset | None = None, model: Any = None,
+                         calibration_batch_size: int = 8) -> StepResult:
+    """Build an ONNX Runtime variant (fp32-optimized, fp16, int8 dynamic, int8 static). See `build_variant`.
+
+    Raises:
+        InputError: `fp32_onnx` is missing, or static INT8 without calibration rows.
+    """
+    fp32 = _check_inputs(variant, fp32_onnx, calibration)
+    if model is None:
+        raise InputError(f"variant {variant.name}: the model spec is required (model inputs and pad values)")
+    reason = ort_providers_unavailable_reason(variant.execution_provider)
+    if reason:
+        return StepResult("skipped", reason=f"variant {variant.name}: {reason}",
+                          details={"backend": "onnxruntime", "execution_provider": variant.execution_provider})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{variant.name}.onnx"
+    details: dict[str, Any] = {"backend": "onnxruntime", "precision": variant.precision,
+                               "execution_provider": variant.execution_provider}
+    log = out / "build.log"
+    progress = {"stage": "setup"}
+    captured = io.StringIO()  # ORT's tools print progress and log warnings: kept in build.log, not on the console
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            failure = _build_ort(variant, fp32, target, calibration, model, calibration_batch_size, details,
+                                 progress)
+    except InputError:
+        raise
+    except Exception as exc:  # ORT tooling raises anything (RuntimeError, ValueError, KeyError, Fail, ...)
+        log.write_text(f"variant {variant.name}: {progress['stage']} failed\n\n{captured.getvalue()}\n"
+                       f"{traceback.format_exc()}")
+        first = (str(exc).splitlines() or [""])[0][:600]
+        details["build_seconds"] = round(time.perf_counter() - t0, 3)
+        return StepResult("failed", reason=f"variant {variant.name}: {progress['stage']} failed: "
+                                           f"{type(exc).__name__}: {first} (log: {log})", details=details)
+    details["build_seconds"] = round(time.perf_counter() - t0, 3)
+    log.write_text(captured.getvalue())
+    if failure:
+        return StepResult("failed", reason=failure, details=details)
+    details["reproduce"] = str(_write_reproduce(variant, fp32, out, model, calibration_batch_size))
+    return StepResult("ok", artifact=str(target), details=details)
+
+
+def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | None, model: Any,
+               calibration_batch_size: int, details: dict[str, Any], progress: dict[str, str]) -> str | None:
+    """The stages of an ORT variant; returns a failure reason for a problem found (not raised), else None."""
+    out = target.parent
+    with tempfile.TemporaryDirectory(prefix=f"{variant.name}.", dir=out) as tmp_dir:
+        tmp = Path(tmp_dir)
+        details["op_types_before"] = _op_counts(fp32)
+        progress["stage"] = "graph optimization"
+        optimized = _optimize_graph(variant, fp32, tmp / "optimized.onnx", details)
+        if variant.precision == "fp32":
+            progress["stage"] = "save"
+            _save_self_contained(optimized, target)
+        elif variant.precision == "fp16":
+            progress["stage"] = "fp16 conversion"
+            _to_fp16(variant, optimized, target, details)
+        else:
+            q = variant.quantization
+            source = optimized
+            if q.preprocess:
+                progress["stage"] = "quant_pre_process"
+                source = _preprocess(optimized, tmp / "preprocessed.onnx", details)
+            progress["stage"] = f"quantize_{q.mode}"
+            excluded, bad = _excluded_nodes(source, q)
+            details["excluded_nodes"] = excluded
+            if bad:
+                return (f"variant {variant.name}: quantization.exclude_nodes {bad} are not nodes of the graph "
+                        f"being quantized (after graph optimization level {variant.graph_optimization.level!r}"
+                        f"{', quant_pre_process' if source != optimized else ''}); use node names of that graph "
+                        "or set graph_optimization.level: disabled")
+            if q.mode == "dynamic":
+                _quantize_dynamic(q, source, target, excluded, details)
+            else:
+                _quantize_static(q, source, target, excluded, calibration, model, calibration_batch_size,
+                                 tmp, details)
+                _write_calibration(calibration, model, out)
+        progress["stage"] = "summary"
+        details.update(_summary(target, details.get("excluded_nodes", [])))
+        progress["stage"] = "load check"
+        _load_check(target, variant.execution_provider)
+    return None
+
+
+# ------------------------------------------------------------------------------------- graph optimization
+def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any]) -> Path:
+    go = variant.graph_optimization
+    info: dict[str, Any] = {"level": go.level, "fusion": go.fusion}
+    if go.fusion == "bert":
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        opt = optimize_model(str(src), model_type="bert", num_heads=go.num_heads, hidden_size=go.hidden_size,
+                             opt_level=_OPT_LEVELS[go.level],
+                             use_gpu=variant.execution_provider != "CPUExecutionProvider")
+        info["fused_ops_reported"] = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
+        opt.save_model_to_file(str(dst), use_external_data_format=opt.model.ByteSize() >= TWO_GB)
+    elif go.level != "disabled":
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = {
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[go.level]
+        opts.optimized_model_filepath = str(dst)
+        opts.log_severity_level = 3
+        ort.InferenceSession(str(src), sess_options=opts, providers=[variant.execution_provider])
+    else:
+        shutil.copyfile(src, dst)
+    counts = _op_counts(dst)
+    info["fused_ops"] = {k: counts[k] for k in FUSED_OP_TYPES if counts.get(k)}
+    info["nodes"] = sum(counts.values())
+    details["graph_optimization"] = info
+    return dst
+
+
+# -------------------------------------------------------------------------------------------------- fp16
+def _to_fp16(variant: Any, src: Path, dst: Path, details: dict[str, Any]) -> None:
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    # ORT's default block list holds ops without float16 kernels; the spec's list (default ["Cast"]) is added.
+    block = sorted(set(DEFAULT_OP_BLOCK_LIST) | set(variant.fp16_op_block_list))
+    proto = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True, op_block_list=block)
+    details["fp16"] = {"op_block_list": block, "keep_io_types": True}
+    _save_proto(proto, dst)
+
+
+# -------------------------------------------------------------------------------------------------- int8
+def _preprocess(src: Path, dst: Path, details: dict[str, Any]) -> Path:
+    """quant_pre_process: symbolic shape inference with auto_merge (MiniLM-like graphs need it), ORT basic
+    optimization. Graphs with contrib ops that symbolic shape inference does not know (FusedMatMul after ORT's
+    extended level) fail "Incomplete symbolic shape inference"; a second try guesses those ops' output rank
+    (guess_output_rank=True), without which the Softmax after them stays untyped and uncalibrated. If both fail,
+    the unprocessed graph is quantized and the reasons are recorded."""
+    from onnxruntime.quantization import quant_pre_process
+
+    errors = []
+    for options in ({"auto_merge": True}, {"auto_merge": True, "guess_output_rank": True}):
+        try:
+            quant_pre_process(str(src), str(dst), **options)
+        except Exception as exc:  # symbolic shape inference fails on some graphs; quantization still can run
+            errors.append(f"{options}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        details["preprocess"] = {"ran": True, **options, **({"first_try": errors[0]} if errors else {})}
+        return dst
+    details["preprocess"] = {"ran": False, "error": "; ".join(errors)}
+    return src
+
+
+def _excluded_nodes(src: Path, q: Any) -> tuple[list[str], list[str]]:
+    """Node names to keep in float: `exclude_nodes` plus every node of an `exclude_op_types` type.
+
+    Returns:
+        (sorted names to exclude, names from exclude_nodes that the graph does not have).
+    """
+    import onnx
+
+    graph = onnx.load(str(src), load_external_data=False).graph
+    names = {n.name for n in graph.node}
+    unknown = [n for n in q.exclude_nodes if n not in names]
+    by_type = {n.name for n in graph.node if n.op_type in set(q.exclude_op_types) and n.name}
+    chosen = (set(q.exclude_nodes) & names) | by_type
+    # Dynamic quantization first rewrites Gemm as MatMul (+ Add) named "<gemm>_MatMul"
+    # (onnxruntime/quantization/onnx_model.py replace_gemm_with_matmul): exclude that name too.
+    chosen |= {f"{n.name}_MatMul" for n in graph.node if n.name in chosen and n.op_type == "Gemm"}
+    return sorted(chosen), unknown
+
+
+def _has_contrib_ops(src: Path) -> bool:
+    import onnx
+
+    graph = onnx.load(str(src), load_external_data=False).graph
+    return any(n.domain not in ("", "ai.onnx") for n in graph.node)
+
+
+def _quant_type(name: str):
+    from onnxruntime.quantization import QuantType
+
+    return {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}[name]
+
+
+def _large(src: Path) -> bool:
+    return src.stat().st_size >= TWO_GB
+
+
+def _quantize_dynamic(q: Any, src: Path, dst: Path, excluded: list[str], details: dict[str, Any]) -> None:
+    import onnx
+    from onnxruntime.quantization import quantize_dynamic
+
+    extra: dict[str, Any] = {}
+    if _has_contrib_ops(src):
+        # Shape inference does not type the outputs of fused contrib ops (SkipLayerNormalization, ...); without a
+        # default the quantizer raises "Unable to find data type for weight_name=...".
+        extra["DefaultTensorType"] = onnx.TensorProto.FLOAT
+    quantize_dynamic(str(src), str(dst), op_types_to_quantize=q.op_types or None, per_channel=q.per_channel,
+                     reduce_range=q.reduce_range, weight_type=_quant_type(q.weight_type),
+                     nodes_to_exclude=excluded, use_external_data_format=_large(src), extra_options=extra)
+    details["quantization"] = {"mode": "dynamic", "per_channel": q.per_channel, "reduce_range": q.reduce_range,
+                               "weight_type": q.weight_type, "activation_type": "uint8 (dynamic)",
+                               "op_types": q.op_types or "all supported",
+                               "extra_options": _jsonable(extra)}
+
+
+class DatasetCalibrationReader:
+    """`onnxruntime.quantization.CalibrationDataReader` over a tailguard Dataset.
+
+    Yields feeds {input name: array (batch, sequence, ...)} in length-sorted batches of `batch_size` rows,
+    padded per batch with `model.pad_values`, or all to `fixed_length` and to exactly `batch_size` rows
+    (`equal_batches`: the last batch is filled with the first rows again), which ORT's histogram calibrators
+    need when they stack every batch into one array.
+
+    Args:
+        ds: calibration rows.
+        input_specs: `model.inputs`.
+        batch_size: rows per batch.
+        pad_values: pad value per input (default 0).
+        fixed_length: pad every row to this length (None: the longest row of each batch).
+        equal_batches: make every batch exactly `batch_size` rows.
+        input_names: only these inputs are fed (the graph's inputs).
+    """
+
+    def __init__(self, ds: Dataset, input_specs: Any, batch_size: int, *, pad_values: dict[str, float] | None = None,
+                 fixed_length: int | None = None, equal_batches: bool = False,
+                 input_names: list[str] | None = None) -> None:
+        self.ds, self.specs = ds, [s for s in input_specs if input_names is None or s.name in input_names]
+        self.batch_size, self.pad_values, self.fixed_length = batch_size, pad_values or {}, fixed_length
+        self.batches = batch_indices(ds, batch_size)
+        if equal_batches and self.batches and len(self.batches[-1]) < batch_size:
+            need = batch_size - len(self.batches[-1])
+            fill = np.resize(np.concatenate(self.batches), need)
+            self.batches[-1] = np.concatenate([self.batches[-1], fill])
+        self._it: Iterator[np.ndarray] = iter(self.batches)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        """The next batch of feeds, or None at the end."""
+        idx = next(self._it, None)
+        if idx is None:
+            return None
+        return make_batch(self.ds, idx, self.specs, pad_values=self.pad_values, fixed_length=self.fixed_length)
+
+    def rewind(self) -> None:
+        """Start again from the first batch."""
+        self._it = iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _calibration_cache_supported() -> bool:
+    """quantize_static takes precomputed ranges (calibration_cache_path) in onnxruntime >= 1.2x builds that have
+    it; then tailguard runs the histogram calibrators itself, with the spec's num_bins."""
+    from onnxruntime.quantization import quantize_static
+
+    return "calibration_cache_path" in inspect.signature(quantize_static).parameters
+
+
+def _quantize_static(q: Any, src: Path, dst: Path, excluded: list[str], calibration: Dataset, model: Any,
+                     batch_size: int, tmp: Path, details: dict[str, Any]) -> None:
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+
+    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+              "percentile": CalibrationMethod.Percentile}[q.calibration_method]
+    graph_inputs = [i.name for i in onnx.load(str(src), load_external_data=False).graph.input]
+    extra: dict[str, Any] = {}
+    if _has_contrib_ops(src):
+        extra["DefaultTensorType"] = onnx.TensorProto.FLOAT  # see _quantize_dynamic
+    calib_info: dict[str, Any] = {"method": q.calibration_method, "rows": calibration.n_rows,
+                                  "batch_size": batch_size}
+    kwargs: dict[str, Any] = {}
+    if q.calibration_method == "percentile":
+        extra["CalibPercentile"] = q.percentile
+        calib_info["percentile"] = q.percentile
+    if q.calibration_method == "minmax":
+        reader = DatasetCalibrationReader(calibration, model.inputs, batch_size, pad_values=model.pad_values,
+                                          input_names=graph_inputs)
+        kwargs["calibration_data_reader"] = reader
+        calib_info.update(batches=len(reader), padding="per batch")
+    elif _calibration_cache_supported():
+        # quantize_static does not forward num_bins to the histogram calibrators (onnxruntime/quantization/
+        # quantize.py passes only CalibTensorRangeSymmetric/MovingAverage/MaxIntermediateOutputs/Percentile), so
+        # tailguard calibrates with create_calibrator(extra_options={"num_bins": ...}) and hands the ranges over
+        # as a calibration cache. One collect_data call per batch: the calibrators stack the batches of one call
+        # into one array, which fails on variable-length batches; histograms merge across calls.
+        cache = tmp / "calibration_cache.json"
+        n_batches = _calibrate_histogram(src, q, method, calibration, model, batch_size, graph_inputs, cache, tmp)
+        kwargs["calibration_cache_path"] = str(cache)
+        calib_info.update(batches=n_batches, padding="per batch", num_bins=q.num_bins, num_bins_applied=True)
+    else:
+        fixed = int(calibration.lengths.max())
+        reader = DatasetCalibrationReader(calibration, model.inputs, batch_size, pad_values=model.pad_values,
+                                          fixed_length=fixed, equal_batches=True, input_names=graph_inputs)
+        kwargs["calibration_data_reader"] = reader
+        calib_info.update(batches=len(reader), padding=f"fixed length {fixed}", num_bins=q.num_bins,
+                          num_bins_applied=False,
+                          note="this onnxruntime's quantize_static cannot take num_bins; its default was used")
+    quantize_static(str(src), str(dst), quant_format=QuantFormat.QDQ if q.format == "qdq" else QuantFormat.QOperator,
+                    op_types_to_quantize=q.op_types or None, per_channel=q.per_channel, reduce_range=q.reduce_range,
+                    activation_type=_quant_type(q.activation_type), weight_type=_quant_type(q.weight_type),
+                    nodes_to_exclude=excluded, use_external_data_format=_large(src), calibrate_method=method,
+                    calibration_providers=["CPUExecutionProvider"], extra_options=extra, **kwargs)
+    details["calibration"] = calib_info
+    details["quantization"] = {"mode": "static", "format": q.format, "per_channel": q.per_channel,
+                               "reduce_range": q.reduce_range, "weight_type": q.weight_type,
+                               "activation_type": q.activation_type, "op_types": q.op_types or "all supported",
+                               "extra_options": _jsonable(extra)}
+
+
+def _calibrate_histogram(src: Path, q: Any, method: Any, calibration: Dataset, model: Any, batch_size: int,
+                         graph_inputs: list[str], cache: Path, tmp: Path) -> int:
+    from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+
+    extra: dict[str, Any] = {"num_bins": q.num_bins}
+    if q.calibration_method == "percentile":
+        extra["percentile"] = q.percentile
+    calibrator = create_calibrator(src, q.op_types or None, augmented_model_path=str(tmp / "augmented.onnx"),
+                                   calibrate_method=method, use_external_data_format=_large(src),
+                                   providers=["CPUExecutionProvider"], extra_options=extra)
+    reader = DatasetCalibrationReader(calibration, model.inputs, batch_size, pad_values=model.pad_values,
+                                      input_names=graph_inputs)
+    for idx in reader.batches:
+        calibrator.collect_data(_OneBatch(make_batch(calibration, idx, reader.specs, pad_values=reader.pad_values)))
+    save_tensors_data(calibrator.compute_data(), cache)
+    return len(reader.batches)
+
+
+class _OneBatch:
+    """A calibration data reader of exactly one batch."""
+
+    def __init__(self, feeds: dict[str, np.ndarray]) -> None:
+        self.feeds: dict[str, np.ndarray] | None = feeds
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        feeds, self.feeds = self.feeds, None
+        return feeds
+
+
+# --------------------------------------------------------------------------------------- files and facts
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v)) for k, v in d.items()}
+
+
+def _save_proto(proto: Any, dst: Path) -> None:
+    import onnx
+
+    if proto.ByteSize() < TWO_GB:
+        onnx.save_model(proto, str(dst))
+    else:
+        onnx.save_model(proto, str(dst), save_as_external_data=True, location=dst.name + ".data")
+
+
+def _save_self_contained(src: Path, dst: Path) -> None:
+    import onnx
+
+    _save_proto(onnx.load(str(src)), dst)
+
+
+def _op_counts(path: Path) -> dict[str, int]:
+    import onnx
+
+    counts: dict[str, int] = {}
+    for n in onnx.load(str(path), load_external_data=False).graph.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return counts
+
+
+def _summary(path: Path, excluded: list[str]) -> dict[str, Any]:
+    """Facts of the built model: op counts, quantized nodes, float MatMul-like nodes left, excluded nodes kept
+    in float, initializer dtypes, file size (bytes, incl. external data).
+
+    A node counts as quantized when it computes in integers (MatMulInteger, QLinear*, QAttention, ...), reads a
+    tensor dequantized from an integer weight or from a QuantizeLinear (QDQ format), or reads an 8-bit
+    initializer directly (a quantized Gather).
+    """
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    nodes = list(proto.graph.node)
+    by_output = {o: n for n in nodes for o in n.output}
+    int8_inits = {t.name for t in proto.graph.initializer
+                  if t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)}
+    inits = {t.name for t in proto.graph.initializer}
+
+    def from_quantized(tensor: str) -> bool:
+        dq = by_output.get(tensor)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return False
+        src = by_output.get(dq.input[0])
+        return dq.input[0] in inits or (src is not None and src.op_type in ("QuantizeLinear", "DynamicQuantizeLinear"))
+
+    def is_quantized(n: Any) -> bool:
+        return (n.op_type in INTEGER_OP_TYPES or n.op_type.startswith("QLinear")
+                or any(from_quantized(i) or i in int8_inits for i in n.input))
+
+    counts: dict[str, int] = {}
+    quantized: dict[str, int] = {}
+    float_left: list[str] = []
+    for n in nodes:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+        if n.op_type in QDQ_OP_TYPES:
+            continue
+        if is_quantized(n):
+            quantized[n.op_type] = quantized.get(n.op_type, 0) + 1
+        elif n.op_type in _MATMUL_OPS:
+            float_left.append(n.name)
+    by_name = {n.name: n for n in nodes}
+    kept_float = [name for name in excluded if name in by_name and not is_quantized(by_name[name])]
+    locations = {e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location"}
+    size = path.stat().st_size + sum((path.parent / loc).stat().st_size for loc in locations)
+    init_types: dict[str, int] = {}
+    for t in proto.graph.initializer:
+        name = onnx.TensorProto.DataType.Name(t.data_type).lower()
+        init_types[name] = init_types.get(name, 0) + 1
+    return {"op_types": counts, "quantized_nodes": sum(quantized.values()), "quantized_by_op": quantized,
+            "quantize_ops": {k: counts[k] for k in sorted(QDQ_OP_TYPES) if counts.get(k)},
+            "float_matmul_nodes": float_left, "excluded_kept_float": kept_float,
+            "initializer_dtypes": init_types, "bytes": int(size), "external_data": bool(locations),
+            "nodes": len(nodes)}
+
+
+def _load_check(path: Path, provider: str) -> None:
+    """Open the built model once on its execution provider: a variant that cannot load is a failed build."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    ort.InferenceSession(str(path), sess_options=opts, providers=[provider])
+
+
+def _write_calibration(calibration: Dataset | None, model: Any, out: Path) -> None:
+    """Keep the exact calibration rows beside the variant (reproduce.sh reads them)."""
+    if calibration is None:
+        return
+    import pandas as pd
+
+    frame = pd.DataFrame({s.name: [np.asarray(a).tolist() for a in calibration.inputs[s.name]]
+                          for s in model.inputs if s.name in calibration.inputs})
+    for c in calibration.frame.columns:
+        if c not in frame.columns:
+            frame[c] = calibration.frame[c].to_numpy()
+    frame.to_parquet(out / "calibration.parquet")
+
+
+def _write_reproduce(variant: Any, fp32: Path, out: Path, model: Any, batch_size: int) -> Path:
+    """Write reproduce.sh: the same `build_variant` call, from the variant/model JSON written beside it."""
+    # exclude_unset: re-validating every default can trip validators that look at the fields a user set
+    # (QuantizationSpec rejects `format` on a dynamic variant)
+    vdump = variant.model_dump(mode="json", exclude_unset=True)
+    if variant.quantization is not None and variant.quantization.mode == "dynamic":
+        vdump.get("quantization", {}).pop("format", None)
+    (out / "variant.json").write_text(json.dumps(vdump, indent=2))
+    (out / "model.json").write_text(json.dumps(model.model_dump(mode="json"), indent=2))
+    static = variant.quantization is not None and variant.quantization.mode == "static"
+    calib = ('load_dataset(d + "/calibration.parquet", m.inputs)' if static else "None")
+    code = (
+        "import json, sys\n"
+        "from tailguard.spec import ModelSpec, VariantSpec\n"
+        "from tailguard.data import load_dataset\n"
+        "from tailguard.components.quantize.logic import build_variant\n"
+        "d = sys.argv[3]\n"
+        'v = VariantSpec.model_validate(json.load(open(d + "/variant.json")))\n'
+        'm = ModelSpec.model_validate(json.load(open(d + "/model.json")))\n'
+        f"r = build_variant(v, sys.argv[1], sys.argv[2], calibration={calib}, model=m, "
+        f"calibration_batch_size={batch_size})\n"
+        "print(json.dumps(r.to_dict(), indent=2, default=str))\n"
+    )
+    script = out / "reproduce.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"# Rebuild variant {variant.name} exactly as the pipeline step did (tailguard build_variant).\n"
+        "# Usage: sh reproduce.sh [FP32_ONNX] [OUT_DIR]\n"
+        "set -e\n"
+        f"HERE=$(cd \"$(dirname \"$0\")\" && pwd)\n"
+        f"python -c {shlex.quote(code)} \"${{1:-{fp32}}}\" \"${{2:-$HERE/rebuild}}\" \"$HERE\"\n")
+    script.chmod(0o755)
+    return script
