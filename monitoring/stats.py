@@ -55,7 +55,8 @@ class AlertRecord:
         value: the window's weighted mean when it fired.
         threshold: the bound it was tested against.
         direction: "min" (bad when below) or "max" (bad when above).
-        bound: the one-sided confidence bound at the per-test level that crossed the threshold.
+        bound: the one-sided confidence bound at the per-test level the correction used (`bound_level`); it lies on
+            the bad side of the threshold.
         p_value: the test's p-value.
         samples_seen: rows in the slice's window (the support).
         effective_samples: Kish effective sample size of the window.
@@ -85,6 +86,7 @@ class AlertRecord:
     request_index: int | None
     cleared_at: str | None = None
     threshold_source: str = ""
+    bound_level: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (floats rounded to 6 significant digits; inf as the string 'inf')."""
@@ -288,7 +290,6 @@ class PairState:
     slice: str
     metric: str
     p_value: float = 1.0
-    bound: float = math.nan
     value: float = math.nan
     tested: bool = False
     active: bool = False
@@ -377,45 +378,51 @@ class SliceStatistics:
             j = self._midx[m]
             st.value = w.mean(j)
             if ne < self.min_support or math.isnan(st.value):
-                st.tested, st.p_value, st.bound = False, 1.0, math.nan
+                st.tested, st.p_value = False, 1.0
                 continue
             st.tested = True
-            level = self._per_test_level()
             if m in BINARY_METRICS:
-                v = min(max(st.value, 0.0), 1.0)
-                st.p_value = binomial_p_value(v, ne, b.value, b.higher_is_better)
-                st.bound = clopper_pearson_bound(v, ne, level, b.higher_is_better)
+                st.p_value = binomial_p_value(min(max(st.value, 0.0), 1.0), ne, b.value, b.higher_is_better)
             else:
-                st.p_value, se = t_p_value(st.value, w.variance(j), ne, b.value, b.higher_is_better)
-                q = stats.t.ppf(1 - level, ne - 1) if ne > 1 else math.inf
-                st.bound = st.value + q * se if b.higher_is_better else st.value - q * se
+                st.p_value, _ = t_p_value(st.value, w.variance(j), ne, b.value, b.higher_is_better)
 
-    def _per_test_level(self) -> float:
-        """Level of a single test for the reported bound: alpha / m (Bonferroni) or alpha / #pairs (BH's
-        strictest step), so the bound shown is conservative for either correction."""
-        m = self.family_size if self.correction == "bonferroni" else max(len(self.pairs), 1)
-        return self.alpha / m
+    def bound(self, key: tuple[str, str], level: float) -> float:
+        """One-sided confidence bound of a pair's window mean at per-test level `level` (Clopper-Pearson for 0/1
+        metrics, Student t otherwise): the upper bound for higher-is-better metrics, else the lower bound."""
+        st = self.pairs[key]
+        w, b = self.windows[st.slice], self.bounds[st.metric]
+        ne, j = w.n_eff, self._midx[st.metric]
+        if not st.tested:
+            return math.nan
+        if st.metric in BINARY_METRICS:
+            return clopper_pearson_bound(min(max(st.value, 0.0), 1.0), ne, level, b.higher_is_better)
+        _, se = t_p_value(st.value, w.variance(j), ne, b.value, b.higher_is_better)
+        q = stats.t.ppf(1 - level, ne - 1) if ne > 1 else math.inf
+        return st.value + q * se if b.higher_is_better else st.value - q * se
 
-    def rejected(self) -> set[tuple[str, str]]:
-        """Pairs whose H0 (slice fine) is rejected now, under the configured correction."""
+    def rejected(self) -> tuple[set[tuple[str, str]], float]:
+        """Pairs whose H0 (slice fine) is rejected now under the configured correction, and the per-test level
+        that decided it (Bonferroni: alpha / family size; Benjamini-Hochberg: alpha * R / m for R rejections
+        among m pairs; untested pairs count in m with p = 1, which is conservative)."""
         tested = [(k, s.p_value) for k, s in self.pairs.items() if s.tested]
-        if not tested:
-            return set()
         if self.correction == "bonferroni":
-            return {k for k, p in tested if p <= self.alpha / self.family_size}
-        m = len(self.pairs)  # untested pairs count in the family with p = 1 (conservative)
+            level = self.alpha / self.family_size
+            return {k for k, p in tested if p <= level}, level
+        m = max(len(self.pairs), 1)
+        if not tested:
+            return set(), self.alpha / m
         ps = np.array([p for _, p in tested])
         order = np.argsort(ps, kind="stable")
         crit = self.alpha * np.arange(1, len(ps) + 1) / m
         ok = np.nonzero(ps[order] <= crit)[0]
         if ok.size == 0:
-            return set()
-        cut = ps[order][ok[-1]]
-        return {k for k, p in tested if p <= cut}
+            return set(), self.alpha / m
+        r = int(ok[-1]) + 1
+        return {k for k, p in tested if p <= ps[order][r - 1]}, self.alpha * r / m
 
     def _decide(self, request_index: int | None, now: datetime | None) -> Evaluation:
         ev = Evaluation()
-        rej = self.rejected()
+        rej, level = self.rejected()
         stamp = (now or datetime.now(timezone.utc)).isoformat()
         for key in rej:
             st = self.pairs[key]
@@ -426,7 +433,8 @@ class SliceStatistics:
             w = self.windows[st.slice]
             b = self.bounds[st.metric]
             rec = AlertRecord(model=self.model, slice=st.slice, metric=st.metric, value=st.value,
-                              threshold=b.value, direction="min" if b.higher_is_better else "max", bound=st.bound,
+                              threshold=b.value, direction="min" if b.higher_is_better else "max",
+                              bound=self.bound(key, level), bound_level=level,
                               p_value=st.p_value, samples_seen=w.n, effective_samples=w.n_eff,
                               slice_samples_total=w.total, method=self.method(st.metric), alpha=self.alpha,
                               fired_at=stamp, request_index=request_index, threshold_source=b.source)
@@ -449,6 +457,7 @@ class SliceStatistics:
     def slice_summary(self) -> dict[str, Any]:
         """Per-slice statistics (slices.json): window rows, totals, n_eff and per-metric mean/test state."""
         out: dict[str, Any] = {}
+        _, level = self.rejected()
         for key in sorted(self.windows):
             w = self.windows[key]
             ms: dict[str, Any] = {}
@@ -457,7 +466,8 @@ class SliceStatistics:
                 if m in self.bounds:
                     st, b = self.pairs[(key, m)], self.bounds[m]
                     entry.update(threshold=b.value, direction="min" if b.higher_is_better else "max",
-                                 tested=st.tested, p_value=_json_float(st.p_value), bound=_json_float(st.bound),
+                                 tested=st.tested, p_value=_json_float(st.p_value),
+                                 bound=_json_float(self.bound((key, m), level)), bound_level=_json_float(level),
                                  alert_active=st.active, alerts_fired=st.alerts, method=self.method(m),
                                  status=("alert" if st.active else "ok" if st.tested else "insufficient_data"))
                 ms[m] = entry

@@ -1,0 +1,156 @@
+"""Sampled pairs to S3: a real moto S3 server on 127.0.0.1 and real boto3 over HTTP. "S3 down" is a port where
+nothing listens (connection refused); "S3 back" is a moto server started on that very port."""
+
+import io
+import socket
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+from fastapi.testclient import TestClient
+
+from tailguard.monitoring import testing as T
+from tailguard.monitoring.config import resolve_config
+from tailguard.monitoring.oip import request_json
+from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.sink import REDACTED, PairSink
+from tailguard.spec import MonitorS3Spec, parse_spec
+
+pytestmark = pytest.mark.integration
+BUCKET = "tg-pairs"
+
+
+@pytest.fixture(autouse=True)
+def aws_env(monkeypatch):
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION":
+                 "us-east-1", "AWS_SESSION_TOKEN": "testing"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _moto(port):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    return server
+
+
+def _stop(server):
+    server.stop()
+    server._server.server_close()  # ThreadedMotoServer.stop leaves the listening socket open
+
+
+@pytest.fixture
+def s3_up():
+    port = _free_port()
+    server = _moto(port)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
+    client.create_bucket(Bucket=BUCKET)
+    yield port, client
+    _stop(server)
+
+
+def _records(n, start=0):
+    rng = np.random.default_rng(start)
+    return [{"request_id": f"r{i}", "row": 0, "request_index": i, "weight": 10.0, "slices": ["all", "domain=web"],
+             "meta": {"domain": "web", "user": f"alice{i}"}, "inputs": {"x": rng.normal(size=4).astype(np.float32)},
+             "reference": rng.normal(size=3), "candidate": rng.normal(size=3),
+             "metrics": {"top1_agree": 1.0, "kl_divergence": 0.01}} for i in range(start, start + n)]
+
+
+def _objects(client, bucket=BUCKET):
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    frames = [pd.read_parquet(io.BytesIO(client.get_object(Bucket=bucket, Key=k)["Body"].read())) for k in keys]
+    return keys, (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame())
+
+
+def _sink(port, tmp_path, bucket=BUCKET, **kw):
+    s3 = MonitorS3Spec(bucket=bucket, prefix="pairs", endpoint_url=f"http://127.0.0.1:{port}", batch_rows=5,
+                       retry_interval_s=3600)
+    args = dict(redact_fields=["user", "x"], model="tiny-clf")
+    args.update(kw)
+    spool_max = args.pop("spool_max_bytes", 10 * 2**20)
+    return PairSink(s3, tmp_path / "spool", spool_max, **args)
+
+
+def test_sink_writes_redacted_parquet_batches_when_s3_up(s3_up, tmp_path):
+    port, client = s3_up
+    sink = _sink(port, tmp_path).start()
+    for r in _records(12):
+        assert sink.submit(r)
+    sink.close()
+    keys, df = _objects(client)
+    assert len(keys) == 3 and len(df) == 12
+    assert all(k.startswith("pairs/tiny-clf/") and k.endswith(".parquet") for k in keys)
+    assert (df["user"] == REDACTED).all() and df["x"].isna().all()
+    assert (df["domain"] == "web").all() and (df["_tg_weight"] == 10.0).all()
+    assert len(df["_tg_reference"][0]) == 3
+    assert sink.metrics.registry.get_sample_value("tailguard_monitor_s3_uploads_total", {"status": "ok"}) == 3
+
+
+def test_sink_spools_and_later_uploads_everything_when_s3_down_then_back(tmp_path):
+    port = _free_port()  # nothing listens: S3 is down
+    bucket = "tg-spool-back"  # moto keeps buckets per process: a bucket of its own
+    sink = _sink(port, tmp_path, bucket)
+    for r in _records(12):
+        sink.submit(r)
+    sink._drain()
+    sink.tick()
+    sink.flush()
+    get = sink.metrics.registry.get_sample_value
+    assert get("tailguard_monitor_s3_uploads_total", {"status": "spooled"}) == 3
+    assert len(sink.spooled()) == 3 and get("tailguard_monitor_spool_bytes") > 0
+    assert sink.retry_spool() == 0 and len(sink.spooled()) == 3  # still down: kept
+    server = _moto(port)  # S3 is back on the same endpoint
+    try:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
+        client.create_bucket(Bucket=bucket)
+        assert sink.retry_spool() == 3
+        keys, df = _objects(client, bucket)
+        assert len(keys) == 3 and sorted(df["_tg_request_id"]) == sorted(f"r{i}" for i in range(12))
+        assert get("tailguard_monitor_s3_uploads_total", {"status": "retried_ok"}) == 3
+        assert sink.spooled() == [] and get("tailguard_monitor_spool_bytes") == 0
+    finally:
+        _stop(server)
+
+
+def test_sink_drops_and_counts_batches_when_spool_bound_reached(tmp_path):
+    sink = _sink(_free_port(), tmp_path, spool_max_bytes=1024)  # smaller than one Parquet batch
+    for r in _records(10):
+        sink.submit(r)
+    sink._drain()
+    sink.flush()
+    get = sink.metrics.registry.get_sample_value
+    assert get("tailguard_monitor_s3_uploads_total", {"status": "dropped"}) == 1
+    assert sink.spooled() == [] and sink.spool_bytes() == 0
+
+
+def test_live_responses_unaffected_and_pairs_spooled_when_s3_down(tmp_path):
+    d = tmp_path
+    ref, cand = T.linear_classifier(d / "ref.onnx"), T.linear_classifier(d / "cand.onnx", T.weights(noise=0.02))
+    mon = {"sample_rate": 1.0, "seed": 0, "spool_dir": str(d / "spool"), "redact_fields": ["x"],
+           "s3": {"bucket": BUCKET, "endpoint_url": f"http://127.0.0.1:{_free_port()}", "batch_rows": 4}}
+    svc = MonitorService(resolve_config(parse_spec(T.spec_dict(mon))), ref, cand)
+    deadline = time.monotonic() + 20
+    while not svc.readiness()[0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with TestClient(build_app(svc)) as client:
+        for i in range(10):
+            body = request_json({"x": np.ones((1, 4), np.float32) * i}, {"domain": "web"})
+            assert client.post("/v2/models/tiny-clf/infer", json=body).status_code == 200
+        assert svc.wait_idle(20)
+    # leaving the client stops the service and flushes the partial batch: 4 + 4 + 2 rows, all spooled
+    rows = sum(len(pd.read_parquet(p)) for p in svc.sink.spooled())
+    assert rows == 10
+    assert svc.metrics.registry.get_sample_value("tailguard_monitor_s3_uploads_total", {"status": "spooled"}) == 3
