@@ -226,6 +226,40 @@ def demo(skip_monitor: bool = typer.Option(False, "--skip-monitor", help="Skip t
     raise typer.Exit(code)
 
 
+# ------------------------------------------------------------------------------------------- monitor
+@monitor_app.command("replay")
+@handle_errors
+def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its monitoring section)."),
+                   reference: Path = typer.Option(..., "--reference", help="FP32 reference .onnx."),
+                   candidate: Path = typer.Option(..., "--candidate", help="Candidate (promoted) .onnx."),
+                   requests: Path = typer.Option(..., "--requests", help="Parquet of logged requests."),
+                   out: Path = typer.Option(..., "--out", help="Folder for alerts.json and slices.json."),
+                   seed: int = typer.Option(0, "--seed", help="Sampler seed (replays are deterministic).")) -> None:
+    """Replay logged requests through the monitor offline. Exit 0 no alert, 4 alert(s) fired, 2 bad input."""
+    from tailguard.monitoring.replay import replay_cli
+
+    code = replay_cli(spec, reference, candidate, requests, out, seed=seed)
+    alerts = json.loads((out / "alerts.json").read_text()) if (out / "alerts.json").exists() else []
+    for a in alerts[:20]:
+        console.print(f"[red]ALERT[/red] {json.dumps(a, default=str)}", markup=True, highlight=False)
+    console.print(f"{len(alerts)} alert(s); wrote {out / 'alerts.json'} and {out / 'slices.json'}")
+    raise typer.Exit(code)
+
+
+@monitor_app.command("serve")
+@handle_errors
+def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its monitoring section)."),
+                  reference: Optional[Path] = typer.Option(None, "--reference", help="FP32 reference .onnx."),
+                  candidate: Optional[Path] = typer.Option(None, "--candidate",
+                                                           help="Candidate .onnx (omit: pairs-only monitor)."),
+                  host: str = typer.Option("127.0.0.1", "--host", help="Bind address."),
+                  port: int = typer.Option(8080, "--port", help="Port.")) -> None:
+    """The shadow monitor HTTP service: OIP ingest, /metrics, /healthz, /readyz."""
+    from tailguard.monitoring.service import serve
+
+    serve(spec, reference, candidate, host, port)
+
+
 # ------------------------------------------------------------------------------------------- trigger
 @trigger_app.command("serve")
 @handle_errors

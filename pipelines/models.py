@@ -38,11 +38,14 @@ class MeanPooledEncoder(torch.nn.Module):
 
     The all-MiniLM-L6-v2 recipe: token states of the last layer, averaged over the positions where
     `attention_mask` is 1, then divided by their L2 norm (sentence-transformers `Pooling(mean)` + `Normalize`).
-    Attention runs transformers' "eager" implementation, which the legacy (TorchScript) ONNX exporter traces
-    into a graph whose padding mask does not depend on the example batch, and whose subgraphs ONNX Runtime's
-    BERT fusion recognises (onnxruntime.transformers.optimizer, model_type="bert": 6 `Attention` nodes, one
-    `EmbedLayerNormalization`, 12 `SkipLayerNormalization`, 6 `BiasGelu` for MiniLM-L6). The "sdpa"
-    implementation is avoided: it skips the mask when a batch has no padding, which a trace would freeze.
+    Attention runs transformers' "eager" implementation: the legacy (TorchScript) ONNX exporter traces it into
+    a graph whose subgraphs ONNX Runtime's BERT fusion recognises (onnxruntime.transformers.optimizer,
+    model_type="bert": 6 `Attention` nodes, one `EmbedLayerNormalization`, 12 `SkipLayerNormalization`,
+    6 `BiasGelu` for MiniLM-L6). With "sdpa" (transformers' default) the export is numerically the same but
+    no `Attention` node is fused (checked with transformers 5.23 / onnxruntime 1.31). The padding mask is
+    passed to BertModel as the 2-D attention_mask: building the additive 4-D mask here instead leaves two
+    `Mul` parents on the scores `Add` (transformers 5 scales scores with a Mul), which the fusion's mask
+    pattern does not match.
 
     State dict keys are the Hugging Face `BertModel` keys with the prefix `bert.`. A Hugging Face checkpoint
     (keys without the prefix, e.g. the package's model.safetensors) also loads with `strict=True`: a load
