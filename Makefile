@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: wordnet-base (the demo's real text), prometheus (promtool for alert-rule tests).
 DEB_PACKAGES := wordnet-base prometheus
 
-.PHONY: demo test test-fast deb-deps tools benchmark schema clean
+.PHONY: demo test test-fast deb-deps tools benchmark schema golden clean
 
 # The virtual environment with tailguard and its dev extras (torch==2.13.0 is the machine's CPU build).
 $(VENV): pyproject.toml
@@ -45,3 +45,7 @@ schema: $(VENV)
 
 clean:
 	rm -rf .tailguard .pytest_cache
+
+golden: $(VENV)
+	for s in minilm:examples/minilm/spec.yaml tiny:tests/data/tiny_spec.yaml; do \
+	  $(BIN)/tailguard compile $${s#*:} -o tests/golden/$${s%%:*}.pipeline.yaml; done

@@ -27,9 +27,11 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_spool_bytes",
 )
 DROP_REASONS = ("queue_full", "reference_error", "reference_timeout", "non_finite", "reference_missing",
-                "candidate_error")
+                "candidate_error", "unmatched", "join_overflow")
+# unmatched / join_overflow: a KServe payload-logger half (request or response CloudEvent) that never met its
+# partner within monitoring.logger_join_ttl_s, or was evicted from a full join buffer (monitoring/join.py).
 UPLOAD_STATUSES = ("ok", "spooled", "retried_ok", "dropped")
-ENDPOINTS = ("infer", "pairs")
+ENDPOINTS = ("infer", "pairs", "logger")
 ROLES = ("reference", "candidate")
 # Ingest is sub-millisecond; inference spans ms to seconds.
 INGEST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -56,7 +58,8 @@ class MonitorMetrics:
                                         ["reason"], registry=r)
         self.sampled = Counter(p + "sampled", "Requests chosen for the shadow comparison, by slice.",
                                ["model", "slice"], registry=r)
-        self.dropped = Counter(p + "dropped", "Sampled requests not compared, by reason.", ["reason"], registry=r)
+        self.dropped = Counter(p + "dropped", "Sampled requests (or unjoined payload-logger halves) not compared, "
+                                              "by reason.", ["reason"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Sampled requests waiting for the shadow.", registry=r)
         self.inference_seconds = Histogram(p + "inference_seconds", "Shadow inference time per request (s).",
                                            ["model", "role"], buckets=INFERENCE_BUCKETS, registry=r)

@@ -9,7 +9,9 @@ Request (what Istio mirrors to ``POST /v2/models/{name}/infer``)::
 Slice metadata travels in the request's top-level ``parameters`` (scalar values, applied to every row of the
 request). ``data`` may be flat (row-major) or nested. Response (``model_name``, ``outputs`` with the same
 tensor layout). A pairs body (``POST /v2/models/{name}/pairs``) is ``{"request": <request>, "response":
-<response>}``: the live response as a KServe payload logger records it.
+<response>}``: the live response as a KServe payload logger records it. The logger endpoint
+(``POST /v2/models/{name}/logger``) takes the request and the response as two CloudEvents and joins them by
+``ce-id`` (monitoring/join.py) before the same checks.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ SPEC_TO_OIP: dict[str, str] = {"int64": "INT64", "int32": "INT32", "float32": "F
 NUMPY_TO_OIP: dict[str, str] = {np.dtype(v).name: k for k, v in OIP_TO_NUMPY.items()}
 INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_input", "unknown_input",
                    "bad_datatype", "bad_shape", "bad_data", "batch_mismatch", "bad_parameters", "missing_output",
-                   "body_too_large")
+                   "body_too_large", "missing_ce_id", "unknown_ce_type", "structured_mode")
 
 
 class OipError(Exception):

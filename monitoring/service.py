@@ -4,6 +4,9 @@ Endpoints:
     POST /v2/models/{name}/infer   OIP request, as Istio mirroring sends it; the monitor runs both models.
     POST /v2/models/{name}/pairs   {"request": OIP request, "response": OIP response}: the live response is the
                                    candidate's output (as a KServe payload logger records it).
+    POST /v2/models/{name}/logger  one KServe payload-logger CloudEvent (binary content mode: ce-id, ce-type
+                                   headers; body the OIP request or response). Request and response are joined
+                                   by ce-id in a bounded buffer (monitoring/join.py), then go the pairs way.
     GET  /metrics                  Prometheus text format (names: monitoring/metrics.py METRIC_NAMES).
     GET  /healthz                  200 while the process serves.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
@@ -15,7 +18,11 @@ request on a bounded queue with `put_nowait`; it never waits for a model. A full
 (`dropped_total{reason="queue_full"}`). A worker thread runs the models, each call in its own one-thread pool
 with a timeout: a slow, crashing, NaN-returning or missing reference only moves `dropped_total{reason=...}`.
 Ingest answers 200 with `{"model_name", "id", "outputs": [], "parameters": {"tailguard.sampled": bool}}` (the
-mirror's response is discarded by Istio); malformed bodies get 4xx with `{"error", "reason"}`.
+mirror's response is discarded by Istio); malformed bodies get 4xx with `{"error", "reason"}`. The logger
+endpoint answers 200 `{"model_name", "id", "joined": false}` for a half that waits for its partner, and the
+ingest answer plus `"joined": true` for the half that completes a pair; halves that expire
+(monitoring.logger_join_ttl_s) or overflow the buffer (monitoring.logger_join_max_entries) are counted as
+`dropped_total{reason="unmatched"|"join_overflow"}`.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -39,8 +46,9 @@ from tailguard.errors import InputError
 from tailguard.home import home
 from tailguard.monitoring.config import MonitorConfig, resolve_config
 from tailguard.monitoring.core import MonitorCore
+from tailguard.monitoring.join import CE_TYPES, JoinBuffer
 from tailguard.monitoring.metrics import MonitorMetrics
-from tailguard.monitoring.oip import OipError, parse_request, parse_response_output
+from tailguard.monitoring.oip import InferRequest, OipError, parse_request, parse_response_output
 from tailguard.monitoring.sampler import Decision
 from tailguard.runtime import OrtRunner, Runner
 from tailguard.spec import Spec, load_spec
@@ -95,6 +103,8 @@ class MonitorService:
             self.drift = DriftSnapshots(cfg)
         self.core = MonitorCore(cfg, seed=seed, metrics=self.metrics, on_sample=self._on_sample)
         self.queue: queue.Queue[_Item] = queue.Queue(maxsize=mon.queue_size)
+        self.join = JoinBuffer(mon.logger_join_max_entries, mon.logger_join_ttl_s,
+                               on_drop=lambda reason, n: self.metrics.dropped.labels(reason).inc(n))
         self._sources = {"reference": reference, "candidate": None if mon.noise_floor else candidate}
         self.runners: dict[str, Runner | None] = {"reference": None, "candidate": None}
         self.load_errors: dict[str, str] = {}
@@ -148,7 +158,8 @@ class MonitorService:
         need = ["reference"] + (["candidate"] if self.needs_candidate else [])
         missing = [r for r in need if self.runners[r] is None]
         return not missing, {"ready": not missing, "missing": missing, "errors": self.load_errors,
-                             "queue_depth": self.queue.qsize(), "noise_floor": self.cfg.mon.noise_floor}
+                             "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
+                             "noise_floor": self.cfg.mon.noise_floor}
 
     # --------------------------------------------------------------------------------------- ingest
     def ingest(self, endpoint: str, name: str, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -163,12 +174,8 @@ class MonitorService:
             (HTTP status, JSON response).
         """
         t0 = time.perf_counter()
-        m = self.metrics
         try:
-            if name != self.cfg.model_name:
-                raise OipError("unknown_model", f"model {name!r} is not monitored here; use "
-                                                f"/v2/models/{self.cfg.model_name}/{endpoint}", status=404)
-            cand = None
+            self._check_name(name, endpoint)
             if endpoint == "pairs":
                 try:
                     doc = json.loads(body)
@@ -178,13 +185,102 @@ class MonitorService:
                     raise OipError("not_an_object", "pairs body must be {\"request\": ..., \"response\": ...}",
                                    status=400)
                 req = parse_request(doc["request"], self.cfg.inputs)
-                cand = parse_response_output(doc["response"], self.cfg.output, req.batch)
-            else:
-                req = parse_request(body, self.cfg.inputs)
+                return self._ingest_pair(endpoint, req, doc["response"], t0)
+            req = parse_request(body, self.cfg.inputs)
         except OipError as exc:
-            m.invalid_requests.labels(exc.reason).inc()
-            m.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
-            return exc.status, {"error": exc.message, "reason": exc.reason}
+            return self._refuse(endpoint, exc, t0)
+        return self._admit(endpoint, req, None, t0)
+
+    def ingest_event(self, name: str, headers: Mapping[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """Handle one KServe payload-logger CloudEvent (HTTP binary content mode) without waiting for any model.
+
+        The request half is checked against the spec's inputs at once; the response half must be a JSON object
+        with an `outputs` list. The first half of an id waits in the join buffer (answer 200, `"joined": false`);
+        the second one completes the pair, which then goes exactly the pairs endpoint's way (`_ingest_pair`:
+        response output checked against the request's batch, slice keys, sampling, queue).
+
+        Args:
+            name: model name from the path.
+            headers: the HTTP headers (`ce-id`, `ce-type` used; names case-insensitive).
+            body: raw body: the OIP request or response JSON.
+
+        Returns:
+            (HTTP status, JSON response): 200 when buffered or joined; 4xx with `{"error", "reason"}` for a
+            missing `ce-id` (400 missing_ce_id), a `ce-type` other than the two inference types (400
+            unknown_ce_type), a structured-mode event (415 structured_mode), a body that is not JSON (400) or
+            not a valid OIP request/response (422), or a joined pair whose response does not fit its request.
+        """
+        t0 = time.perf_counter()
+        endpoint = "logger"
+        h = {k.lower(): v for k, v in headers.items()}
+        try:
+            self._check_name(name, endpoint)
+            ctype = h.get("content-type", "")
+            if ctype.startswith("application/cloudevents"):
+                raise OipError("structured_mode", f"content type {ctype!r}: send CloudEvents in binary content "
+                                                  "mode (ce-* headers, OIP JSON body), as KServe's logger does",
+                               status=415)
+            event_id = h.get("ce-id", "").strip()
+            if not event_id:
+                raise OipError("missing_ce_id", "no ce-id header: a payload-logger CloudEvent needs the id that "
+                                                "joins a request with its response", status=400)
+            half = CE_TYPES.get(h.get("ce-type", ""))
+            if half is None:
+                raise OipError("unknown_ce_type", f"ce-type {h.get('ce-type', '')!r} is not one of "
+                                                  f"{sorted(CE_TYPES)}", status=400)
+            if half == "request":
+                value: Any = parse_request(body, self.cfg.inputs)
+                if not value.id:
+                    value.id = event_id
+            else:
+                if len(body) > 8 * 2**20:
+                    raise OipError("body_too_large", "response body over 8388608 bytes", status=413)
+                try:
+                    value = json.loads(body)
+                except (ValueError, UnicodeDecodeError) as exc:
+                    raise OipError("invalid_json", f"body is not JSON: {str(exc)[:120]}", status=400) from None
+                if not isinstance(value, dict):
+                    raise OipError("not_an_object", "response body must be a JSON object with 'outputs'",
+                                   status=400)
+                if not isinstance(value.get("outputs"), list) or not value["outputs"]:
+                    raise OipError("missing_output", "response has no 'outputs' list (OIP v2 response)")
+            pair = self.join.add(event_id, half, value)
+        except OipError as exc:
+            return self._refuse(endpoint, exc, t0)
+        if pair is None:
+            self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
+            return 200, {"model_name": self.cfg.model_name, "id": event_id, "joined": False}
+        status, doc = self._ingest_pair(endpoint, pair[0], pair[1], t0)
+        doc["joined"] = status == 200
+        return status, doc
+
+    def sweep(self) -> int:
+        """Drop payload-logger halves older than monitoring.logger_join_ttl_s (counted); returns how many."""
+        return self.join.sweep()
+
+    def _check_name(self, name: str, endpoint: str) -> None:
+        if name != self.cfg.model_name:
+            raise OipError("unknown_model", f"model {name!r} is not monitored here; use "
+                                            f"/v2/models/{self.cfg.model_name}/{endpoint}", status=404)
+
+    def _refuse(self, endpoint: str, exc: OipError, t0: float) -> tuple[int, dict[str, Any]]:
+        self.metrics.invalid_requests.labels(exc.reason).inc()
+        self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
+        return exc.status, {"error": exc.message, "reason": exc.reason}
+
+    def _ingest_pair(self, endpoint: str, req: InferRequest, response: Any, t0: float) -> tuple[int, dict[str, Any]]:
+        """A request with its live response (pairs and logger endpoints): the response's output is the
+        candidate's answer; then the same admission as a mirrored request."""
+        try:
+            cand = parse_response_output(response, self.cfg.output, req.batch)
+        except OipError as exc:
+            return self._refuse(endpoint, exc, t0)
+        return self._admit(endpoint, req, cand, t0)
+
+    def _admit(self, endpoint: str, req: InferRequest, cand: np.ndarray | None,
+               t0: float) -> tuple[int, dict[str, Any]]:
+        """Count, draw the sampling decision and put a sampled request on the queue (never blocks)."""
+        m = self.metrics
         m.requests.labels(self.cfg.model_name, endpoint).inc()
         keys, decision = self.core.admit(req.parameters)
         self._seq += 1
@@ -245,7 +341,7 @@ class MonitorService:
             return
         if self.cfg.mon.noise_floor:
             cand = self._infer("reference", item.feeds)
-        elif item.endpoint == "pairs":
+        elif item.candidate is not None:  # pairs / logger: the live response is the candidate's answer
             cand = item.candidate
         else:
             cand = self._infer("candidate", item.feeds)
@@ -263,6 +359,7 @@ class MonitorService:
             try:
                 item = self.queue.get(timeout=0.1)
             except queue.Empty:
+                self.join.sweep()  # idle: expire payload-logger halves that will never be joined
                 continue
             self.metrics.queue_depth.set(self.queue.qsize())
             try:
@@ -320,8 +417,14 @@ def build_app(service: MonitorService) -> Any:
         status, doc = service.ingest("pairs", name, await request.body())
         return JSONResponse(doc, status_code=status)
 
+    @app.post("/v2/models/{name}/logger")
+    async def logger(name: str, request: Request) -> Response:
+        status, doc = service.ingest_event(name, request.headers, await request.body())
+        return JSONResponse(doc, status_code=status)
+
     @app.get("/metrics")
     async def metrics() -> Response:
+        service.sweep()
         return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/healthz")

@@ -107,6 +107,17 @@ def run_demo(console: Any, *, skip_monitor: bool = False, n_validation: int = 25
     return code
 
 
+DRIFT_SHARE = 0.015
+
+
+def pick_drift_slice(traffic: Path) -> tuple[str, str]:
+    """A rare lexicographer class for the planted drift: the one whose traffic share is closest to 1.5%."""
+    import pandas as pd
+
+    share = pd.read_parquet(traffic, columns=["lexname"])["lexname"].value_counts(normalize=True)
+    return "lexname", str((share - DRIFT_SHARE).abs().idxmin())
+
+
 def _monitor_replay(console: Any, spec: Any, spec_path: Path, summary: Any, data: dict[str, Path],
                     demo_dir: Path) -> None:
     """Download the promoted variant and the FP32 ONNX export, replay traffic with a planted drift, show alerts."""
@@ -118,18 +129,26 @@ def _monitor_replay(console: Any, spec: Any, spec_path: Path, summary: Any, data
     mv = client.get_model_version_by_alias(summary.optimized_model, summary.alias)
     cand_dir = Path(mlflow.artifacts.download_artifacts(mv.source, dst_path=str(demo_dir / "promoted")))
     candidate = next(cand_dir.rglob("*.onnx"))
+    # The monitor's FP32 reference: the registered FP32 ONNX variant (checked against torch at export).
     fp32_run = next(v for v in summary.variants if v.precision == "fp32" and v.status == "ok")
-    ref_dir = Path(mlflow.artifacts.download_artifacts(f"runs:/{fp32_run.run_id}/model",
-                                                       dst_path=str(demo_dir / "reference")))
+    fp32_uri = client.get_run(fp32_run.run_id).data.tags["tailguard.model_uri"]
+    ref_dir = Path(mlflow.artifacts.download_artifacts(fp32_uri, dst_path=str(demo_dir / "reference")))
     reference = next(ref_dir.rglob("*.onnx"))
     out = demo_dir / "monitor"
-    res = replay_with_drift(spec, str(reference), str(candidate), str(data["traffic"]), str(out))
+    column, value = pick_drift_slice(data["traffic"])
+    overrides = {"sample_rate": 1.0, "min_support": 20}
+    console.print(f"      demo settings {overrides}: the rare slice {column}={value} is ~{DRIFT_SHARE:.1%} of the "
+                  "replayed requests, so a short replay samples everything")
+    res = replay_with_drift(spec, str(reference), str(candidate), str(data["traffic"]), str(out),
+                            drift_slice=(column, value), drift_start=0.3, drift_rate=0.5,
+                            monitoring_overrides=overrides)
     alerts = res.get("alerts", [])
-    console.print(f"      replayed {res.get('requests', '?')} requests; drift planted in "
-                  f"{res.get('drift_slice')} from request {res.get('drift_start')}")
+    drift = res.get("drift", {})
+    console.print(f"      replayed {res.get('requests', '?')} requests; PLANTED drift: {column}={value} outputs "
+                  f"mixed with noise from request {drift.get('start_row')} ({drift.get('rows_in_drift')} rows)")
     for a in alerts[:10]:
         console.print(f"      [red]ALERT[/red] slice={a.get('slice')} metric={a.get('metric')} "
-                      f"value={a.get('value'):.3f} threshold={a.get('threshold')} n={a.get('samples')} "
+                      f"value={a.get('value'):.3f} threshold={a.get('threshold')} n={a.get('samples_seen')} "
                       f"method={a.get('method')} at request {a.get('request_index')}")
     if not alerts:
         console.print("      [yellow]no alert fired[/yellow]")

@@ -259,7 +259,8 @@ def split_indices(lexnames: Sequence[str], *, n_validation: int, n_calibration: 
     """Disjoint seeded row indices for the three datasets (see the module docstring for the design).
 
     Returns:
-        {"validation" | "calibration" | "traffic": sorted int64 row indices}.
+        {"validation" | "calibration" | "traffic": int64 row indices}: validation and calibration sorted,
+        traffic in (seeded) random arrival order.
 
     Raises:
         InputError: fewer rows than asked for after the validation sample.
@@ -277,8 +278,9 @@ def split_indices(lexnames: Sequence[str], *, n_validation: int, n_calibration: 
                          f"n_calibration + n_traffic = {need}",
                          hint="lower n_calibration / n_traffic / n_validation")
     picked = rng.choice(rest, size=need, replace=False)
+    # Traffic keeps the sample's random order: it is replayed as arrival order, where classes interleave.
     return {"validation": val, "calibration": np.sort(picked[:n_calibration]),
-            "traffic": np.sort(picked[n_calibration:])}
+            "traffic": picked[n_calibration:].astype(np.int64)}
 
 
 # ------------------------------------------------------------------------------------------- writing

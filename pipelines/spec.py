@@ -451,6 +451,13 @@ class MonitoringSpec(_Model):
         "comparison's own noise; must never alert."))
     queue_size: int = Field(1000, ge=1, description="Sampled requests waiting for the shadow; more are dropped.")
     reference_timeout_s: float = Field(2.0, gt=0, description="A reference call slower than this is dropped (s).")
+    logger_join_max_entries: int = Field(10000, ge=1, description=(
+        "KServe payload-logger endpoint (POST /v2/models/{name}/logger): at most this many CloudEvent halves "
+        "(a request or a response whose other half has not arrived) wait to be joined by ce-id; when full, the "
+        "oldest is dropped (dropped_total{reason=\"join_overflow\"}). Memory grows with it (one body each)."))
+    logger_join_ttl_s: float = Field(30.0, gt=0, description=(
+        "A payload-logger half whose other half has not arrived within this many seconds is dropped "
+        "(dropped_total{reason=\"unmatched\"}); cover the serving latency plus the logger's queueing delay."))
     model_name: str | None = Field(None, description=(
         "Model name in the OIP paths /v2/models/{name}/... (default: metadata.name)."))
     redact_fields: list[str] = Field(default_factory=list, description=(
