@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: wordnet-base (the demo's real text), prometheus (promtool for alert-rule tests).
 DEB_PACKAGES := wordnet-base prometheus
 
-.PHONY: demo test test-fast deb-deps tools benchmark schema golden clean
+.PHONY: demo test test-fast deb-deps tools benchmark schema golden manifests-spec clean
 
 # The virtual environment with tailguard and its dev extras (torch==2.13.0 is the machine's CPU build).
 $(VENV): pyproject.toml
@@ -49,3 +49,7 @@ clean:
 golden: $(VENV)
 	for s in minilm:examples/minilm/spec.yaml tiny:tests/data/tiny_spec.yaml; do \
 	  $(BIN)/tailguard compile $${s#*:} -o tests/golden/$${s%%:*}.pipeline.yaml; done
+
+# The cluster copy of the example spec: identical but for s3:// data URIs (tests/test_manifests.py checks it).
+manifests-spec:
+	{ head -2 manifests/base/specs/minilm-embedder.yaml; sed -e 's#uri: data/#uri: s3://tailguard-data/minilm/#' examples/minilm/spec.yaml; } > manifests/base/specs/.tmp && mv manifests/base/specs/.tmp manifests/base/specs/minilm-embedder.yaml

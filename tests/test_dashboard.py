@@ -4,7 +4,7 @@ Every panel query and template variable may only name metrics the monitor export
 from the monitor's own prometheus-client collectors (`tailguard.monitoring.metrics.MonitorMetrics`, else
 `METRIC_NAMES`), with the `_bucket/_sum/_count` series of histograms and the `_total` of counters. Every query is
 also parsed by Prometheus itself (`promtool check rules` on the queries as recording rules). The check against the
-live /metrics of a running monitor is the lead's, once the monitor service is deployed.
+live /metrics of a running monitor is in tests/test_dashboard_live.py.
 """
 
 from __future__ import annotations

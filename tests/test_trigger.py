@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -26,6 +22,8 @@ from fastapi.testclient import TestClient
 from tailguard.errors import InputError, SpecError
 from tailguard.trigger import (DELIVERY_ID_HEADER, OUTCOMES, SIGNATURE_HEADER, TIMESTAMP_HEADER, TriggerConfig,
                                create_app, sign)
+from tests._mlflow_server import free_port
+from tests._mlflow_server import mlflow_server as start_mlflow_server
 
 SECRET = "s3cr3t-for-tests"
 NOW = 1_750_000_000.0
@@ -226,50 +224,11 @@ def test_create_app_raises_spec_error_when_spec_names_another_model(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ integration
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` (SQLite store, 1 worker) that may deliver webhooks to http://127.0.0.1."""
-    from cryptography.fernet import Fernet
-
-    d = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
-           "MLFLOW_WEBHOOK_CACHE_TTL": "1", "MLFLOW_WEBHOOK_REQUEST_MAX_RETRIES": "0",
-           # one fixed key: webhook secrets are Fernet-encrypted in the store with it
-           "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode()}
-    log = open(d / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{d / 'mlflow.db'}",
-         "--default-artifact-root", (d / "artifacts").as_uri(), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    import requests
-
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"mlflow server exited: {(d / 'server.log').read_text()[-2000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=1).ok:
-                break
-        except requests.RequestException:
-            time.sleep(0.3)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("mlflow server did not become healthy in 90 s")
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)  # the CLI starts uvicorn as a child: end the whole group it leads
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    with start_mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
 
 
 @pytest.fixture
@@ -280,7 +239,7 @@ def receiver(tmp_path, monkeypatch):
     monkeypatch.setenv("TG_TEST_SECRET", SECRET)
     launcher = RecordingLauncher()
     app = create_app(TriggerConfig.load(write_config(tmp_path)), launch=launcher)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     t = threading.Thread(target=server.run, daemon=True)

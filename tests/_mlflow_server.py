@@ -1,0 +1,77 @@
+"""A real `mlflow server` for integration tests (SQLite store, artifacts proxied by the server, webhooks on).
+
+Shared by tests/test_trigger.py and tests/test_trigger_e2e.py. The server runs with `--serve-artifacts` and an
+`--artifacts-destination` folder, so new experiments get `mlflow-artifacts:/` locations and every client (the test,
+the pipeline's task subprocesses) uploads and downloads artifacts over HTTP, as pods of a cluster would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str]:
+    """Run `mlflow server` (1 worker) in its own process group; yields its URL, then ends the group.
+
+    Webhooks may be delivered to http://127.0.0.1 (private IPs allowed), without retries, with a 1 s webhook
+    cache; the webhook secrets are Fernet-encrypted in the store with a key generated here.
+
+    Args:
+        folder: where the SQLite store (mlflow.db), the artifacts (artifacts/) and server.log go.
+        startup_timeout_s: how long to wait for GET /health (s).
+    """
+    from cryptography.fernet import Fernet
+    import requests
+
+    port = free_port()
+    env = {**os.environ, "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+           "MLFLOW_WEBHOOK_CACHE_TTL": "1", "MLFLOW_WEBHOOK_REQUEST_MAX_RETRIES": "0",
+           "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode()}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log_path = folder / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+             "--serve-artifacts", "--artifacts-destination", (folder / "artifacts").as_uri(),
+             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + startup_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"mlflow server exited: {log_path.read_text()[-2000:]}")
+                try:
+                    if requests.get(f"{url}/health", timeout=1).ok:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.time() > deadline:
+                    pytest.fail(f"mlflow server did not become healthy in {startup_timeout_s:.0f} s")
+                time.sleep(0.3)
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)  # the CLI starts uvicorn as a child: end the whole group it leads
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
