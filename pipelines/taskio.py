@@ -62,12 +62,13 @@ def write_json(path: str | Path, obj: Any) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_default))
+    tmp.write_text(json.dumps(obj, indent=2, default=json_default))
     tmp.replace(p)
     return p
 
 
-def _default(o: Any) -> Any:
+def json_default(o: Any) -> Any:
+    """`json.dumps(default=...)` for numpy scalars/arrays and paths."""
     import numpy as np
 
     if isinstance(o, np.generic):

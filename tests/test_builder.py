@@ -64,3 +64,16 @@ def test_build_pipeline_unrolls_two_tasks_per_variant_when_built(tmp_path):
     assert not k8s_config(ir)
     names = {t["taskInfo"]["name"] for t in tasks.values()}
     assert {"build-ort-fp32", "validate-trt-fp16", "register-and-promote"} <= names
+
+
+def test_compiled_yaml_contains_no_secret_value_when_secrets_are_in_the_compiling_environment(tmp_path, monkeypatch):
+    secret_values = {"MLFLOW_TRACKING_TOKEN": "tg-token-9f1c2e", "AWS_SECRET_ACCESS_KEY": "tg-aws-secret-77aa",
+                     "MLFLOW_TRACKING_PASSWORD": "tg-password-31x"}
+    for k, v in secret_values.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "p.yaml"
+    compile_pipeline(load_spec(TINY), str(out))
+    text = out.read_text()
+    assert "MLFLOW_TRACKING_TOKEN" in text  # the env var is wired from the secret reference...
+    for v in secret_values.values():
+        assert v not in text  # ...but no secret value ever reaches the IR

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from tailguard.errors import InputError, SpecError
 from tailguard.trigger import (DELIVERY_ID_HEADER, OUTCOMES, SIGNATURE_HEADER, TIMESTAMP_HEADER, TriggerConfig,
                                create_app, sign)
-from tests._mlflow_server import free_port
+from tests._mlflow_server import uvicorn_in_thread
 from tests._mlflow_server import mlflow_server as start_mlflow_server
 
 SECRET = "s3cr3t-for-tests"
@@ -234,22 +234,11 @@ def mlflow_server(tmp_path_factory):
 @pytest.fixture
 def receiver(tmp_path, monkeypatch):
     """The trigger app under uvicorn in a thread on 127.0.0.1 (real HTTP), with a recording launcher."""
-    import uvicorn
-
     monkeypatch.setenv("TG_TEST_SECRET", SECRET)
     launcher = RecordingLauncher()
     app = create_app(TriggerConfig.load(write_config(tmp_path)), launch=launcher)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.time() + 20
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield app, f"http://127.0.0.1:{port}/webhook", launcher
-    server.should_exit = True
-    t.join(10)
+    with uvicorn_in_thread(app) as url:
+        yield app, f"{url}/webhook", launcher
 
 
 def _wait(pred, timeout=30.0) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from tests._mlflow_server import free_port, mlflow_server
+from tests._mlflow_server import mlflow_server, uvicorn_in_thread
 from tests.test_pipeline_local import TINY_KWARGS, make_rows, write_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -65,7 +64,6 @@ def receiver(tmp_path, tailguard_home, server, monkeypatch):
     process group: it was started in a new session), found among this process' children by its command line.
     """
     import psutil
-    import uvicorn
 
     from tailguard.trigger import TriggerConfig, create_app
 
@@ -77,18 +75,8 @@ def receiver(tmp_path, tailguard_home, server, monkeypatch):
     cfg.write_text(yaml.safe_dump({"secret_env": "TG_E2E_SECRET", "models": {MODEL: spec.name}}))
     monkeypatch.setenv("TG_E2E_SECRET", SECRET)
     app = create_app(TriggerConfig.load(cfg))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                        timeout_graceful_shutdown=2))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    deadline = time.time() + 20
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "the trigger receiver did not start in 20 s"
-    yield app, f"http://127.0.0.1:{port}/webhook"
-    srv.should_exit = True
-    t.join(10)
+    with uvicorn_in_thread(app) as url:
+        yield app, f"{url}/webhook"
     for child in psutil.Process().children(recursive=False):
         try:
             if "tailguard.cli" in " ".join(child.cmdline()) and child.is_running():

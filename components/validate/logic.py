@@ -42,6 +42,7 @@ from tailguard.data import Dataset
 from tailguard.errors import InputError
 from tailguard.runtime import Runner, run_dataset
 from tailguard.spec import Spec
+from tailguard.taskio import json_default
 
 from .gates import GateResult, all_passed, evaluate_gates
 from .latency import benchmark, cost_per_1m, peak_rss_mb
@@ -290,13 +291,6 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
         slices=table.to_dict("records"), gates=gates, passed=passed,
         non_finite_rows=int(non_finite_rows(cand).sum()), batch_sizes=list(spec.benchmark.batch_sizes),
         files=files)
-    Path(files["result_json"]).write_text(json.dumps(result.to_dict(), indent=1, default=_json_default))
+    Path(files["result_json"]).write_text(json.dumps(result.to_dict(), indent=1, default=json_default))
     return result
 
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
