@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tailguard.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, SpecError,
+from tailguard.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, SpecError,
                               TailguardError)
 
 app = typer.Typer(help="tailguard: quantize/compile models, prove every variant against its FP32 reference per "
