@@ -142,6 +142,7 @@ def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates
     for v in versions:
         assert len(v.tags["tailguard.sha256"]) == 64 and v.tags["tailguard.source_version"] == "1"
         assert v.tags["tailguard.gates"] in ("passed", "failed")
+        assert v.tags["tailguard.spec_sha256"] == parent.data.tags["tailguard.spec_sha256"] != ""
     assert alias_version(env) == promoted[0]["version"]
 
 

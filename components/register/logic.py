@@ -7,7 +7,6 @@ last, only to a variant that passed every gate. Registry aliases, not the deprec
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -140,7 +139,8 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                                                                         spec.model.registered_name},
                                        description=f"Optimized variants of {spec.model.registered_name} "
                                                    "built and validated by tailguard.")
-    spec_sha = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+    # One spec fingerprint per run: the one resolve put on the parent run (sha256 of the spec YAML the tasks got).
+    spec_sha = client.get_run(parent_run_id).data.tags.get("tailguard.spec_sha256", "")
     for v in spec.variants:
         run = by_variant.get(v.name)
         if run is None:
