@@ -25,9 +25,9 @@ Precision = Literal["fp32", "fp16", "int8"]
 # Parity metrics each task produces (overall and per slice). Formulas: components/validate/parity.py.
 TASK_METRICS: dict[str, tuple[str, ...]] = {
     "classification": ("accuracy", "reference_accuracy", "top1_agreement", "kl_divergence.mean",
-                       "kl_divergence.p99", "abs_error.max", "abs_error.mean"),
+                       "kl_divergence.p99", "abs_error.max", "abs_error.mean", "abs_error.p99"),
     "embedding": ("cosine_similarity.mean", "cosine_similarity.p01", "cosine_similarity.min",
-                  "nn_top1_agreement", "nn_top5_agreement", "abs_error.max", "abs_error.mean"),
+                  "nn_top1_agreement", "nn_top5_agreement", "abs_error.max", "abs_error.mean", "abs_error.p99"),
     "regression": ("abs_error.max", "abs_error.mean", "abs_error.p99", "rel_error.max", "rel_error.mean"),
     "generic": ("abs_error.max", "abs_error.mean", "abs_error.p99", "rel_error.max", "rel_error.mean"),
 }
@@ -35,6 +35,21 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
 PERF_METRICS: tuple[str, ...] = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                                  "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32",
                                  "peak_rss_mb", "model_size_mb")
+# Parity metrics that are the mean of a 0/1 value per row: their confidence bound is Wilson's score interval.
+# Every other parity metric (means of continuous values, quantiles, maxima) gets a seeded percentile bootstrap.
+PROPORTION_METRICS = frozenset({"accuracy", "reference_accuracy", "top1_agreement", "nn_top1_agreement"})
+# Parity metrics where lower is better (errors, divergences); the rest are higher-is-better.
+LOWER_IS_BETTER_PREFIXES = ("abs_error", "rel_error", "kl_divergence")
+
+
+def higher_is_better(metric: str) -> bool:
+    """Direction of a metric: False for errors/divergences/latency/cost/memory, True otherwise."""
+    if metric.startswith(LOWER_IS_BETTER_PREFIXES) or metric.startswith("latency_ms") or metric in (
+            "usd_per_1m_inferences", "peak_rss_mb", "model_size_mb"):
+        return False
+    return True
+
+
 BATCHED_METRICS = frozenset({"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                              "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32"})
 
@@ -223,6 +238,42 @@ class QuantizationSpec(_Model):
     preprocess: bool = Field(True, description="Run quant_pre_process (shape inference, auto_merge) first.")
 
 
+class SearchSpace(_Model):
+    """The mixed-precision configurations an accuracy-driven search may try (each list: the values tried)."""
+
+    exclude_most_sensitive: list[int] = Field(default_factory=lambda: [0, 1, 2, 4, 8, 16], description=(
+        "Numbers of the most sensitive nodes (sensitivity analysis on the calibration set) kept in float."))
+    per_channel: list[bool] = Field(default_factory=lambda: [True, False], description="Per-channel weight scales.")
+    calibration_methods: list[Literal["minmax", "entropy", "percentile"]] = Field(
+        default_factory=lambda: ["minmax", "percentile"], description="Static variants only: calibration methods.")
+    float_op_types: list[list[str]] = Field(default_factory=lambda: [[], ["LayerNormalization",
+                                                                          "SkipLayerNormalization", "Softmax",
+                                                                          "Gelu", "BiasGelu", "FastGelu"]],
+                                            description=(
+        "Sets of op types kept in float (exclude_op_types), e.g. LayerNorm/Softmax/GELU in higher precision."))
+
+    @field_validator("exclude_most_sensitive", "per_channel", "calibration_methods", "float_op_types")
+    @classmethod
+    def _not_empty(cls, v: list) -> list:
+        if not v:
+            raise ValueError("needs at least one value")
+        return v
+
+
+class SearchSpec(_Model):
+    """Accuracy-driven search: budget, seed and space (components/search/README.md)."""
+
+    max_trials: int = Field(12, ge=1, description="At most this many configurations are built and validated.")
+    max_minutes: float = Field(20.0, gt=0, description="Wall-clock budget of the search (minutes); the trial "
+                                                       "running when it ends is finished, no new one starts.")
+    seed: int = Field(0, description="Seed of the trial order: the same spec and data give the same trials.")
+    sensitivity_samples: int = Field(64, ge=1, description=(
+        "Calibration rows used to measure each node's sensitivity (single-node quantization vs FP32)."))
+    when: Literal["on_failure", "always"] = Field("on_failure", description=(
+        "on_failure: search only when the variant as specified fails its gates; always: search anyway."))
+    space: SearchSpace = Field(default_factory=SearchSpace, description="Configurations tried.")
+
+
 class VariantSpec(_Model):
     """One inference variant to build and validate: backend x precision x calibration."""
 
@@ -236,9 +287,14 @@ class VariantSpec(_Model):
     fp16_op_block_list: list[str] = Field(default_factory=lambda: ["Cast"], description=(
         "fp16 only: op types kept in fp32 (Cast must stay: converting it breaks type inference)."))
     gpu: bool | None = Field(None, description="Runs on a GPU node pool (default: tensorrt or a CUDA/TensorRT EP).")
+    search: "SearchSpec | None" = Field(None, description=(
+        "INT8 on onnxruntime only: when this variant fails its gates, search mixed-precision configurations "
+        "for the fastest one that passes every gate (components/search/README.md)."))
 
     @model_validator(mode="after")
     def _precision_rules(self) -> "VariantSpec":
+        if self.search is not None and (self.precision != "int8" or self.backend != "onnxruntime"):
+            raise ValueError("search applies to precision int8 on backend onnxruntime only")
         if self.precision == "int8" and self.backend == "onnxruntime" and self.quantization is None:
             raise ValueError("precision int8 on onnxruntime needs a quantization section (mode: dynamic|static)")
         if self.precision != "int8" and self.quantization is not None:
@@ -256,34 +312,105 @@ class VariantSpec(_Model):
 
 # --------------------------------------------------------------------------------------------- gates
 class GateSpec(_Model):
-    """A threshold a variant must meet. Exactly one of min / max."""
+    """A threshold a variant must meet: exactly one of `min`, `max` (absolute) or `max_drop` (relative to the
+    FP32 reference's own score).
+
+    Decision: with `confidence` unset the gate compares the point estimate; with `confidence` set it compares
+    the one-sided confidence bound at that level on the bad side (the lower bound for higher-is-better
+    metrics, the upper bound for errors): Wilson's score interval for 0/1 metrics (PROPORTION_METRICS), a
+    seeded percentile bootstrap (analysis.bootstrap) for the others. A small group then neither passes
+    vacuously (its bound is wide) nor fails on noise (the bound, not one unlucky row, decides).
+    """
 
     metric: str = Field(description="A parity metric of the task, or a performance metric (see docs/spec.md).")
-    min: float | None = Field(None, description="Pass when observed >= min.")
-    max: float | None = Field(None, description="Pass when observed <= max.")
-    scope: Literal["overall", "per_slice"] = Field("overall", description="per_slice: every group must pass.")
+    min: float | None = Field(None, description="Pass when observed (or its lower bound) >= min.")
+    max: float | None = Field(None, description="Pass when observed (or its upper bound) <= max.")
+    max_drop: float | None = Field(None, ge=0, description=(
+        "Relative gate: pass when the metric is at most this much worse than the FP32 reference's own score on "
+        "the same rows (accuracy: reference_accuracy; agreement and cosine metrics: 1; errors and KL: 0). "
+        "Parity metrics only."))
+    confidence: float | None = Field(None, gt=0.5, lt=1, description=(
+        "Decide on the one-sided confidence bound at this level (e.g. 0.95) instead of the point estimate. "
+        "Parity metrics only."))
+    scope: Literal["overall", "per_slice", "discovered"] = Field("overall", description=(
+        "overall: all validation rows; per_slice: every declared slice group with enough support must pass; "
+        "discovered: every slice found by worst-slice discovery (analysis.discovery) must pass."))
     slice: str | None = Field(None, description="per_slice: only this declared slice (default: all slices).")
     min_support: int = Field(30, ge=1, description=(
-        "per_slice: groups with fewer validation rows are reported 'insufficient data', never passed or failed."))
+        "per_slice / discovered: groups with fewer validation rows are reported 'insufficient data', never "
+        "passed or failed."))
     batch_size: int | None = Field(None, ge=1, description="Latency/throughput/cost/speedup: the batch size "
                                                            "(default: the first benchmark batch size).")
     variants: list[str] | None = Field(None, description="Apply only to these variants (default: all).")
 
     @model_validator(mode="after")
     def _one_bound(self) -> "GateSpec":
-        if (self.min is None) == (self.max is None):
-            raise ValueError("give exactly one of min or max")
-        if self.scope == "overall" and self.slice is not None:
+        given = [k for k in ("min", "max", "max_drop") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of min, max or max_drop (got {given or 'none'})")
+        if self.scope != "per_slice" and self.slice is not None:
             raise ValueError("slice applies to scope: per_slice only")
         return self
 
     @property
     def key(self) -> str:
-        """Stable id of the gate, e.g. 'nn_top1_agreement>=0.95@per_slice:lexname'."""
-        op, bound = (">=", self.min) if self.min is not None else ("<=", self.max)
-        where = "" if self.scope == "overall" else f"@per_slice{':' + self.slice if self.slice else ''}"
+        """Stable id of the gate, e.g. 'nn_top1_agreement>=0.95@per_slice:lexname',
+        'accuracy>=ref-0.01@lb95', 'nn_top1_agreement>=0.97@lb95@discovered'."""
+        if self.max_drop is not None:
+            sign = "-" if higher_is_better(self.metric) else "+"
+            op = ">=" if higher_is_better(self.metric) else "<="
+            cond = f"{op}ref{sign}{self.max_drop:g}"
+        else:
+            op, bound = (">=", self.min) if self.min is not None else ("<=", self.max)
+            cond = f"{op}{bound:g}"
+        conf = ""
+        if self.confidence is not None:
+            side = "lb" if (self.min is not None or (self.max_drop is not None and higher_is_better(self.metric))) \
+                else "ub"
+            conf = f"@{side}{self.confidence * 100:g}"
+        if self.scope == "overall":
+            where = ""
+        elif self.scope == "discovered":
+            where = "@discovered"
+        else:
+            where = f"@per_slice{':' + self.slice if self.slice else ''}"
         bs = f"@bs{self.batch_size}" if self.batch_size else ""
-        return f"{self.metric}{op}{bound:g}{bs}{where}"
+        return f"{self.metric}{cond}{bs}{conf}{where}"
+
+
+# ------------------------------------------------------------------------------------------ analysis
+class DiscoverySpec(_Model):
+    """Automatic worst-slice discovery over metadata columns (components/validate/discovery.py)."""
+
+    enabled: bool = Field(True, description="Search metadata columns for the worst slices.")
+    columns: list[str] | None = Field(None, description=(
+        "Metadata columns searched (default: every validation column that is not a model input or the label)."))
+    pairs: bool = Field(True, description="Also search pairs of columns (conjunctions of two values).")
+    metric: str | None = Field(None, description=(
+        "Parity metric compared (default: classification top1_agreement, embedding nn_top1_agreement, "
+        "regression/generic abs_error.mean)."))
+    min_support: int = Field(30, ge=5, description="Candidate slices need at least this many validation rows.")
+    max_bins: int = Field(4, ge=2, le=20, description="Numeric columns are cut into this many quantile bins.")
+    max_values: int = Field(100, ge=2, description="Categorical columns with more distinct values are skipped.")
+    alpha: float = Field(0.05, gt=0, lt=0.5, description=(
+        "False discovery rate (Benjamini-Hochberg) across every candidate slice tested."))
+    max_results: int = Field(20, ge=1, description="Report at most this many discovered slices (worst first).")
+
+
+class BootstrapSpec(_Model):
+    """Percentile bootstrap for confidence bounds of metrics that are not proportions."""
+
+    samples: int = Field(1000, ge=100, description="Bootstrap resamples.")
+    seed: int = Field(0, description="Seed: the same data give the same bounds.")
+
+
+class AnalysisSpec(_Model):
+    """What validation computes beyond the gates: tail samples, worst-slice discovery, bootstrap settings."""
+
+    worst_k: int = Field(50, ge=0, description=(
+        "Keep the k validation rows with the worst per-row parity (worst_samples.csv, with their metadata)."))
+    discovery: DiscoverySpec = Field(default_factory=DiscoverySpec, description="Worst-slice discovery.")
+    bootstrap: BootstrapSpec = Field(default_factory=BootstrapSpec, description="Bootstrap for bounds.")
 
 
 # ------------------------------------------------------------------------------- benchmark and cost
@@ -512,6 +639,8 @@ class Spec(_Model):
     slices: list[SliceSpec] = Field(default_factory=list, description="Declared slices.")
     variants: list[VariantSpec] = Field(min_length=1, description="Variants to build and validate.")
     gates: list[GateSpec] = Field(default_factory=list, description="Every gate must pass for promotion.")
+    analysis: AnalysisSpec = Field(default_factory=AnalysisSpec, description=(
+        "Tail samples, worst-slice discovery and bootstrap settings."))
     benchmark: BenchmarkSpec = Field(default_factory=BenchmarkSpec, description="Latency measurement.")
     cost: CostSpec | None = Field(None, description="Node price for cost per 1M inferences.")
     promotion: PromotionSpec = Field(default_factory=PromotionSpec, description="Registry promotion.")
@@ -534,8 +663,17 @@ class Spec(_Model):
             if g.metric not in allowed:
                 errors.append(f"gates.{i}.metric: {g.metric!r} is not produced for task {self.model.task!r}; "
                               f"choose one of {sorted(allowed)}")
-            if g.scope == "per_slice" and g.metric in PERF_METRICS:
+            if g.scope != "overall" and g.metric in PERF_METRICS:
                 errors.append(f"gates.{i}.scope: performance metric {g.metric!r} is overall only")
+            if g.metric in PERF_METRICS and g.max_drop is not None:
+                errors.append(f"gates.{i}.max_drop: relative gates apply to parity metrics, not {g.metric!r}")
+            if g.max_drop is not None and g.metric == "reference_accuracy":
+                errors.append(f"gates.{i}.max_drop: reference_accuracy is the reference's own score; gate "
+                              "accuracy with max_drop instead")
+            if g.metric in PERF_METRICS and g.confidence is not None:
+                errors.append(f"gates.{i}.confidence: confidence bounds apply to parity metrics, not {g.metric!r}")
+            if g.scope == "discovered" and not self.analysis.discovery.enabled:
+                errors.append(f"gates.{i}.scope: a 'discovered' gate needs analysis.discovery.enabled: true")
             if g.scope == "per_slice" and not self.slices:
                 errors.append(f"gates.{i}.scope: per_slice gate but no slices are declared")
             if g.slice is not None and g.slice not in slice_names:
@@ -548,6 +686,10 @@ class Spec(_Model):
                     errors.append(f"gates.{i}.variants: unknown variant {v!r}")
             if g.metric == "speedup_vs_torch" and self.model.source.format == "onnx":
                 errors.append(f"gates.{i}.metric: speedup_vs_torch needs a PyTorch reference (source is onnx)")
+        dm = self.analysis.discovery.metric
+        if dm is not None and dm not in TASK_METRICS[self.model.task]:
+            errors.append(f"analysis.discovery.metric: {dm!r} is not a parity metric of task {self.model.task!r}; "
+                          f"choose one of {sorted(TASK_METRICS[self.model.task])}")
         pb = self.promotion.batch_size
         if pb is not None and pb not in self.benchmark.batch_sizes:
             errors.append(f"promotion.batch_size: {pb} is not in benchmark.batch_sizes")
@@ -579,7 +721,8 @@ def _field_errors(exc: ValidationError) -> list[FieldError]:
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see `tailguard spec schema`)"
         loc = _loc(e["loc"])
-        if e["type"] == "value_error" and "; " in msg and not loc:  # cross-field: one message per problem
+        if e["type"] == "value_error" and not loc and re.match(r"^[A-Za-z_][\w.]*: ", msg):
+            # cross-field (Spec._cross_field): "<field path>: <problem>" joined by "; ", one FieldError each
             for part in msg.split("; "):
                 field_path, _, text = part.partition(": ")
                 out.append(FieldError(field_path, text or part))

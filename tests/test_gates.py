@@ -109,3 +109,183 @@ def test_evaluate_gates_reports_every_gate_when_several_fail():
     assert [r.gate for r in results] == ["top1_agreement>=0.99", "abs_error.max<=0.1", "latency_ms.p50<=1"]
     assert all_passed(results) is False
     assert GateResult.from_dict(results[0].to_dict()) == results[0]
+
+
+# ------------------------------------------------------------------ confidence, relative and discovered gates
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from tailguard.components.validate.discovery import DiscoveryResult  # noqa: E402
+from tailguard.components.validate.intervals import paired_difference_bound, wilson_bound  # noqa: E402
+from tailguard.components.validate.parity import aggregate  # noqa: E402
+from tailguard.components.validate.slices import SliceGroup, per_slice_table  # noqa: E402
+
+
+def _rows(small_agree=30, big_agree=396, ref_correct=None, correct=None):
+    """430 classification rows: group "small" = rows 0..29, group "big" = rows 30..429."""
+    n = 430
+    agree = np.zeros(n, bool)
+    agree[:small_agree] = True
+    agree[30:30 + big_agree] = True
+    ps = {"top1_agree": agree, "kl_divergence": np.where(agree, 0.001, 0.5), "abs_error": np.where(agree, 0.01, 1.0),
+          "non_finite": np.zeros(n, bool)}
+    if correct is not None:
+        ps.update(correct=correct, reference_correct=ref_correct)
+    groups = [SliceGroup("grp", "small", np.arange(n) < 30, 30), SliceGroup("grp", "big", np.arange(n) >= 30, 400)]
+    return ps, groups, per_slice_table("classification", ps, groups)
+
+
+def _eval(gates, ps, groups, table, *, discovered=None, analysis=None, pass_rows=True):
+    spec = _spec(gates, slices=[{"name": "grp", "column": "g"}])
+    if analysis is not None:
+        spec = spec.model_copy(update={"analysis": spec.analysis.model_validate(analysis)})
+    kw = dict(per_sample=ps, groups=groups, discovered=discovered) if pass_rows else dict(discovered=discovered)
+    return evaluate_gates(spec, "ort-fp32", aggregate("classification", ps), table, PERF, **kw)
+
+
+def test_per_slice_confidence_gate_fails_on_bound_when_small_group_is_perfect():
+    ps, groups, table = _rows()
+    gate = {"metric": "top1_agreement", "min": 0.97, "scope": "per_slice", "confidence": 0.95}
+    (res,) = _eval([gate], ps, groups, table)
+    (point,) = _eval([{k: v for k, v in gate.items() if k != "confidence"}], ps, groups, table)
+    assert point.status == "passed" and point.decided_on == "point"  # 1.0 and 0.99 both >= 0.97
+    assert res.status == "failed" and res.decided_on == "bound" and res.confidence == 0.95
+    assert res.gate == "top1_agreement>=0.97@lb95@per_slice"
+    (small,) = res.detail["failing"]
+    assert (small["value"], small["support"], small["estimate"]) == ("small", 30, 1.0)
+    assert small["bound"] == pytest.approx(0.9173, abs=1e-4) == res.observed == res.bound
+    assert res.estimate == 1.0 and "Wilson" in res.method
+
+
+def test_per_slice_confidence_gate_passes_when_400_rows_are_at_099():
+    ps, groups, table = _rows()
+    gate = {"metric": "top1_agreement", "min": 0.97, "scope": "per_slice", "confidence": 0.95, "min_support": 31}
+    (res,) = _eval([gate], ps, groups, table)
+    assert res.status == "passed" and res.detail["judged"] == 1
+    assert res.observed == pytest.approx(wilson_bound(396, 400, 0.95, "lower")) == res.bound
+    assert 0.97 < res.observed < res.estimate == 0.99
+    assert [i["value"] for i in res.detail["insufficient"]] == ["small"]
+
+
+def test_confidence_gate_fails_with_reason_when_per_row_values_are_not_given():
+    ps, groups, table = _rows()
+    gates = [{"metric": "top1_agreement", "min": 0.5, "confidence": 0.95},
+             {"metric": "top1_agreement", "min": 0.5, "scope": "per_slice", "confidence": 0.95}]
+    overall, per_slice = _eval(gates, ps, groups, table, pass_rows=False)
+    assert overall.status == "failed" and "per-row" in overall.detail["reason"] and overall.observed is None
+    assert per_slice.status == "failed" and all("per-row" in f["reason"] for f in per_slice.detail["failing"])
+
+
+def test_overall_confidence_gate_uses_upper_bootstrap_bound_when_metric_is_an_error():
+    ps, groups, table = _rows(big_agree=392)
+    gate = {"metric": "kl_divergence.mean", "max": 0.012, "confidence": 0.9}
+    (res,) = _eval([gate], ps, groups, table, analysis={"bootstrap": {"samples": 400, "seed": 1}})
+    assert res.gate == "kl_divergence.mean<=0.012@ub90"
+    assert res.estimate == pytest.approx(aggregate("classification", ps)["kl_divergence.mean"])
+    assert res.estimate < 0.012 < res.bound == res.observed  # passes on the point, fails on the bound
+    assert res.status == "failed" and "bootstrap upper bound (400 resamples, seed 1)" in res.method
+
+
+def test_relative_accuracy_gate_derives_threshold_from_reference_accuracy_when_max_drop_given():
+    ref = np.zeros(430, bool)
+    ref[:400] = True  # reference accuracy 400/430
+    cand = ref.copy()
+    cand[30:50] = False  # 20 rows lost, all in group "big"
+    ps, groups, table = _rows(ref_correct=ref, correct=cand)
+    tight, loose = _eval([{"metric": "accuracy", "max_drop": 0.04}, {"metric": "accuracy", "max_drop": 0.05}],
+                         ps, groups, table)
+    assert tight.gate == "accuracy>=ref-0.04"
+    assert tight.threshold == pytest.approx(400 / 430 - 0.04) and tight.observed == pytest.approx(380 / 430)
+    assert tight.detail == {"reference_score": pytest.approx(400 / 430), "max_drop": 0.04}
+    assert tight.status == "failed" and loose.status == "passed"  # drop 20/430 = 0.0465
+    (slice_res,) = _eval([{"metric": "accuracy", "max_drop": 0.04, "scope": "per_slice"}], ps, groups, table)
+    # group thresholds differ: small 30/30 - 0.04, big 370/400 - 0.04; only big (0.875 < 0.885) fails
+    assert slice_res.status == "failed" and [f["value"] for f in slice_res.detail["failing"]] == ["big"]
+    assert slice_res.threshold == pytest.approx(370 / 400 - 0.04) and slice_res.observed == pytest.approx(350 / 400)
+    assert slice_res.detail["failing"][0]["reference_score"] == pytest.approx(370 / 400)
+
+
+def test_relative_accuracy_gate_decides_on_paired_difference_bound_when_confidence_given():
+    ref = np.zeros(430, bool)
+    ref[30:402] = True  # big group: 372/400 reference-correct
+    cand = ref.copy()
+    cand[30:34] = False  # point drop 0.01 in big
+    ps, groups, table = _rows(ref_correct=ref, correct=cand)
+    gates = [{"metric": "accuracy", "max_drop": 0.02, "scope": "per_slice", "min_support": 31, "confidence": 0.95},
+             {"metric": "accuracy", "max_drop": 0.03, "scope": "per_slice", "min_support": 31, "confidence": 0.95},
+             {"metric": "accuracy", "max_drop": 0.02, "scope": "per_slice", "min_support": 31}]
+    tight, loose, point = _eval(gates, ps, groups, table)
+    lb = paired_difference_bound(cand[30:], ref[30:], 0.95, "lower")
+    assert -0.03 < lb < -0.02
+    assert tight.gate == "accuracy>=ref-0.02@lb95@per_slice"
+    assert tight.observed == pytest.approx(0.93 + lb) and tight.estimate == pytest.approx(0.92)
+    assert tight.detail["failing"][0]["bound"] == pytest.approx(0.93 + lb)
+    assert (tight.status, loose.status, point.status) == ("failed", "passed", "passed")
+    assert "Newcombe" in tight.method
+
+
+def test_relative_gate_uses_reference_score_one_when_metric_is_agreement():
+    ps, groups, table = _rows()
+    (res,) = _eval([{"metric": "top1_agreement", "max_drop": 0.005}], ps, groups, table)
+    assert res.threshold == pytest.approx(0.995) and res.detail["reference_score"] == 1.0
+    assert res.status == "failed" and res.observed == pytest.approx(426 / 430)
+
+
+def _discovery(ps, significant=(True, False), support=(30, 400)):
+    rows = 430
+    masks = {("grp", "small"): np.arange(rows) < 30, ("grp", "big"): np.arange(rows) >= 30}
+    table = pd.DataFrame({"slice": ["grp", "grp"], "value": ["small", "big"], "support": list(support),
+                          "metric": "top1_agreement", "value_in_slice": [0.5, 0.99], "value_rest": [0.99, 0.5],
+                          "drop": [0.49, 0.01], "p_value": [1e-6, 0.3], "q_value": [2e-6, 0.3],
+                          "significant": list(significant)})
+    return DiscoveryResult(table=table, masks=masks, tested=7, method="synthetic")
+
+
+def test_discovered_gate_judges_only_significant_slices_when_discovery_found_some():
+    ps, groups, table = _rows(small_agree=15)  # small: 0.5 agreement, big: 0.99
+    gate = {"metric": "top1_agreement", "min": 0.95, "scope": "discovered"}
+    (res,) = _eval([gate], ps, groups, table, discovered=_discovery(ps))
+    assert res.gate == "top1_agreement>=0.95@discovered" and res.status == "failed"
+    assert res.detail["judged"] == 1 and res.observed == 0.5 and res.min_support == 30
+    (f,) = res.detail["failing"]
+    assert (f["slice"], f["value"], f["support"], f["q_value"]) == ("grp", "small", 30, 2e-6)
+    # the big group is not significant, so the gate passes when only it would be judged
+    (ok,) = _eval([gate], ps, groups, table, discovered=_discovery(ps, significant=(False, True)))
+    assert ok.status == "passed" and ok.observed == 0.99
+
+
+def test_discovered_gate_passes_with_reason_when_no_slice_is_significant():
+    ps, groups, table = _rows(small_agree=15)
+    gate = {"metric": "top1_agreement", "min": 0.95, "scope": "discovered"}
+    (res,) = _eval([gate], ps, groups, table, discovered=_discovery(ps, significant=(False, False)))
+    assert res.status == "passed" and res.detail["reason"].startswith("no slice discovered")
+    (small,) = _eval([gate | {"min_support": 50}], ps, groups, table, discovered=_discovery(ps))
+    assert small.status == "insufficient_data" and small.detail["insufficient"][0]["value"] == "small"
+
+
+def test_discovered_gate_fails_when_discovery_did_not_run():
+    ps, groups, table = _rows()
+    (res,) = _eval([{"metric": "top1_agreement", "min": 0.95, "scope": "discovered"}], ps, groups, table)
+    assert res.status == "failed" and res.detail["reason"].startswith("discovery did not run")
+
+
+def test_discovered_confidence_gate_bounds_each_slice_when_confidence_given():
+    ps, groups, table = _rows(small_agree=29)
+    gate = {"metric": "top1_agreement", "min": 0.9, "scope": "discovered", "confidence": 0.95}
+    (res,) = _eval([gate], ps, groups, table, discovered=_discovery(ps))
+    assert res.status == "failed" and res.estimate == pytest.approx(29 / 30)
+    assert res.bound == pytest.approx(wilson_bound(29, 30, 0.95, "lower")) == res.detail["failing"][0]["bound"]
+
+
+def test_gate_result_from_dict_loads_old_dict_when_new_fields_are_absent():
+    old = {"gate": "top1_agreement>=0.99", "metric": "top1_agreement", "scope": "overall", "threshold": 0.99,
+           "op": ">=", "observed": 0.995, "passed": True, "status": "passed", "method": "overall, all validation rows",
+           "batch_size": None, "slice": None, "min_support": None, "detail": {}}
+    res = GateResult.from_dict(old)
+    assert (res.estimate, res.bound, res.confidence, res.decided_on) == (None, None, None, "point")
+    assert GateResult.from_dict(res.to_dict()) == res
+
+
+def test_plain_gate_records_point_estimate_when_no_new_fields_are_set():
+    res = _one({"metric": "top1_agreement", "min": 0.99}, {"top1_agreement": 0.995})
+    assert (res.estimate, res.bound, res.confidence, res.decided_on) == (0.995, None, None, "point")

@@ -147,3 +147,91 @@ def test_validate_variant_raises_input_error_when_reference_rows_differ(e2e):
     d, ds, w, ref_runner, reference = e2e
     with pytest.raises(InputError, match="reference output has 10 rows"):
         validate_variant(_e2e_spec([]), "ort-fp32", ref_runner, [reference[0][:10]], ds, d / "short")
+
+
+# ------------------------------------------------------------------ tail samples, discovery, bounds in the report
+def _e2e_spec_with(gates, analysis):
+    spec = _e2e_spec(gates)
+    return spec.model_copy(update={"analysis": spec.analysis.model_validate(analysis)})
+
+
+def test_validate_variant_writes_worst_samples_and_discovered_csv_when_discovery_enabled(e2e):
+    from tailguard.components.validate.parity import per_sample_metrics
+
+    d, ds, w, ref_runner, reference = e2e
+    bad_w = w.copy()
+    bad_w[:, 0] *= -1
+    spec = _e2e_spec_with([{"metric": "top1_agreement", "min": 0.5, "confidence": 0.95},
+                           {"metric": "top1_agreement", "min": 0.99, "scope": "discovered"}],
+                          {"worst_k": 7, "discovery": {"min_support": 10}})
+    runner = OrtRunner(_linear_onnx(d / "bad2.onnx", bad_w))
+    # "cls" (a copy of the label, which discovery does not search) marks the rows whose class-0 logit flipped
+    ds = Dataset(ds.inputs, ds.frame.assign(cls="c" + ds.frame["label"].astype(str)), ds.lengths, ds.uri)
+    res = validate_variant(spec, "ort-fp32", runner, reference, ds, d / "tail")
+    worst = pd.read_csv(res.files["worst_samples_csv"])
+    assert len(worst) == 7 and list(worst.columns[:2]) == ["row", "abs_error"]
+    assert {"kl_divergence", "top1_agree", "correct", "non_finite", "label", "grp", "score"} <= set(worst.columns)
+    ps = per_sample_metrics("classification", reference[0], run_dataset(runner, ds, spec.model.inputs,
+                                                                        batch_size=16)[0])
+    assert list(worst["row"]) == list(np.argsort(-ps["kl_divergence"], kind="stable")[:7])
+    assert worst["kl_divergence"].is_monotonic_decreasing
+    assert (d / "tail" / "discovered.csv").is_file() and res.discovery is not None
+    significant = [r for r in res.discovered if r["significant"]]
+    assert res.discovery["significant"] == len(significant) >= 1
+    assert any(r["slice"] == "cls" and r["value"] == "c0" for r in significant)
+    overall_gate, disc_gate = res.gates
+    assert overall_gate.decided_on == "bound" and overall_gate.bound < overall_gate.estimate
+    assert disc_gate.scope == "discovered" and disc_gate.status == "failed"
+    assert ("cls", "c0") in {(f["slice"], f["value"]) for f in disc_gate.detail["failing"]}
+    from mlflow.utils.validation import _validate_metric_name
+
+    m = res.mlflow_metrics()
+    for key in m:
+        _validate_metric_name(key)
+    assert m["discovered.count"] == len(significant)
+    assert m["discovered.1.support"] == significant[0]["support"]
+    assert m["discovered.1.q_value"] == significant[0]["q_value"] and m["discovered.1.drop"] > 0
+    loaded = ValidationResult.load(d / "tail" / "result.json")
+    assert loaded.discovered == json.loads(json.dumps(res.discovered, default=str))
+    assert loaded.gates[0].bound == overall_gate.bound
+    text = (d / "tail" / "report.html").read_text()
+    assert "<th>bound</th>" in text and "Worst validation rows" in text and "Discovered slices" in text
+
+
+def test_validate_variant_skips_discovery_when_disabled(e2e):
+    d, ds, w, ref_runner, reference = e2e
+    spec = _e2e_spec_with([], {"worst_k": 0, "discovery": {"enabled": False}})
+    res = validate_variant(spec, "ort-fp32", ref_runner, reference, ds, d / "nodisc")
+    assert res.discovery is None and res.discovered == [] and "discovered_csv" not in res.files
+    assert not (d / "nodisc" / "discovered.csv").exists()
+    assert "discovered.count" not in res.mlflow_metrics()
+    assert len(pd.read_csv(res.files["worst_samples_csv"])) == 0
+
+
+def test_worst_samples_ranks_lowest_cosine_first_and_renames_clashing_metadata_when_task_is_embedding():
+    from tailguard.components.validate.logic import worst_samples
+
+    ps = {"cosine_similarity": np.array([0.9, 0.5, 0.99, 0.5]), "abs_error": np.array([0.1, 0.4, 0.0, 0.3]),
+          "non_finite": np.zeros(4, bool)}
+    frame = pd.DataFrame({"abs_error": ["a", "b", "c", "d"], "lang": ["en", "de", "fr", "it"]})
+    out = worst_samples("embedding", ps, frame, 3)
+    assert list(out["row"]) == [1, 3, 0]  # ties by row index
+    assert list(out.columns) == ["row", "cosine_similarity", "abs_error", "non_finite", "meta.abs_error", "lang"]
+    assert list(out["lang"]) == ["de", "it", "en"]
+    with pytest.raises(InputError, match="metadata has 2 rows"):
+        worst_samples("embedding", ps, frame.head(2), 3)
+
+
+def test_validation_result_from_dict_loads_old_result_when_discovery_keys_are_absent(e2e):
+    d, ds, w, ref_runner, reference = e2e
+    res = validate_variant(_e2e_spec_with([{"metric": "top1_agreement", "min": 0.9}],
+                                          {"discovery": {"enabled": False}}), "ort-fp32", ref_runner,
+                           reference, ds, d / "old")
+    old = res.to_dict()
+    del old["discovered"], old["discovery"]
+    for g in old["gates"]:
+        for k in ("estimate", "bound", "confidence", "decided_on"):
+            g.pop(k, None)
+    loaded = ValidationResult.from_dict(old)
+    assert loaded.discovered == [] and loaded.discovery is None
+    assert loaded.gates[0].decided_on == "point" and loaded.gates[0].status == "passed"

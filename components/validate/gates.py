@@ -6,7 +6,8 @@ the operator, the batch size and the method actually used, the observed value an
 
 Statuses:
     passed / failed      the gate was evaluated.
-    insufficient_data    per-slice gate where no group reaches `min_support` rows: nothing could be judged.
+    insufficient_data    per-slice / discovered gate where no group reaches `min_support` rows: nothing could
+                         be judged.
     not_applicable       the gate's `variants` list does not name this variant.
 
 Rules:
@@ -14,11 +15,32 @@ Rules:
     per-slice gate        every group (of `gate.slice`, or of every slice) with support >= min_support must
                           pass; groups under min_support are listed as insufficient data (never passed, never
                           failed); observed = the worst judged group's value (lowest for `min`, highest for
-                          `max`); detail lists the failing and the insufficient groups with value and support.
+                          `max`; with `max_drop`, the group with the smallest margin to its own threshold);
+                          detail lists the failing and the insufficient groups with value and support.
+    discovered gate       (scope "discovered") the same rule over the slices that worst-slice discovery
+                          (`discovery.discover_slices`) marked significant, point values computed from the
+                          per-row values under each slice's mask. No significant slice: passed, with detail
+                          reason "no slice discovered"; discovery not run: failed.
     performance gate      latency/throughput/cost/speedup (BATCHED_METRICS) from perf[spec.gate_batch_size(gate)];
                           peak_rss_mb / model_size_mb from `overall`.
     a metric that was not measured (no cost section, no torch baseline, no labels for accuracy, NaN) fails
     its gate, with the reason in detail: a threshold the user asked for is never silently skipped.
+
+Relative gates (`max_drop`): threshold = reference score - max_drop (higher-is-better metrics, op ">=") or
++ max_drop (errors, op "<="). The reference score is the FP32 reference's own score on the same rows:
+accuracy -> reference_accuracy of those rows (overall, or that group); agreement, overlap and cosine
+metrics -> 1.0; abs_error, rel_error, kl_divergence -> 0.0. `threshold` holds the derived value and detail
+{"reference_score", "max_drop"} its origin. `max_drop` on reference_accuracy compares the reference with
+itself and fails with that reason.
+
+Confidence gates (`confidence`): the decision uses the one-sided bound at that level on the bad side (lower
+for higher-is-better metrics, upper for errors) from `intervals.metric_bound` (Wilson score bound for
+PROPORTION_METRICS, seeded percentile bootstrap `spec.analysis.bootstrap` otherwise); `observed` is that
+bound, `estimate` the point value, `bound` the bound, `decided_on` "bound". A relative accuracy gate with
+confidence bounds the PAIRED difference accuracy - reference_accuracy over the same rows (Newcombe 1998
+hybrid score, `intervals.paired_difference_bound`): observed = reference_accuracy + that lower bound, so
+it passes when the lower bound of the difference is >= -max_drop. Confidence gates need the per-row values
+(`per_sample`, and `groups` for per-slice gates); without them they fail with the reason.
 
 `all_passed` decides a variant: it passes when no gate failed. Insufficient-data gates do not fail it (the
 validation set cannot judge them; they are reported, and the report flags a gate where every group was
@@ -29,11 +51,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
+import numpy as np
 import pandas as pd
 
-from tailguard.spec import BATCHED_METRICS, PERF_METRICS, GateSpec, Spec
+from tailguard.spec import BATCHED_METRICS, PERF_METRICS, GateSpec, Spec, higher_is_better
+
+from .intervals import method_words, metric_bound, paired_difference_bound
+from .parity import aggregate
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .discovery import DiscoveryResult
+    from .slices import SliceGroup
 
 GateStatus = Literal["passed", "failed", "insufficient_data", "not_applicable"]
 
@@ -45,24 +75,33 @@ class GateResult:
     Attributes:
         gate: the gate's stable key (`GateSpec.key`, e.g. "top1_agreement>=0.97@per_slice:length").
         metric: metric name (TASK_METRICS / PERF_METRICS).
-        scope: "overall" or "per_slice".
-        threshold: the bound used.
-        op: ">=" (spec `min`) or "<=" (spec `max`).
-        observed: the value compared (per slice: the worst judged group), or None when nothing was measured.
+        scope: "overall", "per_slice" or "discovered".
+        threshold: the threshold compared against: spec `min`/`max`, or for `max_drop` the derived
+            reference score -/+ max_drop (per slice: that of the worst judged group); None when a relative
+            gate's reference score could not be computed.
+        op: ">=" (spec `min`, or `max_drop` on a higher-is-better metric) or "<=".
+        observed: the value compared (the bound when decided on the bound; per slice: the worst judged
+            group's), or None when nothing was measured.
         passed: True / False, None when insufficient_data or not_applicable.
         status: passed | failed | insufficient_data | not_applicable.
         method: how `observed` was obtained, in words (recorded so the result explains itself).
         batch_size: the batch size of a batched performance metric, else None.
         slice: per-slice gate restricted to one slice, else None.
-        min_support: per-slice gates: the support threshold used, else None.
-        detail: evidence: per slice, "failing" and "insufficient" lists of {slice, value, observed, support},
-            "judged" (groups evaluated); or "reason" when the metric was not measured.
+        min_support: per-slice / discovered gates: the support threshold used, else None.
+        detail: evidence: per slice, "failing" and "insufficient" lists of {slice, value, observed, support}
+            (with "estimate", "bound" for confidence gates, "threshold", "reference_score" for relative
+            gates), "judged" (groups evaluated); "reference_score", "max_drop" for relative gates; or
+            "reason" when the metric was not measured.
+        estimate: the point value of the metric (per slice: of the worst judged group), or None.
+        bound: the one-sided confidence bound used (confidence gates), else None.
+        confidence: the gate's confidence level, else None.
+        decided_on: "point" (the point estimate was compared) or "bound".
     """
 
     gate: str
     metric: str
     scope: str
-    threshold: float
+    threshold: float | None
     op: str
     observed: float | None
     passed: bool | None
@@ -72,6 +111,10 @@ class GateResult:
     slice: str | None = None
     min_support: int | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    estimate: float | None = None
+    bound: float | None = None
+    confidence: float | None = None
+    decided_on: str = "point"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (inf/NaN stay floats; write with allow_nan)."""
@@ -79,16 +122,42 @@ class GateResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GateResult":
-        """Inverse of `to_dict`."""
+        """Inverse of `to_dict`; dicts written before estimate/bound/confidence/decided_on existed load with
+        their defaults."""
         return cls(**d)
 
 
-def _bound(gate: GateSpec) -> tuple[str, float]:
-    return (">=", float(gate.min)) if gate.min is not None else ("<=", float(gate.max))  # type: ignore[arg-type]
+@dataclass
+class _Context:
+    task: str
+    per_sample: dict[str, np.ndarray] | None
+    masks: dict[tuple[str, str], np.ndarray] | None
+    discovered: Any
+    spec: Spec
 
 
-def _ok(value: float, op: str, threshold: float) -> bool:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+def _op(gate: GateSpec) -> str:
+    if gate.min is not None:
+        return ">="
+    if gate.max is not None:
+        return "<="
+    return ">=" if higher_is_better(gate.metric) else "<="
+
+
+def _static_threshold(gate: GateSpec) -> float | None:
+    """The threshold known before looking at data (None: relative accuracy gates, whose reference varies)."""
+    if gate.min is not None:
+        return float(gate.min)
+    if gate.max is not None:
+        return float(gate.max)
+    if gate.metric in ("accuracy", "reference_accuracy"):
+        return None
+    ref = 1.0 if higher_is_better(gate.metric) else 0.0
+    return ref - gate.max_drop if higher_is_better(gate.metric) else ref + gate.max_drop  # type: ignore[operator]
+
+
+def _ok(value: float | None, op: str, threshold: float | None) -> bool:
+    if value is None or threshold is None or (isinstance(value, float) and math.isnan(value)):
         return False
     return value >= threshold if op == ">=" else value <= threshold
 
@@ -103,6 +172,10 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(f) else f
 
 
+def _plain(gate: GateSpec) -> bool:
+    return gate.confidence is None and gate.max_drop is None
+
+
 def _single(gate: GateSpec, base: dict[str, Any], value: Any, method: str, missing_reason: str) -> GateResult:
     op, thr = base["op"], base["threshold"]
     v = _num(value)
@@ -110,54 +183,234 @@ def _single(gate: GateSpec, base: dict[str, Any], value: Any, method: str, missi
         return GateResult(**base, observed=None, passed=False, status="failed", method=method,
                           detail={"reason": missing_reason})
     ok = _ok(v, op, thr)
-    return GateResult(**base, observed=v, passed=ok, status="passed" if ok else "failed", method=method)
+    return GateResult(**base, observed=v, passed=ok, status="passed" if ok else "failed", method=method,
+                      estimate=v)
 
 
-def _per_slice(gate: GateSpec, base: dict[str, Any], slice_table: pd.DataFrame) -> GateResult:
-    op, thr = base["op"], base["threshold"]
-    rows = slice_table
-    if gate.slice is not None and len(rows):
-        rows = rows[rows["slice"] == gate.slice]
-    where = f"slice {gate.slice!r}" if gate.slice else "every slice"
-    method = f"worst group of {where} with support >= {gate.min_support}; smaller groups: insufficient data"
-    if len(rows) and gate.metric not in rows.columns:
-        return GateResult(**base, observed=None, passed=False, status="failed", method=method,
-                          detail={"reason": f"metric {gate.metric!r} is not in the per-slice table "
-                                            f"(columns: {list(rows.columns)})"})
+def _side(op: str) -> Literal["lower", "upper"]:
+    return "lower" if op == ">=" else "upper"
+
+
+def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
+            mask: np.ndarray | None, mask_known: bool, missing_reason: str) -> dict[str, Any]:
+    """Judge one set of rows (overall, one slice group, one discovered slice) for a parity gate.
+
+    Returns {"estimate", "bound", "observed", "threshold", "ok"} plus "reference_score" (relative gates),
+    "difference_bound" (relative accuracy gates with confidence) and "reason" (when it cannot be judged).
+    """
+    out: dict[str, Any] = {"estimate": _num(point), "bound": None, "observed": None,
+                           "threshold": _static_threshold(gate), "ok": False}
+    if out["estimate"] is None:
+        out["reason"] = missing_reason
+        return out
+    if gate.max_drop is not None:
+        if gate.metric == "reference_accuracy":
+            out["reason"] = ("max_drop on reference_accuracy compares the FP32 reference with itself; gate "
+                             "accuracy instead")
+            return out
+        if gate.metric == "accuracy":
+            ref = _num(ref_point)
+            if ref is None:
+                out["reason"] = "reference_accuracy of these rows was not computed (needs labels)"
+                return out
+        else:
+            ref = 1.0 if higher_is_better(gate.metric) else 0.0
+        out["reference_score"] = ref
+        out["threshold"] = ref - gate.max_drop if op == ">=" else ref + gate.max_drop
+    if gate.confidence is None:
+        out["observed"] = out["estimate"]
+    else:
+        if ctx.per_sample is None or not mask_known:
+            out["reason"] = ("a confidence gate needs the per-row parity values"
+                             + ("" if ctx.per_sample is None else " and this group's row mask")
+                             + " (evaluate_gates(per_sample=..., groups=...)); not given")
+            return out
+        if gate.max_drop is not None and gate.metric == "accuracy":
+            cand, refc = np.asarray(ctx.per_sample["correct"]), np.asarray(ctx.per_sample["reference_correct"])
+            if mask is not None:
+                cand, refc = cand[mask], refc[mask]
+            diff = paired_difference_bound(cand, refc, gate.confidence, "lower")
+            out["difference_bound"] = diff
+            b = _num(out["reference_score"] + diff)
+        else:
+            bs = ctx.spec.analysis.bootstrap
+            b = _num(metric_bound(ctx.task, gate.metric, ctx.per_sample, mask, gate.confidence, _side(op), bs))
+        out["bound"] = b
+        out["observed"] = b
+        if b is None:
+            out["reason"] = "no rows to bound"
+            return out
+    out["ok"] = _ok(out["observed"], op, out["threshold"])
+    return out
+
+
+def _method_suffix(gate: GateSpec, op: str, ctx: _Context) -> str:
+    parts = []
+    if gate.max_drop is not None:
+        ref = ("reference_accuracy of the same rows" if gate.metric == "accuracy"
+               else f"{1.0 if higher_is_better(gate.metric) else 0.0:g}")
+        parts.append(f"threshold = reference score ({ref}) {'-' if op == '>=' else '+'} max_drop {gate.max_drop:g}")
+    if gate.confidence is not None:
+        if gate.max_drop is not None and gate.metric == "accuracy":
+            parts.append(f"decided on reference_accuracy + the one-sided {gate.confidence * 100:g}% lower bound "
+                         f"of the paired difference accuracy - reference_accuracy (Newcombe 1998 hybrid score)")
+        else:
+            parts.append("decided on the " + method_words(gate.metric, gate.confidence, _side(op),
+                                                          ctx.spec.analysis.bootstrap))
+    return "; ".join(parts)
+
+
+def _finish(base: dict[str, Any], gate: GateSpec, a: dict[str, Any], method: str,
+            detail: dict[str, Any]) -> dict[str, Any]:
+    """GateResult keyword arguments shared by overall and group gates, from the chosen assessment `a`."""
+    kw = dict(base)
+    kw["threshold"] = a.get("threshold") if gate.max_drop is not None else base["threshold"]
+    if gate.max_drop is not None:
+        detail.setdefault("reference_score", a.get("reference_score"))
+        detail.setdefault("max_drop", float(gate.max_drop))
+        if "difference_bound" in a:
+            detail.setdefault("difference_bound", a["difference_bound"])
+    kw.update(method=method, detail=detail, estimate=a.get("estimate"), bound=a.get("bound"),
+              confidence=gate.confidence, decided_on="point" if gate.confidence is None else "bound")
+    return kw
+
+
+def _overall(gate: GateSpec, base: dict[str, Any], ctx: _Context, overall: dict[str, float],
+             missing_reason: str) -> GateResult:
+    op = base["op"]
+    a = _assess(gate, ctx, op, overall.get(gate.metric), overall.get("reference_accuracy"), None, True,
+                missing_reason)
+    method = "; ".join(p for p in ("overall, all validation rows", _method_suffix(gate, op, ctx)) if p)
+    detail: dict[str, Any] = {"reason": a["reason"]} if "reason" in a else {}
+    kw = _finish(base, gate, a, method, detail)
+    if "reason" in a:
+        return GateResult(**kw, observed=None, passed=False, status="failed")
+    return GateResult(**kw, observed=a["observed"], passed=a["ok"], status="passed" if a["ok"] else "failed")
+
+
+def _groups(gate: GateSpec, base: dict[str, Any], ctx: _Context, candidates: Sequence[dict[str, Any]],
+            method: str, where: str) -> GateResult:
+    """Judge every candidate group (dicts: slice, value, support, point, ref_point, mask, mask_known[, extra])."""
+    op = base["op"]
+    plain = _plain(gate)
     judged, failing, insufficient = [], [], []
-    for rec in rows.to_dict("records"):
-        support = int(rec["support"])
-        item = {"slice": str(rec["slice"]), "value": str(rec["value"]), "support": support}
-        if support < gate.min_support:
+    assessed: list[dict[str, Any]] = []
+    for c in candidates:
+        item: dict[str, Any] = {"slice": c["slice"], "value": c["value"], "support": int(c["support"])}
+        item.update(c.get("extra", {}))
+        if item["support"] < gate.min_support:
             insufficient.append(item)
             continue
-        v = _num(rec[gate.metric])
-        item["observed"] = v
+        a = _assess(gate, ctx, op, c["point"], c.get("ref_point"), c.get("mask"), c.get("mask_known", False),
+                    f"{gate.metric} was not computed for this group")
+        item["observed"] = a["observed"]
+        if not plain:
+            item["estimate"] = a["estimate"]
+            if gate.confidence is not None:
+                item["bound"] = a["bound"]
+            if gate.max_drop is not None:
+                item["threshold"] = a["threshold"]
+                item["reference_score"] = a.get("reference_score")
+            if "reason" in a:
+                item["reason"] = a["reason"]
         judged.append(item)
-        if v is None or not _ok(v, op, thr):
+        assessed.append(a)
+        if item["observed"] is None or not a["ok"]:
             failing.append(item)
     detail: dict[str, Any] = {"judged": len(judged), "failing": failing, "insufficient": insufficient}
     if not judged:
         detail["reason"] = (f"no group of {where} has >= {gate.min_support} rows "
                             f"({len(insufficient)} group(s) insufficient)")
-        return GateResult(**base, observed=None, passed=None, status="insufficient_data", method=method,
-                          detail=detail)
-    vals = [j["observed"] for j in judged]
-    if any(v is None for v in vals):
-        worst = None
+        kw = _finish(base, gate, {"threshold": base["threshold"]}, method, detail)
+        return GateResult(**kw, observed=None, passed=None, status="insufficient_data")
+    if any(j["observed"] is None for j in judged):
+        worst = next(a for a, j in zip(assessed, judged) if j["observed"] is None)
+        observed = None
     else:
-        worst = min(vals) if op == ">=" else max(vals)
+        def margin(a: dict[str, Any]) -> float:
+            thr = a["threshold"] if a["threshold"] is not None else 0.0
+            return a["observed"] - thr if op == ">=" else thr - a["observed"]
+        worst = min(assessed, key=margin)  # plain gates: same threshold, so the lowest (">=") / highest value
+        observed = worst["observed"]
     ok = not failing
-    return GateResult(**base, observed=worst, passed=ok, status="passed" if ok else "failed", method=method,
-                      detail=detail)
+    kw = _finish(base, gate, worst, method, detail)
+    return GateResult(**kw, observed=observed, passed=ok, status="passed" if ok else "failed")
+
+
+def _per_slice(gate: GateSpec, base: dict[str, Any], ctx: _Context, slice_table: pd.DataFrame) -> GateResult:
+    rows = slice_table
+    if gate.slice is not None and len(rows):
+        rows = rows[rows["slice"] == gate.slice]
+    where = f"slice {gate.slice!r}" if gate.slice else "every slice"
+    method = f"worst group of {where} with support >= {gate.min_support}; smaller groups: insufficient data"
+    suffix = _method_suffix(gate, base["op"], ctx)
+    if suffix:
+        method += "; " + suffix
+    if len(rows) and gate.metric not in rows.columns:
+        kw = _finish(base, gate, {"threshold": base["threshold"]}, method,
+                     {"reason": f"metric {gate.metric!r} is not in the per-slice table "
+                                f"(columns: {list(rows.columns)})"})
+        return GateResult(**kw, observed=None, passed=False, status="failed")
+    candidates = []
+    for rec in rows.to_dict("records"):
+        key = (str(rec["slice"]), str(rec["value"]))
+        mask = ctx.masks.get(key) if ctx.masks is not None else None
+        candidates.append({"slice": key[0], "value": key[1], "support": rec["support"], "point": rec[gate.metric],
+                           "ref_point": rec.get("reference_accuracy"), "mask": mask,
+                           "mask_known": mask is not None})
+    return _groups(gate, base, ctx, candidates, method, where)
+
+
+def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResult:
+    disc = ctx.discovered
+    where = "the significant discovered slices"
+    method = (f"worst of the slices that worst-slice discovery marked significant "
+              f"({getattr(disc, 'method', 'discovery')}) with support >= {gate.min_support}; smaller slices: "
+              f"insufficient data")
+    suffix = _method_suffix(gate, base["op"], ctx)
+    if suffix:
+        method += "; " + suffix
+    if disc is None:
+        kw = _finish(base, gate, {"threshold": base["threshold"]}, method,
+                     {"reason": "discovery did not run (analysis.discovery; evaluate_gates(discovered=...))"})
+        return GateResult(**kw, observed=None, passed=False, status="failed")
+    table = disc.table
+    sig = table[table["significant"].astype(bool)] if len(table) else table
+    if not len(sig):
+        alpha = ctx.spec.analysis.discovery.alpha
+        kw = _finish(base, gate, {"threshold": base["threshold"]}, method,
+                     {"reason": f"no slice discovered (discovery found no slice significantly worse than the "
+                                f"rest at false discovery rate {alpha:g}; {getattr(disc, 'tested', '?')} "
+                                f"tested)", "judged": 0, "failing": [], "insufficient": []})
+        return GateResult(**kw, observed=None, passed=True, status="passed")
+    if ctx.per_sample is None:
+        kw = _finish(base, gate, {"threshold": base["threshold"]}, method,
+                     {"reason": "a discovered gate needs the per-row parity values "
+                                "(evaluate_gates(per_sample=...)); not given"})
+        return GateResult(**kw, observed=None, passed=False, status="failed")
+    candidates = []
+    for rec in sig.to_dict("records"):
+        key = (str(rec["slice"]), str(rec["value"]))
+        mask = disc.masks.get(key)
+        point = ref_point = None
+        if mask is not None:
+            agg = aggregate(ctx.task, ctx.per_sample, mask)
+            point, ref_point = agg.get(gate.metric), agg.get("reference_accuracy")
+        extra = {k: rec[k] for k in ("q_value", "drop") if k in rec}
+        candidates.append({"slice": key[0], "value": key[1], "support": rec["support"], "point": point,
+                           "ref_point": ref_point, "mask": mask, "mask_known": mask is not None,
+                           "extra": extra})
+    return _groups(gate, base, ctx, candidates, method, where)
 
 
 def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], slice_table: pd.DataFrame,
-                   perf: dict[int, dict[str, float]]) -> list[GateResult]:
+                   perf: dict[int, dict[str, float]], *, per_sample: dict[str, np.ndarray] | None = None,
+                   groups: "list[SliceGroup] | None" = None,
+                   discovered: "DiscoveryResult | None" = None) -> list[GateResult]:
     """Evaluate every gate of the spec for one variant (all of them; rules: module docstring).
 
     Args:
-        spec: the validated spec (gates, benchmark batch sizes).
+        spec: the validated spec (gates, benchmark batch sizes, analysis.bootstrap / discovery).
         variant_name: the variant's name, matched against `gate.variants`.
         overall: overall-scope metrics: the parity metrics of `parity.aggregate` plus, when measured,
             "peak_rss_mb" (MiB) and "model_size_mb" (MiB).
@@ -165,23 +418,36 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
         perf: {batch size: {"latency_ms.p50": ms, "latency_ms.p99": ms, "throughput_per_s": rows/s,
             "usd_per_1m_inferences": USD, "speedup_vs_torch": x, ...}} (`latency.benchmark` plus the derived
             metrics of `logic.validate_variant`).
+        per_sample: `parity.per_sample_metrics` output over the validation rows (arrays of shape (rows,));
+            needed by confidence gates and discovered gates (without it they fail, with the reason).
+        groups: `slices.slice_groups` output (row masks of the per-slice table's groups); needed by per-slice
+            confidence gates.
+        discovered: `discovery.discover_slices` output (DiscoveryResult), or None when discovery did not run
+            (then every discovered gate fails).
 
     Returns:
         One GateResult per `spec.gates` entry, in spec order.
     """
+    masks = None if groups is None else {(str(g.slice), str(g.value)): np.asarray(g.mask, dtype=bool)
+                                         for g in groups}
+    ctx = _Context(task=spec.model.task, per_sample=per_sample, masks=masks, discovered=discovered, spec=spec)
     results: list[GateResult] = []
     for gate in spec.gates:
-        op, thr = _bound(gate)
+        op, thr = _op(gate), _static_threshold(gate)
         batched = gate.metric in BATCHED_METRICS
         bs = spec.gate_batch_size(gate) if batched else None
         base = dict(gate=gate.key, metric=gate.metric, scope=gate.scope, threshold=thr, op=op, batch_size=bs,
-                    slice=gate.slice, min_support=gate.min_support if gate.scope == "per_slice" else None)
+                    slice=gate.slice, min_support=gate.min_support if gate.scope != "overall" else None)
         if gate.variants is not None and variant_name not in gate.variants:
             results.append(GateResult(**base, observed=None, passed=None, status="not_applicable",
-                                      method=f"gate applies to variants {gate.variants} only"))
+                                      method=f"gate applies to variants {gate.variants} only",
+                                      confidence=gate.confidence,
+                                      decided_on="point" if gate.confidence is None else "bound"))
             continue
         if gate.scope == "per_slice":
-            results.append(_per_slice(gate, base, slice_table))
+            results.append(_per_slice(gate, base, ctx, slice_table))
+        elif gate.scope == "discovered":
+            results.append(_discovered(gate, base, ctx))
         elif batched:
             row = perf.get(bs) if bs is not None else None
             reason = (f"no benchmark at batch size {bs}" if row is None else
@@ -197,7 +463,11 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
             reason = f"{gate.metric} was not computed"
             if gate.metric in ("accuracy", "reference_accuracy"):
                 reason += " (needs data.validation.label_column)"
-            results.append(_single(gate, base, overall.get(gate.metric), "overall, all validation rows", reason))
+            if _plain(gate):
+                results.append(_single(gate, base, overall.get(gate.metric), "overall, all validation rows",
+                                       reason))
+            else:
+                results.append(_overall(gate, base, ctx, overall, reason))
     return results
 
 

@@ -1,11 +1,16 @@
 """The validate step for one variant: parity (overall and per slice), latency, cost, memory, gates, report.
 
 `validate_variant` runs the variant over the validation set, compares its first output with the FP32
-reference's, times it, evaluates the spec's gates and writes three files into `out_dir`:
+reference's, searches the metadata for the worst slices (when `analysis.discovery.enabled`), times it,
+evaluates the spec's gates and writes these files into `out_dir`:
 
-    slices.csv    the per-slice table (slice, value, support, <metrics>)
-    report.html   the self-contained report (report.py)
-    result.json   `ValidationResult.to_dict()` (Python's json: non-finite floats as Infinity / NaN)
+    slices.csv         the per-slice table (slice, value, support, <metrics>)
+    discovered.csv     the worst-slice discovery table (`discovery.DiscoveryResult.table`: slice, value,
+                       support, metric, value_in_slice, value_rest, drop, p_value, q_value, significant);
+                       only when discovery ran
+    worst_samples.csv  the `analysis.worst_k` rows with the worst per-row parity (`worst_samples`)
+    report.html        the self-contained report (report.py)
+    result.json        `ValidationResult.to_dict()` (Python's json: non-finite floats as Infinity / NaN)
 
 MLflow metric names (`ValidationResult.mlflow_metrics`, DESIGN.md "MLflow conventions"):
 
@@ -21,6 +26,10 @@ MLflow metric names (`ValidationResult.mlflow_metrics`, DESIGN.md "MLflow conven
     slice.<slice>.<value>.<metric>    per slice group, and slice.<slice>.<value>.support; <value> is
                                       sanitised to [A-Za-z0-9_.- ] (every other character, '/' included,
                                       becomes '_'; a key clash after that gets a suffix _2, _3, ...)
+    discovered.count                  slices worst-slice discovery marked significant (only when it ran)
+    discovered.<i>.drop               for the i-th worst significant discovered slice, i = 1..5: its drop
+    discovered.<i>.support            (metric units, > 0 = worse than the rest), support (rows) and
+    discovered.<i>.q_value            Benjamini-Hochberg q-value
 
 Values that are None or NaN (a metric not measured, a group with no rows) are left out; +inf is kept
 (MLflow's SQL store clamps it to the largest float).
@@ -53,6 +62,14 @@ from .slices import per_slice_table, slice_groups
 PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean", "throughput_per_s",
              "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32")
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_.\- ]")
+DISCOVERED_METRICS_TOP = 5  # discovered.<i>.* MLflow metrics for the i = 1..5 worst significant slices
+# per task: the per-row value that ranks worst_samples.csv, and whether low values are the bad ones
+WORST_SAMPLE_KEY: dict[str, tuple[str, bool]] = {
+    "classification": ("kl_divergence", False),
+    "embedding": ("cosine_similarity", True),
+    "regression": ("abs_error", False),
+    "generic": ("abs_error", False),
+}
 
 
 def sanitize_key_part(value: str) -> str:
@@ -87,10 +104,16 @@ class ValidationResult:
         passed: the variant passed its gates (`gates.all_passed`).
         non_finite_rows: validation rows whose candidate output held NaN/inf.
         batch_sizes: benchmark batch sizes, in spec order (the first is the default for gates and metrics).
-        files: {"report": path, "slices_csv": path, "result_json": path}.
+        files: {"report": path, "slices_csv": path, "result_json": path, "worst_samples_csv": path,
+            "discovered_csv": path (only when discovery ran)}.
         worst_slice: the slice group with the worst value of the report's key metric among groups with
             support >= the smallest per-slice gate min_support (30 without per-slice gates):
             {slice, value, support, metric, observed}; None when no group qualifies.
+        discovered: the worst-slice discovery table as records ({slice, value, support, metric,
+            value_in_slice, value_rest, drop, p_value, q_value, significant}), worst first; [] when discovery
+            did not run or found no candidate.
+        discovery: {"tested": candidate slices tested, "significant": slices marked significant, "method":
+            test and correction in words, "metric": the metric tested} when discovery ran, else None.
     """
 
     variant: str
@@ -105,6 +128,8 @@ class ValidationResult:
     batch_sizes: list[int]
     files: dict[str, str] = field(default_factory=dict)
     worst_slice: dict[str, Any] | None = None
+    discovered: list[dict[str, Any]] = field(default_factory=list)
+    discovery: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (perf keys become strings in JSON; `from_dict` turns them back)."""
@@ -112,7 +137,8 @@ class ValidationResult:
                 "perf": {str(k): v for k, v in self.perf.items()}, "slices": list(self.slices),
                 "gates": [g.to_dict() for g in self.gates], "passed": self.passed,
                 "non_finite_rows": self.non_finite_rows, "batch_sizes": list(self.batch_sizes),
-                "files": dict(self.files), "worst_slice": self.worst_slice}
+                "files": dict(self.files), "worst_slice": self.worst_slice,
+                "discovered": list(self.discovered), "discovery": self.discovery}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ValidationResult":
@@ -121,7 +147,8 @@ class ValidationResult:
                    perf={int(k): v for k, v in d["perf"].items()}, slices=list(d["slices"]),
                    gates=[GateResult.from_dict(g) for g in d["gates"]], passed=bool(d["passed"]),
                    non_finite_rows=int(d["non_finite_rows"]), batch_sizes=[int(b) for b in d["batch_sizes"]],
-                   files=dict(d.get("files", {})), worst_slice=d.get("worst_slice"))
+                   files=dict(d.get("files", {})), worst_slice=d.get("worst_slice"),
+                   discovered=list(d.get("discovered") or []), discovery=d.get("discovery"))
 
     @classmethod
     def load(cls, path: str | Path) -> "ValidationResult":
@@ -171,6 +198,12 @@ class ValidationResult:
             for k, v in rec.items():
                 if k not in ("slice", "value"):
                     put(f"{key}.{k}", v)
+        if self.discovery is not None:
+            significant = [r for r in self.discovered if bool(r.get("significant"))]
+            put("discovered.count", len(significant))
+            for i, rec in enumerate(significant[:DISCOVERED_METRICS_TOP], start=1):
+                for k in ("drop", "support", "q_value"):
+                    put(f"discovered.{i}.{k}", rec.get(k))
         return out
 
 
@@ -208,6 +241,45 @@ def worst_slice(spec: Spec, table: pd.DataFrame) -> dict[str, Any] | None:
             "metric": metric, "observed": float(row[metric])}
 
 
+def worst_samples(task: str, per_sample: dict[str, np.ndarray], frame: pd.DataFrame, k: int) -> pd.DataFrame:
+    """The k validation rows with the worst per-row parity, with their per-row metrics and metadata.
+
+    Ranked by `WORST_SAMPLE_KEY[task]`: classification `kl_divergence` highest first, embedding
+    `cosine_similarity` lowest first, regression/generic `abs_error` highest first; ties by row index.
+    Non-finite rows (scored worst case by `parity.per_sample_metrics`) come first.
+
+    Args:
+        task: the spec's `model.task`.
+        per_sample: `parity.per_sample_metrics` output, arrays of shape (rows,).
+        frame: the validation metadata (`Dataset.frame`), `rows` rows in the same order.
+        k: rows to keep (spec `analysis.worst_k`; 0 gives an empty table with the columns).
+
+    Returns:
+        DataFrame of min(k, rows) rows, worst first, with columns "row" (int, the 0-based position in the
+        validation set), every per-row metric of `per_sample` (in its order), then every column of `frame`
+        (a frame column named like one of those is renamed "meta.<name>").
+
+    Raises:
+        InputError: the per-row key is missing, or `frame` has another row count.
+    """
+    key, low_is_bad = WORST_SAMPLE_KEY[task]
+    if key not in per_sample:
+        raise InputError(f"worst_samples: per-row values {key!r} missing for task {task!r}")
+    vals = np.asarray(per_sample[key], dtype=np.float64)
+    rows = vals.shape[0]
+    if len(frame) != rows:
+        raise InputError(f"worst_samples: metadata has {len(frame)} rows, per-row values {rows}")
+    order = np.lexsort((np.arange(rows), vals if low_is_bad else -vals))[:max(0, min(k, rows))]
+    out = pd.DataFrame({"row": order.astype(np.int64)})
+    for name, arr in per_sample.items():
+        out[name] = np.asarray(arr)[order]
+    meta = frame.iloc[order].reset_index(drop=True)
+    for col in meta.columns:
+        name = str(col)
+        out[f"meta.{name}" if name in out.columns else name] = meta[col].to_numpy()
+    return out
+
+
 def _model_size_mb(model_path: str | Path | None) -> float | None:
     if model_path is None:
         return None
@@ -231,7 +303,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
         reference_outputs: the FP32 reference outputs over `validation`, original row order; the first,
             shape (rows, ...) float, is compared (model.outputs[0]).
         validation: the validation dataset.
-        out_dir: folder for slices.csv, report.html and result.json (created).
+        out_dir: folder for slices.csv, worst_samples.csv, discovered.csv (when discovery ran), report.html
+            and result.json (created).
         reference_perf: the ONNX FP32 reference's `benchmark` output ({batch size: {...}}, int or str keys),
             for speedup_vs_onnx_fp32 and the latency plot.
         torch_perf: the torch reference's `benchmark` output, for speedup_vs_torch.
@@ -265,6 +338,14 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     overall: dict[str, float] = aggregate(task, per_sample)
     groups = slice_groups(validation.frame, spec.slices)
     table = per_slice_table(task, per_sample, groups)
+    discovery = None
+    if spec.analysis.discovery.enabled:
+        from .discovery import discover_slices
+
+        label = spec.data.validation.label_column
+        discovery = discover_slices(validation.frame, per_sample, task=task, spec=spec.analysis.discovery,
+                                    exclude_columns=[label] if label is not None else [])
+    worst = worst_samples(task, per_sample, validation.frame, spec.analysis.worst_k)
 
     perf = benchmark(runner, validation, spec.model.inputs, spec.benchmark, pad_values=spec.model.pad_values)
     for bs, row in perf.items():
@@ -279,18 +360,30 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     if size is not None:
         overall["model_size_mb"] = size
 
-    gates = evaluate_gates(spec, variant_name, overall, table, perf)
+    gates = evaluate_gates(spec, variant_name, overall, table, perf, per_sample=per_sample, groups=groups,
+                           discovered=discovery)
     passed = all_passed(gates)
     files = {"slices_csv": str(out / "slices.csv"), "report": str(out / "report.html"),
-             "result_json": str(out / "result.json")}
+             "result_json": str(out / "result.json"), "worst_samples_csv": str(out / "worst_samples.csv")}
     table.to_csv(files["slices_csv"], index=False)
+    worst.to_csv(files["worst_samples_csv"], index=False)
+    discovered: list[dict[str, Any]] = []
+    discovery_info = None
+    if discovery is not None:
+        files["discovered_csv"] = str(out / "discovered.csv")
+        discovery.table.to_csv(files["discovered_csv"], index=False)
+        discovered = discovery.table.to_dict("records")
+        discovery_info = {"tested": int(discovery.tested), "method": str(discovery.method),
+                          "metric": str(getattr(discovery, "tested_metric", "") or getattr(discovery, "metric", "")),
+                          "significant": int(sum(bool(r.get("significant")) for r in discovered))}
     write_report(files["report"], variant=variant_name, overall=overall, slice_table=table, gates=gates,
-                 perf=perf, reference_perf=reference_perf, passed=passed)
+                 perf=perf, reference_perf=reference_perf, passed=passed,
+                 discovered=discovery.table if discovery is not None else None, worst_samples=worst)
     result = ValidationResult(worst_slice=worst_slice(spec, table),
         variant=variant_name, task=task, rows=validation.n_rows, overall=overall, perf=perf,
         slices=table.to_dict("records"), gates=gates, passed=passed,
         non_finite_rows=int(non_finite_rows(cand).sum()), batch_sizes=list(spec.benchmark.batch_sizes),
-        files=files)
+        files=files, discovered=discovered, discovery=discovery_info)
     Path(files["result_json"]).write_text(json.dumps(result.to_dict(), indent=1, default=json_default))
     return result
 

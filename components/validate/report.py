@@ -1,4 +1,5 @@
-"""One self-contained HTML report per variant: gates, overall parity, latency, per-slice parity.
+"""One self-contained HTML report per variant: gates, overall parity, latency, per-slice parity, discovered
+slices and the worst validation rows.
 
 Plots are drawn with matplotlib's Agg backend and embedded as base64 PNGs, so the file can be opened from an
 MLflow artifact or a KFP HTML visualization without anything beside it. Every piece of text that comes from
@@ -20,6 +21,7 @@ import pandas as pd
 from .gates import GateResult
 
 MAX_SLICE_BARS = 30  # groups shown in the per-slice plot (the worst ones)
+MAX_WORST_SAMPLES = 20  # rows of worst_samples shown in the report (the CSV holds analysis.worst_k)
 HIGHER_IS_BETTER = ("accuracy", "agreement", "cosine_similarity", "speedup", "throughput")
 # key metric of the per-slice plot, per task (first one present in the table is used)
 KEY_METRICS = ("top1_agreement", "nn_top1_agreement", "cosine_similarity.p01", "accuracy", "abs_error.max")
@@ -151,14 +153,25 @@ td.insufficient_data{background:#fff1c9}td.not_applicable{color:#888}
 """
 
 
+def _group_text(f: dict) -> str:
+    if "bound" in f:
+        inner = f"estimate {_fmt(f.get('estimate'))}, bound {_fmt(f.get('bound'))}"
+    else:
+        inner = _fmt(f.get("observed"))
+    if "threshold" in f:
+        inner += f", threshold {_fmt(f.get('threshold'))}"
+    return f"{f['slice']}={f['value']} ({inner}, n={f['support']})"
+
+
 def _gate_detail(g: GateResult) -> str:
     d = g.detail or {}
     parts = []
     if d.get("reason"):
         parts.append(str(d["reason"]))
+    if d.get("reference_score") is not None:
+        parts.append(f"reference score {_fmt(d['reference_score'])}, max_drop {_fmt(d.get('max_drop'))}")
     if d.get("failing"):
-        parts.append("failing: " + ", ".join(f"{f['slice']}={f['value']} ({_fmt(f.get('observed'))}, "
-                                             f"n={f['support']})" for f in d["failing"][:20])
+        parts.append("failing: " + ", ".join(_group_text(f) for f in d["failing"][:20])
                      + (f" … +{len(d['failing']) - 20}" if len(d["failing"]) > 20 else ""))
     if d.get("insufficient"):
         parts.append(f"insufficient (< {g.min_support} rows): " + ", ".join(
@@ -169,7 +182,8 @@ def _gate_detail(g: GateResult) -> str:
 
 def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: pd.DataFrame,
                  gates: list[GateResult], perf: dict[int, dict], reference_perf: dict | None = None,
-                 passed: bool | None = None) -> Path:
+                 passed: bool | None = None, discovered: pd.DataFrame | None = None,
+                 worst_samples: pd.DataFrame | None = None) -> Path:
     """Write the variant's HTML report.
 
     Args:
@@ -181,6 +195,9 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
         perf: `latency.benchmark` output (plus derived metrics) per batch size, with "samples_ms".
         reference_perf: the FP32 reference's benchmark in the same form, drawn beside the variant's.
         passed: the variant's verdict (default: no gate failed).
+        discovered: the worst-slice discovery table (`discovery.DiscoveryResult.table`), or None when
+            discovery did not run.
+        worst_samples: `logic.worst_samples` output (the first MAX_WORST_SAMPLES rows are shown), or None.
 
     Returns:
         The path written.
@@ -203,9 +220,12 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
 
     parts.append("<h2>Gates</h2>")
     parts.append(_table(
-        ["gate", "metric", "scope", "batch size", "threshold", "observed", "status", "method", "detail"],
+        ["gate", "metric", "scope", "batch size", "threshold", "estimate", "bound", "observed", "status",
+         "method", "detail"],
         [[g.gate, g.metric, g.scope + (f" ({g.slice})" if g.slice else ""), g.batch_size,
-          f"{g.op} {_fmt(g.threshold)}", g.observed, (g.status, g.status), g.method, _gate_detail(g)]
+          f"{g.op} {_fmt(g.threshold)}", g.estimate,
+          f"{_fmt(g.bound)} ({g.confidence * 100:g}%)" if g.confidence is not None else None,
+          g.observed, (g.status, g.status), g.method, _gate_detail(g)]
          for g in gates], cls="gates"))
 
     parts.append("<h2>Overall</h2>")
@@ -234,6 +254,21 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
                                    for r in slice_table.to_dict("records")], cls="slices"))
     else:
         parts.append("<p>No slices declared.</p>")
+
+    if discovered is not None:
+        parts.append("<h2>Discovered slices</h2>")
+        if len(discovered):
+            cols = list(discovered.columns)
+            parts.append(_table(cols, [[r[c] for c in cols]
+                                       for r in discovered.to_dict("records")], cls="discovered"))
+        else:
+            parts.append("<p>No candidate slice met the discovery criteria.</p>")
+    if worst_samples is not None and len(worst_samples):
+        parts.append(f"<h2>Worst validation rows (first {min(MAX_WORST_SAMPLES, len(worst_samples))} of "
+                     f"{len(worst_samples)})</h2>")
+        cols = list(worst_samples.columns)
+        parts.append(_table(cols, [[r[c] for c in cols] for r in
+                                   worst_samples.head(MAX_WORST_SAMPLES).to_dict("records")], cls="worst"))
     parts.append("</body></html>")
     path.write_text("\n".join(parts), encoding="utf-8")
     return path

@@ -1,0 +1,128 @@
+"""Spec errors of the statistical gates, discovery and search sections, and column names checked against the data:
+each is a SpecError with its field path (exit 2), never a traceback or a failure minutes into a run."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tailguard.cli import app
+from tailguard.errors import SpecError
+from tailguard.preflight import check_columns
+from tailguard.spec import load_spec, parse_spec
+
+from tests.test_spec import TINY
+
+runner = CliRunner()
+
+
+def _doc() -> dict:
+    return yaml.safe_load(TINY.read_text())
+
+
+def _locs(doc: dict) -> list[str]:
+    with pytest.raises(SpecError) as ei:
+        parse_spec(doc)
+    return [e.loc for e in ei.value.errors]
+
+
+def test_spec_rejects_a_zero_search_budget_with_its_field_path():
+    doc = _doc()
+    doc["variants"][1]["search"] = {"max_trials": 0, "max_minutes": 0}
+    locs = _locs(doc)
+    assert "variants.1.search.max_trials" in locs and "variants.1.search.max_minutes" in locs
+
+
+def test_spec_rejects_search_when_the_variant_is_not_int8_onnxruntime():
+    doc = _doc()
+    doc["variants"][0]["search"] = {"max_trials": 4}
+    with pytest.raises(SpecError, match="search applies to precision int8"):
+        parse_spec(doc)
+
+
+def test_spec_rejects_a_gate_on_a_metric_the_task_does_not_produce():
+    doc = _doc()
+    doc["gates"].append({"metric": "top1_agreement", "min": 0.9})  # classification metric on an embedding task
+    assert "gates.2.metric" in _locs(doc)
+
+
+def test_spec_rejects_relative_and_confidence_gates_on_performance_metrics():
+    doc = _doc()
+    doc["gates"] += [{"metric": "latency_ms.p50", "max_drop": 1.0}, {"metric": "latency_ms.p50", "max": 5,
+                                                                     "confidence": 0.95}]
+    locs = _locs(doc)
+    assert "gates.2.max_drop" in locs and "gates.3.confidence" in locs
+
+
+def test_spec_rejects_a_gate_with_both_min_and_max_drop():
+    doc = _doc()
+    doc["gates"].append({"metric": "nn_top1_agreement", "min": 0.9, "max_drop": 0.01})
+    with pytest.raises(SpecError, match="exactly one of min, max or max_drop"):
+        parse_spec(doc)
+
+
+def test_spec_rejects_a_relative_gate_on_the_reference_accuracy_itself():
+    doc = _doc()
+    doc["model"]["task"] = "classification"
+    doc["gates"] = [{"metric": "reference_accuracy", "max_drop": 0.01}]
+    assert "gates.0.max_drop" in _locs(doc)
+
+
+def test_spec_rejects_a_discovered_gate_when_discovery_is_off():
+    doc = _doc()
+    doc["analysis"] = {"discovery": {"enabled": False}}
+    doc["gates"].append({"metric": "nn_top1_agreement", "min": 0.9, "scope": "discovered"})
+    assert "gates.2.scope" in _locs(doc)
+
+
+def test_spec_rejects_an_unknown_discovery_metric():
+    doc = _doc()
+    doc["analysis"] = {"discovery": {"metric": "accuracy"}}
+    assert "analysis.discovery.metric" in _locs(doc)
+
+
+def test_gate_key_names_the_bound_and_the_relative_threshold():
+    doc = _doc()
+    doc["gates"] = [{"metric": "nn_top1_agreement", "min": 0.97, "confidence": 0.95, "scope": "per_slice",
+                     "slice": "group"},
+                    {"metric": "abs_error.p99", "max_drop": 0.05, "confidence": 0.9},
+                    {"metric": "nn_top1_agreement", "min": 0.9, "scope": "discovered"}]
+    keys = [g.key for g in parse_spec(doc).gates]
+    assert keys == ["nn_top1_agreement>=0.97@lb95@per_slice:group", "abs_error.p99<=ref+0.05@ub90",
+                    "nn_top1_agreement>=0.9@discovered"]
+
+
+def _write_data(folder, columns: dict) -> None:
+    frame = pd.DataFrame({"input_ids": [np.array([101, 7, 102])] * 4, "attention_mask": [np.array([1, 1, 1])] * 4,
+                          **columns})
+    for name in ("calibration", "validation"):
+        frame.to_parquet(folder / f"{name}.parquet")
+
+
+def test_check_columns_names_the_slice_field_when_its_column_is_missing(tmp_path):
+    _write_data(tmp_path, {"grp": ["a", "b", "a", "b"]})
+    doc = _doc()
+    doc["analysis"] = {"discovery": {"columns": ["grp", "nope"]}}
+    doc["data"]["calibration"]["stratify_by"] = "grop"
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(SpecError) as ei:
+        check_columns(load_spec(tmp_path / "spec.yaml"))
+    locs = [e.loc for e in ei.value.errors]
+    assert locs == ["slices.0.column", "analysis.discovery.columns.1", "data.calibration.stratify_by"]
+    assert "grp" in str(ei.value)  # the columns the file does have
+
+
+def test_check_columns_passes_when_every_named_column_exists(tmp_path):
+    _write_data(tmp_path, {"group": ["a", "b", "a", "b"]})
+    (tmp_path / "spec.yaml").write_text(TINY.read_text())
+    check_columns(load_spec(tmp_path / "spec.yaml"))
+
+
+def test_cli_spec_check_exits_2_naming_the_field_when_a_slice_column_is_missing(tmp_path):
+    _write_data(tmp_path, {"grp": ["a", "b", "a", "b"]})
+    (tmp_path / "spec.yaml").write_text(TINY.read_text())
+    for argv in (["spec", "check"], ["run"]):
+        r = runner.invoke(app, [*argv, str(tmp_path / "spec.yaml")])
+        assert r.exit_code == 2, r.output
+        assert "slices.0.column" in r.output and "Traceback" not in r.output
