@@ -137,5 +137,32 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
                 client.log_metric(parent_run_id, key, float(perf[f"latency_ms.{k}"]))
                 if metrics is not None:
                     metrics.log_metric(key, float(perf[f"latency_ms.{k}"]))
+    _log_calibration_coverage(spec, ds, client, parent_run_id, metrics)
     write_json(out / "baselines.json", baselines)
     return json.dumps(baselines, default=str)
+
+
+def _log_calibration_coverage(spec: Any, validation: Any, client: Any, parent_run_id: str, metrics: Any) -> None:
+    """Calibration coverage per declared slice (components/quantize/coverage.py) on the parent run:
+    calibration_coverage.csv, and metrics calibration.groups_missing (validation groups without a calibration
+    row) and calibration.min_coverage_ratio (lowest calibration share / validation share)."""
+    import tempfile
+
+    from tailguard.components.quantize.coverage import calibration_coverage
+    from tailguard.data import load_calibration
+
+    if not spec.slices:
+        return
+    table = calibration_coverage(spec.slices, load_calibration(spec), validation)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "calibration_coverage.csv"
+        table.to_csv(path, index=False)
+        client.log_artifact(parent_run_id, str(path))
+    judged = table[table["validation_rows"] > 0]
+    values = {"calibration.groups_missing": float(judged["missing"].sum())}
+    if len(judged):
+        values["calibration.min_coverage_ratio"] = float(judged["coverage_ratio"].min())
+    for key, value in values.items():
+        client.log_metric(parent_run_id, key, value)
+        if metrics is not None:
+            metrics.log_metric(key, value)
