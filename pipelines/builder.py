@@ -5,7 +5,8 @@ node-pool settings):
 
     check-data -> resolve -> export -> reference-pass
                                     \\-> build-<variant> -> validate-<variant>   (one pair per variant)
-    register-and-promote  (after every validate task; reads the variants' nested MLflow runs)
+                                                         -> search-<variant>   (variants with `search:` only)
+    register-and-promote  (after every validate and search task; reads the nested MLflow runs)
 
 State that crosses tasks: model files as KFP artifacts; metrics and decisions in MLflow (the parent
 run id is a task output). Caching is off: the tasks write to MLflow.
@@ -69,6 +70,7 @@ def build_pipeline(spec: Spec, *, cluster: bool = False) -> Callable[..., Any]:
     from tailguard.components.quantize.component import build_variant
     from tailguard.components.register.component import register_and_promote
     from tailguard.components.resolve.component import resolve
+    from tailguard.components.search.component import search_variant
     from tailguard.components.validate.component import validate_variant
 
     variants: list[VariantSpec] = list(spec.variants)
@@ -90,7 +92,7 @@ def build_pipeline(spec: Spec, *, cluster: bool = False) -> Callable[..., Any]:
                                  parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri,
                                  reference=res.outputs["reference"], onnx_model=exp.outputs["onnx_model"]),
                   "reference-pass")
-        validations = []
+        validations, searches = [], []
         for v in variants:
             build = cfg(build_variant(spec_yaml=spec_yaml, variant_name=v.name,
                                       onnx_model=exp.outputs["onnx_model"]), f"build-{v.name}", v.needs_gpu)
@@ -100,9 +102,18 @@ def build_pipeline(spec: Spec, *, cluster: bool = False) -> Callable[..., Any]:
                                        reference_outputs=ref.outputs["outputs"]),
                       f"validate-{v.name}", v.needs_gpu)
             validations.append(val)
+            if v.search is not None:
+                # after its validation (it reads the verdict and logs under the variant's run); runs where the
+                # variant runs (same image and node pool: the trials are timed on that hardware)
+                searches.append(cfg(search_variant(spec_yaml=spec_yaml, variant_name=v.name,
+                                                   validation=val.outputs["Output"], baselines=ref.outputs["Output"],
+                                                   parent_run_id=res.outputs["parent_run_id"],
+                                                   tracking_uri=tracking_uri, onnx_model=exp.outputs["onnx_model"],
+                                                   reference_outputs=ref.outputs["outputs"]),
+                                    f"search-{v.name}", v.needs_gpu))
         reg = cfg(register_and_promote(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
                                        parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri),
-                  "register-and-promote").after(*validations)
+                  "register-and-promote").after(*validations, *searches)
         return reg.outputs["Output"]
 
     return tailguard_pipeline

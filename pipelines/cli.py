@@ -78,10 +78,14 @@ def print_error(err: TailguardError) -> None:
 @spec_app.command("check")
 @handle_errors
 def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file.")) -> None:
-    """Validate SPEC; print every error with its field path (exit 2 when invalid)."""
+    """Validate SPEC, and the column names it uses against local data files; print every error with its field
+    path (exit 2 when invalid)."""
     from tailguard.spec import load_spec
 
     s = load_spec(spec, resolve_paths=False)
+    from tailguard.preflight import check_columns
+
+    check_columns(load_spec(spec), source=str(spec))  # column names, where the data files are local and present
     console.print(f"[green]valid[/green]: {spec} ({s.metadata.name}: {len(s.variants)} variants, "
                   f"{len(s.gates)} gates, {len(s.slices)} slices)")
 
@@ -118,6 +122,27 @@ def print_summary(summary: Any) -> None:
                       *[fmt(r[c]) for c in ("x torch", "x onnx fp32", "p50 ms", "p99 ms", "worst slice", "gates",
                                             "promoted")])
     console.print(table)
+    for search in getattr(summary, "searches", None) or []:
+        print_search(search)
+
+
+def print_search(search: dict) -> None:
+    """One search's Pareto table (trial, excluded nodes, per_channel, p50 ms, worst-slice value, passed, front,
+    chosen) and the reason it stopped."""
+    from rich.text import Text
+
+    from tailguard.runner import search_rows, search_title
+
+    cols = ("trial", "excluded nodes", "per_channel", "p50 ms", "worst slice", "passed", "front", "chosen")
+    table = Table(title=search_title(search), show_lines=False)
+    for col in cols:
+        table.add_column(col, overflow="fold")
+    fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    for r in search_rows(search):
+        style = "green" if r["chosen"] else ("" if r["passed"] == "yes" else "red")
+        cells = [fmt(r[c]) for c in cols]
+        table.add_row(*[Text(c, style=style) for c in cells])  # Text: node names are never read as markup
+    console.print(table)
 
 
 def _run_with_progress(spec: Any, model_version: Optional[str]) -> Any:
@@ -153,6 +178,9 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     from tailguard.spec import load_spec
 
     s = load_spec(spec)
+    from tailguard.preflight import check_columns
+
+    check_columns(s, source=str(spec))
     if runner == "kfp":
         if not host:
             raise SpecError([], source="--host", hint="--runner kfp needs --host URL of the KFP API")

@@ -80,8 +80,9 @@ def _redirect(log_path: Path, on_event: Callable[[str, str], None] | None) -> It
 
 
 def task_count(spec: Spec) -> int:
-    """Number of tasks in the spec's pipeline: 4 fixed + 2 per variant + register-and-promote."""
-    return 5 + 2 * len(spec.variants)
+    """Number of tasks in the spec's pipeline: 4 fixed + 2 per variant + 1 per variant with a search +
+    register-and-promote."""
+    return 5 + 2 * len(spec.variants) + sum(v.search is not None for v in spec.variants)
 
 
 def run_local(spec: Spec, *, model_version: str | None = None,
@@ -207,3 +208,49 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
             "promoted": f"{summary.alias} -> v{v.version}" if v.promoted else (f"v{v.version}" if v.version else ""),
         })
     return rows
+
+
+def _excluded_nodes(record: dict[str, Any]) -> str:
+    nodes = record.get("excluded_nodes")
+    if isinstance(nodes, str):
+        try:
+            nodes = json.loads(nodes)
+        except ValueError:
+            return nodes
+    if not nodes:
+        return "-"
+    nodes = [str(n) for n in nodes]
+    return ", ".join(nodes) if len(nodes) <= 3 else f"{len(nodes)}: {', '.join(nodes[:3])}, ..."
+
+
+def search_rows(search: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of one search's Pareto table (from its search.json, `RunSummary.searches`), in trial order.
+
+    Columns: trial, excluded nodes, per_channel, p50 ms, worst slice (the key parity metric of the worst slice
+    group), passed, front (not dominated on lower p50 and higher worst-slice value among ok trials), chosen.
+    """
+    rows = []
+    for t in search.get("trials") or []:
+        status = t.get("status", "ok")
+        rows.append({
+            "trial": t.get("name", str(t.get("index", ""))),
+            "excluded nodes": _excluded_nodes(t),
+            "per_channel": t.get("per_channel", ""),
+            "p50 ms": t.get("p50_ms"),
+            "worst slice": t.get("worst_slice_value"),
+            "passed": ("yes" if t.get("passed") else "no") if status == "ok" else status,
+            "front": "*" if t.get("on_front") else "",
+            "chosen": "<-" if t.get("chosen") else "",
+        })
+    return rows
+
+
+def search_title(search: dict[str, Any]) -> str:
+    """One line on a search: variant, trials run, the chosen trial (or none), why it stopped and the key parity
+    metric of the worst-slice column."""
+    trials = search.get("trials") or []
+    n = len(trials)
+    chosen = search.get("chosen_name") or "none passed every gate"
+    metric = next((t["metric"] for t in trials if t.get("metric")), None)
+    return (f"search {search.get('variant', '?')}: {n} trial{'s' if n != 1 else ''}, chosen {chosen}; "
+            f"stopped by {search.get('stopped_by', '?')}" + (f" (worst slice: {metric})" if metric else ""))

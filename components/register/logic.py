@@ -1,8 +1,13 @@
 """Register every built variant in the MLflow model registry and promote the selected one by alias.
 
 Order matters for "nothing is lost, no alias moved by a failed or partial run": this step runs only
-after every variant's validation finished; it registers all built variants first and moves the alias
-last, only to a variant that passed every gate. Registry aliases, not the deprecated stages.
+after every variant's validation (and search) finished; it registers all built variants first and moves the
+alias last, only to a variant that passed every gate. Registry aliases, not the deprecated stages.
+
+A variant V with a `search` section whose search chose a trial contributes one more candidate, '<V>-searched'
+(the chosen trial's run, a direct child of the parent run tagged tailguard.search_of = V): registered like the
+others (backend, precision and execution provider of V; tags tailguard.search_of and tailguard.trial_run_id)
+and competing in `select_fastest_passing`.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tailguard.components.search.task import SEARCH_OF_TAG, TRIAL_RUN_TAG, searched_name
 from tailguard.components.validate.task import GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
 
 
@@ -57,7 +63,10 @@ class RunSummary:
         promoted_variant / promoted_version: the selected variant, or None (no alias moved).
         promotion_enabled: False when the spec turns promotion off.
         batch_size: the batch size 'fastest' was judged at.
-        variants: one VariantSummary per spec variant, spec order.
+        variants: one VariantSummary per spec variant, spec order; a variant V with a search whose chosen
+            trial was logged is followed by a row '<V>-searched' (it competes for promotion like the others).
+        searches: the search.json of every searched variant (components/search: variant, seed, stopped_by,
+            chosen, chosen_name, trials = Pareto records, sensitivity), spec order; [] without searches.
     """
 
     parent_run_id: str
@@ -71,6 +80,7 @@ class RunSummary:
     promoted_variant: str | None = None
     promoted_version: str | None = None
     variants: list[VariantSummary] = field(default_factory=list)
+    searches: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -78,9 +88,10 @@ class RunSummary:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunSummary":
-        """Inverse of to_dict."""
+        """Inverse of to_dict (summaries written before searches existed read with searches = [])."""
         d = dict(d)
         d["variants"] = [VariantSummary(**v) for v in d.get("variants", [])]
+        d["searches"] = list(d.get("searches") or [])
         return cls(**d)
 
     @property
@@ -98,6 +109,26 @@ def _worst_slice(run: Any) -> dict[str, Any] | None:
     """The validate step's worst slice group (key parity metric, groups with enough support), from its tag."""
     raw = run.data.tags.get(WORST_SLICE_TAG)
     return json.loads(raw) if raw else None
+
+
+def _search_json(client: Any, run_id: str) -> dict[str, Any] | None:
+    """The search.json a search step logged to a variant's run (artifact search/search.json); None if absent."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    from tailguard.components.search.task import SEARCH_JSON
+
+    try:
+        names = {a.path for a in client.list_artifacts(run_id, SEARCH_JSON.rsplit("/", 1)[0])}
+        if SEARCH_JSON not in names:
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(client.download_artifacts(run_id, SEARCH_JSON, tmp)) as f:
+                d = json.load(f)
+    except (MlflowException, OSError, ValueError):  # unreadable: the summary goes on without this search
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
@@ -118,7 +149,8 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
         source_sha256: fingerprint of the reference artifact.
 
     Returns:
-        The RunSummary (also logged to the parent run as summary.json).
+        The RunSummary (also logged to the parent run as summary.json): one row per spec variant plus one
+        '<V>-searched' row per search that chose a trial; `searches` holds each searched variant's search.json.
     """
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -141,15 +173,11 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                                                    "built and validated by tailguard.")
     # One spec fingerprint per run: the one resolve put on the parent run (sha256 of the spec YAML the tasks got).
     spec_sha = client.get_run(parent_run_id).data.tags.get("tailguard.spec_sha256", "")
-    for v in spec.variants:
-        run = by_variant.get(v.name)
-        if run is None:
-            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, "failed",
-                                                   reason="no validation run was logged"))
-            continue
+
+    def add_row(name: str, v: Any, run: Any) -> None:
         tags = run.data.tags
         row = VariantSummary(
-            variant=v.name, backend=v.backend, precision=v.precision, status=tags.get(STATUS_TAG, "failed"),
+            variant=name, backend=v.backend, precision=v.precision, status=tags.get(STATUS_TAG, "failed"),
             reason=tags.get("tailguard.reason", ""), passed=tags.get(GATES_TAG) == "passed",
             run_id=run.info.run_id,
             p50_ms=_metric(run, f"bs{bs}.latency_ms.p50"), p99_ms=_metric(run, f"bs{bs}.latency_ms.p99"),
@@ -159,17 +187,35 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             gates={k[len("gate."):]: val for k, val in tags.items() if k.startswith("gate.")})
         model_uri = tags.get(MODEL_URI_TAG)
         if row.status == "ok" and model_uri:
+            extra = {SEARCH_OF_TAG: tags[SEARCH_OF_TAG], TRIAL_RUN_TAG: tags.get(TRIAL_RUN_TAG, "")} \
+                if tags.get(SEARCH_OF_TAG) else {}
             mv = mlflow.register_model(model_uri, spec.optimized_model_name, tags={
-                "tailguard.variant": v.name, "tailguard.backend": v.backend, "tailguard.precision": v.precision,
+                "tailguard.variant": name, "tailguard.backend": v.backend, "tailguard.precision": v.precision,
                 "tailguard.execution_provider": v.execution_provider,
                 "tailguard.source_model": spec.model.registered_name,
                 "tailguard.source_version": str(source_version),
                 "tailguard.source_sha256": source_sha256 or "",
                 "tailguard.gates": "passed" if row.passed else "failed",
                 "tailguard.sha256": tags.get("tailguard.sha256", ""),
-                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run.info.run_id})
+                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run.info.run_id, **extra})
             row.version = str(mv.version)
         summary.variants.append(row)
+
+    for v in spec.variants:
+        run = by_variant.get(v.name)
+        if run is None:
+            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, "failed",
+                                                   reason="no validation run was logged"))
+            continue
+        add_row(v.name, v, run)
+        if v.search is None:
+            continue
+        searched = by_variant.get(searched_name(v.name))
+        if searched is not None and searched.data.tags.get(SEARCH_OF_TAG) == v.name:
+            add_row(searched_name(v.name), v, searched)
+        found = _search_json(client, run.info.run_id)
+        if found is not None:
+            summary.searches.append(found)
     chosen = select_fastest_passing(summary.variants)
     if chosen is not None and spec.promotion.enabled:
         # The alias moves last, after every variant is registered: a failure before this line moves nothing.

@@ -19,7 +19,7 @@ MODEL_URI_TAG = "tailguard.model_uri"
 WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
 
 
-def _flat_params(variant: Any) -> dict[str, str]:
+def flat_params(variant: Any) -> dict[str, str]:
     """The variant's spec as flat MLflow params (quantization.mode=static, ...)."""
     out: dict[str, str] = {}
 
@@ -54,7 +54,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _baselines(baselines_json: str) -> dict[str, Any]:
+def parse_baselines(baselines_json: str) -> dict[str, Any]:
     """Baselines JSON with batch-size keys turned back into ints."""
     raw = json.loads(baselines_json) if baselines_json else {}
     fix = lambda d: {int(k): v for k, v in d.items()} if d else None  # noqa: E731
@@ -86,7 +86,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
             STATUS_TAG: build["status"], GATES_TAG: "not_evaluated"}
     run = client.create_run(exp_id, run_name=variant.name, tags=tags)
     run_id = run.info.run_id
-    client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in _flat_params(variant).items()])
+    client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in flat_params(variant).items()])
     summary: dict[str, Any] = {"variant": variant.name, "status": build["status"], "reason": build.get("reason", ""),
                                "passed": False, "run_id": run_id, "model_uri": None, "build": build}
     try:
@@ -94,7 +94,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
         if build["status"] != "ok":
             client.set_tag(run_id, "tailguard.reason", build.get("reason", "")[:5000])
             return json.dumps(summary, default=str)
-        summary.update(_validate(spec, variant, build, _baselines(baselines_json), Path(variant_dir),
+        summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
                                  Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path))
         return json.dumps(summary, default=str)
     except BaseException:
@@ -107,8 +107,6 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
 
 def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
               run_id: str, client: Any, metrics: Any, report_path: str | None) -> dict[str, Any]:
-    import mlflow
-
     from tailguard.components.validate.logic import validate_variant
     from tailguard.data import load_validation
     from tailguard.runtime import OrtRunner
@@ -116,51 +114,108 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     model_file = variant_dir / build["artifact"]
     runner = OrtRunner(model_file, providers=[variant.execution_provider],
                        intra_op_num_threads=spec.benchmark.intra_op_num_threads)
-    with np.load(reference_file) as npz:
-        reference_outputs = [npz[o.name] for o in spec.model.outputs]
     ds = load_validation(spec)
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
     try:
-        result = validate_variant(spec, variant.name, runner, reference_outputs, ds, work,
-                                  reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
+        result = validate_variant(spec, variant.name, runner, load_reference_outputs(spec, reference_file), ds,
+                                  work, reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
                                   model_path=model_file)
-        flat = result.mlflow_metrics()
-        client.log_batch(run_id, metrics=[mlflow.entities.Metric(k, float(v), 0, 0) for k, v in flat.items()
-                                          if v is not None and np.isfinite(v)])
-        if metrics is not None:
-            for k, v in flat.items():
-                if v is not None and not k.startswith("slice.") and np.isfinite(v):
-                    metrics.log_metric(k, float(v))
-        for f in sorted(work.iterdir()):
-            client.log_artifact(run_id, str(f))
-        if report_path and (work / "report.html").exists():
-            Path(report_path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(work / "report.html", report_path)
-        passed = bool(result.passed)
-        reason = ""
-        if result.non_finite_rows:
-            passed, reason = False, f"non-finite outputs in {result.non_finite_rows} validation rows"
-        elif not passed:
-            reason = "failed gates: " + ", ".join(g.gate for g in result.gates if g.status == "failed")
-        client.set_tag(run_id, GATES_TAG, "passed" if passed else "failed")
-        for g in result.gates:
-            client.set_tag(run_id, gate_tag(g.gate), g.status)
-        client.set_tag(run_id, "tailguard.sha256", _sha256(model_file))
-        if result.worst_slice:
-            client.set_tag(run_id, WORST_SLICE_TAG, json.dumps(result.worst_slice, default=str))
-        if reason:
-            client.set_tag(run_id, "tailguard.reason", reason[:5000])
-        import onnx
-
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
-                                         save_as_external_data=False,
-                                         onnx_execution_providers=[variant.execution_provider])
-        client.set_tag(run_id, MODEL_URI_TAG, info.model_uri)
-        d = result.to_dict()
-        write_json(work / "result.json", d)
-        return {"passed": passed, "reason": reason, "model_uri": info.model_uri,
-                "overall": d.get("overall"), "perf": d.get("perf"), "gates": d.get("gates"),
-                "worst_slice": d.get("worst_slice")}
+        return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
+                                   execution_provider=variant.execution_provider, metrics=metrics,
+                                   report_path=report_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def load_reference_outputs(spec: Any, reference_file: Path) -> list[np.ndarray]:
+    """The FP32 reference outputs saved by reference-pass, in model.outputs order (each (rows, ...))."""
+    with np.load(reference_file) as npz:
+        return [npz[o.name] for o in spec.model.outputs]
+
+
+def verdict(result: Any) -> tuple[bool, str]:
+    """(passed, reason) of a ValidationResult: non-finite outputs fail whatever the gates say."""
+    if result.non_finite_rows:
+        return False, f"non-finite outputs in {result.non_finite_rows} validation rows"
+    if not result.passed:
+        return False, "failed gates: " + ", ".join(g.gate for g in result.gates if g.status == "failed")
+    return True, ""
+
+
+def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None) -> tuple[bool, str]:
+    """Log a ValidationResult's verdict to run `run_id`: metrics, gate tags, worst slice, reason.
+
+    Args:
+        client: an MlflowClient.
+        run_id: the run to log to (it may be finished already).
+        result: the ValidationResult.
+        metrics: a KFP Output[Metrics] that also gets the metrics other than slice.* (None: MLflow only).
+
+    Returns:
+        (passed, reason) as `verdict` gives them; tags tailguard.gates and tailguard.reason say the same.
+    """
+    import mlflow
+
+    flat = result.mlflow_metrics()
+    client.log_batch(run_id, metrics=[mlflow.entities.Metric(k, float(v), 0, 0) for k, v in flat.items()
+                                      if v is not None and np.isfinite(v)])
+    if metrics is not None:
+        for k, v in flat.items():
+            if v is not None and not k.startswith("slice.") and np.isfinite(v):
+                metrics.log_metric(k, float(v))
+    passed, reason = verdict(result)
+    client.set_tag(run_id, GATES_TAG, "passed" if passed else "failed")
+    for g in result.gates:
+        client.set_tag(run_id, gate_tag(g.gate), g.status)
+    if result.worst_slice:
+        client.set_tag(run_id, WORST_SLICE_TAG, json.dumps(result.worst_slice, default=str))
+    if reason:
+        client.set_tag(run_id, "tailguard.reason", reason[:5000])
+    return passed, reason
+
+
+def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path, model_file: Path,
+                        execution_provider: str, metrics: Any = None, report_path: str | None = None
+                        ) -> dict[str, Any]:
+    """Log a validated model to its run the way the register step reads it.
+
+    Logs `log_validation`'s metrics and tags, every file of `work_dir` as an artifact (slices.csv, report.html,
+    result.json, ...), the model's sha256 (tag tailguard.sha256) and the model itself (mlflow.onnx.log_model
+    under "model", its URI in tag tailguard.model_uri). Used by the validate step and by the search step for
+    the chosen trial.
+
+    Args:
+        client: an MlflowClient.
+        run_id: the run (tags tailguard.variant, tailguard.status already set by the caller).
+        result: the model's ValidationResult.
+        work_dir: the folder validate_variant wrote into.
+        model_file: the validated .onnx file.
+        execution_provider: the ONNX Runtime EP the model is meant for (saved with the MLflow model).
+        metrics: optional KFP Output[Metrics].
+        report_path: optional path the report.html is copied to (a KFP Output[HTML]).
+
+    Returns:
+        {passed, reason, model_uri, overall, perf, gates, worst_slice} for the task's output JSON.
+    """
+    import mlflow
+    import onnx
+
+    passed, reason = log_validation(client, run_id, result, metrics=metrics)
+    for f in sorted(Path(work_dir).iterdir()):
+        if f.is_dir():
+            client.log_artifacts(run_id, str(f), artifact_path=f.name)
+        else:
+            client.log_artifact(run_id, str(f))
+    if report_path and (Path(work_dir) / "report.html").exists():
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(work_dir) / "report.html", report_path)
+    client.set_tag(run_id, "tailguard.sha256", _sha256(Path(model_file)))
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
+                                     save_as_external_data=False, onnx_execution_providers=[execution_provider])
+    client.set_tag(run_id, MODEL_URI_TAG, info.model_uri)
+    d = result.to_dict()
+    write_json(Path(work_dir) / "result.json", d)
+    return {"passed": passed, "reason": reason, "model_uri": info.model_uri,
+            "overall": d.get("overall"), "perf": d.get("perf"), "gates": d.get("gates"),
+            "worst_slice": d.get("worst_slice")}

@@ -1,0 +1,1 @@
+"""Accuracy-driven mixed-precision search for INT8 variants (sensitivity analysis + budgeted search)."""

@@ -1,0 +1,269 @@
+"""Task glue of the search component: run the accuracy-driven search for one variant and log it to MLflow.
+
+MLflow layout (docs/architecture.md "MLflow names"):
+
+    parent run
+    ├─ <V>                    the validate step's run of variant V; after the search it gets the tags
+    │   │                     tailguard.search (chosen trial name | none | not_needed | skipped | failed) and
+    │   │                     tailguard.search_stopped_by, and the artifacts search/ (search.json, pareto.csv,
+    │   │                     pareto.png, trials.csv, sensitivity.csv, sensitivity.png)
+    │   └─ <V>-tNN            one nested run per trial: tailguard.search_of = V, tailguard.trial = NN, status,
+    │                         gates and gate.<key> tags, params = the trial's config, the validation metrics
+    └─ <V>-searched           the chosen trial as a candidate the register step sees (a direct child of the
+                              parent run, logged exactly like a validated variant: tailguard.variant = <V>-searched,
+                              tailguard.search_of = V, tailguard.trial_run_id, artifacts, the ONNX model)
+
+Trials are judged by V's gates (a gate's `variants` list names spec variants, so a trial of V is matched
+as V); runs and files are named by the trial.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from tailguard.components.validate.task import GATES_TAG, STATUS_TAG, VARIANT_TAG
+from tailguard.taskio import task_entry, write_json
+
+SEARCH_OF_TAG = "tailguard.search_of"        # on trial runs and on the <V>-searched run: the searched variant V
+TRIAL_TAG = "tailguard.trial"                # on trial runs: the 0-based trial index
+TRIAL_RUN_TAG = "tailguard.trial_run_id"     # on the <V>-searched run: the run of the chosen trial
+SEARCH_TAG = "tailguard.search"              # on V's run: chosen trial name | none | not_needed | skipped | failed
+SEARCH_STOPPED_TAG = "tailguard.search_stopped_by"  # on V's run: space_exhausted | max_trials | max_minutes
+SEARCH_ARTIFACT_PATH = "search"              # artifact folder on V's run
+SEARCH_JSON = f"{SEARCH_ARTIFACT_PATH}/search.json"
+
+
+def searched_name(variant_name: str) -> str:
+    """Name of the candidate a search contributes: '<variant>-searched'."""
+    return f"{variant_name}-searched"
+
+
+def search_decision(variant: Any, validation: dict[str, Any]) -> tuple[str | None, str]:
+    """Whether the search of `variant` runs, from the validate step's output.
+
+    Args:
+        variant: the VariantSpec (its `search` section).
+        validation: the validate task's output JSON, parsed ({variant, status, passed, reason, run_id, ...}).
+
+    Returns:
+        (None, "") when the search runs; otherwise (status, reason) with status "skipped" (no search section,
+        or the variant's build was skipped, e.g. no execution provider here) or "not_needed" (search.when is
+        on_failure and the variant passed as specified).
+    """
+    if variant.search is None:
+        return "skipped", f"variant {variant.name!r} has no search section"
+    if validation.get("status") == "skipped":
+        return "skipped", f"the variant's build was skipped: {validation.get('reason', '')}".rstrip(": ")
+    if variant.search.when == "on_failure" and validation.get("status") == "ok" and validation.get("passed"):
+        return "not_needed", "the variant passed its gates as specified (search.when: on_failure)"
+    return None, ""
+
+
+def _trial_params(trial: Any) -> dict[str, str]:
+    """A trial's config as MLflow params (lists as JSON, values cut to MLflow's 6000 characters)."""
+    out = {}
+    for k, v in trial.config.items():
+        out[f"search.{k}"] = (json.dumps(v) if isinstance(v, (list, dict)) else str(v))[:6000]
+    return out
+
+
+def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any, trial: Any) -> str:
+    """Log one trial as a nested run under the variant's run (no model). Returns the run id.
+
+    Tags: mlflow.parentRunId = `variant_run_id`, tailguard.search_of, tailguard.trial, tailguard.status
+    (ok | failed), tailguard.gates (passed | failed | not_evaluated), gate.<key>, tailguard.worst_slice,
+    tailguard.reason. Params: the trial's config (search.*). Metrics: ValidationResult.mlflow_metrics()
+    and trial.seconds (build + evaluation wall time, s).
+    """
+    import mlflow
+
+    from tailguard.components.validate.task import log_validation
+
+    tags = {"mlflow.parentRunId": variant_run_id, SEARCH_OF_TAG: variant.name, TRIAL_TAG: str(trial.index),
+            "tailguard.trial_name": trial.name, "tailguard.backend": variant.backend,
+            "tailguard.precision": variant.precision, STATUS_TAG: trial.status, GATES_TAG: "not_evaluated"}
+    run_id = client.create_run(experiment_id, run_name=trial.name, tags=tags).info.run_id
+    try:
+        client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in _trial_params(trial).items()])
+        client.log_metric(run_id, "trial.seconds", float(trial.seconds))
+        if trial.result is not None:
+            log_validation(client, run_id, trial.result)
+        if trial.status != "ok" and trial.reason:
+            client.set_tag(run_id, "tailguard.reason", trial.reason[:5000])
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, variant: Any, trial: Any,
+                           trial_run_id: str, work_dir: Path) -> str:
+    """Log the chosen trial as candidate '<V>-searched', a direct child of the parent run, exactly as the
+    validate step logs a variant (components/validate/task.py `log_validated_model`). Returns the run id.
+
+    Raises:
+        StepError: the chosen trial has no model file or no validation result.
+    """
+    import mlflow
+
+    from tailguard.components.validate.task import flat_params, log_validated_model
+    from tailguard.errors import StepError
+
+    if trial.result is None or not trial.model_path or not Path(trial.model_path).is_file():
+        raise StepError(f"chosen trial {trial.name} has no validated model file ({trial.model_path})",
+                        step="search", variant=variant.name)
+    name = searched_name(variant.name)
+    tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: name, SEARCH_OF_TAG: variant.name,
+            TRIAL_RUN_TAG: trial_run_id, "tailguard.trial_name": trial.name, "tailguard.backend": variant.backend,
+            "tailguard.precision": variant.precision, STATUS_TAG: "ok", GATES_TAG: "not_evaluated"}
+    run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+    try:
+        client.log_batch(run_id, params=[mlflow.entities.Param(k, v)
+                                         for k, v in flat_params(trial.variant).items()])
+        client.log_dict(run_id, dict(trial.config), "search_config.json")
+        log_validated_model(client, run_id, trial.result, work_dir=work_dir, model_file=Path(trial.model_path),
+                            execution_provider=trial.variant.execution_provider)
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    finally:
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validation: Any, baselines: dict[str, Any],
+                  work_root: Path) -> tuple[Callable[[Any, Path], Any], dict[str, Path]]:
+    """The `evaluate(trial_variant, model_path)` run_search calls, mirroring the validate step.
+
+    Each trial runs on its own execution provider with spec.benchmark.intra_op_num_threads, over the same
+    validation rows and FP32 reference outputs as the validate step, against the same latency baselines. Gates
+    are matched with the SPEC variant's name (`variant.name`), so gates that list variants judge a trial of V
+    by V's gates; files go to work_root/<trial name>/. As in the validate step, a trial with non-finite outputs
+    fails whatever its gates say (`ValidationResult.passed` is set to False).
+
+    Returns:
+        (evaluate, work dirs by trial name) -- the dict fills as trials are evaluated.
+    """
+    from tailguard.components.validate.logic import validate_variant
+    from tailguard.components.validate.task import verdict
+    from tailguard.runtime import OrtRunner
+
+    dirs: dict[str, Path] = {}
+
+    def evaluate(trial_variant: Any, model_path: Path) -> Any:
+        runner = OrtRunner(model_path, providers=[trial_variant.execution_provider],
+                           intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+        d = work_root / trial_variant.name
+        if d.exists():
+            shutil.rmtree(d)
+        dirs[trial_variant.name] = d
+        result = validate_variant(spec, variant.name, runner, reference_outputs, validation, d,
+                                  reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
+                                  model_path=model_path)
+        result.passed = verdict(result)[0]  # the validate step's verdict: non-finite outputs fail too
+        return result
+
+    return evaluate, dirs
+
+
+@task_entry("search")
+def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_json: str, parent_run_id: str,
+         tracking_uri: str, onnx_dir: str, reference_dir: str, out_dir: str, metrics: Any = None) -> str:
+    """Search mixed-precision configurations of `variant_name` for the fastest one that passes every gate.
+
+    Args:
+        spec_yaml: the spec.
+        variant_name: a spec variant with a `search` section.
+        validation_json: the validate task's output for that variant ({variant, status, passed, run_id, ...}).
+        baselines_json: reference-pass's output (latency baselines).
+        parent_run_id: the pipeline's parent MLflow run.
+        tracking_uri: MLflow.
+        onnx_dir: export's output folder (model.onnx, the FP32 model).
+        reference_dir: reference-pass's output folder (reference_outputs.npz).
+        out_dir: output folder: the search artifacts under search/ and, when a trial was chosen, its model as
+            model.onnx.
+        metrics: optional KFP Output[Metrics] (search.trials, search.passed_trials, search.chosen_p50_ms).
+
+    Returns:
+        JSON: SearchResult.to_dict() plus status (ok | not_needed | skipped), reason, variant_run_id,
+        searched_run_id (the '<V>-searched' run or None), trial_run_ids ({index: run id}).
+
+    Raises:
+        StepError: the validate output has no run id, or the search failed (V's run is tagged
+            tailguard.search = failed).
+    """
+    import mlflow
+
+    from tailguard.components.export.task import ONNX_FILE, REFERENCE_FILE
+    from tailguard.components.search.logic import run_search, write_search_artifacts
+    from tailguard.components.validate.task import load_reference_outputs, parse_baselines
+    from tailguard.data import load_calibration, load_validation
+    from tailguard.errors import StepError
+    from tailguard.spec import spec_from_yaml
+    from tailguard.tracking import configure, experiment_name_for
+
+    spec = spec_from_yaml(spec_yaml)
+    variant = next(v for v in spec.variants if v.name == variant_name)
+    validation = json.loads(validation_json)
+    variant_run_id = validation.get("run_id")
+    if not variant_run_id:
+        raise StepError("the validate output names no MLflow run", step="search", variant=variant_name)
+    exp_id = configure(tracking_uri, experiment_name_for(spec))
+    client = mlflow.MlflowClient()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base: dict[str, Any] = {"variant": variant.name, "variant_run_id": variant_run_id, "searched_run_id": None,
+                            "trial_run_ids": {}}
+    status, reason = search_decision(variant, validation)
+    if status is not None:
+        client.set_tag(variant_run_id, SEARCH_TAG, status)
+        d = {**base, "status": status, "reason": reason}
+        write_json(out / "search.json", d)
+        return json.dumps(d, default=str)
+
+    work = Path(tempfile.mkdtemp(prefix=f"tailguard-search-{variant.name}-"))
+    try:
+        calibration_all = load_calibration(spec)
+        static = variant.quantization is not None and variant.quantization.mode == "static"
+        evaluate, dirs = make_evaluate(
+            spec, variant, reference_outputs=load_reference_outputs(spec, Path(reference_dir) / REFERENCE_FILE),
+            validation=load_validation(spec), baselines=parse_baselines(baselines_json), work_root=work / "eval")
+        trial_runs: dict[int, str] = {}
+
+        def on_trial(trial: Any) -> None:
+            trial_runs[trial.index] = log_trial(client, exp_id, variant_run_id, variant, trial)
+
+        result = run_search(spec, variant, Path(onnx_dir) / ONNX_FILE, work / "search",
+                            calibration=calibration_all if static else None, sensitivity_data=calibration_all,
+                            evaluate=evaluate, on_trial=on_trial)
+        artifacts_dir = out / SEARCH_ARTIFACT_PATH
+        write_search_artifacts(result, artifacts_dir)
+        client.log_artifacts(variant_run_id, str(artifacts_dir), artifact_path=SEARCH_ARTIFACT_PATH)
+        chosen = result.trials[result.chosen] if result.chosen is not None else None
+        client.set_tag(variant_run_id, SEARCH_STOPPED_TAG, result.stopped_by)
+        searched_run_id = None
+        if chosen is not None:
+            searched_run_id = log_searched_candidate(client, exp_id, parent_run_id, variant, chosen,
+                                                     trial_runs.get(chosen.index, ""), dirs[chosen.name])
+            shutil.copyfile(chosen.model_path, out / "model.onnx")
+        client.set_tag(variant_run_id, SEARCH_TAG, chosen.name if chosen is not None else "none")
+        if metrics is not None:
+            metrics.log_metric("search.trials", float(len(result.trials)))
+            metrics.log_metric("search.passed_trials", float(sum(t.passed for t in result.trials)))
+            if chosen is not None and chosen.p50_ms is not None:
+                metrics.log_metric("search.chosen_p50_ms", float(chosen.p50_ms))
+        d = {**result.to_dict(), **base, "status": "ok",
+             "reason": "" if chosen is not None else "no trial passed every gate",
+             "searched_run_id": searched_run_id, "trial_run_ids": {str(k): v for k, v in trial_runs.items()}}
+        return json.dumps(d, default=str)
+    except BaseException:
+        client.set_tag(variant_run_id, SEARCH_TAG, "failed")
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,149 @@
+"""Per-node quantization sensitivity (components/search/sensitivity.py) on a tiny MLP with one planted
+sensitive MatMul (tests/search_models.py), with real ONNX Runtime quantization and sessions.
+
+Mocked (narrow seam, said where): `_quantize_dynamic` raising for one node, to check how a node ORT cannot
+quantize alone is ranked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tailguard.components.quantize import logic as quantize_logic
+from tailguard.components.search.sensitivity import (SENSITIVITY_COLUMNS, candidate_nodes, node_sensitivity,
+                                                     output_errors)
+from tailguard.errors import InputError
+from tailguard.spec import QuantizationSpec, VariantSpec
+from tests.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    return planted_mlp(tmp_path_factory.mktemp("mlp") / "mlp.onnx")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return mlp_dataset(48)
+
+
+@pytest.mark.parametrize("quantization", [
+    {"mode": "dynamic"},
+    {"mode": "dynamic", "per_channel": True},
+    {"mode": "static", "calibration_method": "minmax", "op_types": ["MatMul"]},
+], ids=["dynamic-per-tensor", "dynamic-per-channel", "static-minmax"])
+def test_node_sensitivity_ranks_the_planted_node_first_when_one_matmul_has_outlier_weights(fp32, rows, tmp_path,
+                                                                                          quantization):
+    table = node_sensitivity(mlp_variant(**quantization), fp32, rows, mlp_model_spec(), samples=32,
+                             work_dir=tmp_path)
+    assert list(table.columns) == list(SENSITIVITY_COLUMNS)
+    assert list(table["rank"]) == [1, 2, 3]
+    assert table["node"].iloc[0] == PLANTED and set(table["node"]) == {"mm1", "mm2", "mm3"}
+    assert table["quantized"].all() and (table["error"] == "").all()
+    rel = table.set_index("node")["output_rel_l2"]
+    # the planted node moves the output by ~80%, the benign ones by ~1-2% (measured: 0.80 vs 0.011-0.019)
+    assert rel[PLANTED] > 0.3 and rel.drop(PLANTED).max() < 0.05
+    assert table["output_rel_l2"].is_monotonic_decreasing
+    assert (table["output_cosine_drop"] >= 0).all() and table["output_cosine_drop"].iloc[0] > 0.05
+
+
+def test_node_sensitivity_leaves_out_nodes_the_variant_keeps_float_when_exclude_nodes_is_set(fp32, rows, tmp_path):
+    table = node_sensitivity(mlp_variant(exclude_nodes=[PLANTED]), fp32, rows, mlp_model_spec(), samples=8,
+                             work_dir=tmp_path)
+    assert sorted(table["node"]) == ["mm1", "mm3"] and list(table["rank"]) == [1, 2]
+
+
+def test_node_sensitivity_ranks_a_node_first_with_its_error_when_quantizing_it_alone_raises(fp32, rows, tmp_path,
+                                                                                            monkeypatch):
+    real = quantize_logic._quantize_dynamic
+
+    def flaky(q, src, dst, excluded, details):
+        if "mm3" not in excluded:  # the single-node model of mm3
+            raise RuntimeError("Unable to find data type for weight_name=W3")
+        return real(q, src, dst, excluded, details)
+
+    monkeypatch.setattr(quantize_logic, "_quantize_dynamic", flaky)
+    table = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=8, work_dir=tmp_path)
+    first = table.iloc[0]
+    assert first["node"] == "mm3" and np.isinf(first["output_rel_l2"]) and not first["quantized"]
+    assert "RuntimeError: Unable to find data type" in first["error"]
+    assert table["node"].iloc[1] == PLANTED
+
+
+def test_node_sensitivity_uses_only_the_first_samples_rows_when_data_has_more(fp32, rows, tmp_path):
+    one = node_sensitivity(mlp_variant(), fp32, rows.subset(np.arange(4)), mlp_model_spec(), samples=100,
+                           work_dir=tmp_path / "a")
+    same = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=4, work_dir=tmp_path / "b")
+    pd.testing.assert_frame_equal(one.drop(columns="seconds"), same.drop(columns="seconds"))
+
+
+def test_node_sensitivity_raises_input_error_when_the_variant_is_not_int8(fp32, rows, tmp_path):
+    fp16 = VariantSpec.model_validate({"name": "h", "backend": "onnxruntime", "precision": "fp16"})
+    with pytest.raises(InputError, match="not an INT8"):
+        node_sensitivity(fp16, fp32, rows, mlp_model_spec(), samples=4, work_dir=tmp_path)
+    with pytest.raises(InputError, match="no rows"):
+        node_sensitivity(mlp_variant(), fp32, rows.subset(np.arange(0)), mlp_model_spec(), samples=4,
+                         work_dir=tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- candidates
+def _graph():
+    """x (2, 4) -> MatMul "w" (x @ W) -> MatMul "aa" (h @ h^T, activation x activation); Gather "emb" of a
+    float table; Gather "shape" of an int64 initializer (shape arithmetic); Gemm "g"; an unnamed MatMul."""
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
+    table = numpy_helper.from_array(np.ones((10, 4), np.float32), "T")
+    ints = numpy_helper.from_array(np.arange(3, dtype=np.int64), "I")
+    idx = numpy_helper.from_array(np.zeros(2, np.int64), "idx")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="w"),
+             helper.make_node("Transpose", ["h"], ["ht"], name="t"),
+             helper.make_node("MatMul", ["h", "ht"], ["s"], name="aa"),
+             helper.make_node("Gather", ["T", "idx"], ["e"], name="emb"),
+             helper.make_node("Gather", ["I", "idx"], ["sh"], name="shape"),
+             helper.make_node("Gemm", ["x", "W"], ["g"], name="g"),
+             helper.make_node("MatMul", ["x", "W"], ["u"])]
+    return helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                             [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("s", "e", "g", "u")],
+                             [w, table, ints, idx])
+
+
+def test_candidate_nodes_skips_activation_matmuls_and_shape_gathers_when_dynamic():
+    got = candidate_nodes(_graph(), QuantizationSpec(mode="dynamic"))
+    assert got == [("w", "MatMul"), ("emb", "Gather"), ("g", "Gemm")]
+
+
+def test_candidate_nodes_keeps_activation_matmuls_when_static_qdq():
+    got = candidate_nodes(_graph(), QuantizationSpec(mode="static"))
+    assert got == [("w", "MatMul"), ("aa", "MatMul"), ("emb", "Gather"), ("g", "Gemm")]
+
+
+def test_candidate_nodes_follows_op_types_and_exclusions_when_they_are_set():
+    assert candidate_nodes(_graph(), QuantizationSpec(mode="dynamic", op_types=["MatMul"])) == [
+        ("w", "MatMul"), ("g", "Gemm")]  # quantize_dynamic rewrites the Gemm as a MatMul first
+    assert candidate_nodes(_graph(), QuantizationSpec(mode="dynamic", op_types=["Gemm"])) == []
+    assert candidate_nodes(_graph(), QuantizationSpec(mode="static", exclude_nodes=["w"],
+                                                      exclude_op_types=["Gather"])) == [("aa", "MatMul"),
+                                                                                        ("g", "Gemm")]
+
+
+# --------------------------------------------------------------------------------------------------- errors
+def test_output_errors_matches_the_formulas_when_rows_differ_by_hand_made_amounts():
+    ref = np.array([[3.0, 4.0], [1.0, 0.0]])
+    cand = np.array([[3.0, 4.5], [0.0, 1.0]])
+    rel, drop = output_errors(ref, cand)
+    # row 0: ||(0, 0.5)|| / 5 = 0.1; row 1: ||(-1, 1)|| / 1 = sqrt(2)
+    assert rel == pytest.approx((0.1 + np.sqrt(2)) / 2)
+    cos0 = (9 + 18) / (5 * np.hypot(3, 4.5))
+    assert drop == pytest.approx(((1 - cos0) + 1.0) / 2)  # row 1: orthogonal, 1 - 0
+    assert output_errors(ref, ref) == (0.0, pytest.approx(0.0))
+
+
+def test_output_errors_scores_worst_case_when_the_candidate_is_not_finite():
+    ref = np.ones((2, 3))
+    cand = ref.copy()
+    cand[1, 2] = np.nan
+    assert output_errors(ref, cand) == (float("inf"), 2.0)
+    with pytest.raises(InputError, match="shapes differ"):
+        output_errors(ref, np.ones((2, 4)))
