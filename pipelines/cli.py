@@ -122,6 +122,11 @@ def print_summary(summary: Any) -> None:
                       *[fmt(r[c]) for c in ("x torch", "x onnx fp32", "p50 ms", "p99 ms", "worst slice", "gates",
                                             "promoted")])
     console.print(table)
+    found = [r for r in rows if r.get("discovered")]
+    if found:
+        console.print("[bold]discovered slices[/bold] (significantly worse than the rest, Benjamini-Hochberg):")
+        for r in found:
+            console.print(f"  {r['variant']}: {r['discovered']}")
     for search in getattr(summary, "searches", None) or []:
         print_search(search)
 

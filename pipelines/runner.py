@@ -190,7 +190,8 @@ def launch_run(spec_path: str, model_name: str, version: str) -> str:
 
 
 def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
-    """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms, worst slice, gates, promoted."""
+    """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms, worst slice, discovered slices (the
+    worst significant ones), gates, promoted."""
     rows = []
     for v in summary.variants:
         failed = [k for k, s in v.gates.items() if s == "failed"]
@@ -201,6 +202,8 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
             "x torch": v.speedup_vs_torch, "x onnx fp32": v.speedup_vs_onnx_fp32, "p50 ms": v.p50_ms,
             "p99 ms": v.p99_ms,
             "worst slice": f"{ws['slice']}={ws['value']}: {ws['observed']:.3f} (n={ws['support']})" if ws else "",
+            "discovered": "; ".join(f"{d['slice']}={d['value']}: {d['value_in_slice']:.3f} vs {d['value_rest']:.3f} "
+                                    f"(n={d['support']}, q={d['q_value']:.2g})" for d in (v.discovered or [])),
             "gates": (f"{len(v.gates) - len(failed)}/{len(v.gates)} passed" if v.gates else "-")
                      + (f"; failed: {', '.join(failed)}" if failed else "")
                      + (f"; insufficient data: {len(insufficient)}" if insufficient else "")

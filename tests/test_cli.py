@@ -55,3 +55,22 @@ def test_monitor_replay_exits_2_naming_the_option_when_a_model_file_is_missing(t
                             "--out", str(tmp_path / "out")])
     assert r.exit_code == 2
     assert "--reference" in r.output and "Traceback" not in r.output
+
+
+def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys):
+    from tailguard.cli import print_summary
+    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.components.validate.task import discovered_summary
+    from tailguard.runner import summary_rows
+
+    table = [{"slice": "pos&n_tokens", "value": "verb&[2,8)", "support": 40, "metric": "nn_top1_agreement",
+              "value_in_slice": 0.8, "value_rest": 0.95, "q_value": 0.004, "significant": True, "drop": 0.15},
+             {"slice": "pos", "value": "adj", "support": 300, "metric": "nn_top1_agreement",
+              "value_in_slice": 0.94, "value_rest": 0.95, "q_value": 0.6, "significant": False, "drop": 0.01}]
+    v = VariantSummary("ort-int8", "onnxruntime", "int8", "ok", discovered=discovered_summary(table))
+    summary = RunSummary("p", "0", "m", "1", "m-optimized", "production", True, 1, variants=[v])
+    assert summary_rows(summary)[0]["discovered"] == "pos&n_tokens=verb&[2,8): 0.800 vs 0.950 (n=40, q=0.004)"
+    assert RunSummary.from_dict(summary.to_dict()).variants[0].discovered == v.discovered
+    print_summary(summary)
+    out = capsys.readouterr().out
+    assert "discovered slices" in out and "verb&[2,8)" in out and "pos=adj" not in out

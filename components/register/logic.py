@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tailguard.components.search.task import SEARCH_OF_TAG, TRIAL_RUN_TAG, searched_name
-from tailguard.components.validate.task import GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
+from tailguard.components.validate.task import DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
 
 
 @dataclass
@@ -32,6 +32,8 @@ class VariantSummary:
         p50_ms, p99_ms: latency at the promotion batch size (ms). speedup_vs_torch, speedup_vs_onnx_fp32: ratios
         of the baseline p50 to this variant's p50 at that batch size.
         worst_slice: {"slice", "value", "metric", "value_observed", "support"} of the lowest per-slice parity.
+        discovered: the worst significant slices worst-slice discovery found (up to 3: slice, value, support,
+            metric, value_in_slice, value_rest, q_value); [] when none was significant or discovery was off.
         gates: {gate key: status}.
     """
 
@@ -50,6 +52,7 @@ class VariantSummary:
     worst_slice: dict[str, Any] | None = None
     gates: dict[str, str] = field(default_factory=dict)
     promoted: bool = False
+    discovered: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -131,6 +134,12 @@ def _search_json(client: Any, run_id: str) -> dict[str, Any] | None:
     return d if isinstance(d, dict) else None
 
 
+def _discovered(run: Any) -> list[dict[str, Any]]:
+    """The validate step's worst significant discovered slices, from its tag ([] when none or not run)."""
+    raw = run.data.tags.get(DISCOVERED_TAG)
+    return json.loads(raw) if raw else []
+
+
 def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
     """The passing variant with the lowest p50 latency (ties: spec order). None when none passed."""
     passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
@@ -183,7 +192,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             p50_ms=_metric(run, f"bs{bs}.latency_ms.p50"), p99_ms=_metric(run, f"bs{bs}.latency_ms.p99"),
             speedup_vs_torch=_metric(run, f"bs{bs}.speedup_vs_torch"),
             speedup_vs_onnx_fp32=_metric(run, f"bs{bs}.speedup_vs_onnx_fp32"),
-            worst_slice=_worst_slice(run),
+            worst_slice=_worst_slice(run), discovered=_discovered(run),
             gates={k[len("gate."):]: val for k, val in tags.items() if k.startswith("gate.")})
         model_uri = tags.get(MODEL_URI_TAG)
         if row.status == "ok" and model_uri:

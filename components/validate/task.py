@@ -17,6 +17,14 @@ STATUS_TAG = "tailguard.status"      # ok | failed | skipped (the build/validati
 GATES_TAG = "tailguard.gates"        # passed | failed | not_evaluated
 MODEL_URI_TAG = "tailguard.model_uri"
 WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
+DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
+
+
+def discovered_summary(records: list[dict[str, Any]], top: int = 3) -> list[dict[str, Any]]:
+    """The `top` worst significant discovered slices (discovery table records, worst first) as
+    {slice, value, support, metric, value_in_slice, value_rest, q_value}: the `tailguard.discovered` tag."""
+    keys = ("slice", "value", "support", "metric", "value_in_slice", "value_rest", "q_value")
+    return [{k: r.get(k) for k in keys} for r in records if bool(r.get("significant"))][:top]
 
 
 def flat_params(variant: Any) -> dict[str, str]:
@@ -169,6 +177,8 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
         client.set_tag(run_id, gate_tag(g.gate), g.status)
     if result.worst_slice:
         client.set_tag(run_id, WORST_SLICE_TAG, json.dumps(result.worst_slice, default=str))
+    if result.discovery is not None:
+        client.set_tag(run_id, DISCOVERED_TAG, json.dumps(discovered_summary(result.discovered), default=str))
     if reason:
         client.set_tag(run_id, "tailguard.reason", reason[:5000])
     return passed, reason
