@@ -404,6 +404,16 @@ class BootstrapSpec(_Model):
     seed: int = Field(0, description="Seed: the same data give the same bounds.")
 
 
+class SensitivitySpec(_Model):
+    """Per-node quantization sensitivity of INT8 variants, also when no search runs (components/search/README.md)."""
+
+    enabled: bool = Field(False, description=(
+        "Rank the quantizable nodes of every INT8 onnxruntime variant by the output error of quantizing each one "
+        "alone (calibration rows); sensitivity.csv and sensitivity.png go to the variant's run. A search always "
+        "does this for the variant it searches."))
+    samples: int = Field(64, ge=1, description="Calibration rows used.")
+
+
 class AnalysisSpec(_Model):
     """What validation computes beyond the gates: tail samples, worst-slice discovery, bootstrap settings."""
 
@@ -411,6 +421,8 @@ class AnalysisSpec(_Model):
         "Keep the k validation rows with the worst per-row parity (worst_samples.csv, with their metadata)."))
     discovery: DiscoverySpec = Field(default_factory=DiscoverySpec, description="Worst-slice discovery.")
     bootstrap: BootstrapSpec = Field(default_factory=BootstrapSpec, description="Bootstrap for bounds.")
+    sensitivity: SensitivitySpec = Field(default_factory=SensitivitySpec, description=(
+        "Per-node sensitivity of INT8 variants without a search."))
 
 
 # ------------------------------------------------------------------------------- benchmark and cost

@@ -111,7 +111,7 @@ def alias_version(env, name="tiny-encoder-optimized", alias="production"):
 
 
 def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates_pass(env):
-    spec = write_spec(env["root"])
+    spec = write_spec(env["root"], analysis={"sensitivity": {"enabled": True, "samples": 8}})
     out = env["root"] / "summary.json"
     r = tailguard(env, "run", spec, "--summary-json", out)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -136,7 +136,15 @@ def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates
     assert "nn_top1_agreement" in fp32.data.metrics and "bs1.latency_ms.p99" in fp32.data.metrics
     assert any(k.startswith("slice.group.rare.") for k in fp32.data.metrics)
     artifacts = {a.path for a in client.list_artifacts(fp32.info.run_id)}
-    assert {"report.html", "slices.csv"} <= artifacts
+    assert {"report.html", "slices.csv", "worst_samples.csv", "discovered.csv"} <= artifacts
+    assert "sensitivity" not in artifacts  # FP32: nothing to quantize
+    int8 = next(c for c in children if c.data.tags["tailguard.variant"] == "ort-int8-dynamic")
+    sens = {a.path for a in client.list_artifacts(int8.info.run_id, "sensitivity")}
+    assert sens == {"sensitivity/sensitivity.csv", "sensitivity/sensitivity.png"}
+    table = pd.read_csv(client.download_artifacts(int8.info.run_id, "sensitivity/sensitivity.csv"))
+    assert len(table) > 0 and list(table["rank"]) == list(range(1, len(table) + 1))
+    assert "calibration_coverage.csv" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert parent.data.metrics["calibration.groups_missing"] == 0.0
     versions = client.search_model_versions("name = 'tiny-encoder-optimized'")
     assert {v.tags["tailguard.variant"] for v in versions} == {"ort-fp32", "ort-int8-dynamic"}
     for v in versions:

@@ -517,6 +517,21 @@ def _pareto_plot(result: SearchResult, frame: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def write_sensitivity_artifacts(sensitivity: pd.DataFrame, out_dir: str | Path) -> dict[str, str]:
+    """Write a sensitivity ranking (`sensitivity.node_sensitivity` output) as sensitivity.csv (every node) and
+    sensitivity.png (bar chart of the TOP_SENSITIVITY most sensitive nodes) into `out_dir` (created).
+
+    Returns:
+        {file name: path}.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"sensitivity.csv": out / "sensitivity.csv", "sensitivity.png": out / "sensitivity.png"}
+    sensitivity.to_csv(paths["sensitivity.csv"], index=False)
+    _bar_plot(sensitivity, paths["sensitivity.png"])
+    return {k: str(v) for k, v in paths.items()}
+
+
 def write_search_artifacts(result: SearchResult, out_dir: str | Path) -> dict[str, str]:
     """Write the search's files into `out_dir` (created).
 
@@ -533,8 +548,7 @@ def write_search_artifacts(result: SearchResult, out_dir: str | Path) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     paths = {n: out / n for n in ("sensitivity.csv", "sensitivity.png", "trials.csv", "pareto.csv", "pareto.png",
                                   "search.json")}
-    result.sensitivity.to_csv(paths["sensitivity.csv"], index=False)
-    _bar_plot(result.sensitivity, paths["sensitivity.png"])
+    write_sensitivity_artifacts(result.sensitivity, out)
     frame = result.pareto()
     frame.to_csv(paths["pareto.csv"], index=False)
     trials = frame.copy()

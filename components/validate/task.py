@@ -128,6 +128,8 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
         result = validate_variant(spec, variant.name, runner, load_reference_outputs(spec, reference_file), ds,
                                   work, reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
                                   model_path=model_file)
+        if (variant_dir / "sensitivity").is_dir():  # analysis.sensitivity, written by the build step
+            shutil.copytree(variant_dir / "sensitivity", work / "sensitivity")
         return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
                                    execution_provider=variant.execution_provider, metrics=metrics,
                                    report_path=report_path)
