@@ -126,3 +126,13 @@ def test_cli_spec_check_exits_2_naming_the_field_when_a_slice_column_is_missing(
         r = runner.invoke(app, [*argv, str(tmp_path / "spec.yaml")])
         assert r.exit_code == 2, r.output
         assert "slices.0.column" in r.output and "Traceback" not in r.output
+
+
+def test_cli_spec_check_exits_2_naming_the_search_budget_when_it_is_zero(tmp_path):
+    doc = _doc()
+    doc["variants"][1]["search"] = {"max_trials": 0, "max_minutes": 0}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    r = runner.invoke(app, ["spec", "check", str(tmp_path / "spec.yaml")])
+    assert r.exit_code == 2, r.output
+    assert "variants.1.search.max_trials" in r.output and "variants.1.search.max_minutes" in r.output
+    assert "Traceback" not in r.output
