@@ -48,6 +48,9 @@ def main() -> int:
     ap.add_argument("--max-trials", type=int, default=10)
     ap.add_argument("--max-minutes", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exclude-counts", default="0,2,4,6,8,12,16,20",
+                    help="search.space.exclude_most_sensitive, comma-separated")
+    ap.add_argument("--per-channel", default="true,false", help="search.space.per_channel, comma-separated")
     args = ap.parse_args()
 
     os.environ["TAILGUARD_HOME"] = str(args.home.resolve())
@@ -73,7 +76,8 @@ def main() -> int:
          "quantization": {"mode": "dynamic", "per_channel": True},
          "search": {"max_trials": args.max_trials, "max_minutes": args.max_minutes, "seed": args.seed,
                     "sensitivity_samples": 64,
-                    "space": {"exclude_most_sensitive": [0, 2, 4, 6, 8, 12, 16, 20], "per_channel": [True, False],
+                    "space": {"exclude_most_sensitive": [int(k) for k in args.exclude_counts.split(",")],
+                              "per_channel": [p.strip().lower() == "true" for p in args.per_channel.split(",")],
                               "float_op_types": [[]]}}},
     ]
     doc["gates"] = [
