@@ -18,10 +18,10 @@ import os
 import platform
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 import yaml
+from common import prepare_minilm, ratio, version
 
 
 def main() -> int:
@@ -35,20 +35,13 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=200)
     args = ap.parse_args()
 
-    os.environ["TAILGUARD_HOME"] = str(args.home.resolve())
-    from tailguard.demo import register_demo_model, write_demo_spec
-    from tailguard.demo_data import build_wordnet_datasets
-    from tailguard.home import home, quiet_environment
+    t0 = time.monotonic()
+    spec_path, data = prepare_minilm(args.home, n_validation=args.n_validation, n_calibration=args.n_calibration)
+    from tailguard.demo import register_demo_model
     from tailguard.runner import run_local
     from tailguard.spec import load_spec
     from tailguard.tracking import tracking_uri_for
 
-    quiet_environment()
-    t0 = time.monotonic()
-    work = home() / "bench"
-    work.mkdir(parents=True, exist_ok=True)
-    data = build_wordnet_datasets(work / "data", n_validation=args.n_validation, n_calibration=args.n_calibration)
-    spec_path = write_demo_spec(work, data)
     doc = yaml.safe_load(spec_path.read_text())
     doc["benchmark"].update(intra_op_num_threads=args.threads, iterations=args.iterations, max_seconds=60)
     spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -66,7 +59,7 @@ def main() -> int:
         "benchmark": "minilm-wordnet", "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "threads": args.threads},
-        "packages": {p: _version(p) for p in ("torch", "onnxruntime", "onnx", "transformers", "mlflow", "kfp")},
+        "packages": {p: version(p) for p in ("torch", "onnxruntime", "onnx", "transformers", "mlflow", "kfp")},
         "model": f"{spec.model.registered_name} v{version} (all-MiniLM-L6-v2, mean-pooled)",
         "validation_rows": args.n_validation, "batch_sizes": spec.benchmark.batch_sizes,
         "iterations": args.iterations,
@@ -89,8 +82,8 @@ def main() -> int:
                 row[f"bs{bs}"] = {"p50_ms": p50, "p99_ms": p99}
                 for name in ("torch", "onnx_fp32"):
                     base = report["baselines_ms"][name][f"bs{bs}"]
-                    row[f"bs{bs}"][f"p50_ratio_vs_{name}"] = _ratio(base["p50"], p50)
-                    row[f"bs{bs}"][f"p99_ratio_vs_{name}"] = _ratio(base["p99"], p99)
+                    row[f"bs{bs}"][f"p50_ratio_vs_{name}"] = ratio(base["p50"], p50)
+                    row[f"bs{bs}"][f"p99_ratio_vs_{name}"] = ratio(base["p99"], p99)
         report["variants"].append(row)
     passing = [r for r in report["variants"] if r["passed_gates"]]
     bs0 = spec.benchmark.batch_sizes[0]
@@ -105,16 +98,6 @@ def main() -> int:
     print(f"wrote {args.out}")
     return 0
 
-
-def _ratio(base: float | None, value: float | None) -> float | None:
-    return round(base / value, 3) if base and value else None
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ import os
 import platform
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 import yaml
+from common import prepare_minilm, ratio, version
 
 
 def main() -> int:
@@ -53,21 +53,14 @@ def main() -> int:
     ap.add_argument("--per-channel", default="true,false", help="search.space.per_channel, comma-separated")
     args = ap.parse_args()
 
-    os.environ["TAILGUARD_HOME"] = str(args.home.resolve())
-    from tailguard.demo import register_demo_model, write_demo_spec
-    from tailguard.demo_data import build_wordnet_datasets
-    from tailguard.home import home, quiet_environment
+    t0 = time.monotonic()
+    spec_path, data = prepare_minilm(args.home, n_validation=args.n_validation, n_calibration=args.n_calibration,
+                                     max_per_class=args.max_per_class)
+    from tailguard.demo import register_demo_model
     from tailguard.runner import run_local
     from tailguard.spec import load_spec
     from tailguard.tracking import tracking_uri_for
 
-    quiet_environment()
-    t0 = time.monotonic()
-    work = home() / "bench"
-    work.mkdir(parents=True, exist_ok=True)
-    data = build_wordnet_datasets(work / "data", n_validation=args.n_validation, n_calibration=args.n_calibration,
-                                  max_per_class=args.max_per_class)
-    spec_path = write_demo_spec(work, data)
     doc = yaml.safe_load(spec_path.read_text())
     fused = {"level": "all", "fusion": "bert", "num_heads": 12, "hidden_size": 384}
     doc["variants"] = [
@@ -106,7 +99,7 @@ def main() -> int:
         "benchmark": "minilm-wordnet-search", "command": " ".join([sys.executable, *sys.argv]),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "threads": args.threads},
-        "packages": {p: _version(p) for p in ("torch", "onnxruntime", "onnx", "mlflow", "kfp", "scipy")},
+        "packages": {p: version(p) for p in ("torch", "onnxruntime", "onnx", "mlflow", "kfp", "scipy")},
         "model": f"{spec.model.registered_name} v{version} (all-MiniLM-L6-v2, mean-pooled)",
         "validation_rows": None, "lexname_support": None, "min_support": args.min_support,
         "gates": [g.key for g in spec.gates], "iterations": args.iterations,
@@ -133,8 +126,8 @@ def main() -> int:
                         "discovered.count", "model_size_mb"):
                 row[key] = m.get(key)
             p50, p99 = m.get("bs1.latency_ms.p50"), m.get("bs1.latency_ms.p99")
-            row["bs1"] = {"p50_ms": p50, "p99_ms": p99, "p50_ratio_vs_torch": _ratio(torch_p50, p50),
-                          "p50_ratio_vs_onnx_fp32": _ratio(report["baselines_ms"]["onnx_fp32"]["p50"], p50)}
+            row["bs1"] = {"p50_ms": p50, "p99_ms": p99, "p50_ratio_vs_torch": ratio(torch_p50, p50),
+                          "p50_ratio_vs_onnx_fp32": ratio(report["baselines_ms"]["onnx_fp32"]["p50"], p50)}
             row["lexname_worst_lower_bound"] = _worst_lexname_bound(run)
         report["variants"].append(row)
     promoted = next((r for r in report["variants"] if r["promoted"]), None)
@@ -172,16 +165,6 @@ def _worst_lexname_bound(run) -> dict | None:
                     "insufficient": len(g.get("detail", {}).get("insufficient", []))}
     return None
 
-
-def _ratio(base: float | None, value: float | None) -> float | None:
-    return round(base / value, 3) if base and value else None
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

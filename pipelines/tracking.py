@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from tailguard.home import artifact_root, default_tracking_uri, quiet_environment
 
@@ -46,3 +47,16 @@ def configure(tracking_uri: str, experiment: str | None = None) -> str | None:
         exp_id = exp.experiment_id
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
+
+
+@contextlib.contextmanager
+def closing_run(client: Any, run_id: str) -> Iterator[str]:
+    """End a run opened with `MlflowClient.create_run` when the block ends: FAILED when it raises (the exception
+    propagates), FINISHED otherwise unless the block already ended the run. Yields `run_id`."""
+    try:
+        yield run_id
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, "FINISHED")

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from tailguard.components.validate.task import GATES_TAG, STATUS_TAG, VARIANT_TAG
 from tailguard.taskio import task_entry, write_json
+from tailguard.tracking import closing_run
 
 SEARCH_OF_TAG = "tailguard.search_of"        # on trial runs and on the <V>-searched run: the searched variant V
 TRIAL_TAG = "tailguard.trial"                # on trial runs: the 0-based trial index
@@ -87,17 +88,13 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any
             "tailguard.trial_name": trial.name, "tailguard.backend": variant.backend,
             "tailguard.precision": variant.precision, STATUS_TAG: trial.status, GATES_TAG: "not_evaluated"}
     run_id = client.create_run(experiment_id, run_name=trial.name, tags=tags).info.run_id
-    try:
+    with closing_run(client, run_id):
         client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in _trial_params(trial).items()])
         client.log_metric(run_id, "trial.seconds", float(trial.seconds))
         if trial.result is not None:
             log_validation(client, run_id, trial.result)
         if trial.status != "ok" and trial.reason:
             client.set_tag(run_id, "tailguard.reason", trial.reason[:5000])
-    except BaseException:
-        client.set_terminated(run_id, "FAILED")
-        raise
-    client.set_terminated(run_id, "FINISHED")
     return run_id
 
 
@@ -122,18 +119,12 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
             TRIAL_RUN_TAG: trial_run_id, "tailguard.trial_name": trial.name, "tailguard.backend": variant.backend,
             "tailguard.precision": variant.precision, STATUS_TAG: "ok", GATES_TAG: "not_evaluated"}
     run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
-    try:
+    with closing_run(client, run_id):
         client.log_batch(run_id, params=[mlflow.entities.Param(k, v)
                                          for k, v in flat_params(trial.variant).items()])
         client.log_dict(run_id, dict(trial.config), "search_config.json")
         log_validated_model(client, run_id, trial.result, work_dir=work_dir, model_file=Path(trial.model_path),
                             execution_provider=trial.variant.execution_provider)
-    except BaseException:
-        client.set_terminated(run_id, "FAILED")
-        raise
-    finally:
-        if client.get_run(run_id).info.status == "RUNNING":
-            client.set_terminated(run_id, "FINISHED")
     return run_id
 
 

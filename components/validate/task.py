@@ -82,7 +82,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
 
     from tailguard.components.export.task import REFERENCE_FILE
     from tailguard.spec import spec_from_yaml
-    from tailguard.tracking import configure, experiment_name_for
+    from tailguard.tracking import closing_run, configure, experiment_name_for
 
     spec = spec_from_yaml(spec_yaml)
     variant = next(v for v in spec.variants if v.name == variant_name)
@@ -97,7 +97,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in flat_params(variant).items()])
     summary: dict[str, Any] = {"variant": variant.name, "status": build["status"], "reason": build.get("reason", ""),
                                "passed": False, "run_id": run_id, "model_uri": None, "build": build}
-    try:
+    with closing_run(client, run_id):
         client.log_dict(run_id, build, "build.json")
         if build["status"] != "ok":
             client.set_tag(run_id, "tailguard.reason", build.get("reason", "")[:5000])
@@ -105,12 +105,6 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
         summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
                                  Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path))
         return json.dumps(summary, default=str)
-    except BaseException:
-        client.set_terminated(run_id, "FAILED")
-        raise
-    finally:
-        if client.get_run(run_id).info.status == "RUNNING":
-            client.set_terminated(run_id, "FINISHED")
 
 
 def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
