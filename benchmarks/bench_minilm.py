@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import yaml
-from common import prepare_minilm, ratio, version
+from common import prepare_minilm, ratio, report_header, run_minilm
 
 
 def main() -> int:
@@ -37,30 +34,14 @@ def main() -> int:
 
     t0 = time.monotonic()
     spec_path, data = prepare_minilm(args.home, n_validation=args.n_validation, n_calibration=args.n_calibration)
-    from tailguard.demo import register_demo_model
-    from tailguard.runner import run_local
-    from tailguard.spec import load_spec
-    from tailguard.tracking import tracking_uri_for
-
     doc = yaml.safe_load(spec_path.read_text())
     doc["benchmark"].update(intra_op_num_threads=args.threads, iterations=args.iterations, max_seconds=60)
-    spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    spec = load_spec(spec_path)
-    uri = tracking_uri_for(spec)
-    version = register_demo_model(uri)
-    result = run_local(spec, model_version=version)
-    summary = result.summary
-
-    import mlflow
-
-    client = mlflow.MlflowClient(uri)
-    parent = client.get_run(summary.parent_run_id).data.metrics
+    spec, model_version, summary, client, parent = run_minilm(spec_path, doc)
+    uri = client.tracking_uri
     report = {
-        "benchmark": "minilm-wordnet", "command": " ".join([sys.executable, *sys.argv]),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), "threads": args.threads},
-        "packages": {p: version(p) for p in ("torch", "onnxruntime", "onnx", "transformers", "mlflow", "kfp")},
-        "model": f"{spec.model.registered_name} v{version} (all-MiniLM-L6-v2, mean-pooled)",
+        **report_header("minilm-wordnet", args.threads,
+                         ("torch", "onnxruntime", "onnx", "transformers", "mlflow", "kfp")),
+        "model": f"{spec.model.registered_name} v{model_version} (all-MiniLM-L6-v2, mean-pooled)",
         "validation_rows": args.n_validation, "batch_sizes": spec.benchmark.batch_sizes,
         "iterations": args.iterations,
         "baselines_ms": {name: {f"bs{bs}": {q: parent.get(f"baseline.{name}.bs{bs}.latency_ms.{q}")

@@ -4,6 +4,8 @@ the demo spec and the registered MiniLM, plus the small helpers their JSON repor
 from __future__ import annotations
 
 import os
+import platform
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -39,3 +41,35 @@ def version(pkg: str) -> str | None:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
         return None
+
+
+def run_minilm(spec_path: Path, doc: dict[str, Any]) -> tuple[Any, str, Any, Any, dict[str, float]]:
+    """Write `doc` (the edited demo spec) to `spec_path`, register MiniLM as a new version and run the pipeline
+    with kfp.local in one call.
+
+    Returns:
+        (spec, registered version, RunSummary, MlflowClient on the run's store, the parent run's metrics).
+    """
+    import mlflow
+    import yaml
+
+    from tailguard.demo import register_demo_model
+    from tailguard.runner import run_local
+    from tailguard.spec import load_spec
+    from tailguard.tracking import tracking_uri_for
+
+    spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    spec = load_spec(spec_path)
+    uri = tracking_uri_for(spec)
+    version = register_demo_model(uri)
+    summary = run_local(spec, model_version=version).summary
+    client = mlflow.MlflowClient(uri)
+    return spec, version, summary, client, client.get_run(summary.parent_run_id).data.metrics
+
+
+def report_header(name: str, threads: int, packages: tuple[str, ...]) -> dict[str, Any]:
+    """The fields every benchmark JSON starts with: name, command line, machine, package versions."""
+    return {"benchmark": name, "command": " ".join([sys.executable, *sys.argv]),
+            "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                        "cpus": os.cpu_count(), "threads": threads},
+            "packages": {p: version(p) for p in packages}}
