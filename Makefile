@@ -7,14 +7,42 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: wordnet-base (the demo's real text), prometheus (promtool for alert-rule tests).
 DEB_PACKAGES := wordnet-base prometheus
 
-.PHONY: demo test test-fast deb-deps tools benchmark schema golden manifests-spec clean
+.PHONY: demo test test-fast test-latest lock deb-deps tools benchmark schema golden manifests-spec clean
 
-# The virtual environment with tailguard and its dev extras (torch==2.13.0 is the machine's CPU build).
-$(VENV): pyproject.toml
+# The lock: every package of tailguard[dev] (which includes [demo]) pinned with its sha256 hashes, for CPython 3.11
+# on linux x86_64 (torch==2.13.0 is the machine's CPU build, +cpu). `make lock` refreshes it; pyproject.toml keeps
+# the compatible ranges for people who install tailguard into their own environment.
+LOCK := requirements.lock
+PIP_TOOLS := pip-tools==7.6.2
+
+# The virtual environment, installed from the lock only (--require-hashes: a package whose hash differs is refused).
+$(VENV): pyproject.toml $(LOCK)
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $(VENV)
+
+# Re-resolve the newest versions pyproject.toml allows and rewrite the lock (about 15 minutes: every file is
+# downloaded once to be hashed). Run `make test-latest` first to see whether they pass.
+lock:
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install -q $(PIP_TOOLS)
+	.lock-venv/bin/pip-compile -q --upgrade --generate-hashes --allow-unsafe --strip-extras --extra dev --extra demo \
+	  --no-emit-index-url --no-emit-find-links -o $(LOCK) pyproject.toml
+	# dev's self-reference (tailguard[demo]) comes out as an unhashable `tailguard @ file://` entry: drop it
+	sed -i '/^# WARNING: pip install will require the following package to be hashed/,/^    # via tailguard (pyproject.toml)$$/d' $(LOCK)
+	rm -rf .lock-venv
+
+# The test suite on the newest releases the ranges in pyproject.toml allow, in a throwaway venv (not the lock):
+# run it before `make lock`, and when a dependency publishes a release, to learn of a break before users do.
+test-latest: tools
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
+	$(PYTHON) -m venv "$$d/venv" && "$$d/venv/bin/pip" install -q --upgrade pip && \
+	"$$d/venv/bin/pip" install -q --upgrade --upgrade-strategy eager -e '.[dev]' && \
+	"$$d/venv/bin/pip" freeze --exclude-editable | grep -iE '^(onnxruntime|onnx|torch|mlflow|kfp|numpy|scipy)==' && \
+	"$$d/venv/bin/pytest" -q -p no:cacheprovider
 
 deb-deps:
 	@missing=""; \
