@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from tailguard.errors import FieldError, SpecError
 from tailguard.spec import MonitoringSpec, MonitorThreshold, SliceSpec, Spec, TensorSpec
@@ -21,8 +21,17 @@ MISSING_VALUE = "missing"
 # Metric direction: True = higher is better (bad when low). Formulas: components/validate/parity.py.
 HIGHER_IS_BETTER: dict[str, bool] = {"top1_agree": True, "cosine_similarity": True, "kl_divergence": False,
                                      "abs_error": False, "rel_error": False}
-# 0/1 per-row metrics: tested with an exact binomial (Clopper-Pearson) bound; the others with Student's t.
+# 0/1 per-row metrics (their betting CUSUM is Page's Bernoulli CUSUM; monitoring/stats.py).
 BINARY_METRICS = frozenset({"top1_agree"})
+# Range of each per-row metric (components/validate/parity.py): the detector bets against the bound on the good
+# side (monitoring/stats.py), so only that one must be finite.
+METRIC_RANGE: dict[str, tuple[float, float]] = {"top1_agree": (0.0, 1.0), "cosine_similarity": (-1.0, 1.0),
+                                               "kl_divergence": (0.0, math.inf), "abs_error": (0.0, math.inf),
+                                               "rel_error": (0.0, math.inf)}
+# Slice values longer than this (characters) are cut to it, with "~" appended, and counted
+# (tailguard_monitor_slice_values_cut_total): a label value, a JSON key and a dict key per slice stay small.
+MAX_LABEL_CHARS = 64
+PAIR_SEPARATOR = "&"
 DEFAULT_METRICS: dict[str, tuple[str, ...]] = {
     "classification": ("top1_agree", "kl_divergence", "abs_error"),
     "embedding": ("cosine_similarity", "abs_error"),
@@ -102,6 +111,21 @@ def _label(value: Any) -> str:
     return str(value)
 
 
+def clean_label(text: str) -> tuple[str, bool]:
+    """A slice value made safe for every exporter: valid UTF-8 (lone surrogates, which UTF-8 cannot encode, become "?") and at most MAX_LABEL_CHARS characters (longer ones are cut and end in "~").
+
+    Args:
+        text: the group label.
+
+    Returns:
+        (clean label, True when it had to be changed).
+    """
+    clean = text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
+    if len(clean) > MAX_LABEL_CHARS:
+        clean = clean[: MAX_LABEL_CHARS - 1] + "~"
+    return clean, clean != text
+
+
 @dataclass
 class MonitorConfig:
     """Everything the sampler, statistics and exporters need, resolved from a Spec.
@@ -116,6 +140,7 @@ class MonitorConfig:
         rules: slice rules, in order.
         metrics: tracked per-row metrics.
         bounds: {metric: Bound} for metrics with a threshold.
+        pairs: (i, j) indices into `rules` whose intersections are slices too (monitoring.slice_pairs).
     """
 
     spec: Spec
@@ -127,10 +152,29 @@ class MonitorConfig:
     rules: list[SliceRule]
     metrics: tuple[str, ...]
     bounds: dict[str, Bound] = field(default_factory=dict)
+    pairs: list[tuple[int, int]] = field(default_factory=list)
 
-    def slice_keys(self, meta: Mapping[str, Any]) -> list[str]:
-        """Slice keys of one request: ``all`` then ``<rule name>=<group>`` per rule (unbounded; see SliceRegistry)."""
-        return [ALL_SLICE] + [f"{r.name}={r.group(meta.get(r.column))}" for r in self.rules]
+    def slice_keys(self, meta: Mapping[str, Any]) -> tuple[list[str], int]:
+        """Slice keys of one request: ``all``, ``<rule name>=<group>`` per rule, then ``<a>=<x>&<b>=<y>`` per pair.
+
+        Args:
+            meta: the request's slice metadata (OIP parameters or a replay row's metadata columns).
+
+        Returns:
+            (keys, how many group labels `clean_label` had to change). Every key is measured
+            (monitoring/stats.py bounds the memory; monitoring/metrics.py bounds the exported labels).
+        """
+        parts, cut = [], 0
+        for r in self.rules:
+            label, changed = clean_label(r.group(meta.get(r.column)))
+            cut += changed
+            parts.append(f"{r.name}={label}")
+        return [ALL_SLICE, *parts, *(parts[i] + PAIR_SEPARATOR + parts[j] for i, j in self.pairs)], cut
+
+    @property
+    def keys_per_request(self) -> int:
+        """G: slice keys every request carries (`all` + one per rule + one per pair)."""
+        return 1 + len(self.rules) + len(self.pairs)
 
     @property
     def metadata_columns(self) -> list[str]:
@@ -207,39 +251,24 @@ def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
                 rules.append(_rule_from_slice(declared[name]))
         else:
             rules.append(SliceRule(name, name))
+    pairs: list[tuple[int, int]] = []
+    if mon.slice_pairs is True:
+        pairs = [(i, j) for i in range(len(rules)) for j in range(i + 1, len(rules))]
+    elif mon.slice_pairs:
+        index = {r.name: i for i, r in enumerate(rules)}
+        for n, pair in enumerate(mon.slice_pairs):
+            missing = [c for c in pair if c not in index]
+            if missing:
+                errors.append(FieldError(f"monitoring.slice_pairs.{n}", (
+                    f"{missing} not among the monitored slices {list(index)}; name two of slice_columns")))
+            elif pair[0] == pair[1]:
+                errors.append(FieldError(f"monitoring.slice_pairs.{n}", "a pair needs two different slices"))
+            else:
+                ij = tuple(sorted((index[pair[0]], index[pair[1]])))
+                if ij not in pairs:
+                    pairs.append(ij)  # type: ignore[arg-type]
     if errors:
         raise SpecError(errors, source=source, hint="see docs/monitor.md for the monitoring section")
     return MonitorConfig(spec=spec, mon=mon, task=task, inputs=list(spec.model.inputs), output=spec.model.outputs[0],
-                         model_name=mon.model_name or spec.metadata.name, rules=rules, metrics=metrics, bounds=bounds)
-
-
-class SliceRegistry:
-    """Bounded slice cardinality: the first `max_slices` groups seen keep their key, later ones become
-    ``<name>=other`` (``all`` is always kept and not counted).
-
-    Args:
-        max_slices: the bound (spec monitoring.max_slices).
-    """
-
-    def __init__(self, max_slices: int) -> None:
-        self.max_slices = max_slices
-        self._known: set[str] = set()
-
-    def bound(self, keys: Sequence[str]) -> list[str]:
-        """Map raw slice keys to bounded ones (admits new keys while there is room)."""
-        out = []
-        for k in keys:
-            if k == ALL_SLICE or k in self._known:
-                out.append(k)
-            elif len(self._known) < self.max_slices:
-                self._known.add(k)
-                out.append(k)
-            else:
-                other = k.split("=", 1)[0] + "=" + OTHER_VALUE
-                out.append(other)
-        return out
-
-    @property
-    def known(self) -> list[str]:
-        """Keys with their own group, sorted."""
-        return sorted(self._known)
+                         model_name=mon.model_name or spec.metadata.name, rules=rules, metrics=metrics, bounds=bounds,
+                         pairs=pairs)

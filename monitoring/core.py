@@ -4,46 +4,67 @@ gauges, sampled-pair records (worker side)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
+import uuid
 from datetime import datetime
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from tailguard.monitoring.compare import compare_rows, reference_non_finite
-from tailguard.monitoring.config import MonitorConfig, SliceRegistry
-from tailguard.monitoring.metrics import MonitorMetrics
+from tailguard.monitoring.config import MonitorConfig
+from tailguard.monitoring.metrics import MonitorMetrics, SliceExport, SliceRow
 from tailguard.monitoring.sampler import Decision, LongTailSampler
-from tailguard.monitoring.stats import AlertRecord, Evaluation, SliceStatistics
+from tailguard.monitoring.stats import Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring")
 
 
 class MonitorCore:
-    """Sampler + slice bound + statistics + exporters' hooks for one (reference, candidate) pair.
+    """Sampler + per-slice statistics and detectors + exporters' hooks for one (reference, candidate) pair.
 
     Args:
         cfg: resolved monitoring configuration.
         seed: sampler seed (default: the spec's monitoring.seed).
-        metrics: Prometheus collectors to update, or None (replay without metrics).
+        metrics: Prometheus collectors to update, or None (replay without metrics). The per-slice families are
+            attached to read this core at scrape time (`export`).
         on_sample: called with each sampled row's record (dict) after comparison (S3 sink, drift snapshots).
+        lock: held while the exporter reads the statistics (the service's worker lock); None for replay.
+        role: "standalone" (detects and alerts on its own rows), "replica" (`--evidence-only`: measures and exports
+            evidence, never alerts) or "combiner" (`--peer`: its own rows and its peers' evidence feed one combined
+            detector, whose alerts are the deployment's; monitoring/combine.py).
     """
 
     def __init__(self, cfg: MonitorConfig, *, seed: int | None = None, metrics: MonitorMetrics | None = None,
-                 on_sample: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_sample: Callable[[dict[str, Any]], None] | None = None, lock: Any = None,
+                 role: str = "standalone") -> None:
+        if role not in ("standalone", "replica", "combiner"):
+            raise ValueError(f"role must be standalone, replica or combiner, got {role!r}")
         mon = cfg.mon
         self.cfg = cfg
         self.metrics = metrics
         self.on_sample = on_sample
-        self.registry = SliceRegistry(mon.max_slices)
+        self.lock = lock
         self.sampler = LongTailSampler(mon.sample_rate, rare_slice_frequency=mon.rare_slice_frequency,
                                        max_oversample=mon.max_oversample,
-                                       seed=seed if seed is not None else mon.seed)
-        self.stats = SliceStatistics(cfg.model_name, cfg.metrics, cfg.bounds, window_size=mon.window_size,
-                                     min_support=mon.min_support, alpha=mon.alpha, correction=mon.correction,
-                                     max_slices=mon.max_slices, clear_factor=mon.clear_factor)
+                                       seed=seed if seed is not None else mon.seed, max_keys=mon.max_tracked_slices)
+        self.role = role
+        self.epoch = uuid.uuid4().hex  # identifies this process's evidence (a restart starts new walks)
+        shared = dict(streams_per_request=cfg.keys_per_request, alpha=mon.alpha, horizon=mon.horizon,
+                      window_size=mon.window_size, min_support=mon.min_support,
+                      max_tracked_slices=mon.max_tracked_slices)
+        self.stats = SliceStatistics(cfg.model_name, cfg.metrics, cfg.bounds, export_walks=role != "standalone",
+                                     alerting=role == "standalone", **shared)
+        self.stats.requests_seen = _SeenView(self.sampler)
+        self.combined = (SliceStatistics(cfg.model_name, cfg.metrics, cfg.bounds, source="combined", **shared)
+                         if role == "combiner" else None)
         self.compared_rows = 0
+        self.labels_cut = 0
+        if metrics is not None:
+            metrics.attach(self.export)
 
     # ------------------------------------------------------------------------------------------ ingest
     def admit(self, meta: Mapping[str, Any]) -> tuple[list[str], Decision]:
@@ -52,12 +73,9 @@ class MonitorCore:
         Args:
             meta: the request's slice metadata (OIP parameters or a replay row's metadata columns).
         """
-        keys = self.registry.bound(self.cfg.slice_keys(meta))
-        d = self.sampler.decide(keys)
-        if d.sampled and self.metrics is not None:
-            for k in keys:
-                self.metrics.sampled.labels(self.cfg.model_name, k).inc()
-        return keys, d
+        keys, cut = self.cfg.slice_keys(meta)
+        self.labels_cut += cut
+        return keys, self.sampler.decide(keys)
 
     # ------------------------------------------------------------------------------------------ worker
     def observe(self, keys: list[str], decision: Decision, reference: np.ndarray, candidate: np.ndarray, *,
@@ -94,7 +112,7 @@ class MonitorCore:
             if bad_ref[i]:
                 continue
             row = {m: float(values[m][i]) for m in self.cfg.metrics}
-            ev = self.observe_values(keys, decision.weight, row, request_index=request_index, now=now)
+            ev = self.observe_values(keys, decision, row, request_index=request_index, now=now)
             total.fired += ev.fired
             total.cleared += ev.cleared
             if self.on_sample is not None:
@@ -106,57 +124,101 @@ class MonitorCore:
                 self.on_sample(rec)
         return total
 
-    def observe_values(self, keys: list[str], weight: float, row: Mapping[str, float], *,
+    def observe_values(self, keys: list[str], decision: Decision, row: Mapping[str, float], *,
                        request_index: int | None = None, now: datetime | None = None) -> Evaluation:
-        """Add one row's per-row metric values to its slices; update gauges and alert state.
+        """Add one row's per-row metric values to its slices' statistics and detectors; log alerts.
 
         Args:
-            keys: slice keys.
-            weight: sampling weight 1/p.
+            keys: slice keys (from `admit`).
+            decision: the request's sampling decision (weight 1/p and per-key ratios pi_k / p).
             row: {metric: value} for every tracked metric.
             request_index: sequence number for alert records.
             now: time stamp for alert records.
         """
-        ev = self.stats.update(keys, row, weight, request_index=request_index, now=now)
+        ev = self.stats.update(keys, row, decision.weight, decision.ratios or None, request_index=request_index,
+                               now=now)
         self.compared_rows += 1
-        m = self.metrics
-        if m is not None:
-            name = self.cfg.model_name
-            for k in keys:
-                w = self.stats.windows[k]
-                m.slice_samples.labels(name, k).set(w.n)
-                for j, metric in enumerate(self.cfg.metrics):
-                    m.slice_parity.labels(name, k, metric).set(w.mean(j))
-        for rec in ev.fired:
-            self._fired(rec)
-        for rec in ev.cleared:
-            if m is not None:
-                m.alert_active.labels(rec.model, rec.slice, rec.metric).set(0)
-            log.info("alert cleared: %s", json.dumps(rec.to_dict()))
+        self.report(ev)
         return ev
 
-    def _fired(self, rec: AlertRecord) -> None:
-        if self.metrics is not None:
-            self.metrics.alerts.labels(rec.model, rec.slice, rec.metric).inc()
-            self.metrics.alert_active.labels(rec.model, rec.slice, rec.metric).set(1)
-        log.warning("alert fired: %s", json.dumps(rec.to_dict()))
+    def report(self, ev: Evaluation) -> None:
+        """Count and log fired / cleared alerts."""
+        for rec in ev.fired:
+            if self.metrics is not None:
+                self.metrics.alerts.labels(rec.model, rec.slice, rec.metric).inc()
+            log.warning("alert fired: %s", json.dumps(rec.to_dict()))
+        for rec in ev.cleared:
+            log.info("alert cleared: %s", json.dumps(rec.to_dict()))
+
+    def export(self) -> SliceExport:
+        """The bounded per-slice view Prometheus scrapes (`all`, alerting slices, the max_slices worst)."""
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            st, local = self.decider, self.stats
+            rows = []
+            for key in st.exported(self.cfg.mon.max_slices):
+                s, mine = st.slices[key], local.slices.get(key)  # display estimates come from this process's rows
+                rows.append(SliceRow(key, self.sampler.sampled(key), s.rows,
+                                     {m: mine.mean(m) if mine is not None else math.nan for m in self.cfg.metrics},
+                                     {m: x.alarm.statistic() / st.h for m, x in s.streams.items()},
+                                     {m: x.active for m, x in s.streams.items()}))
+            return SliceExport(self.cfg.model_name, rows, len(st.slices),
+                               {"statistics": st.evicted, "sampler": self.sampler.evicted}, self.labels_cut)
+
+    @property
+    def decider(self) -> SliceStatistics:
+        """The statistics whose detectors alert: the combined ones on a combiner, else this process's."""
+        return self.combined if self.combined is not None else self.stats
+
+    def evidence(self, since: int = 0) -> dict[str, Any]:
+        """This process's evidence since cursor `since` (GET /v1/evidence; monitoring/combine.py)."""
+        doc = self.stats.evidence(since)
+        doc.update(epoch=self.epoch, model=self.cfg.model_name, role=self.role)
+        return doc
 
     # ---------------------------------------------------------------------------------------- reports
     def alerts(self) -> list[dict[str, Any]]:
         """Every alert fired so far (active or cleared), as dicts, in firing order."""
-        return [a.to_dict() for a in self.stats.history]
+        return [a.to_dict() for a in self.decider.history]
 
-    def slices(self) -> dict[str, Any]:
-        """Per-slice statistics plus the sampler's view (traffic counts, frequencies)."""
-        summary = self.stats.slice_summary()
+    def slices(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """Per-slice statistics plus the sampler's view (traffic counts, frequencies), sorted by slice key.
+
+        Args:
+            offset: first slice (in key order) to include.
+            limit: at most this many slices (None: all of them).
+
+        Returns:
+            The slices.json document; `slices_total` is the number of tracked slices, `next_offset` the offset of
+            the next page or None.
+        """
+        st = self.decider
+        keys = sorted(st.slices)
+        page = keys[offset: None if limit is None else offset + limit]
+        summary = st.slice_summary(page)
         for key, entry in summary.items():
-            entry["requests_seen"] = self.sampler.counts.get(key, 0)
+            entry["requests_seen"] = self.sampler.seen(key)
+            entry["sampled"] = self.sampler.sampled(key)
             entry["traffic_share"] = round(self.sampler.frequency(key), 6)
+        end = offset + len(page)
+        mon = self.cfg.mon
         return {"model": self.cfg.model_name, "task": self.cfg.task, "requests": self.sampler.total,
                 "sampled": self.sampler.sampled_total, "compared_rows": self.compared_rows,
-                "sample_rate": self.cfg.mon.sample_rate, "window_size": self.cfg.mon.window_size,
-                "min_support": self.cfg.mon.min_support, "alpha": self.cfg.mon.alpha,
-                "correction": self.cfg.mon.correction,
+                "sample_rate": mon.sample_rate, "window_size": mon.window_size, "min_support": mon.min_support,
+                "alpha": mon.alpha, "horizon": mon.horizon, "detector": st.method,
+                "alarm_threshold": round(st.h, 6), "keys_per_request": self.cfg.keys_per_request, "role": self.role,
+                "slices_tracked": len(keys), "slices_evicted": st.evicted, "sampler_keys_evicted": self.sampler.evicted,
+                "slice_values_cut": self.labels_cut,
                 "thresholds": {m: {"value": b.value, "direction": "min" if b.higher_is_better else "max",
                                    "source": b.source} for m, b in self.cfg.bounds.items()},
+                "slices_total": len(keys), "offset": offset, "next_offset": end if end < len(keys) else None,
                 "slices": summary}
+
+
+class _SeenView:
+    """{slice key: requests seen} read from the sampler's table (for alert records)."""
+
+    def __init__(self, sampler: LongTailSampler) -> None:
+        self.sampler = sampler
+
+    def get(self, key: str, default: int = 0) -> int:
+        return self.sampler.seen(key) or default

@@ -1,13 +1,20 @@
 """Prometheus metrics of the shadow monitor. The names and labels are a contract shared with the Grafana
 dashboard and the PrometheusRule in manifests/: change them only with a deprecation path.
 
-Label sets are bounded: `slice` takes at most monitoring.max_slices values plus "all" and "<name>=other";
-`metric` the tracked per-row metrics; `reason` / `status` / `role` / `endpoint` the fixed sets below.
+Label sets are bounded: every slice is measured, but the per-slice series (`sampled_total`, `slice_parity`,
+`slice_samples`, `slice_evidence`, `alert_active`) exist only for the exported set, built at each scrape: `all`,
+every slice with an active alert, and the monitoring.max_slices others with the most evidence
+(monitoring/stats.py `SliceStatistics.exported`). `metric` takes the tracked per-row metrics; `reason` /
+`status` / `role` / `endpoint` the fixed sets below. `alerts_total` carries the slices that ever fired.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # The exposed names (counters carry the _total suffix in the exposition format).
 METRIC_NAMES: tuple[str, ...] = (
@@ -20,6 +27,10 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_ingest_seconds",
     "tailguard_monitor_slice_parity",
     "tailguard_monitor_slice_samples",
+    "tailguard_monitor_slice_evidence",
+    "tailguard_monitor_slices_tracked",
+    "tailguard_monitor_slices_evicted_total",
+    "tailguard_monitor_slice_values_cut_total",
     "tailguard_monitor_alert_active",
     "tailguard_monitor_alerts_total",
     "tailguard_monitor_models_ready",
@@ -38,15 +49,86 @@ INGEST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 
 INFERENCE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+@dataclass
+class SliceRow:
+    """One exported slice at scrape time.
+
+    Attributes:
+        slice: slice key.
+        sampled: sampled requests counted under the key.
+        rows: rows compared in the slice.
+        means: {metric: display estimate}.
+        evidence: {metric: alarm statistic / alarm threshold} for metrics with a threshold.
+        active: {metric: alert active} for metrics with a threshold.
+    """
+
+    slice: str
+    sampled: int
+    rows: int
+    means: dict[str, float]
+    evidence: dict[str, float] = field(default_factory=dict)
+    active: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass
+class SliceExport:
+    """What the slice collector exposes at one scrape (monitoring/core.py `MonitorCore.export`)."""
+
+    model: str
+    rows: list[SliceRow]
+    tracked: int
+    evicted: dict[str, int]
+    cut: int
+
+
+class SliceCollector:
+    """Builds the per-slice series at scrape time from `source()` (bounded label set: module docstring)."""
+
+    def __init__(self, source: Callable[[], SliceExport]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        """Yield the metric families (prometheus_client custom-collector protocol)."""
+        p = "tailguard_monitor_"
+        snap = self.source()
+        sampled = CounterMetricFamily(p + "sampled", "Requests chosen for the shadow comparison, by slice "
+                                                     "(exported slices).", labels=["model", "slice"])
+        parity = GaugeMetricFamily(p + "slice_parity", "Display estimate of a per-row parity metric (weighted, "
+                                                       "decayed mean), by slice.", labels=["model", "slice", "metric"])
+        samples = GaugeMetricFamily(p + "slice_samples", "Rows compared in the slice.", labels=["model", "slice"])
+        evidence = GaugeMetricFamily(p + "slice_evidence", "Change-detector statistic over its alarm level "
+                                                           "(1 = alarm).", labels=["model", "slice", "metric"])
+        active = GaugeMetricFamily(p + "alert_active", "1 while a (slice, metric) alert is active.",
+                                   labels=["model", "slice", "metric"])
+        for r in snap.rows:
+            sampled.add_metric([snap.model, r.slice], r.sampled)
+            samples.add_metric([snap.model, r.slice], r.rows)
+            for m, v in r.means.items():
+                parity.add_metric([snap.model, r.slice, m], v)
+            for m, v in r.evidence.items():
+                evidence.add_metric([snap.model, r.slice, m], v)
+                active.add_metric([snap.model, r.slice, m], 1.0 if r.active.get(m) else 0.0)
+        tracked = GaugeMetricFamily(p + "slices_tracked", "Slice keys measured now.", labels=["model"])
+        tracked.add_metric([snap.model], snap.tracked)
+        evicted = CounterMetricFamily(p + "slices_evicted", "Slice keys evicted by the memory bound "
+                                                            "(max_tracked_slices), by table.", labels=["model", "table"])
+        for table, n in snap.evicted.items():
+            evicted.add_metric([snap.model, table], n)
+        cut = CounterMetricFamily(p + "slice_values_cut", "Slice values changed to be exportable (invalid UTF-8 or "
+                                                          "longer than 64 characters).", labels=["model"])
+        cut.add_metric([snap.model], snap.cut)
+        yield from (sampled, parity, samples, evidence, active, tracked, evicted, cut)
+
+
 class MonitorMetrics:
     """The monitor's Prometheus collectors, on their own registry (one per monitor, so tests can run several).
 
     Args:
         registry: registry to register on (default: a new CollectorRegistry).
 
-    Attributes: one per METRIC_NAMES entry, named without the `tailguard_monitor_` prefix and `_total` suffix
-        (requests, invalid_requests, sampled, dropped, queue_depth, inference_seconds, ingest_seconds,
-        slice_parity, slice_samples, alert_active, alerts, models_ready, s3_uploads, spool_bytes).
+    Attributes: requests, invalid_requests, dropped, queue_depth, inference_seconds, ingest_seconds, alerts,
+        models_ready, s3_uploads, spool_bytes (named like METRIC_NAMES without the `tailguard_monitor_` prefix and
+        `_total` suffix). The per-slice families come from a SliceCollector registered with `attach`.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -56,8 +138,6 @@ class MonitorMetrics:
         self.requests = Counter(p + "requests", "OIP requests received.", ["model", "endpoint"], registry=r)
         self.invalid_requests = Counter(p + "invalid_requests", "Malformed OIP bodies refused (4xx), by reason.",
                                         ["reason"], registry=r)
-        self.sampled = Counter(p + "sampled", "Requests chosen for the shadow comparison, by slice.",
-                               ["model", "slice"], registry=r)
         self.dropped = Counter(p + "dropped", "Sampled requests (or unjoined payload-logger halves) not compared, "
                                               "by reason.", ["reason"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Sampled requests waiting for the shadow.", registry=r)
@@ -65,22 +145,23 @@ class MonitorMetrics:
                                            ["model", "role"], buckets=INFERENCE_BUCKETS, registry=r)
         self.ingest_seconds = Histogram(p + "ingest_seconds", "Time ingest spends on a request (s).",
                                         ["endpoint"], buckets=INGEST_BUCKETS, registry=r)
-        self.slice_parity = Gauge(p + "slice_parity", "Window mean of a per-row parity metric, by slice.",
-                                  ["model", "slice", "metric"], registry=r)
-        self.slice_samples = Gauge(p + "slice_samples", "Rows in the slice's sliding window.",
-                                   ["model", "slice"], registry=r)
-        self.alert_active = Gauge(p + "alert_active", "1 while a (slice, metric) alert is active.",
-                                  ["model", "slice", "metric"], registry=r)
         self.alerts = Counter(p + "alerts", "Alerts fired.", ["model", "slice", "metric"], registry=r)
         self.models_ready = Gauge(p + "models_ready", "1 when the model is loaded.", ["role"], registry=r)
         self.s3_uploads = Counter(p + "s3_uploads", "Sampled-pair batches by outcome.", ["status"], registry=r)
         self.spool_bytes = Gauge(p + "spool_bytes", "Bytes in the local spool waiting for S3.", registry=r)
+        self.slices: SliceCollector | None = None
         for reason in DROP_REASONS:  # export zeros so rate() and absent() work from the start
             self.dropped.labels(reason)
         for status in UPLOAD_STATUSES:
             self.s3_uploads.labels(status)
         for role in ROLES:
             self.models_ready.labels(role).set(0)
+
+    def attach(self, source: Callable[[], SliceExport]) -> None:
+        """Register the per-slice families, read from `source()` at each scrape (once per MonitorMetrics)."""
+        if self.slices is None:
+            self.slices = SliceCollector(source)
+            self.registry.register(self.slices)
 
     def exposition(self) -> bytes:
         """The text exposition format (what /metrics serves)."""

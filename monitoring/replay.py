@@ -114,7 +114,7 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
                 continue
             keys, d = admitted[i]
             row = {m: float(values[m][j]) for m in cfg.metrics}
-            core.observe_values(keys, d.weight, row, request_index=int(i), now=stamps[i])
+            core.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
             if snaps is not None:
                 snaps.add({"inputs": {k: v[j] for k, v in sub.inputs.items()}, "meta": meta_rows[i],
                            "reference": ref_out[j], "candidate": cand_out[j]})

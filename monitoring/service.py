@@ -11,7 +11,8 @@ Endpoints:
     GET  /healthz                  200 while the process serves.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
                                    noise-floor mode), else 503 with what is missing.
-    GET  /v1/alerts, /v1/slices    alert records and per-slice statistics (JSON).
+    GET  /v1/alerts, /v1/slices    alert records and per-slice statistics (JSON; /v1/slices?offset=&limit= pages
+                                   through every tracked slice in key order, limit <= 10000, default 1000).
 
 Isolation of the live path: ingest parses and checks the body, draws the sampling decision and puts a sampled
 request on a bounded queue with `put_nowait`; it never waits for a model. A full queue drops the request
@@ -44,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tailguard.errors import InputError
 from tailguard.home import home
+from tailguard.monitoring.combine import Combiner, PollLoop, http_fetch
 from tailguard.monitoring.config import MonitorConfig, resolve_config
 from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.join import CE_TYPES, JoinBuffer
@@ -81,11 +83,19 @@ class MonitorService:
         seed: sampler seed (default: monitoring.seed).
         s3_client: boto3 client for the sink (default: made from monitoring.s3).
         start: start the worker / loaders at once (tests may start later).
+        evidence_only: a replica: measure and export evidence (GET /v1/evidence), never alert.
+        peers: base URLs of replicas whose evidence this process combines with its own (it becomes the combiner,
+            the deployment's only alerting process; monitoring/combine.py).
+        poll_interval_s: seconds between two reads of the peers' evidence.
     """
 
     def __init__(self, cfg: MonitorConfig, reference: str | Path | Runner | None,
                  candidate: str | Path | Runner | None, *, metrics: MonitorMetrics | None = None,
-                 seed: int | None = None, s3_client: Any = None, start: bool = True) -> None:
+                 seed: int | None = None, s3_client: Any = None, start: bool = True, evidence_only: bool = False,
+                 peers: list[str] | None = None, poll_interval_s: float = 5.0) -> None:
+        if evidence_only and peers:
+            raise InputError("--evidence-only and --peer exclude each other: a replica exports evidence, the "
+                             "combiner reads it", hint="start replicas with --evidence-only, one combiner with --peer")
         self.cfg = cfg
         mon = cfg.mon
         self.metrics = metrics or MonitorMetrics()
@@ -101,7 +111,23 @@ class MonitorService:
             from tailguard.monitoring.drift import DriftSnapshots
 
             self.drift = DriftSnapshots(cfg)
-        self.core = MonitorCore(cfg, seed=seed, metrics=self.metrics, on_sample=self._on_sample)
+        self._lock = threading.Lock()
+        role = "replica" if evidence_only else "combiner" if peers else "standalone"
+        self.core = MonitorCore(cfg, seed=seed, metrics=self.metrics, on_sample=self._on_sample, lock=self._lock,
+                                role=role)
+        self.combiner: Combiner | None = None
+        self._poller: PollLoop | None = None
+        if self.core.combined is not None:
+            peer_fetch = http_fetch()
+
+            def fetch(source: str, since: int) -> Mapping[str, Any]:
+                if source == "self":
+                    with self._lock:
+                        return self.core.evidence(since)
+                return peer_fetch(source, since)
+
+            self.combiner = Combiner(self.core.combined, fetch, ["self", *(peers or [])], lock=self._lock)
+            self._poller = PollLoop(self.combine, poll_interval_s)
         self.queue: queue.Queue[_Item] = queue.Queue(maxsize=mon.queue_size)
         self.join = JoinBuffer(mon.logger_join_max_entries, mon.logger_join_ttl_s,
                                on_drop=lambda reason, n: self.metrics.dropped.labels(reason).inc(n))
@@ -110,7 +136,6 @@ class MonitorService:
         self.load_errors: dict[str, str] = {}
         self._pools = {r: cf.ThreadPoolExecutor(1, thread_name_prefix=f"tg-{r}") for r in ("reference", "candidate")}
         self._stuck: dict[str, cf.Future | None] = {"reference": None, "candidate": None}
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._seq = 0
         self._worker: threading.Thread | None = None
@@ -126,10 +151,24 @@ class MonitorService:
         self._worker.start()
         if self.sink is not None:
             self.sink.start()
+        if self._poller is not None:
+            self._poller.start()
+
+    def combine(self) -> None:
+        """Read every source's evidence once and merge it (the combiner's poll; tests call it directly)."""
+        if self.combiner is not None:
+            self.core.report(self.combiner.poll())
+
+    def evidence(self, since: int = 0) -> dict[str, Any]:
+        """This process's evidence since cursor `since` (GET /v1/evidence)."""
+        with self._lock:
+            return self.core.evidence(since)
 
     def stop(self) -> None:
         """Stop the worker, flush the sink (to S3 or the spool) and release the pools."""
         self._stop.set()
+        if self._poller is not None:
+            self._poller.stop()
         if self._worker is not None:
             self._worker.join(5)
         if self.sink is not None:
@@ -159,7 +198,8 @@ class MonitorService:
         missing = [r for r in need if self.runners[r] is None]
         return not missing, {"ready": not missing, "missing": missing, "errors": self.load_errors,
                              "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
-                             "noise_floor": self.cfg.mon.noise_floor}
+                             "noise_floor": self.cfg.mon.noise_floor, "role": self.core.role,
+                             **({"peers": self.combiner.status()} if self.combiner is not None else {})}
 
     # --------------------------------------------------------------------------------------- ingest
     def ingest(self, endpoint: str, name: str, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -392,10 +432,10 @@ class MonitorService:
         with self._lock:
             return self.core.alerts()
 
-    def slices(self) -> dict[str, Any]:
-        """Per-slice statistics."""
+    def slices(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """Per-slice statistics, one page (MonitorCore.slices)."""
         with self._lock:
-            return self.core.slices()
+            return self.core.slices(offset, limit)
 
 
 def build_app(service: MonitorService) -> Any:
@@ -423,7 +463,7 @@ def build_app(service: MonitorService) -> Any:
         return JSONResponse(doc, status_code=status)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    def metrics() -> Response:  # sync: FastAPI runs it in its thread pool, off the event loop that ingests
         service.sweep()
         return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -440,28 +480,39 @@ def build_app(service: MonitorService) -> Any:
     async def alerts() -> Response:
         return JSONResponse(service.alerts())
 
+    @app.get("/v1/evidence")
+    def evidence(since: int = 0) -> Response:
+        return JSONResponse(service.evidence(max(since, 0)))
+
     @app.get("/v1/slices")
-    async def slices() -> Response:
-        return JSONResponse(service.slices())
+    def slices(offset: int = 0, limit: int = 1000) -> Response:
+        if offset < 0 or not 1 <= limit <= 10000:
+            return JSONResponse({"error": "offset must be >= 0 and limit in [1, 10000]", "reason": "bad_page"},
+                                status_code=422)
+        return JSONResponse(service.slices(offset, limit))
 
     return app
 
 
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,
-                   seed: int | None = None, start: bool = True) -> MonitorService:
-    """Build a MonitorService from a spec (object or path).
+                   seed: int | None = None, start: bool = True, evidence_only: bool = False,
+                   peers: list[str] | None = None, poll_interval_s: float = 5.0) -> MonitorService:
+    """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's.
 
     Raises:
         SpecError: a bad spec or monitoring section (exit 2).
+        InputError: --evidence-only with --peer (exit 2).
     """
     source = str(spec) if not isinstance(spec, Spec) else "spec"
     spec_obj = load_spec(spec) if not isinstance(spec, Spec) else spec
     cfg: MonitorConfig = resolve_config(spec_obj, source=source)
-    return MonitorService(cfg, reference, candidate, seed=seed, start=start)
+    return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
+                          peers=peers, poll_interval_s=poll_interval_s)
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
-          host: str = "0.0.0.0", port: int = 8080) -> None:
+          host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
+          poll_interval_s: float = 5.0) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -474,11 +525,15 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         candidate: candidate .onnx (None: pairs-only monitor).
         host: bind address.
         port: TCP port.
+        evidence_only: run as a replica (export evidence, never alert).
+        peers: replica base URLs to combine (run as the combiner).
+        poll_interval_s: seconds between reads of the peers' evidence.
 
     Raises:
         SpecError: bad spec (exit 2).
     """
     import uvicorn
 
-    service = create_service(spec_path, reference, candidate)
+    service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
+                             poll_interval_s=poll_interval_s)
     uvicorn.run(build_app(service), host=host, port=port, log_level="warning", access_log=False)

@@ -1,47 +1,70 @@
-"""Per-slice sliding-window statistics, one-sided tests against thresholds, multiple-testing control and alerts.
+"""Per-slice sequential change detection with a false-alarm guarantee over the whole stream.
 
-For every slice key and tracked per-row metric, a window holds the last `window_size` sampled rows with their
-sampling weights w = 1/p (monitoring/sampler.py). From it:
+Every slice key the configured columns produce is measured (up to a memory bound, `max_tracked_slices`, past
+which the least recently updated slice without an active alert is evicted and counted). For every slice and
+every metric with a threshold (monitoring/config.py `Bound`), a one-sided **betting CUSUM** watches for the
+slice's traffic mean crossing the threshold.
 
-    mean  = sum(w x) / sum(w)                                (Hajek estimator of the slice's traffic mean)
-    n_eff = (sum w)^2 / sum(w^2)                             (Kish's effective sample size)
+Detector. Write the per-row excess over the threshold on the bad side as
 
-A (slice, metric) pair with a threshold (monitoring/config.py `Bound`) is tested once n_eff >= min_support:
+    y = threshold - x   (higher-is-better metrics: agreement, cosine)      y = x - threshold   (lower-is-better)
 
-* 0/1 metrics (top1_agree), H0: agreement >= threshold. The exact one-sided binomial p-value
-  P[Bin(n_eff, threshold) <= k] with k = mean * n_eff, written with the regularized incomplete beta so it
-  holds for the non-integer n_eff of weighted samples (Korn & Graubard 1998, "Confidence intervals for
-  proportions with small expected number of positive counts estimated from survey data", Survey Methodology
-  24:193). Rejecting H0 at level a is the same as the one-sided Clopper-Pearson (1934, Biometrika 26:404)
-  upper bound at 1-a lying below the threshold; that bound is reported.
-* continuous metrics (KL, cosine, abs/rel error), H0: mean on the good side of the threshold. One-sided
-  Student t test with n_eff - 1 degrees of freedom on the weighted mean and variance; the one-sided t bound is
-  reported. A window holding +inf (a non-finite candidate row, scored worst-case by parity) has mean +inf and
-  p-value 0 for lower-is-better metrics.
+so that H0 "the slice is fine" is E[y] <= 0. The metric is bounded on its good side (agreement, cosine <= 1;
+KL and errors >= 0), so y >= -span with span = |good bound - threshold|, and for any bet 0 <= lam < 1/span the
+factor 1 + lam * y is non-negative with E_H0[1 + lam y] <= 1: an e-value (testing by betting: Waudby-Smith &
+Ramdas 2024, JRSS-B 86:1, "Estimating means of bounded random variables by betting"). For a 0/1 metric with
+lam = (q1/q0 - 1)/threshold this factor *is* the likelihood ratio of disagreement rate q1 against q0 = 1 -
+threshold, so the detector below is Page's Bernoulli CUSUM (Page 1954; Reynolds & Stoumbos 1999, JQT 31:87).
+The post-change value is unknown, so K = 10 bets lam_j = 2^-j / span (j = 1..10) run side by side:
 
-Across all (slice, metric) pairs with a threshold, each evaluation controls false alarms with
-Benjamini-Hochberg (1995, JRSS-B 57:289; FDR <= alpha, valid under positive dependence, Benjamini & Yekutieli
-2001) or Bonferroni (family-wise error <= alpha, over a fixed family of (max_slices + 1) x metrics pairs so
-that new slices do not loosen it). An alert fires when its pair is rejected and clears (hysteresis) when its
-p-value rises above alpha * clear_factor. Re-testing a sliding window after every row is a sequence of looks:
-alpha is a per-evaluation level, not a bound over the whole stream; the min_support, the hysteresis and the
-window keep repeated looks from firing on noise (docs/monitor.md shows the measured false-alarm rate), and a
-benchmark compares the samples needed with Wald's SPRT optimum (`sprt_expected_samples`).
+    S_j <- max(0, S_j + log(1 + lam_j * r * y))          (one CUSUM per bet, updated on each sampled row)
+    alarm when  log( mean_j exp(S_j) ) >= h              (the mixture e-detector)
+
+`r = pi_slice / p` (<= 1) weights a row sampled with probability p by the probability pi_slice the slice's
+own frequency gives (monitoring/sampler.py): E[sampled * r * y] = pi_slice * E_traffic[y], so the factor stays an
+e-value for the slice's *traffic* mean although rare-slice oversampling draws the slice's rows unequally
+(Horvitz-Thompson weighting inside the bet).
+
+Guarantee. exp(S_j) = max over start points k of the product of factors since k, so mean_j exp(S_j) is at most
+the Shiryaev-Roberts sum over start points of the mixture e-processes; that sum minus the number of start
+points is a supermartingale under H0 (Shin, Ramdas & Rinaldo 2024, "E-detectors: a nonparametric framework for
+sequential change detection", NEJSDS 2:229). Summing over every (slice, metric) stream, each sampled request
+starts G x B e-processes (G = slice keys a request carries: `all` + one per column + one per pair; B = metrics
+with a threshold). With h = log(horizon x G x B / alpha), Ville's inequality gives
+
+    P_H0[ any false alarm, in any slice and metric, within the first `horizon` sampled requests ] <= alpha
+
+and an average run length to a false alarm of at least horizon / alpha sampled requests, whatever the number of
+slices (the family is counted by the updates a request makes, not by the slices that exist). H0 here is
+"every slice's traffic mean is on the good side of its threshold or on it": the guarantee holds at the
+threshold itself, the hardest case. Assumptions: given the past, the sampling draw does not depend on the row's
+metric value (it depends on slice frequencies only), and rows of a slice are compared in arrival order.
+
+After an alarm the alert stays active while a recovery CUSUM (the same bets on the good side, -y; lower-is-better
+metrics truncated at 2 x threshold) looks for evidence that the slice is back; when it crosses h the alert
+clears and the alarm detector restarts from zero. The estimated change point is where the winning CUSUM last
+left zero (the CUSUM maximum-likelihood change-point estimate, Page 1954).
+
+For display, each slice also keeps an exponentially weighted Hajek mean (span `window_size` rows, weights 1/p)
+and Kish's effective sample size of those weights; they never decide an alert.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
-from scipy import special, stats
+from scipy import stats
 
-from tailguard.monitoring.config import BINARY_METRICS, Bound
+from tailguard.monitoring.config import ALL_SLICE, METRIC_RANGE, Bound
 
-RECOMPUTE_EVERY = 4096  # rebuild running sums from the ring buffer this often (float drift of add/subtract)
+N_BETS = 10  # bets 2^-1 .. 2^-10 of the largest admissible one: covers a 1.03x to 500x shift in a 0/1 error rate
+DETECTOR = "betting_cusum"
+Y_CAP = 1e12  # an infinite excess (non-finite candidate row) bets as this finite value
 
 
 @dataclass
@@ -50,23 +73,29 @@ class AlertRecord:
 
     Attributes:
         model: model name (metric label).
-        slice: slice key, e.g. "domain=legal".
+        slice: slice key, e.g. "locale=37" or "locale=37&ink=low".
         metric: per-row metric, e.g. "top1_agree".
-        value: the window's weighted mean when it fired.
-        threshold: the bound it was tested against.
+        value: the slice's display estimate when it fired (exponentially weighted Hajek mean).
+        threshold: the metric threshold the detector tests against.
         direction: "min" (bad when below) or "max" (bad when above).
-        bound: the one-sided confidence bound at the per-test level the correction used (`bound_level`); it lies on
-            the bad side of the threshold.
-        p_value: the test's p-value.
-        samples_seen: rows in the slice's window (the support).
-        effective_samples: Kish effective sample size of the window.
-        slice_samples_total: rows of this slice sampled since start.
-        method: test and correction, e.g. "clopper_pearson+benjamini_hochberg".
-        alpha: the configured false-alarm level.
+        detector: "betting_cusum".
+        statistic: the detector's log e-value when it fired (>= alarm_threshold).
+        alarm_threshold: h = log(horizon x G x B / alpha).
+        change_point_request_index: request index of the first row of the excursion that fired (the estimated
+            change point), or None when unknown.
+        change_point_sample: the slice's sampled-row number (1-based) at the estimated change point.
+        samples_since_change: the slice's sampled rows from the change point to the alarm (the detection delay).
+        samples_seen: the slice's sampled rows so far.
+        effective_samples: Kish effective sample size of the display estimate.
+        requests_seen: requests carrying this slice key so far (sampled or not).
+        method: detector and family control, "betting_cusum+stream_alpha".
+        alpha: the configured probability of any false alarm within `horizon` sampled requests.
+        horizon: sampled requests the alpha guarantee covers.
         fired_at: ISO-8601 UTC time it fired.
         request_index: sequence number of the request that completed the evidence (replay: row index).
         cleared_at: ISO-8601 UTC time it cleared, or None while active.
         threshold_source: "min", "max" or "baseline-max_drop".
+        source: "local" or "combined" (evidence merged from replicas, monitoring/combine.py).
     """
 
     model: str
@@ -75,18 +104,23 @@ class AlertRecord:
     value: float
     threshold: float
     direction: str
-    bound: float
-    p_value: float
+    detector: str
+    statistic: float
+    alarm_threshold: float
+    change_point_request_index: int | None
+    change_point_sample: int
+    samples_since_change: int
     samples_seen: int
     effective_samples: float
-    slice_samples_total: int
+    requests_seen: int
     method: str
     alpha: float
+    horizon: int
     fired_at: str
     request_index: int | None
     cleared_at: str | None = None
     threshold_source: str = ""
-    bound_level: float = math.nan
+    source: str = "local"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (floats rounded to 6 significant digits; inf as the string 'inf')."""
@@ -105,160 +139,466 @@ def _json_float(v: float) -> float | str | None:
     return float(f"{v:.6g}")
 
 
-class SliceWindow:
-    """Ring buffer of the last `size` rows of one slice: per-metric values and the rows' weights.
+def alarm_threshold(alpha: float, horizon: int, streams_per_request: int) -> float:
+    """The detector's alarm level h = log(horizon x streams_per_request / alpha) (module docstring).
 
     Args:
-        metrics: tracked per-row metric names.
-        size: window length (rows).
+        alpha: probability of any false alarm within the horizon, in (0, 1).
+        horizon: sampled requests the guarantee covers (>= 1).
+        streams_per_request: G x B, the (slice, metric) streams one sampled request updates (>= 1).
+
+    Returns:
+        h in nats.
+    """
+    return math.log(horizon * max(streams_per_request, 1) / alpha)
+
+
+def _logmeanexp(xs: Sequence[float]) -> float:
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs) / len(xs))
+
+
+@dataclass(frozen=True)
+class Betting:
+    """The bets of one (metric, direction) detector.
+
+    Attributes:
+        sign: +1 for the alarm side (y = excess on the bad side), -1 for recovery (bets on the good side).
+        lambdas: (N_BETS,) bets, each < 1 / span.
+        cap: the row excess is clipped to [-span, cap] (cap only ever lowers an e-value; span keeps it >= 0).
+        span: the largest loss per unit bet (the excess's bound on the side bet against).
     """
 
-    def __init__(self, metrics: Iterable[str], size: int) -> None:
-        self.metrics = tuple(metrics)
-        self.size = size
-        self.values = np.zeros((len(self.metrics), size), dtype=np.float64)
-        self.weights = np.zeros(size, dtype=np.float64)
-        self.pos = 0
-        self.n = 0
-        self.total = 0
-        m = len(self.metrics)
+    sign: float
+    lambdas: tuple[float, ...]
+    span: float
+    cap: float = Y_CAP
+
+
+def bettings(bound: Bound) -> tuple[Betting, Betting]:
+    """(alarm, recovery) bets for a threshold, from the metric's range (config.METRIC_RANGE).
+
+    Args:
+        bound: the resolved threshold.
+
+    Returns:
+        The alarm bets (excess y >= -(distance from the threshold to the good end of the range)) and the recovery
+        bets (-y >= -(distance to the bad end), the bad end taken as 2 x threshold for unbounded error metrics).
+    """
+    lo, hi = METRIC_RANGE.get(bound.metric, (-math.inf, math.inf))
+    t = bound.value
+    if bound.higher_is_better:
+        good, bad = hi, lo
+    else:
+        good, bad = lo, hi
+    span_alarm = abs(good - t) if math.isfinite(good) else abs(t) or 1.0
+    if not math.isfinite(bad):
+        bad = 2.0 * t if t > 0 else t + 1.0
+    span_rec = abs(t - bad)
+    return _betting(1.0, span_alarm), _betting(-1.0, span_rec)
+
+
+def _betting(sign: float, span: float) -> Betting:
+    span = max(span, 1e-9)  # a threshold at the range's end: every excess is >= 0 under H0, any bet is valid
+    return Betting(sign, tuple(2.0 ** -j / span for j in range(1, N_BETS + 1)), span)
+
+
+class Cusum:
+    """N_BETS one-sided CUSUMs of one (slice, metric) stream (formula: module docstring).
+
+    Attributes:
+        s: (N_BETS,) current CUSUM statistics (log scale, >= 0).
+        start: (N_BETS,) the slice row number where each CUSUM last left zero.
+        start_request: (N_BETS,) the request index of that row.
+        walk: (N_BETS,) unclipped sum of the log factors since start (replicas export it, monitoring/combine.py).
+    """
+
+    __slots__ = ("s", "start", "start_request", "walk")
+
+    def __init__(self) -> None:
+        self.s = [0.0] * N_BETS
+        self.start = [0] * N_BETS
+        self.start_request: list[int | None] = [None] * N_BETS
+        self.walk = [0.0] * N_BETS
+
+    def update(self, bet: Betting, excess: float, r: float, row: int, request_index: int | None) -> None:
+        """Add one row: excess y on the bad side (already in the alarm's sign), weight ratio r in (0, 1]."""
+        y = bet.sign * excess
+        y = min(max(y, -bet.span), bet.cap)
+        s, walk = self.s, self.walk
+        for j, lam in enumerate(bet.lambdas):
+            inc = math.log1p(lam * r * y)
+            walk[j] += inc
+            v = s[j] + inc
+            if v <= 0.0:
+                s[j] = 0.0
+                self.start[j] = row + 1
+                self.start_request[j] = None
+            else:
+                if s[j] == 0.0:
+                    self.start[j] = row
+                    self.start_request[j] = request_index
+                s[j] = v
+
+    def add_walk(self, bet: Betting, excess: float, r: float) -> None:
+        """Only accumulate the unclipped walk (a replica's recovery-side evidence for the combiner)."""
+        y = min(max(bet.sign * excess, -bet.span), bet.cap)
+        walk = self.walk
+        for j, lam in enumerate(bet.lambdas):
+            walk[j] += math.log1p(lam * r * y)
+
+    def add_batch(self, increments: Sequence[float], row: int) -> None:
+        """Add a batch's summed log factors per bet (evidence from a replica); clipping at batch boundaries only."""
+        for j, inc in enumerate(increments):
+            v = self.s[j] + inc
+            if v <= 0.0:
+                self.s[j], self.start[j], self.start_request[j] = 0.0, row + 1, None
+            else:
+                if self.s[j] == 0.0:
+                    self.start[j], self.start_request[j] = row, None
+                self.s[j] = v
+
+    def statistic(self) -> float:
+        """log(mean_j exp(S_j)): the mixture e-detector's log value."""
+        return _logmeanexp(self.s)
+
+    def crossed(self, h: float) -> bool:
+        """statistic() >= h (cheap: the statistic is at most max_j S_j, so most rows skip the sum)."""
+        return max(self.s) >= h and self.statistic() >= h
+
+    def winner(self) -> int:
+        """Index of the largest CUSUM (its start is the change-point estimate)."""
+        return max(range(N_BETS), key=self.s.__getitem__)
+
+    def reset(self, row: int) -> None:
+        """Back to zero (after an alarm or a recovery)."""
+        self.s = [0.0] * N_BETS
+        self.start = [row + 1] * N_BETS
+        self.start_request = [None] * N_BETS
+
+
+class Stream:
+    """Detector state of one (slice, metric) with a threshold: the alarm CUSUM, the recovery CUSUM, alert state,
+    and (replicas only) the recovery-side walk of every row, for the combiner."""
+
+    __slots__ = ("alarm", "recovery", "active", "alerts", "record", "rec_walk")
+
+    def __init__(self, export_walks: bool = False) -> None:
+        self.alarm = Cusum()
+        self.rec_walk = Cusum() if export_walks else None
+        self.recovery: Cusum | None = None
+        self.active = False
+        self.alerts = 0
+        self.record: AlertRecord | None = None
+
+
+class SliceState:
+    """Everything kept for one slice key: counts, the display estimate and one Stream per thresholded metric.
+
+    Attributes:
+        rows: sampled rows compared in this slice.
+        sw, sww: exponentially weighted sums of the rows' weights w = 1/p and of w^2.
+        swx: {metric: exponentially weighted sum of w x}.
+        ninf: {metric: decayed count of infinite values (non-finite candidate rows)}.
+        streams: {metric: Stream} for metrics with a threshold.
+    """
+
+    __slots__ = ("rows", "sw", "sww", "swx", "ninf", "streams", "last_request", "incarnation", "version")
+
+    def __init__(self, metrics: Sequence[str], bounded: Iterable[str], incarnation: int = 0,
+                 export_walks: bool = False) -> None:
+        self.incarnation = incarnation
+        self.version = incarnation
+        self.rows = 0
         self.sw = 0.0
         self.sww = 0.0
-        self.swx = np.zeros(m)
-        self.swxx = np.zeros(m)
-        self.ninf = np.zeros(m, dtype=np.int64)  # +-inf values in the window (kept out of the sums)
-        self._since_rebuild = 0
+        self.swx = dict.fromkeys(metrics, 0.0)
+        self.ninf = dict.fromkeys(metrics, 0.0)
+        self.streams = {m: Stream(export_walks) for m in bounded}
+        self.last_request: int | None = None
 
-    def add(self, values: np.ndarray, weight: float) -> None:
-        """Append one row.
-
-        Args:
-            values: (metrics,) float64 per-row metric values in `metrics` order (NaN not allowed; +-inf allowed).
-            weight: its sampling weight 1/p (> 0).
-        """
-        i = self.pos
-        if self.n == self.size:  # evict the oldest row
-            self._remove(self.values[:, i], self.weights[i])
-        else:
-            self.n += 1
-        self.values[:, i] = values
-        self.weights[i] = weight
-        self._insert(values, weight)
-        self.pos = (i + 1) % self.size
-        self.total += 1
-        self._since_rebuild += 1
-        if self._since_rebuild >= RECOMPUTE_EVERY:
-            self._rebuild()
-
-    def _insert(self, x: np.ndarray, w: float) -> None:
-        fin = np.isfinite(x)
-        xf = np.where(fin, x, 0.0)
-        self.sw += w
-        self.sww += w * w
-        self.swx += w * xf
-        self.swxx += w * xf * xf
-        self.ninf += ~fin
-
-    def _remove(self, x: np.ndarray, w: float) -> None:
-        fin = np.isfinite(x)
-        xf = np.where(fin, x, 0.0)
-        self.sw -= w
-        self.sww -= w * w
-        self.swx -= w * xf
-        self.swxx -= w * xf * xf
-        self.ninf -= ~fin
-
-    def _rebuild(self) -> None:
-        w = self.weights[: self.n] if self.n < self.size else self.weights
-        v = self.values[:, : self.n] if self.n < self.size else self.values
-        fin = np.isfinite(v)
-        vf = np.where(fin, v, 0.0)
-        self.sw, self.sww = float(w.sum()), float((w * w).sum())
-        self.swx, self.swxx = (vf * w).sum(axis=1), (vf * vf * w).sum(axis=1)
-        self.ninf = (~fin).sum(axis=1)
-        self._since_rebuild = 0
+    def mean(self, metric: str) -> float:
+        """Display estimate: exponentially weighted Hajek mean (+inf while a recent row was infinite)."""
+        if self.sw <= 0:
+            return math.nan
+        if self.ninf[metric] > 1e-3:  # parity scores a non-finite candidate row +inf (lower-is-better metrics)
+            return math.inf
+        return self.swx[metric] / self.sw
 
     @property
     def n_eff(self) -> float:
-        """Kish effective sample size (sum w)^2 / sum w^2 (= n for equal weights)."""
+        """Kish effective sample size (sum w)^2 / sum w^2 of the decayed weights."""
         return self.sw * self.sw / self.sww if self.sww > 0 else 0.0
 
-    def mean(self, j: int) -> float:
-        """Weighted mean of metric j (+-inf when the window holds an infinite value; NaN when empty)."""
-        if self.n == 0:
-            return math.nan
-        if self.ninf[j]:
-            v = self.values[j, : self.n] if self.n < self.size else self.values[j]
-            inf = v[~np.isfinite(v)]
-            return float(inf[0]) if np.all(inf == inf[0]) else math.nan
-        return float(self.swx[j] / self.sw)
-
-    def variance(self, j: int) -> float:
-        """Weighted variance of metric j with the n_eff/(n_eff-1) small-sample correction."""
-        if self.n < 2 or self.sw <= 0:
-            return math.nan
-        m = self.swx[j] / self.sw
-        var = max(self.swxx[j] / self.sw - m * m, 0.0)
-        ne = self.n_eff
-        return var * ne / (ne - 1) if ne > 1 else math.nan
+    def evidence(self, h: float) -> float:
+        """Largest alarm statistic over the slice's metrics as a fraction of h (1.0 = alarm level)."""
+        return max((st.alarm.statistic() / h for st in self.streams.values()), default=0.0)
 
 
-def binomial_p_value(mean: float, n_eff: float, threshold: float, higher_is_better: bool) -> float:
-    """One-sided exact binomial p-value for a 0/1 metric at real-valued n (Korn & Graubard 1998).
+@dataclass
+class Evaluation:
+    """What changed after one update: alerts fired and cleared (each an AlertRecord)."""
+
+    fired: list[AlertRecord] = field(default_factory=list)
+    cleared: list[AlertRecord] = field(default_factory=list)
+
+
+class SliceStatistics:
+    """Every slice measured (memory-bounded), a detector per (slice, metric) with a threshold, alert state.
 
     Args:
-        mean: observed proportion in [0, 1].
-        n_eff: (effective) number of trials, > 0.
-        threshold: H0 proportion boundary in (0, 1).
-        higher_is_better: True: H0 p >= threshold, p-value P[X <= k]; False: H0 p <= threshold, P[X >= k].
+        model: model name for alert records.
+        metrics: tracked per-row metrics (display estimates for all of them).
+        bounds: {metric: Bound} for the metrics alerted on.
+        streams_per_request: G, the slice keys one request carries (`all` + columns + pairs).
+        alpha: probability of any false alarm within `horizon` sampled requests (module docstring).
+        horizon: sampled requests the alpha guarantee covers.
+        window_size: span (rows) of the display estimate's exponential weighting.
+        min_support: a slice alerts only once it has this many sampled rows (a guard; the guarantee needs none).
+        max_tracked_slices: memory bound on slice keys; past it the least recently updated slice without an
+            active alert is evicted (`evicted` counts them).
+        source: "local", or "combined" for the replica combiner (recorded in alerts).
+        export_walks: also keep every stream's recovery-side walk (replicas whose evidence a combiner reads).
+        alerting: False for a replica that only exports evidence (`--evidence-only`): detectors run, never fire.
 
-    Returns:
-        p-value in [0, 1], with k = mean * n_eff and X ~ Bin(n_eff, threshold) via the incomplete beta.
+    Raises:
+        ValueError: alpha outside (0, 1), horizon or max_tracked_slices < 1.
     """
-    if not higher_is_better:
-        return binomial_p_value(1.0 - mean, n_eff, 1.0 - threshold, True)
-    if threshold >= 1.0:
-        return 0.0 if mean < 1.0 else 1.0
-    if threshold <= 0.0:
-        return 1.0
-    k = mean * n_eff
-    if k >= n_eff:
-        return 1.0
-    # P[X <= k] = I_{1-t}(n - k, k + 1)
-    return float(special.betainc(n_eff - k, k + 1.0, 1.0 - threshold))
 
+    def __init__(self, model: str, metrics: Iterable[str], bounds: Mapping[str, Bound], *,
+                 streams_per_request: int, alpha: float, horizon: int, window_size: int = 1000,
+                 min_support: int = 30, max_tracked_slices: int = 100_000, source: str = "local",
+                 export_walks: bool = False, alerting: bool = True) -> None:
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        if horizon < 1 or max_tracked_slices < 1:
+            raise ValueError("horizon and max_tracked_slices must be >= 1")
+        self.model = model
+        self.metrics = tuple(metrics)
+        self.bounds = dict(bounds)
+        self.alpha = alpha
+        self.horizon = int(horizon)
+        self.streams_per_request = int(streams_per_request)
+        self.h = alarm_threshold(alpha, horizon, streams_per_request * max(len(self.bounds), 1))
+        self.decay = 1.0 - 1.0 / max(window_size, 1)
+        self.window_size = window_size
+        self.min_support = min_support
+        self.max_tracked_slices = max_tracked_slices
+        self.source = source
+        self.export_walks = export_walks
+        self.alerting = alerting
+        self.version = 0  # updates so far; each slice records the version of its last update (evidence cursor)
+        self.bets = {m: bettings(b) for m, b in self.bounds.items()}
+        self.slices: OrderedDict[str, SliceState] = OrderedDict()
+        self.evicted = 0
+        self.history: list[AlertRecord] = []
+        self.requests_seen: Mapping[str, int] = {}
 
-def clopper_pearson_bound(mean: float, n_eff: float, level: float, higher_is_better: bool) -> float:
-    """One-sided Clopper-Pearson bound at confidence 1-level: the upper bound when higher is better (a low
-    upper bound is evidence of a drop), else the lower bound."""
-    k = mean * n_eff
-    if higher_is_better:
-        return 1.0 if k >= n_eff else float(stats.beta.ppf(1.0 - level, k + 1.0, n_eff - k))
-    return 0.0 if k <= 0 else float(stats.beta.ppf(level, k, n_eff - k + 1.0))
+    @property
+    def method(self) -> str:
+        """Detector and family control as recorded in alerts."""
+        return f"{DETECTOR}+stream_alpha"
 
+    # ------------------------------------------------------------------------------------------ updates
+    def state(self, key: str) -> SliceState:
+        """The slice's state, created (evicting the least recently updated idle slice when full) if new."""
+        st = self.slices.get(key)
+        if st is not None:
+            self.slices.move_to_end(key)
+            return st
+        if len(self.slices) >= self.max_tracked_slices:
+            self._evict()
+        self.version += 1
+        st = self.slices[key] = SliceState(self.metrics, self.bounds, self.version, self.export_walks)
+        return st
 
-def t_p_value(mean: float, var: float, n_eff: float, threshold: float, higher_is_better: bool
-              ) -> tuple[float, float]:
-    """One-sided Student t p-value and the standard error for H0: mean on the good side of `threshold`.
+    def _evict(self) -> None:
+        for k in self.slices:  # oldest first; slices with an active alert and `all` are never evicted
+            s = self.slices[k]
+            if k != ALL_SLICE and not any(x.active for x in s.streams.values()):
+                del self.slices[k]
+                self.evicted += 1
+                return
+        # every tracked slice is alerting: the bound wins, the oldest alerting slice goes (still counted)
+        k = next(k for k in self.slices if k != ALL_SLICE)
+        del self.slices[k]
+        self.evicted += 1
 
-    Returns:
-        (p-value, standard error). A zero variance gives p 0 (mean on the bad side) or 1.
-    """
-    bad_side = (mean < threshold) if higher_is_better else (mean > threshold)
-    if math.isinf(mean):
-        return (0.0 if bad_side else 1.0), math.inf
-    if not (var > 0) or n_eff <= 1:
-        return (0.0 if bad_side else 1.0), 0.0
-    se = math.sqrt(var / n_eff)
-    t = (mean - threshold) / se
-    df = n_eff - 1.0
-    p = stats.t.cdf(t, df) if higher_is_better else stats.t.sf(t, df)
-    return float(p), se
+    def update(self, keys: Sequence[str], values: Mapping[str, float], weight: float,
+               ratios: Sequence[float] | None = None, request_index: int | None = None,
+               now: datetime | None = None) -> Evaluation:
+        """Add one sampled row to each of its slices; update detectors and alert state.
+
+        Args:
+            keys: the row's slice keys (including "all").
+            values: {metric: per-row value} for every tracked metric (NaN rows must be dropped before).
+            weight: sampling weight w = 1/p of the row.
+            ratios: per key, pi_slice / p in (0, 1] (sampler.Decision.ratios); None = all 1 (uniform sampling).
+            request_index: sequence number recorded in alerts (and as change points).
+            now: time stamp for fired/cleared records (default: now, UTC).
+
+        Returns:
+            The alerts fired and cleared by this update.
+        """
+        ev = Evaluation()
+        d = self.decay
+        self.version += 1
+        for i, k in enumerate(keys):
+            s = self.state(k)
+            s.version = self.version
+            s.rows += 1
+            s.last_request = request_index
+            s.sw = d * s.sw + weight
+            s.sww = d * s.sww + weight * weight
+            for m in self.metrics:
+                x = values[m]
+                finite = math.isfinite(x)
+                s.swx[m] = d * s.swx[m] + (weight * x if finite else 0.0)
+                s.ninf[m] = d * s.ninf[m] + (0.0 if finite else 1.0)
+            r = ratios[i] if ratios is not None else 1.0
+            for m, stream in s.streams.items():
+                b = self.bounds[m]
+                x = values[m]
+                y = (b.value - x) if b.higher_is_better else (x - b.value)
+                self._step(k, m, s, stream, y, r, request_index, now, ev)
+        return ev
+
+    def _step(self, key: str, metric: str, s: SliceState, stream: Stream, y: float, r: float,
+              request_index: int | None, now: datetime | None, ev: Evaluation) -> None:
+        alarm_bet, rec_bet = self.bets[metric]
+        row = s.rows
+        if stream.rec_walk is not None:
+            stream.rec_walk.add_walk(rec_bet, y, r)
+        if stream.active and stream.recovery is not None:
+            stream.recovery.update(rec_bet, y, r, row, request_index)
+            stream.alarm.update(alarm_bet, y, r, row, request_index)  # keeps the walk (replicas) current
+            if stream.recovery.crossed(self.h):
+                self._clear(stream, row, now, ev)
+            return
+        stream.alarm.update(alarm_bet, y, r, row, request_index)
+        if self.alerting and row >= self.min_support and stream.alarm.crossed(self.h):
+            self._fire(key, metric, s, stream, request_index, now, ev)
+
+    def _fire(self, key: str, metric: str, s: SliceState, stream: Stream, request_index: int | None,
+              now: datetime | None, ev: Evaluation) -> None:
+        b = self.bounds[metric]
+        c = stream.alarm
+        j = c.winner()
+        rec = AlertRecord(model=self.model, slice=key, metric=metric, value=s.mean(metric), threshold=b.value,
+                          direction="min" if b.higher_is_better else "max", detector=DETECTOR,
+                          statistic=c.statistic(), alarm_threshold=self.h,
+                          change_point_request_index=c.start_request[j], change_point_sample=c.start[j],
+                          samples_since_change=s.rows - c.start[j] + 1, samples_seen=s.rows,
+                          effective_samples=s.n_eff, requests_seen=int(self.requests_seen.get(key, 0)),
+                          method=self.method, alpha=self.alpha, horizon=self.horizon,
+                          fired_at=(now or datetime.now(timezone.utc)).isoformat(), request_index=request_index,
+                          threshold_source=b.source, source=self.source)
+        stream.active = True
+        stream.alerts += 1
+        stream.record = rec
+        stream.recovery = Cusum()
+        c.reset(s.rows)
+        self.history.append(rec)
+        ev.fired.append(rec)
+
+    def _clear(self, stream: Stream, row: int, now: datetime | None, ev: Evaluation) -> None:
+        rec = stream.record
+        stream.active = False
+        stream.recovery = None
+        stream.alarm.reset(row)
+        stream.record = None
+        if rec is not None:
+            rec.cleared_at = (now or datetime.now(timezone.utc)).isoformat()
+            ev.cleared.append(rec)
+
+    def merge(self, key: str, metric: str, alarm: Sequence[float], recovery: Sequence[float], rows: int,
+              now: datetime | None = None) -> Evaluation:
+        """Add a replica's evidence for one (slice, metric): per bet, the summed log factors of `rows` new rows on
+        the alarm and the recovery side (monitoring/combine.py). The CUSUMs clip at zero between merges only.
+
+        Returns:
+            Alerts fired or cleared (the combiner's).
+        """
+        ev = Evaluation()
+        if metric not in self.bounds or rows <= 0:
+            return ev
+        s = self.state(key)
+        self.version += 1
+        s.version = self.version
+        s.rows += rows
+        stream = s.streams[metric]
+        if stream.active and stream.recovery is not None:
+            stream.recovery.add_batch(recovery, s.rows)
+            stream.alarm.add_batch(alarm, s.rows)
+            if stream.recovery.crossed(self.h):
+                self._clear(stream, s.rows, now, ev)
+            return ev
+        stream.alarm.add_batch(alarm, s.rows)
+        if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
+            self._fire(key, metric, s, stream, None, now, ev)
+        return ev
+
+    def evidence(self, since: int = 0) -> dict[str, Any]:
+        """The walks of every slice updated after version `since` (what a combiner merges; needs export_walks).
+
+        Returns:
+            {"version": the current version (the next cursor), "slices": {key: {"incarnation", "rows",
+            "metrics": {metric: {"alarm": [N_BETS walks], "recovery": [N_BETS walks]}}}}}.
+        """
+        out: dict[str, Any] = {}
+        for key, s in self.slices.items():
+            if s.version <= since:
+                continue
+            out[key] = {"incarnation": s.incarnation, "rows": s.rows,
+                        "metrics": {m: {"alarm": list(st.alarm.walk),
+                                        "recovery": list(st.rec_walk.walk) if st.rec_walk is not None else []}
+                                    for m, st in s.streams.items()}}
+        return {"version": self.version, "slices": out}
+
+    # ------------------------------------------------------------------------------------------ reports
+    def active_alerts(self) -> list[AlertRecord]:
+        """Alerts currently active."""
+        return [st.record for s in self.slices.values() for st in s.streams.values()
+                if st.active and st.record is not None]
+
+    def exported(self, k: int) -> list[str]:
+        """The bounded label set for Prometheus: `all`, every slice with an active alert, and the k others with
+        the most evidence (alarm statistic / h), in that order."""
+        alerting = [key for key, s in self.slices.items()
+                    if key != ALL_SLICE and any(st.active for st in s.streams.values())]
+        chosen = set(alerting) | {ALL_SLICE}
+        rest = ((s.evidence(self.h), key) for key, s in self.slices.items() if key not in chosen)
+        worst = [key for _, key in heapq.nlargest(k, rest)]
+        return ([ALL_SLICE] if ALL_SLICE in self.slices else []) + sorted(alerting) + worst
+
+    def slice_entry(self, key: str) -> dict[str, Any]:
+        """One slice's statistics (an entry of slices.json and /v1/slices)."""
+        s = self.slices[key]
+        ms: dict[str, Any] = {}
+        for m in self.metrics:
+            entry: dict[str, Any] = {"mean": _json_float(s.mean(m))}
+            stream = s.streams.get(m)
+            if stream is not None:
+                b = self.bounds[m]
+                stat = stream.alarm.statistic()
+                entry.update(threshold=b.value, direction="min" if b.higher_is_better else "max",
+                             statistic=_json_float(stat), alarm_threshold=_json_float(self.h),
+                             evidence=_json_float(stat / self.h), alert_active=stream.active,
+                             alerts_fired=stream.alerts, detector=DETECTOR,
+                             status=("alert" if stream.active else "ok" if s.rows >= self.min_support
+                                     else "insufficient_data"))
+            ms[m] = entry
+        return {"samples_total": s.rows, "effective_samples": _json_float(s.n_eff),
+                "weight_sum": _json_float(s.sw), "evidence": _json_float(s.evidence(self.h)), "metrics": ms}
+
+    def slice_summary(self, keys: Iterable[str] | None = None) -> dict[str, Any]:
+        """{slice key: slice_entry} for `keys` (default: every tracked slice, sorted)."""
+        return {k: self.slice_entry(k) for k in (sorted(self.slices) if keys is None else keys)}
 
 
 def sprt_expected_samples(p0: float, p1: float, alpha: float, beta: float) -> dict[str, float]:
     """Wald's SPRT expected sample numbers for Bernoulli H0: p = p0 vs H1: p = p1 (Wald 1945, Ann. Math.
-    Statist. 16:117; boundary-overshoot ignored, the usual approximation).
+    Statist. 16:117; boundary overshoot ignored, the usual approximation).
 
     Args:
         p0: success (e.g. agreement) probability under H0.
@@ -281,196 +621,3 @@ def sprt_expected_samples(p0: float, p1: float, alpha: float, beta: float) -> di
     za, zb = stats.norm.ppf(1 - alpha), stats.norm.ppf(1 - beta)
     fixed = ((za * math.sqrt(p0 * (1 - p0)) + zb * math.sqrt(p1 * (1 - p1))) / (p0 - p1)) ** 2
     return {"asn_h1": asn_h1, "asn_h0": asn_h0, "fixed_n": fixed, "a": a, "b": b}
-
-
-@dataclass
-class PairState:
-    """Test state of one (slice, metric) pair with a threshold."""
-
-    slice: str
-    metric: str
-    p_value: float = 1.0
-    value: float = math.nan
-    tested: bool = False
-    active: bool = False
-    alerts: int = 0
-
-
-@dataclass
-class Evaluation:
-    """What changed after one update: alerts fired and cleared (each an AlertRecord)."""
-
-    fired: list[AlertRecord] = field(default_factory=list)
-    cleared: list[AlertRecord] = field(default_factory=list)
-
-
-class SliceStatistics:
-    """Sliding windows per slice, tests per (slice, metric), false-alarm control and alert state.
-
-    Args:
-        model: model name for alert records.
-        metrics: tracked per-row metrics (window columns).
-        bounds: {metric: Bound} for the metrics alerted on.
-        window_size: rows per slice window.
-        min_support: minimum effective sample size before a pair is tested.
-        alpha: false-alarm level per evaluation (FDR or FWER).
-        correction: "benjamini_hochberg" or "bonferroni".
-        max_slices: the slice bound (fixes the Bonferroni family size).
-        clear_factor: an active alert clears when p > alpha * clear_factor.
-    """
-
-    def __init__(self, model: str, metrics: Iterable[str], bounds: Mapping[str, Bound], *, window_size: int,
-                 min_support: int, alpha: float, correction: str = "benjamini_hochberg", max_slices: int = 50,
-                 clear_factor: float = 10.0) -> None:
-        self.model = model
-        self.metrics = tuple(metrics)
-        self.bounds = dict(bounds)
-        self.window_size = window_size
-        self.min_support = min_support
-        self.alpha = alpha
-        self.correction = correction
-        self.clear_factor = clear_factor
-        self.family_size = (max_slices + 1) * max(len(self.bounds), 1)
-        self.windows: dict[str, SliceWindow] = {}
-        self.pairs: dict[tuple[str, str], PairState] = {}
-        self.history: list[AlertRecord] = []
-        self._active_records: dict[tuple[str, str], AlertRecord] = {}
-        self._midx = {m: i for i, m in enumerate(self.metrics)}
-
-    def method(self, metric: str) -> str:
-        """Name of the test used for a metric, with the correction: e.g. 'clopper_pearson+benjamini_hochberg'."""
-        test = "clopper_pearson" if metric in BINARY_METRICS else "student_t"
-        return f"{test}+{self.correction}"
-
-    def update(self, keys: Iterable[str], values: Mapping[str, float], weight: float,
-               request_index: int | None = None, now: datetime | None = None) -> Evaluation:
-        """Add one sampled row to each of its slices' windows, re-test those slices and update alert state.
-
-        Args:
-            keys: the row's bounded slice keys (including "all").
-            values: {metric: per-row value} for every tracked metric (NaN rows must be dropped before).
-            weight: sampling weight 1/p.
-            request_index: sequence number recorded in alerts fired by this update.
-            now: time stamp for fired/cleared records (default: now, UTC).
-
-        Returns:
-            The alerts fired and cleared by this update.
-        """
-        x = np.array([values[m] for m in self.metrics], dtype=np.float64)
-        touched = []
-        for k in keys:
-            w = self.windows.get(k)
-            if w is None:
-                w = self.windows[k] = SliceWindow(self.metrics, self.window_size)
-                for m in self.bounds:
-                    self.pairs[(k, m)] = PairState(k, m)
-            w.add(x, weight)
-            touched.append(k)
-        for k in touched:
-            self._test_slice(k)
-        return self._decide(request_index, now)
-
-    def _test_slice(self, key: str) -> None:
-        w = self.windows[key]
-        ne = w.n_eff
-        for m, b in self.bounds.items():
-            st = self.pairs[(key, m)]
-            j = self._midx[m]
-            st.value = w.mean(j)
-            if ne < self.min_support or math.isnan(st.value):
-                st.tested, st.p_value = False, 1.0
-                continue
-            st.tested = True
-            if m in BINARY_METRICS:
-                st.p_value = binomial_p_value(min(max(st.value, 0.0), 1.0), ne, b.value, b.higher_is_better)
-            else:
-                st.p_value, _ = t_p_value(st.value, w.variance(j), ne, b.value, b.higher_is_better)
-
-    def bound(self, key: tuple[str, str], level: float) -> float:
-        """One-sided confidence bound of a pair's window mean at per-test level `level` (Clopper-Pearson for 0/1
-        metrics, Student t otherwise): the upper bound for higher-is-better metrics, else the lower bound."""
-        st = self.pairs[key]
-        w, b = self.windows[st.slice], self.bounds[st.metric]
-        ne, j = w.n_eff, self._midx[st.metric]
-        if not st.tested:
-            return math.nan
-        if st.metric in BINARY_METRICS:
-            return clopper_pearson_bound(min(max(st.value, 0.0), 1.0), ne, level, b.higher_is_better)
-        _, se = t_p_value(st.value, w.variance(j), ne, b.value, b.higher_is_better)
-        q = stats.t.ppf(1 - level, ne - 1) if ne > 1 else math.inf
-        return st.value + q * se if b.higher_is_better else st.value - q * se
-
-    def rejected(self) -> tuple[set[tuple[str, str]], float]:
-        """Pairs whose H0 (slice fine) is rejected now under the configured correction, and the per-test level
-        that decided it (Bonferroni: alpha / family size; Benjamini-Hochberg: alpha * R / m for R rejections
-        among m pairs; untested pairs count in m with p = 1, which is conservative)."""
-        tested = [(k, s.p_value) for k, s in self.pairs.items() if s.tested]
-        if self.correction == "bonferroni":
-            level = self.alpha / self.family_size
-            return {k for k, p in tested if p <= level}, level
-        m = max(len(self.pairs), 1)
-        if not tested:
-            return set(), self.alpha / m
-        ps = np.array([p for _, p in tested])
-        order = np.argsort(ps, kind="stable")
-        crit = self.alpha * np.arange(1, len(ps) + 1) / m
-        ok = np.nonzero(ps[order] <= crit)[0]
-        if ok.size == 0:
-            return set(), self.alpha / m
-        r = int(ok[-1]) + 1
-        return {k for k, p in tested if p <= ps[order][r - 1]}, self.alpha * r / m
-
-    def _decide(self, request_index: int | None, now: datetime | None) -> Evaluation:
-        ev = Evaluation()
-        rej, level = self.rejected()
-        stamp = (now or datetime.now(timezone.utc)).isoformat()
-        for key in rej:
-            st = self.pairs[key]
-            if st.active:
-                continue
-            st.active = True
-            st.alerts += 1
-            w = self.windows[st.slice]
-            b = self.bounds[st.metric]
-            rec = AlertRecord(model=self.model, slice=st.slice, metric=st.metric, value=st.value,
-                              threshold=b.value, direction="min" if b.higher_is_better else "max",
-                              bound=self.bound(key, level), bound_level=level,
-                              p_value=st.p_value, samples_seen=w.n, effective_samples=w.n_eff,
-                              slice_samples_total=w.total, method=self.method(st.metric), alpha=self.alpha,
-                              fired_at=stamp, request_index=request_index, threshold_source=b.source)
-            self.history.append(rec)
-            self._active_records[key] = rec
-            ev.fired.append(rec)
-        for key in list(self._active_records):
-            st = self.pairs[key]
-            if key not in rej and st.p_value > self.alpha * self.clear_factor:
-                st.active = False
-                rec = self._active_records.pop(key)
-                rec.cleared_at = stamp
-                ev.cleared.append(rec)
-        return ev
-
-    def active_alerts(self) -> list[AlertRecord]:
-        """Alerts currently active."""
-        return list(self._active_records.values())
-
-    def slice_summary(self) -> dict[str, Any]:
-        """Per-slice statistics (slices.json): window rows, totals, n_eff and per-metric mean/test state."""
-        out: dict[str, Any] = {}
-        _, level = self.rejected()
-        for key in sorted(self.windows):
-            w = self.windows[key]
-            ms: dict[str, Any] = {}
-            for j, m in enumerate(self.metrics):
-                entry: dict[str, Any] = {"mean": _json_float(w.mean(j))}
-                if m in self.bounds:
-                    st, b = self.pairs[(key, m)], self.bounds[m]
-                    entry.update(threshold=b.value, direction="min" if b.higher_is_better else "max",
-                                 tested=st.tested, p_value=_json_float(st.p_value),
-                                 bound=_json_float(self.bound((key, m), level)), bound_level=_json_float(level),
-                                 alert_active=st.active, alerts_fired=st.alerts, method=self.method(m),
-                                 status=("alert" if st.active else "ok" if st.tested else "insufficient_data"))
-                ms[m] = entry
-            out[key] = {"window_samples": w.n, "samples_total": w.total, "effective_samples": _json_float(w.n_eff),
-                        "weight_sum": _json_float(w.sw), "metrics": ms}
-        return out

@@ -286,11 +286,19 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                   candidate: Optional[Path] = typer.Option(None, "--candidate",
                                                            help="Candidate .onnx (omit: pairs-only monitor)."),
                   host: str = typer.Option("127.0.0.1", "--host", help="Bind address."),
-                  port: int = typer.Option(8080, "--port", help="Port.")) -> None:
-    """The shadow monitor HTTP service: OIP ingest, /metrics, /healthz, /readyz."""
+                  port: int = typer.Option(8080, "--port", help="Port."),
+                  evidence_only: bool = typer.Option(False, "--evidence-only", help=(
+                      "Run as a replica: measure and export evidence at /v1/evidence for a combiner; never alert.")),
+                  peer: Optional[list[str]] = typer.Option(None, "--peer", help=(
+                      "Base URL of a replica (repeatable): this process combines their evidence with its own and is "
+                      "the deployment's only alerting process (docs/monitor.md, Replicas).")),
+                  poll_interval: float = typer.Option(5.0, "--poll-interval", min=0.1,
+                                                      help="Seconds between reads of the peers' evidence.")) -> None:
+    """The shadow monitor HTTP service: OIP ingest, /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.service import serve
 
-    serve(spec, reference, candidate, host, port)
+    serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
+          poll_interval_s=poll_interval)
 
 
 # ------------------------------------------------------------------------------------------- trigger

@@ -548,10 +548,11 @@ class MonitorS3Spec(_Model):
 class MonitoringSpec(_Model):
     """Shadow-traffic monitor settings (used by `tailguard monitor serve` / `replay`; docs/monitor.md).
 
-    Slices come from the request's OIP `parameters` (serve) or the metadata columns (replay). Statistics:
-    per slice, a sliding window of per-row parity values; a one-sided test per (slice, metric) against its
-    threshold (Clopper-Pearson for 0/1 metrics, Student t for continuous ones) once `min_support` rows are in the
-    window, with Benjamini-Hochberg or Bonferroni control across every (slice, metric) pair.
+    Slices come from the request's OIP `parameters` (serve) or the metadata columns (replay). Every slice key is
+    measured (up to `max_tracked_slices`); per (slice, metric) with a threshold, a betting CUSUM (sequential
+    change detection) tests the slice's traffic mean against the threshold, with the probability of any false
+    alarm within `horizon` sampled requests at most `alpha`, across every slice and metric. Only `all`, alerting
+    slices and the `max_slices` slices with the most evidence are exported as Prometheus labels.
     """
 
     sample_rate: float = Field(gt=0, le=1, description=(
@@ -564,9 +565,16 @@ class MonitoringSpec(_Model):
     slice_columns: list[str] | None = Field(None, description=(
         "Slices to track: names of declared `slices` (their column, bins and values apply) or plain metadata "
         "columns / request parameters (grouped by value). Default: every declared slice."))
+    slice_pairs: bool | list[list[str]] = Field(False, description=(
+        "Intersections tracked as slices too (keys like 'locale=37&ink=low'): true for every pair of "
+        "slice_columns, or a list of [name, name] pairs. Each pair adds one detector update per sampled request, "
+        "which the false-alarm control counts."))
+    max_tracked_slices: int = Field(100_000, ge=1, le=10_000_000, description=(
+        "Memory bound on measured slice keys (about 1 KB each); past it the least recently updated slice "
+        "without an active alert is evicted and counted (tailguard_monitor_slices_evicted_total)."))
     max_slices: int = Field(50, ge=1, le=1000, description=(
-        "At most this many slice groups get their own statistics and metric labels; later ones go to "
-        "'<slice>=other'."))
+        "Prometheus label bound: besides 'all' and every slice with an active alert, at most this many slices "
+        "(those with the most evidence) are exported; every slice is in /v1/slices and slices.json."))
     metrics: list[str] | None = Field(None, description=(
         "Per-row parity metrics to track (components/validate/parity.py); default by task: classification "
         "top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error; regression/generic "
@@ -575,16 +583,24 @@ class MonitoringSpec(_Model):
         "Alert thresholds by per-row metric; default: classification top1_agree min 0.97, embedding "
         "cosine_similarity min 0.98, none for regression/generic. Metrics without a threshold are exported, "
         "never alerted on."))
-    window_size: int = Field(1000, ge=10, description="Sliding window: the last N sampled rows per slice.")
-    min_support: int = Field(100, ge=5, description=(
-        "A (slice, metric) is tested only once its window holds this many rows (effective sample size)."))
     alpha: float = Field(0.01, gt=0, lt=0.5, description=(
-        "False-alarm level of each evaluation across all (slice, metric) pairs (FDR for "
-        "benjamini_hochberg, family-wise error for bonferroni)."))
-    correction: Literal["benjamini_hochberg", "bonferroni"] = Field("benjamini_hochberg", description=(
-        "Multiple-testing control across slices and metrics."))
-    clear_factor: float = Field(10.0, ge=1, description=(
-        "An active alert clears when its p-value rises above alpha * clear_factor (hysteresis)."))
+        "Probability of any false alarm (any slice, any metric) within `horizon` sampled requests while every "
+        "slice sits at or on the good side of its threshold."))
+    horizon: int = Field(1_000_000, ge=1, description=(
+        "Sampled requests the alpha guarantee covers; the average run length to a false alarm is at least "
+        "horizon / alpha sampled requests."))
+    window_size: int = Field(1000, ge=10, description=(
+        "Span (sampled rows) of each slice's exponentially weighted display estimate (the parity gauges); "
+        "alerts do not depend on it."))
+    min_support: int = Field(30, ge=1, description=(
+        "A slice alerts only once it has this many sampled rows (a guard against alerts on a handful of rows; "
+        "the false-alarm guarantee does not need it)."))
+    correction: Literal["benjamini_hochberg", "bonferroni"] | None = Field(None, deprecated=True, description=(
+        "Deprecated and ignored: the sequential detector controls false alarms over the stream and across "
+        "slices by construction (docs/monitor.md)."))
+    clear_factor: float | None = Field(None, ge=1, deprecated=True, description=(
+        "Deprecated and ignored: an alert clears when the recovery detector finds the slice back on the good "
+        "side of its threshold (docs/monitor.md)."))
     noise_floor: bool = Field(False, description=(
         "Compare the reference with itself (a second run) instead of the candidate: measures the "
         "comparison's own noise; must never alert."))

@@ -78,8 +78,9 @@ def test_logger_pairs_each_id_with_its_own_partner_when_events_interleave(models
         _post(client, "response", "ev-1", _response(1, logits=flipped))
         assert svc.wait_idle(20)
         assert svc.core.compared_rows == 3 and len(svc.join) == 0
+        # the display estimate is exponentially weighted (span 1000 rows): 2 of 3 agree, within 0.001
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all",
-                      metric="top1_agree") == pytest.approx(2 / 3)
+                      metric="top1_agree") == pytest.approx(2 / 3, abs=1e-3)
 
 
 def test_logger_counts_unmatched_drop_when_half_expires(models):

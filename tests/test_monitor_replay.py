@@ -11,7 +11,7 @@ from tailguard.monitoring.demo import replay_with_drift
 from tailguard.monitoring.replay import replay, replay_cli
 from tailguard.spec import parse_spec
 
-MON = {"sample_rate": 0.1, "window_size": 400, "min_support": 60}
+MON = {"sample_rate": 0.1, "window_size": 400, "min_support": 30, "horizon": 10_000}
 
 
 @pytest.fixture(scope="module")
