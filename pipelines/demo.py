@@ -148,8 +148,10 @@ def _monitor_replay(console: Any, spec: Any, spec_path: Path, summary: Any, data
                   f"mixed with noise from request {drift.get('start_row')} ({drift.get('rows_in_drift')} rows)")
     for a in alerts[:10]:
         console.print(f"      [red]ALERT[/red] slice={a.get('slice')} metric={a.get('metric')} "
-                      f"value={a.get('value'):.3f} threshold={a.get('threshold')} n={a.get('samples_seen')} "
-                      f"method={a.get('method')} at request {a.get('request_index')}")
+                      f"value={a.get('value'):.3f} threshold={a.get('threshold')} at request {a.get('request_index')}"
+                      f": {a.get('detector')} {a.get('statistic'):.1f} >= {a.get('alarm_threshold'):.1f}, change "
+                      f"estimated at request {a.get('change_point_request_index')}, "
+                      f"{a.get('samples_since_change')} slice rows since")
     if not alerts:
         console.print("      [yellow]no alert fired[/yellow]")
     console.print(f"      alerts: {out / 'alerts.json'}   slices: {out / 'slices.json'}")
