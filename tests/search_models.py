@@ -9,7 +9,8 @@ The planted node is "mm2": row `DEAD_ROW` of W2 is filled with OUTLIER while col
 so that row never contributes to the FP32 output (its input activation is always 0) but it sets every INT8
 weight scale of W2: per tensor and per output channel alike, scale = OUTLIER / 127 ~ 0.39, while the useful
 weights are ~N(0, 0.18) and mostly round to 0. Quantizing mm2 alone moves the output by ~80% (relative L2);
-quantizing mm1 or mm3 alone moves it by ~1%.
+quantizing mm1 or mm3 alone moves it by ~1% (mm1 with 8-bit per-channel weights on x86 without VNNI: ~6%, int16
+pair saturation in ORT's u8s8 kernel). mm2 cannot saturate: the input of its outlier row is always 0.
 
 Reuse::
 

@@ -3,12 +3,19 @@ step registry.
 
 Real ONNX Runtime quantization and sessions throughout. Mocked (narrow seams, said where): the onnxruntime
 version probe `_calibration_cache_supported` (to exercise the fixed-length fallback for older ORT builds).
+
+Dynamic INT8 accuracy is checked against a bound derived from the quantization steps
+(`tests.tiny_models.int8_dynamic_error_bound`). That bound assumes exact int32 accumulation. ORT's u8s8 kernels on
+x86 CPUs without VNNI (SSE4.1/AVX2/AVX512BW, pmaddubsw) add adjacent u8*s8 products in int16 with saturation,
+which 8-bit per-channel weights overflow (`session.x64quantprecision` in ORT's
+onnxruntime_session_options_config_keys.h). The tests that check it are under "MatMulInteger arithmetic".
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +31,7 @@ from tailguard.components.quantize.presets import QUANTIZATION_PRESETS, quantiza
 from tailguard.errors import InputError, SpecError
 from tailguard.spec import VariantSpec
 from tailguard.steps import UnknownStepError, get_step, registered_steps
-from tests.tiny_models import export_tiny, tiny_dataset, tiny_feeds
+from tests.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +57,17 @@ def _build(tiny, tmp_path, **kw):
     return build_variant(_variant(**kw), path, tmp_path / kw["name"], calibration=calib, model=spec)
 
 
-def _outputs(artifact, feeds):
-    return ort.InferenceSession(artifact, providers=["CPUExecutionProvider"]).run(None, feeds)
+def _session(model, *, exact_int32: bool = False) -> ort.InferenceSession:
+    """A CPU session; `exact_int32` selects ORT's U8U8 kernels on x86 without VNNI (session.x64quantprecision),
+    whose int32 accumulation is exact. Elsewhere (VNNI, ARM) the option changes nothing."""
+    opts = ort.SessionOptions()
+    if exact_int32:
+        opts.add_session_config_entry("session.x64quantprecision", "1")
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def _outputs(artifact, feeds, *, exact_int32: bool = False):
+    return _session(artifact, exact_int32=exact_int32).run(None, feeds)
 
 
 def _op_counts(path) -> dict[str, int]:
@@ -68,20 +84,52 @@ def _assert_close(outputs, reference, atol):
 
 
 # ------------------------------------------------------------------------------------------------ dynamic
-def test_build_variant_quantizes_matmuls_when_int8_dynamic_per_channel(tiny, reference, tmp_path):
-    res = _build(tiny, tmp_path, name="dyn", precision="int8",
-                 quantization={"mode": "dynamic", "per_channel": True, "exclude_nodes": ["/l2/MatMul"]})
+def _dynamic_per_channel(tiny, tmp_path, *, reduce_range: bool):
+    return _build(tiny, tmp_path, name=f"dyn-rr{int(reduce_range)}", precision="int8",
+                  quantization={"mode": "dynamic", "per_channel": True, "reduce_range": reduce_range,
+                                "exclude_nodes": ["/l2/MatMul"]})
+
+
+def _quantized_steps(artifact) -> dict[str, np.ndarray]:
+    """Scales the artifact stores for the sites `int8_dynamic_error_bound` assumes, under the bound's names."""
+    model = onnx.load(artifact)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    sites = {"/emb/Gather": "emb.weight", "/l1/MatMul_quant": "l1.weight", "/head/Gemm_MatMul_quant": "head.weight"}
+    steps = {}
+    for n in model.graph.node:
+        if n.name in sites:
+            weight = n.input[0] if n.op_type == "Gather" else n.input[1]
+            assert inits[weight].dtype == (np.uint8 if n.op_type == "Gather" else np.int8)
+            steps[sites[n.name]] = inits[weight.removesuffix("_quantized") + "_scale"]
+    return steps
+
+
+@pytest.mark.parametrize("reduce_range", [False, True], ids=["8-bit-weights", "7-bit-weights"])
+def test_build_variant_quantizes_matmuls_when_int8_dynamic_per_channel(tiny, reference, tmp_path, reduce_range):
+    res = _dynamic_per_channel(tiny, tmp_path, reduce_range=reduce_range)
     assert res.status == "ok", res.reason
     ops = _op_counts(res.artifact)
     assert ops.get("MatMulInteger", 0) > 0 and ops.get("DynamicQuantizeLinear", 0) > 0
-    assert res.details["quantized_by_op"]["MatMulInteger"] == ops["MatMulInteger"]
+    assert res.details["quantized_by_op"] == {"Gather": 1, "MatMulInteger": 2}
+    assert res.details["quantization"]["reduce_range"] is reduce_range
     # the excluded node is still a float MatMul reading a float weight
     node = next(n for n in onnx.load(res.artifact).graph.node if n.name == "/l2/MatMul")
     assert node.op_type == "MatMul" and res.details["excluded_kept_float"] == ["/l2/MatMul"]
-    # one self-contained file, its size recorded; outputs close to fp32
+    # one self-contained file, its size recorded
     assert not list(Path(res.artifact).parent.glob("*.data"))
     assert res.details["bytes"] == Path(res.artifact).stat().st_size and res.details["build_seconds"] > 0
-    _assert_close(_outputs(res.artifact, reference[1]), reference[0], atol=0.05)
+    # outputs within the bound derived from the quantization steps, whose weight steps are the artifact's
+    bounds, steps = int8_dynamic_error_bound(tiny[0], reference[1], reduce_range=reduce_range)
+    stored = _quantized_steps(res.artifact)
+    assert set(stored) == {"emb.weight", "l1.weight", "head.weight"}
+    for name, step in stored.items():
+        np.testing.assert_allclose(step, steps[name], rtol=1e-5)
+    # 7-bit weights cannot overflow an int16 pair sum (2 * 255 * 64 <= 32767): the default session, on any CPU.
+    # 8-bit weights can on x86 without VNNI (test_matmul_integer_saturates_...): exact int32 asked for.
+    got = _outputs(res.artifact, reference[1], exact_int32=not reduce_range)
+    for out, ref, bound in zip(got, reference[0], bounds):
+        assert np.all(np.isfinite(out))
+        assert np.all(np.abs(out - ref) <= bound), (np.abs(out - ref) / bound).max()
 
 
 def test_build_variant_keeps_every_node_of_an_op_type_float_when_exclude_op_types_is_given(tiny, tmp_path):
@@ -98,6 +146,81 @@ def test_build_variant_fails_naming_the_node_when_an_excluded_node_is_not_in_the
     res = _build(tiny, tmp_path, name="dyn-typo", precision="int8",
                  quantization={"mode": "dynamic", "exclude_nodes": ["/l9/MatMul"]})
     assert res.status == "failed" and "/l9/MatMul" in res.reason and res.artifact is None
+
+
+# --------------------------------------------------------------------------------- MatMulInteger arithmetic
+def _x86_vnni() -> bool | None:
+    """Whether this x86-64 CPU has VNNI (Linux /proc/cpuinfo flags); None when not x86-64 or unknown."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    flags = {f for line in lines if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"}) if flags else None
+
+
+def _matmul_integer_runs(artifact, feeds, *, exact_int32: bool = False) -> list[tuple]:
+    """(A uint8, A zero point, B int8, Y int32) of every MatMulInteger, its inputs and output made graph outputs."""
+    model = onnx.load(artifact)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulInteger"]
+    for n in nodes:
+        assert not np.any(inits[n.input[3]])  # symmetric weights: zero point 0
+        model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t)
+                                  for t in (n.input[0], n.input[2], n.output[0]))
+    sess = _session(model.SerializeToString(), exact_int32=exact_int32)
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    return [(got[n.input[0]], got[n.input[2]], inits[n.input[1]], got[n.output[0]]) for n in nodes]
+
+
+def _int32_exact(a, a_zp, b) -> np.ndarray:
+    return (a.astype(np.int64) - np.int64(a_zp)) @ b.astype(np.int64)
+
+
+def _pair_sums(a, b) -> np.ndarray:
+    """a_k * b_kj + a_k+1 * b_k+1,j for even k: (rows, K/2, N), as pmaddubsw forms them."""
+    assert a.shape[-1] % 2 == 0
+    a2 = a.astype(np.int64).reshape(-1, a.shape[-1])
+    prod = a2[:, :, None] * b.astype(np.int64)[None]
+    return prod[:, 0::2] + prod[:, 1::2]
+
+
+def _int32_pair_saturated(a, a_zp, b) -> np.ndarray:
+    """MLAS u8s8 without VNNI: pair sums of raw u8*s8 saturated to int16, summed in int32, minus a_zp * sum_k b."""
+    raw = np.clip(_pair_sums(a, b), -32768, 32767).sum(axis=1).reshape(a.shape[:-1] + (b.shape[1],))
+    return raw - np.int64(a_zp) * b.astype(np.int64).sum(axis=0)
+
+
+def test_matmul_integer_matches_exact_int32_math_when_weights_use_7_bits(tiny, reference, tmp_path):
+    res = _dynamic_per_channel(tiny, tmp_path, reduce_range=True)
+    runs = _matmul_integer_runs(res.artifact, reference[1])
+    assert len(runs) == 2
+    for a, a_zp, b, y in runs:
+        assert np.abs(b).max() <= 64 and np.abs(_pair_sums(a, b)).max() <= 32767  # 2 * 255 * 64 = 32640
+        np.testing.assert_array_equal(y, _int32_exact(a, a_zp, b))
+
+
+def test_matmul_integer_saturates_int16_pair_sums_only_without_vnni_when_per_channel_weights_use_8_bits(
+        tiny, reference, tmp_path):
+    # x86 without VNNI: pair-saturated (measured on AVX2 AMD EPYC, onnxruntime 1.31.1 and 1.32.0); VNNI
+    # (vpdpbusd) accumulates in int32; other CPUs (ARM, unknown flags): either form is accepted.
+    res = _dynamic_per_channel(tiny, tmp_path, reduce_range=False)
+    vnni = _x86_vnni()
+    overflowing = 0
+    for a, a_zp, b, y in _matmul_integer_runs(res.artifact, reference[1]):
+        exact, saturated = _int32_exact(a, a_zp, b), _int32_pair_saturated(a, a_zp, b)
+        overflowing += int(np.sum(exact != saturated))
+        if vnni is False:
+            np.testing.assert_array_equal(y, saturated)
+        elif vnni:
+            np.testing.assert_array_equal(y, exact)
+        else:
+            assert np.array_equal(y, exact) or np.array_equal(y, saturated)
+    assert overflowing > 0  # this batch overflows int16 pair sums with 8-bit per-channel weights, on any CPU
+    for a, a_zp, b, y in _matmul_integer_runs(res.artifact, reference[1], exact_int32=True):
+        np.testing.assert_array_equal(y, _int32_exact(a, a_zp, b))
 
 
 # ------------------------------------------------------------------------------------------------- static

@@ -40,7 +40,11 @@ def env(tmp_path_factory):
 
 def _search(env, tmp_path, *, search=None, min_cosine=0.99, clock=None, on_trial=None, evaluate=None, **q):
     fp32, sens_rows, validation, reference = env
-    variant = mlp_variant(search={"space": SPACE, **(search or {})}, **q)
+    # 7-bit weights (reduce_range): with 8-bit per-channel weights, ORT's u8s8 kernels on x86 without VNNI
+    # saturate int16 pair sums and the per-channel configuration keeping only mm2 float fails the gate there
+    # (cosine_similarity.min 0.885; 0.998 with exact int32). 7-bit weights cannot overflow (2 * 255 * 64 <= 32767),
+    # so every CPU computes the same trials: cosine_similarity.min >= 0.998 once mm2 is float, < 0 while it is not.
+    variant = mlp_variant(search={"space": SPACE, **(search or {})}, **{"reduce_range": True, **q})
     spec = mlp_spec(variant, min_cosine=min_cosine)
 
     def real_evaluate(trial_variant, model_path):

@@ -20,6 +20,9 @@ from tailguard.spec import QuantizationSpec, VariantSpec
 from tests.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
 
 
+PLANTED_MARGIN = 5.0  # the planted node's output_rel_l2 over the next node's, on every CPU
+
+
 @pytest.fixture(scope="module")
 def fp32(tmp_path_factory):
     return planted_mlp(tmp_path_factory.mktemp("mlp") / "mlp.onnx")
@@ -44,8 +47,10 @@ def test_node_sensitivity_ranks_the_planted_node_first_when_one_matmul_has_outli
     assert table["node"].iloc[0] == PLANTED and set(table["node"]) == {"mm1", "mm2", "mm3"}
     assert table["quantized"].all() and (table["error"] == "").all()
     rel = table.set_index("node")["output_rel_l2"]
-    # the planted node moves the output by ~80%, the benign ones by ~1-2% (measured: 0.80 vs 0.011-0.019)
-    assert rel[PLANTED] > 0.3 and rel.drop(PLANTED).max() < 0.05
+    # The planted node moves the output by ~80%. The benign ones move it by 1-2%, except mm1 per channel on x86
+    # without VNNI, where int16 pair saturation gives 0.059 (exact int32: 0.010). Measured planted/next:
+    # per tensor 60x, per channel 14x (saturating) / 80x (exact), static 43x; PLANTED_MARGIN asks for 5x.
+    assert rel[PLANTED] > 0.3 and rel[PLANTED] >= PLANTED_MARGIN * rel.drop(PLANTED).max()
     assert table["output_rel_l2"].is_monotonic_decreasing
     assert (table["output_cosine_drop"] >= 0).all() and table["output_cosine_drop"].iloc[0] > 0.05
 
