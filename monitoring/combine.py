@@ -87,18 +87,19 @@ class Combiner:
         if doc.get("epoch") != st.epoch:  # first poll or the replica restarted: its walks start from zero
             st.epoch, st.cursor, st.last = str(doc.get("epoch")), 0, {}
         for key, entry in doc.get("slices", {}).items():
-            inc = int(entry["incarnation"])
+            inc, rows_now = int(entry["incarnation"]), int(entry["rows"])
+            walks, rows = {}, 0
             for metric, w in entry["metrics"].items():
                 prev = st.last.get((key, metric))
-                if prev is None or prev[0] != inc:
+                if prev is None or prev[0] != inc:  # new slice, or evicted and re-created on the replica
                     prev = (inc, 0, [0.0] * len(w["alarm"]), [0.0] * len(w["recovery"]))
-                rows = int(entry["rows"]) - prev[1]
-                d_alarm = [a - b for a, b in zip(w["alarm"], prev[2])]
-                d_rec = [a - b for a, b in zip(w["recovery"], prev[3])]
-                part = self.stats.merge(key, metric, d_alarm, d_rec, rows, now=now)
-                ev.fired += part.fired
-                ev.cleared += part.cleared
-                st.last[(key, metric)] = (inc, int(entry["rows"]), list(w["alarm"]), list(w["recovery"]))
+                rows = rows_now - prev[1]
+                walks[metric] = ([a - b for a, b in zip(w["alarm"], prev[2])],
+                                 [a - b for a, b in zip(w["recovery"], prev[3])])
+                st.last[(key, metric)] = (inc, rows_now, list(w["alarm"]), list(w["recovery"]))
+            part = self.stats.merge(key, walks, rows, now=now)
+            ev.fired += part.fired
+            ev.cleared += part.cleared
         st.cursor = int(doc.get("version", st.cursor))
         return ev
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from tailguard.monitoring.compare import compare_rows, reference_non_finite
-from tailguard.monitoring.config import MonitorConfig
+from tailguard.monitoring.config import ALL_SLICE, MonitorConfig
 from tailguard.monitoring.metrics import MonitorMetrics, SliceExport, SliceRow
 from tailguard.monitoring.sampler import Decision, LongTailSampler
 from tailguard.monitoring.stats import Evaluation, SliceStatistics
@@ -155,6 +155,10 @@ class MonitorCore:
         with self.lock if self.lock is not None else contextlib.nullcontext():
             st, local = self.decider, self.stats
             rows = []
+            if ALL_SLICE not in st.slices:  # nothing compared yet: `all` is exported all the same (rate(), absent())
+                rows.append(SliceRow(ALL_SLICE, self.sampler.sampled(ALL_SLICE), 0,
+                                     {m: math.nan for m in self.cfg.metrics},
+                                     {m: 0.0 for m in self.cfg.bounds}, {m: False for m in self.cfg.bounds}))
             for key in st.exported(self.cfg.mon.max_slices):
                 s, mine = st.slices[key], local.slices.get(key)  # display estimates come from this process's rows
                 rows.append(SliceRow(key, self.sampler.sampled(key), s.rows,

@@ -511,31 +511,40 @@ class SliceStatistics:
             rec.cleared_at = (now or datetime.now(timezone.utc)).isoformat()
             ev.cleared.append(rec)
 
-    def merge(self, key: str, metric: str, alarm: Sequence[float], recovery: Sequence[float], rows: int,
+    def merge(self, key: str, walks: Mapping[str, tuple[Sequence[float], Sequence[float]]], rows: int,
               now: datetime | None = None) -> Evaluation:
-        """Add a replica's evidence for one (slice, metric): per bet, the summed log factors of `rows` new rows on
-        the alarm and the recovery side (monitoring/combine.py). The CUSUMs clip at zero between merges only.
+        """Add a replica's evidence for one slice: `rows` new rows and, per metric, the summed log factors per bet
+        on the alarm and the recovery side (monitoring/combine.py). The CUSUMs clip at zero between merges only.
+
+        Args:
+            key: slice key.
+            walks: {metric: (alarm increments (N_BETS,), recovery increments (N_BETS,) or empty)}.
+            rows: rows the increments cover.
+            now: time stamp for alert records.
 
         Returns:
             Alerts fired or cleared (the combiner's).
         """
         ev = Evaluation()
-        if metric not in self.bounds or rows <= 0:
+        if rows <= 0:
             return ev
         s = self.state(key)
         self.version += 1
         s.version = self.version
         s.rows += rows
-        stream = s.streams[metric]
-        if stream.active and stream.recovery is not None:
-            stream.recovery.add_batch(recovery, s.rows)
+        for metric, (alarm, recovery) in walks.items():
+            stream = s.streams.get(metric)
+            if stream is None:
+                continue
+            if stream.active and stream.recovery is not None:
+                stream.recovery.add_batch(recovery, s.rows)
+                stream.alarm.add_batch(alarm, s.rows)
+                if stream.recovery.crossed(self.h):
+                    self._clear(stream, s.rows, now, ev)
+                continue
             stream.alarm.add_batch(alarm, s.rows)
-            if stream.recovery.crossed(self.h):
-                self._clear(stream, s.rows, now, ev)
-            return ev
-        stream.alarm.add_batch(alarm, s.rows)
-        if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
-            self._fire(key, metric, s, stream, None, now, ev)
+            if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
+                self._fire(key, metric, s, stream, None, now, ev)
         return ev
 
     def evidence(self, since: int = 0) -> dict[str, Any]:

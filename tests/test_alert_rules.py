@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_dashboard import exported_series_names, promql_metric_names
+from tests.test_dashboard import counts_each_request_once, exported_series_names, promql_metric_names
 
 ROOT = Path(__file__).resolve().parents[1]
 RULE_FILE = ROOT / "manifests" / "base" / "monitoring" / "prometheusrule.yaml"
@@ -106,6 +106,22 @@ def test_alert_rules_only_use_exported_or_documented_external_metrics_when_parse
         for regex in re.findall(r'__name__=~"([^"]+)"', a["expr"]):
             assert regex in EXTERNAL_NAME_REGEXES, f"{a['alert']}: {regex}"
         assert names or "__name__" in a["expr"], a["alert"]
+
+
+def test_alert_rules_count_each_sampled_request_once_when_they_use_sampled_total():
+    bad = [a["alert"] for a in alerts() if not counts_each_request_once(a["expr"])]
+    assert not bad, f"sampled_total summed over slices (use slice=\"all\"): {bad}"
+
+
+def test_monitor_bookkeeping_alerts_watch_evictions_and_cut_values_when_defined():
+    by_name = {a["alert"]: a for a in alerts()}
+    assert "tailguard_monitor_slices_evicted_total" in promql_metric_names(
+        by_name["TailguardMonitorSlicesEvicted"]["expr"])
+    assert "tailguard_monitor_slice_values_cut_total" in promql_metric_names(
+        by_name["TailguardMonitorSliceValuesCut"]["expr"])
+    parity = by_name["TailguardSliceParityDegraded"]
+    assert promql_metric_names(parity["expr"]) == {"tailguard_monitor_alert_active"}
+    assert "/v1/alerts" in parity["annotations"]["description"]
 
 
 def test_rendered_prometheusrule_equals_the_base_file_when_kustomized():

@@ -135,10 +135,45 @@ def test_dashboard_shows_parity_sampling_drops_latency_and_alerts_when_loaded():
     used = set().union(*(promql_metric_names(e) for _, e in queries(dashboard())))
     for metric in ("tailguard_monitor_slice_parity", "tailguard_monitor_sampled_total",
                    "tailguard_monitor_dropped_total", "tailguard_monitor_inference_seconds_bucket",
-                   "tailguard_monitor_alert_active"):
+                   "tailguard_monitor_alert_active", "tailguard_monitor_slice_evidence",
+                   "tailguard_monitor_slices_tracked", "tailguard_monitor_slices_evicted_total",
+                   "tailguard_monitor_slice_values_cut_total"):
         assert metric in used, metric
     both_roles = [e for _, e in queries(dashboard()) if "inference_seconds_bucket" in e]
     assert any("role" in e for e in both_roles), "latency must be split by role (reference and candidate)"
+
+
+def counts_each_request_once(expr: str) -> bool:
+    """False when `expr` adds sampled_total over slices: every sampled request is counted once per slice key it
+    carries, so only `slice="all"` (or a per-slice breakdown, `by (slice)`) counts requests."""
+    if "tailguard_monitor_sampled_total" not in expr:
+        return True
+    selectors = re.findall(r"tailguard_monitor_sampled_total(\{[^}]*\})?", expr)
+    per_slice = re.search(r"\bby\s*\([^)]*\bslice\b[^)]*\)", expr) is not None
+    return per_slice or all(re.search(r'slice\s*=\s*"all"', sel or "") for sel in selectors)
+
+
+def test_counts_each_request_once_flags_sums_over_slices_when_slice_all_missing():
+    assert counts_each_request_once('sum(rate(tailguard_monitor_sampled_total{slice="all"}[5m]))')
+    assert counts_each_request_once('sum by (slice) (rate(tailguard_monitor_sampled_total[5m]))')
+    assert not counts_each_request_once('sum(rate(tailguard_monitor_sampled_total{model="m"}[5m]))')
+    assert not counts_each_request_once('sum(rate(tailguard_monitor_sampled_total[5m])) / sum(x)')
+
+
+def test_dashboard_sampling_queries_count_each_request_once_when_summed():
+    bad = [f"{where}: {expr}" for where, expr in queries(dashboard()) if not counts_each_request_once(expr)]
+    assert not bad, f"sampled_total summed over slices (use slice=\"all\"): {bad}"
+    (ratio,) = [p for p in panels(dashboard()) if p["title"] == "Sampling ratio"]
+    expr = ratio["targets"][0]["expr"]
+    assert 'slice="all"' in expr and "tailguard_monitor_requests_total" in expr
+
+
+def test_dashboard_evidence_panel_marks_the_alarm_level_at_one_when_loaded():
+    (ev,) = [p for p in panels(dashboard())
+             if any("tailguard_monitor_slice_evidence" in t["expr"] for t in p["targets"])]
+    steps = ev["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps] == [None, 1]
+    assert ev["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"].startswith("line")
 
 
 def test_dashboard_queries_parse_as_promql_when_checked_by_promtool(tmp_path):

@@ -54,7 +54,8 @@ def unresolved(names: set[str], families: dict[str, str], samples: set[str]) -> 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    """(families {name: type}, sample names) scraped from a monitor that has seen every kind of traffic."""
+    """(families {name: type}, sample names, [(name, labels, value)]) scraped from a monitor that has seen every kind
+    of traffic."""
     from tailguard.monitoring import testing as T
 
     d = tmp_path_factory.mktemp("live")
@@ -74,11 +75,12 @@ def live(tmp_path_factory):
         assert svc.alerts(), "no slice alert fired: the alert series would be missing from the exposition"
         scrape = client.get("/metrics")
         assert scrape.status_code == 200
-    families, samples = {}, set()
+    families, samples, values = {}, set(), []
     for fam in text_string_to_metric_families(scrape.text):
         families[fam.name] = fam.type
         samples |= {s.name for s in fam.samples}
-    return families, samples
+        values += [(s.name, s.labels, s.value) for s in fam.samples]
+    return families, samples, values
 
 
 def test_unresolved_flags_names_when_suffix_does_not_fit_the_family_type():
@@ -91,7 +93,7 @@ def test_unresolved_flags_names_when_suffix_does_not_fit_the_family_type():
 
 
 def test_dashboard_queries_name_only_live_series_when_monitor_has_served_traffic(live):
-    families, samples = live
+    families, samples, _ = live
     bad = []
     for where, expr in queries(dashboard()):
         names = promql_metric_names(expr)
@@ -101,7 +103,7 @@ def test_dashboard_queries_name_only_live_series_when_monitor_has_served_traffic
 
 
 def test_prometheusrule_monitor_expressions_name_only_live_series_when_monitor_has_served_traffic(live):
-    families, samples = live
+    families, samples, _ = live
     doc = yaml.safe_load(RULES.read_text())
     checked, bad = 0, []
     for group in doc["spec"]["groups"]:
@@ -112,3 +114,27 @@ def test_prometheusrule_monitor_expressions_name_only_live_series_when_monitor_h
             bad += [f"{where}: {b}" for b in unresolved(names, families, samples)]
     assert checked >= 5, f"only {checked} rules name tailguard_monitor_* metrics: is {RULES} the right file?"
     assert not bad, "alert rule series missing from the live /metrics:\n" + "\n".join(bad)
+
+
+def test_sampled_total_of_slice_all_counts_each_request_once_when_requests_carry_several_slice_keys(live):
+    # What the dashboard's sampling ratio and TailguardMonitorDroppingSamples rely on: at sample_rate 1 every valid
+    # request is sampled; slice="all" counts it once, the sum over slices once per slice key.
+    _, _, values = live
+    sampled = {labels["slice"]: v for name, labels, v in values if name == "tailguard_monitor_sampled_total"}
+    requests = sum(v for name, _, v in values if name == "tailguard_monitor_requests_total")
+    assert requests == 48 and sampled["all"] == requests
+    assert sum(sampled.values()) > sampled["all"]
+
+
+def test_slice_bookkeeping_series_are_live_with_model_label_when_monitor_has_served_traffic(live):
+    _, _, values = live
+    got = {(name, tuple(sorted(labels))): v for name, labels, v in values
+           if name in ("tailguard_monitor_slices_tracked", "tailguard_monitor_slices_evicted_total",
+                       "tailguard_monitor_slice_values_cut_total", "tailguard_monitor_slice_evidence")}
+    assert got[("tailguard_monitor_slices_tracked", ("model",))] >= 3  # all, domain=web, domain=legal
+    assert ("tailguard_monitor_slices_evicted_total", ("model", "table")) in got
+    assert ("tailguard_monitor_slice_values_cut_total", ("model",)) in got
+    evidence = {labels["slice"]: v for name, labels, v in values if name == "tailguard_monitor_slice_evidence"}
+    active = {labels["slice"]: v for name, labels, v in values if name == "tailguard_monitor_alert_active"}
+    assert set(evidence) == set(active) and "all" in evidence  # one evidence series per exported (slice, metric)
+    assert active["domain=legal"] == 1 and all(v >= 0 for v in evidence.values())
