@@ -113,6 +113,7 @@ def spec_dict(monitoring: dict[str, Any] | None = None, *, data_uri: str = "data
         "data": {"calibration": {"uri": data_uri}, "validation": {"uri": data_uri, "batch_size": 256}},
         "slices": slices if slices is not None else [{"name": "domain", "column": "domain"}],
         "variants": [{"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"}],
+        "gates": [{"metric": "top1_agreement", "min": 0.99}],
         "monitoring": monitoring if monitoring is not None else {"sample_rate": 0.1},
     }
 
