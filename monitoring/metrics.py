@@ -38,7 +38,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_spool_bytes",
 )
 DROP_REASONS = ("queue_full", "reference_error", "reference_timeout", "non_finite", "reference_missing",
-                "candidate_error", "unmatched", "join_overflow")
+                "candidate_error", "unmatched", "join_overflow", "sink_full", "sink_error")
 # unmatched / join_overflow: a KServe payload-logger half (request or response CloudEvent) that never met its
 # partner within monitoring.logger_join_ttl_s, or was evicted from a full join buffer (monitoring/join.py).
 UPLOAD_STATUSES = ("ok", "spooled", "retried_ok", "dropped")
@@ -138,8 +138,8 @@ class MonitorMetrics:
         self.requests = Counter(p + "requests", "OIP requests received.", ["model", "endpoint"], registry=r)
         self.invalid_requests = Counter(p + "invalid_requests", "Malformed OIP bodies refused (4xx), by reason.",
                                         ["reason"], registry=r)
-        self.dropped = Counter(p + "dropped", "Sampled requests (or unjoined payload-logger halves) not compared, "
-                                              "by reason.", ["reason"], registry=r)
+        self.dropped = Counter(p + "dropped", "Sampled requests not compared, unjoined payload-logger halves, or "
+                                              "sampled rows the S3 writer lost, by reason.", ["reason"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Sampled requests waiting for the shadow.", registry=r)
         self.inference_seconds = Histogram(p + "inference_seconds", "Shadow inference time per request (s).",
                                            ["model", "role"], buckets=INFERENCE_BUCKETS, registry=r)

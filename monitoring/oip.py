@@ -12,11 +12,28 @@ tensor layout). A pairs body (``POST /v2/models/{name}/pairs``) is ``{"request":
 <response>}``: the live response as a KServe payload logger records it. The logger endpoint
 (``POST /v2/models/{name}/logger``) takes the request and the response as two CloudEvents and joins them by
 ``ce-id`` (monitoring/join.py) before the same checks.
+
+Limits (each refusal is a 4xx with a reason, counted in ``tailguard_monitor_invalid_requests_total{reason}``;
+nothing a client sends can cause a 5xx):
+
+* ``body_too_large`` (413): a body over ``monitoring.max_body_bytes`` (default 8 MiB), on every ingest endpoint and
+  for either CloudEvent half; the service refuses it from ``Content-Length`` or while reading, before parsing.
+* ``too_deep`` (400): JSON nested deeper than ``MAX_JSON_DEPTH`` (64) brackets, found by a scan of the raw text
+  before it is parsed (so the parser and everything after it never recurse deeply).
+* ``batch_too_large`` (413): a request of more than ``monitoring.max_batch_rows`` rows (default 1024).
+* ``bad_shape`` (422): a shape whose product (Python ints: no int64 overflow) differs from the data's length.
+* ``non_finite_input`` (422): a NaN or +-Inf input value (``NaN``/``Infinity`` literals, or a number outside the
+  datatype's range, such as 1e39 as FP32).
+* ``bad_parameters`` (422): more than ``MAX_PARAMETERS`` parameters, a non-scalar one, or an integer outside int64.
+
+A request ``id`` that UTF-8 cannot encode (lone surrogates, from ``\\ud800`` escapes) has them replaced by "?".
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -31,7 +48,17 @@ SPEC_TO_OIP: dict[str, str] = {"int64": "INT64", "int32": "INT32", "float32": "F
 NUMPY_TO_OIP: dict[str, str] = {np.dtype(v).name: k for k, v in OIP_TO_NUMPY.items()}
 INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_input", "unknown_input",
                    "bad_datatype", "bad_shape", "bad_data", "batch_mismatch", "bad_parameters", "missing_output",
-                   "body_too_large", "missing_ce_id", "unknown_ce_type", "structured_mode")
+                   "body_too_large", "missing_ce_id", "unknown_ce_type", "structured_mode", "too_deep",
+                   "batch_too_large", "non_finite_input")
+# Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/spec.py MonitoringSpec).
+MAX_BODY_BYTES = 8 * 2**20
+MAX_BATCH_ROWS = 1024
+# Deepest bracket nesting accepted: an OIP body needs 3 levels plus the tensor's rank (pairs: one more).
+MAX_JSON_DEPTH = 64
+# Most request parameters (slice metadata) accepted; each may become a Parquet column in the S3 sink.
+MAX_PARAMETERS = 128
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 
 
 class OipError(Exception):
@@ -44,8 +71,62 @@ class OipError(Exception):
     """
 
     def __init__(self, reason: str, message: str, status: int = 422) -> None:
+        message = utf8_text(message)  # it is sent back as JSON: never a text UTF-8 cannot encode
         super().__init__(message)
         self.reason, self.message, self.status = reason, message, status
+
+
+def utf8_text(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (lone surrogates) replaced by "?"."""
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest bracket nesting of a JSON text (brackets inside strings do not count), without parsing it.
+
+    Linear in the text (a regex drops the strings, numpy counts the brackets), so it is safe on any input up to
+    the body limit; a text that is not JSON gets some number, and is refused by the parser afterwards.
+    """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:  # cannot be deeper: skip the scan
+        return raw.count(b"[") + raw.count(b"{")
+    a = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    pos = np.flatnonzero((a == 0x5B) | (a == 0x7B) | (a == 0x5D) | (a == 0x7D))
+    if not pos.size:
+        return 0
+    b = a[pos]
+    steps = np.where((b == 0x5B) | (b == 0x7B), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max())
+
+
+def load_json(body: bytes | str, *, max_bytes: int = MAX_BODY_BYTES, what: str = "body") -> Any:
+    """Decode a JSON body within the limits: size, then nesting depth (both before parsing), then the parser.
+
+    Args:
+        body: raw bytes (must be UTF-8) or text.
+        max_bytes: larger bodies are refused.
+        what: name of the body in messages.
+
+    Raises:
+        OipError: body_too_large (413), too_deep (400), invalid_json (400).
+    """
+    if len(body) > max_bytes:
+        raise OipError("body_too_large", f"{what} over {max_bytes} bytes", status=413)
+    try:
+        # decode first: json.loads(bytes) would also take UTF-16/32, whose bytes the depth scan cannot read
+        text = body.decode("utf-8") if isinstance(body, (bytes, bytearray, memoryview)) else str(body)
+    except UnicodeDecodeError as exc:
+        raise OipError("invalid_json", f"{what} is not UTF-8 JSON: {str(exc)[:120]}", status=400) from None
+    raw = body if isinstance(body, bytes) else text.encode("utf-8", "surrogatepass")
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise OipError("too_deep", f"{what} nests {depth} levels of JSON arrays/objects; at most {MAX_JSON_DEPTH}",
+                       status=400)
+    try:
+        return json.loads(text)
+    except RecursionError:  # not reached after the scan; kept so that no input can end in a 500
+        raise OipError("too_deep", f"{what} nests JSON too deeply", status=400) from None
+    except ValueError as exc:
+        raise OipError("invalid_json", f"{what} is not JSON: {str(exc)[:120]}", status=400) from None
 
 
 @dataclass
@@ -78,43 +159,50 @@ def _tensor(t: Any, where: str) -> tuple[str, list[int], str, Any]:
     return str(t["name"]), shape, str(t["datatype"]), t["data"]
 
 
-def _array(name: str, shape: list[int], datatype: str, data: Any, where: str) -> np.ndarray:
+def _array(name: str, shape: list[int], datatype: str, data: Any, where: str, *, finite: bool = False
+           ) -> np.ndarray:
     if datatype not in OIP_TO_NUMPY:
         raise OipError("bad_datatype", f"{where} {name!r}: datatype {datatype!r} is not supported; use one of "
                                        f"{sorted(OIP_TO_NUMPY)}")
     try:
-        arr = np.asarray(data, dtype=OIP_TO_NUMPY[datatype])
-    except (TypeError, ValueError, OverflowError) as exc:
+        with np.errstate(over="ignore", invalid="ignore"):  # out-of-range floats become inf: checked below
+            arr = np.asarray(data, dtype=OIP_TO_NUMPY[datatype])
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise OipError("bad_data", f"{where} {name!r}: data is not {datatype}: {str(exc)[:120]}") from None
-    size = int(np.prod(shape)) if shape else 1
+    size = math.prod(shape)  # Python ints: a product past int64 stays exact (and then differs from arr.size)
     if arr.size != size:
         raise OipError("bad_shape", f"{where} {name!r}: shape {shape} needs {size} values, data has {arr.size}")
-    return arr.reshape(shape)
+    try:
+        arr = arr.reshape(shape)
+    except (ValueError, OverflowError) as exc:  # e.g. an empty tensor with a dimension past numpy's limits
+        raise OipError("bad_shape", f"{where} {name!r}: shape {shape}: {str(exc)[:120]}") from None
+    if finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise OipError("non_finite_input", f"{where} {name!r}: data has NaN or infinite values (or numbers outside "
+                                           f"the {datatype} range)")
+    return arr
 
 
-def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes: int = 8 * 2**20) -> InferRequest:
+def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes: int = MAX_BODY_BYTES,
+                  max_batch_rows: int = MAX_BATCH_ROWS) -> InferRequest:
     """Parse and check an OIP inference request against the spec's inputs.
 
     Args:
-        body: raw JSON bytes/text, or an already-decoded dict.
+        body: raw JSON bytes/text, or an already-decoded dict (one `load_json` returned: its depth is checked).
         input_specs: the spec's model.inputs (name, dtype, shape).
         max_bytes: larger bodies are refused (reason body_too_large).
+        max_batch_rows: requests with more rows are refused (reason batch_too_large).
 
     Returns:
         The InferRequest.
 
     Raises:
-        OipError: malformed JSON (400) or a body that does not match the inputs (422): a missing or unknown
-            input, a datatype other than the spec's, a rank or fixed dimension that differs, inputs with
-            different batch sizes, or non-scalar parameters.
+        OipError: malformed or too deeply nested JSON (400), a body or batch over the limits (413), or a body
+            that does not match the inputs (422): a missing or unknown input, a datatype other than the spec's,
+            a rank or fixed dimension that differs, inputs with different batch sizes, NaN/Inf input values,
+            non-scalar parameters or too many of them. Nothing else.
     """
     if not isinstance(body, dict):
-        if len(body) > max_bytes:
-            raise OipError("body_too_large", f"request body over {max_bytes} bytes", status=413)
-        try:
-            body = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise OipError("invalid_json", f"body is not JSON: {str(exc)[:120]}", status=400) from None
+        body = load_json(body, max_bytes=max_bytes, what="request body")
     if not isinstance(body, dict):
         raise OipError("not_an_object", "body must be a JSON object with 'inputs'", status=400)
     inputs = body.get("inputs")
@@ -146,7 +234,10 @@ def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes:
                 raise OipError("bad_shape", f"input {name!r}: shape {shape} does not match {s.shape}")
         if shape[0] == 0:
             raise OipError("bad_shape", f"input {name!r}: empty batch")
-        arr = _array(name, shape, dt, data, "input")
+        if shape[0] > max_batch_rows:
+            raise OipError("batch_too_large", f"input {name!r}: batch of {shape[0]} rows; at most {max_batch_rows} "
+                                              "(monitoring.max_batch_rows)", status=413)
+        arr = _array(name, shape, dt, data, "input", finite=True)
         if batch is not None and arr.shape[0] != batch:
             raise OipError("batch_mismatch", f"input {name!r}: batch {arr.shape[0]}, other inputs have {batch}")
         batch = arr.shape[0]
@@ -154,12 +245,16 @@ def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes:
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise OipError("bad_parameters", "'parameters' must be an object of scalar slice metadata")
+    if len(params) > MAX_PARAMETERS:
+        raise OipError("bad_parameters", f"{len(params)} parameters; at most {MAX_PARAMETERS}")
     for k, v in params.items():
         if v is not None and not isinstance(v, (str, int, float, bool)):
             raise OipError("bad_parameters", f"parameter {k!r} must be a scalar (str, number, bool), got "
                                              f"{type(v).__name__}")
+        if isinstance(v, int) and not isinstance(v, bool) and not INT64_MIN <= v <= INT64_MAX:
+            raise OipError("bad_parameters", f"parameter {k!r}: integer outside int64")
     rid = body.get("id")
-    return InferRequest(id=str(rid) if rid is not None else "", feeds=feeds, parameters=dict(params),
+    return InferRequest(id=utf8_text(str(rid)) if rid is not None else "", feeds=feeds, parameters=dict(params),
                         batch=int(batch or 1))
 
 

@@ -24,13 +24,19 @@ endpoint answers 200 `{"model_name", "id", "joined": false}` for a half that wai
 ingest answer plus `"joined": true` for the half that completes a pair; halves that expire
 (monitoring.logger_join_ttl_s) or overflow the buffer (monitoring.logger_join_max_entries) are counted as
 `dropped_total{reason="unmatched"|"join_overflow"}`.
+
+Limits (monitoring/oip.py): a body over monitoring.max_body_bytes is refused from its Content-Length, or while it
+is read, before any parsing (413 body_too_large); then JSON nesting (400 too_deep), batch rows
+(monitoring.max_batch_rows, 413 batch_too_large), shapes, NaN/Inf inputs (422 non_finite_input). Request parameters
+named in monitoring.redact_fields are replaced by '<redacted>' at admission, so a redacted slice column gives the
+key `<name>=<redacted>` everywhere (statistics, /metrics, /v1/slices, alerts, evidence, S3, Evidently).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import json
+import dataclasses
 import logging
 import queue
 import threading
@@ -46,16 +52,32 @@ from fastapi.responses import JSONResponse, Response
 from tailguard.errors import InputError
 from tailguard.home import home
 from tailguard.monitoring.combine import Combiner, PollLoop, http_fetch
-from tailguard.monitoring.config import MonitorConfig, resolve_config
+from tailguard.monitoring.config import MonitorConfig, SliceRule, resolve_config
 from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.join import CE_TYPES, JoinBuffer
 from tailguard.monitoring.metrics import MonitorMetrics
-from tailguard.monitoring.oip import InferRequest, OipError, parse_request, parse_response_output
+from tailguard.monitoring.oip import InferRequest, OipError, load_json, parse_request, parse_response_output
 from tailguard.monitoring.sampler import Decision
 from tailguard.runtime import OrtRunner, Runner
 from tailguard.spec import Spec, load_spec
 
 log = logging.getLogger("tailguard.monitoring.service")
+REDACTED = "<redacted>"  # the value of a redacted parameter (the S3 sink writes the same text)
+
+
+def redact_params(params: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
+    """Request parameters with those in `fields` (monitoring.redact_fields) replaced by '<redacted>' (absent stay
+    absent, null stays null): what the slice keys, and every record that leaves the process, are made from."""
+    if not fields or fields.isdisjoint(params):
+        return params
+    return {k: REDACTED if k in fields and v is not None else v for k, v in params.items()}
+
+
+def _redacted_config(cfg: MonitorConfig, fields: frozenset[str] | set[str]) -> MonitorConfig:
+    """`cfg` with each slice rule that reads a redacted field (by column or name) grouping by plain value, so the
+    redacted value '<redacted>' gives the key `<name>=<redacted>` whatever the rule's bins or values."""
+    rules = [SliceRule(r.name, r.column) if (r.column in fields or r.name in fields) else r for r in cfg.rules]
+    return cfg if rules == cfg.rules else dataclasses.replace(cfg, rules=rules)
 
 
 @dataclass
@@ -99,13 +121,19 @@ class MonitorService:
         self.cfg = cfg
         mon = cfg.mon
         self.metrics = metrics or MonitorMetrics()
+        self.redact = frozenset(mon.redact_fields)
+        redacted_slices = [r.name for r in cfg.rules if r.column in self.redact or r.name in self.redact]
+        if redacted_slices:
+            log.warning("slice(s) %s read a field in monitoring.redact_fields: their key is '<name>=%s' for every "
+                        "request that carries the field", redacted_slices, REDACTED)
         self.sink = None
         if mon.s3 is not None:
             from tailguard.monitoring.sink import PairSink
 
             spool = Path(mon.spool_dir) if mon.spool_dir else home() / "monitor" / "spool"
             self.sink = PairSink(mon.s3, spool, mon.spool_max_bytes, redact_fields=mon.redact_fields,
-                                 model=cfg.model_name, metrics=self.metrics, client=s3_client)
+                                 model=cfg.model_name, metrics=self.metrics, client=s3_client,
+                                 slice_rules=[(r.name, r.column) for r in cfg.rules], slice_pairs=cfg.pairs)
         self.drift = None
         if mon.evidently_workspace:
             from tailguard.monitoring.drift import DriftSnapshots
@@ -113,8 +141,8 @@ class MonitorService:
             self.drift = DriftSnapshots(cfg)
         self._lock = threading.Lock()
         role = "replica" if evidence_only else "combiner" if peers else "standalone"
-        self.core = MonitorCore(cfg, seed=seed, metrics=self.metrics, on_sample=self._on_sample, lock=self._lock,
-                                role=role)
+        self.core = MonitorCore(_redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
+                                on_sample=self._on_sample, lock=self._lock, role=role)
         self.combiner: Combiner | None = None
         self._poller: PollLoop | None = None
         if self.core.combined is not None:
@@ -202,6 +230,21 @@ class MonitorService:
                              **({"peers": self.combiner.status()} if self.combiner is not None else {})}
 
     # --------------------------------------------------------------------------------------- ingest
+    @property
+    def max_body_bytes(self) -> int:
+        """Largest ingest body accepted (monitoring.max_body_bytes)."""
+        return int(self.cfg.mon.max_body_bytes)
+
+    def _parse_request(self, body: bytes | dict) -> InferRequest:
+        return parse_request(body, self.cfg.inputs, max_bytes=self.max_body_bytes,
+                             max_batch_rows=self.cfg.mon.max_batch_rows)
+
+    def refuse_oversized(self, endpoint: str) -> tuple[int, dict[str, Any]]:
+        """The answer to a body the app stopped reading at max_body_bytes (413 body_too_large, counted)."""
+        exc = OipError("body_too_large", f"body over {self.max_body_bytes} bytes (monitoring.max_body_bytes)",
+                       status=413)
+        return self._refuse(endpoint, exc, time.perf_counter())
+
     def ingest(self, endpoint: str, name: str, body: bytes) -> tuple[int, dict[str, Any]]:
         """Handle one OIP body without waiting for any model.
 
@@ -211,22 +254,22 @@ class MonitorService:
             body: raw JSON body.
 
         Returns:
-            (HTTP status, JSON response).
+            (HTTP status, JSON response): 200, or 4xx with `{"error", "reason"}` (never a 5xx).
         """
         t0 = time.perf_counter()
         try:
             self._check_name(name, endpoint)
             if endpoint == "pairs":
-                try:
-                    doc = json.loads(body)
-                except (ValueError, UnicodeDecodeError) as exc:
-                    raise OipError("invalid_json", f"body is not JSON: {str(exc)[:120]}", status=400) from None
+                doc = load_json(body, max_bytes=self.max_body_bytes, what="pairs body")
                 if not isinstance(doc, dict) or "request" not in doc or "response" not in doc:
                     raise OipError("not_an_object", "pairs body must be {\"request\": ..., \"response\": ...}",
                                    status=400)
-                req = parse_request(doc["request"], self.cfg.inputs)
+                if not isinstance(doc["request"], dict):
+                    raise OipError("not_an_object", "pairs body: 'request' must be a JSON object with 'inputs'",
+                                   status=400)
+                req = self._parse_request(doc["request"])
                 return self._ingest_pair(endpoint, req, doc["response"], t0)
-            req = parse_request(body, self.cfg.inputs)
+            req = self._parse_request(body)
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
         return self._admit(endpoint, req, None, t0)
@@ -269,16 +312,11 @@ class MonitorService:
                 raise OipError("unknown_ce_type", f"ce-type {h.get('ce-type', '')!r} is not one of "
                                                   f"{sorted(CE_TYPES)}", status=400)
             if half == "request":
-                value: Any = parse_request(body, self.cfg.inputs)
+                value: Any = self._parse_request(body)
                 if not value.id:
                     value.id = event_id
             else:
-                if len(body) > 8 * 2**20:
-                    raise OipError("body_too_large", "response body over 8388608 bytes", status=413)
-                try:
-                    value = json.loads(body)
-                except (ValueError, UnicodeDecodeError) as exc:
-                    raise OipError("invalid_json", f"body is not JSON: {str(exc)[:120]}", status=400) from None
+                value = load_json(body, max_bytes=self.max_body_bytes, what="response body")
                 if not isinstance(value, dict):
                     raise OipError("not_an_object", "response body must be a JSON object with 'outputs'",
                                    status=400)
@@ -322,13 +360,14 @@ class MonitorService:
         """Count, draw the sampling decision and put a sampled request on the queue (never blocks)."""
         m = self.metrics
         m.requests.labels(self.cfg.model_name, endpoint).inc()
-        keys, decision = self.core.admit(req.parameters)
+        meta = redact_params(req.parameters, self.redact)
+        keys, decision = self.core.admit(meta)
         self._seq += 1
         if decision.sampled:
             if self.runners["reference"] is None:
                 m.dropped.labels("reference_missing").inc()
             else:
-                item = _Item(keys, decision, req.feeds, req.parameters, req.id, self._seq, endpoint, cand)
+                item = _Item(keys, decision, req.feeds, meta, req.id, self._seq, endpoint, cand)
                 try:
                     self.queue.put_nowait(item)
                 except queue.Full:
@@ -449,17 +488,21 @@ def build_app(service: MonitorService) -> Any:
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
-        status, doc = service.ingest("infer", name, await request.body())
+        body = await _read_body(request, service.max_body_bytes)
+        status, doc = (service.refuse_oversized("infer") if body is None else service.ingest("infer", name, body))
         return JSONResponse(doc, status_code=status)
 
     @app.post("/v2/models/{name}/pairs")
     async def pairs(name: str, request: Request) -> Response:
-        status, doc = service.ingest("pairs", name, await request.body())
+        body = await _read_body(request, service.max_body_bytes)
+        status, doc = (service.refuse_oversized("pairs") if body is None else service.ingest("pairs", name, body))
         return JSONResponse(doc, status_code=status)
 
     @app.post("/v2/models/{name}/logger")
     async def logger(name: str, request: Request) -> Response:
-        status, doc = service.ingest_event(name, request.headers, await request.body())
+        body = await _read_body(request, service.max_body_bytes)
+        status, doc = (service.refuse_oversized("logger") if body is None
+                       else service.ingest_event(name, request.headers, body))
         return JSONResponse(doc, status_code=status)
 
     @app.get("/metrics")
@@ -492,6 +535,24 @@ def build_app(service: MonitorService) -> Any:
         return JSONResponse(service.slices(offset, limit))
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None as soon as it is known to be over `limit` bytes: from Content-Length before
+    reading anything, else while streaming (chunked bodies), so an oversized body is never held in memory."""
+    try:
+        declared = int(request.headers.get("content-length", ""))
+    except ValueError:  # absent (chunked) or garbage: count while reading
+        declared = 0
+    if declared > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,

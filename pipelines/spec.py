@@ -52,6 +52,23 @@ def higher_is_better(metric: str) -> bool:
 
 BATCHED_METRICS = frozenset({"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                              "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32"})
+# A parity gate each task's example in the "no parity gate" error (gates) and its fix hint.
+PARITY_GATE_EXAMPLE: dict[str, str] = {
+    "classification": "{metric: top1_agreement, min: 0.99}",
+    "embedding": "{metric: nn_top1_agreement, min: 0.99}",
+    "regression": "{metric: abs_error.p99, max: 0.01}",
+    "generic": "{metric: abs_error.p99, max: 0.01}",
+}
+NO_PARITY_GATE = "no parity gate"  # start of the `gates` error message (parse_spec keys its fix hint on it)
+
+
+def is_parity_gate(gate: "GateSpec", task: str) -> bool:
+    """Whether `gate` judges the variant's outputs against the FP32 reference: a parity metric of the task
+    (not latency/throughput/speedup/cost/memory, not `reference_accuracy`, the reference's own score) with
+    scope overall or per_slice. A `discovered` gate does not count: it passes when discovery finds no slice."""
+    return (gate.metric in TASK_METRICS.get(task, ()) and gate.metric != "reference_accuracy"
+            and gate.scope in ("overall", "per_slice"))
+
 
 
 class _Model(BaseModel):
@@ -448,7 +465,9 @@ class CostSpec(_Model):
 class PromotionSpec(_Model):
     """Registration and promotion in the MLflow model registry."""
 
-    enabled: bool = Field(True, description="False: register and report, move no alias.")
+    enabled: bool = Field(True, description=(
+        "False: register and report, move no alias. While true, every variant needs a parity gate (an overall "
+        "or per_slice gate on a parity metric of the task): performance gates alone never promote."))
     alias: str = Field("production", pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$",
                        description="Registry alias set on the selected version.")
     select: Literal["fastest_passing"] = Field("fastest_passing", description=(
@@ -628,6 +647,13 @@ class MonitoringSpec(_Model):
     snapshot_every: int = Field(1000, ge=10, description="Sampled rows per Evidently snapshot (one window).")
     drift_reference: str | None = Field(None, description=(
         "Parquet file of reference inputs for input drift (default: data.calibration.uri)."))
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, le=2**31, description=(
+        "Largest body accepted by the ingest endpoints (infer, pairs, and each payload-logger CloudEvent), in "
+        "bytes; larger ones are refused with 413 before they are parsed "
+        "(invalid_requests_total{reason=\"body_too_large\"})."))
+    max_batch_rows: int = Field(1024, ge=1, le=2**31, description=(
+        "Most rows (the first dimension of the inputs) one request may carry; larger requests are refused with "
+        "413 (invalid_requests_total{reason=\"batch_too_large\"}), so one request cannot flood the windows."))
 
     @field_validator("thresholds")
     @classmethod
@@ -666,7 +692,9 @@ class Spec(_Model):
     data: DataSpec = Field(description="Calibration and validation data.")
     slices: list[SliceSpec] = Field(default_factory=list, description="Declared slices.")
     variants: list[VariantSpec] = Field(min_length=1, description="Variants to build and validate.")
-    gates: list[GateSpec] = Field(default_factory=list, description="Every gate must pass for promotion.")
+    gates: list[GateSpec] = Field(default_factory=list, description=(
+        "Every gate must pass for promotion (a gate with insufficient data does not pass). While promotion is "
+        "enabled, every variant needs at least one parity gate (overall or per_slice)."))
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec, description=(
         "Tail samples, worst-slice discovery and bootstrap settings."))
     benchmark: BenchmarkSpec = Field(default_factory=BenchmarkSpec, description="Latency measurement.")
@@ -718,6 +746,19 @@ class Spec(_Model):
         if dm is not None and dm not in TASK_METRICS[self.model.task]:
             errors.append(f"analysis.discovery.metric: {dm!r} is not a parity metric of task {self.model.task!r}; "
                           f"choose one of {sorted(TASK_METRICS[self.model.task])}")
+        if self.promotion.enabled:
+            parity = [g for g in self.gates if is_parity_gate(g, self.model.task)]
+            uncovered = [n for n in names if not any(g.variants is None or n in g.variants for g in parity)]
+            example = PARITY_GATE_EXAMPLE[self.model.task]
+            if not parity:
+                errors.append(f"gates: {NO_PARITY_GATE}: {len(self.gates)} gate(s), none on a parity metric of "
+                              f"task {self.model.task!r} with scope overall or per_slice, so a variant would be "
+                              f"promoted on performance alone. Add one, e.g. {example}, or set "
+                              "promotion: {enabled: false}")
+            elif uncovered:
+                errors.append(f"gates: {NO_PARITY_GATE} applies to variant(s) {uncovered} (every parity gate "
+                              f"names other variants), so they would be promoted on performance alone. Add one "
+                              f"for them, e.g. {example}, or set promotion: {{enabled: false}}")
         pb = self.promotion.batch_size
         if pb is not None and pb not in self.benchmark.batch_sizes:
             errors.append(f"promotion.batch_size: {pb} is not in benchmark.batch_sizes")
@@ -771,8 +812,15 @@ def parse_spec(data: Any, *, source: str = "spec") -> Spec:
     try:
         return Spec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(_field_errors(exc), source=source,
-                        hint="fix the fields above; `tailguard spec schema` prints every field") from None
+        errors = _field_errors(exc)
+        hint = "fix the fields above; `tailguard spec schema` prints every field"
+        if any(e.loc == "gates" and e.message.startswith(NO_PARITY_GATE) for e in errors):
+            task = (data.get("model") or {}).get("task") if isinstance(data.get("model"), dict) else None
+            example = PARITY_GATE_EXAMPLE.get(str(task), PARITY_GATE_EXAMPLE["embedding"])
+            hint = (f"add a gate on a parity metric (overall or per_slice) for every variant, e.g. "
+                    f"`- {example}` under gates, or set `promotion: {{enabled: false}}` to register and report "
+                    "without moving the alias; " + hint)
+        raise SpecError(errors, source=source, hint=hint) from None
 
 
 def load_spec(path: str | Path, *, resolve_paths: bool = True) -> Spec:

@@ -205,3 +205,47 @@ def test_join_buffer_replaces_and_counts_duplicate_half_when_same_id_and_type_ar
     now[0] = 1.6  # "b" is 1.1 s old: past the 1 s TTL
     assert buf.add("b", "request", "qb") is None
     assert drops[-1] == ("unmatched", 1) and len(buf) == 1 and buf.joined == 1
+
+
+# ------------------------------------------------------------------------------------------- hardening
+@pytest.mark.parametrize("half", ["request", "response"])
+def test_logger_answers_400_too_deep_when_half_nested_deeply(models, half):
+    svc, client = _service(models["ref"], None)
+    deep = "[" * 200_000 + "]" * 200_000  # json.loads raised RecursionError: a 500
+    body = {"request": GOOD_REQ[:-1] + f', "parameters": {{"a": {deep}}}}}'.encode(),
+            "response": GOOD_RESP[:-1] + f', "parameters": {deep}}}'.encode()}[half]
+    with client:
+        r = _post(client, half, "ev-1", body)
+        assert r.status_code == 400 and r.json()["reason"] == "too_deep"
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="too_deep") == 1
+        assert len(svc.join) == 0
+
+
+@pytest.mark.parametrize("half", ["request", "response"])
+def test_logger_answers_413_body_too_large_when_half_over_max_body_bytes(models, half):
+    svc, client = _service(models["ref"], None, max_body_bytes=2048)
+    pad = b', "pad": "' + b"a" * 4096 + b'"}'
+    with client:
+        r = _post(client, half, "ev-1", (GOOD_REQ if half == "request" else GOOD_RESP)[:-1] + pad)
+        assert r.status_code == 413 and r.json()["reason"] == "body_too_large"
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="body_too_large") == 1
+        assert _post(client, half, "ev-2", GOOD_REQ if half == "request" else GOOD_RESP).status_code == 200
+
+
+def test_logger_answers_422_non_finite_input_when_request_half_has_nan(models):
+    svc, client = _service(models["ref"], None)
+    with client:
+        body = json.dumps(_body(1)).replace(str(_body(1)["inputs"][0]["data"][0]), "NaN").encode()
+        r = _post(client, "request", "ev-1", body)
+        assert r.status_code == 422 and r.json()["reason"] == "non_finite_input"
+        assert len(svc.join) == 0
+
+
+def test_logger_answers_200_with_encodable_id_when_request_id_has_lone_surrogate(models):
+    svc, client = _service(models["ref"], None)
+    with client:
+        body = GOOD_REQ.replace(b'"id": "r0"', b'"id": "r\\ud800"')
+        assert b"ud800" in body
+        assert _post(client, "request", "ev-1", body).status_code == 200
+        r = _post(client, "response", "ev-1", GOOD_RESP)
+        assert r.status_code == 200 and r.json()["joined"] is True and r.json()["id"] == "r?"

@@ -154,3 +154,133 @@ def test_live_responses_unaffected_and_pairs_spooled_when_s3_down(tmp_path):
     rows = sum(len(pd.read_parquet(p)) for p in svc.sink.spooled())
     assert rows == 10
     assert svc.metrics.registry.get_sample_value("tailguard_monitor_s3_uploads_total", {"status": "spooled"}) == 3
+
+
+# ------------------------------------------------------------------------------------------- hardening
+def _wait(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+@pytest.fixture
+def s3_bucket(s3_up):
+    """A bucket of its own on the moto server (moto keeps buckets per process, across servers)."""
+    import uuid
+
+    port, client = s3_up
+    bucket = f"tg-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return port, client, bucket
+
+
+def _dropped(metrics, reason):
+    return metrics.registry.get_sample_value("tailguard_monitor_dropped_total", {"reason": reason})
+
+
+def test_sink_writer_survives_and_counts_sink_error_when_row_cannot_be_converted(s3_bucket, tmp_path):
+    port, client, bucket = s3_bucket
+    sink = _sink(port, tmp_path, bucket, redact_fields=[]).start()
+    records = _records(10)
+    records[2]["inputs"] = {"x": np.array([object(), 1], dtype=object)}  # Parquet cannot hold it
+    for r in records[:5]:
+        assert sink.submit(r)
+    assert _wait(lambda: len(_objects(client, bucket)[0]) == 1)  # the batch, less its bad row
+    for r in records[5:]:
+        assert sink.submit(r)
+    assert _wait(lambda: len(_objects(client, bucket)[0]) == 2)  # the writer thread is still alive and writing
+    assert sink._thread.is_alive()
+    sink.close()
+    _, df = _objects(client, bucket)
+    assert sorted(df["_tg_request_id"]) == sorted(f"r{i}" for i in range(10) if i != 2)
+    assert _dropped(sink.metrics, "sink_error") == 1
+
+
+def test_sink_counts_sink_full_when_writer_queue_full(tmp_path):
+    sink = _sink(_free_port(), tmp_path, max_pending=2)  # not started: nothing drains the queue
+    assert [sink.submit(r) for r in _records(5)] == [True, True, False, False, False]
+    assert _dropped(sink.metrics, "sink_full") == 3
+
+
+def test_sink_redacts_slice_keys_when_redacted_field_is_slice_column(s3_bucket, tmp_path):
+    port, client, bucket = s3_bucket
+    recs = _records(5)
+    for r in recs:
+        r["slices"] = ["all", "domain=web", f"u={r['meta']['user']}", f"domain=web&u={r['meta']['user']}"]
+    # with the layout (as the service passes it): the rule `u` reads the redacted column `user`
+    sink = _sink(port, tmp_path, bucket, slice_rules=[("domain", "domain"), ("u", "user")], slice_pairs=[(0, 1)])
+    sink.start()
+    for r in recs:
+        assert sink.submit(r)
+    sink.close()
+    _, df = _objects(client, bucket)
+    assert [list(s) for s in df["_tg_slices"]] == [["all", "domain=web", "u=<redacted>",
+                                                    "domain=web&u=<redacted>"]] * 5
+    assert "alice" not in df.to_json()
+    # without a layout, keys named like a redacted field are redacted too
+    sink = _sink(port, tmp_path / "b", bucket, redact_fields=["domain"])
+    row = sink.pending.get_nowait() if sink.submit(recs[0]) else None
+    assert list(row["_tg_slices"]) == ["all", "domain=<redacted>", "u=alice0", "domain=<redacted>"]
+
+
+def _serve_to_s3(tmp_path, port, bucket, mon, bodies, slices=None):
+    d = tmp_path
+    ref = T.linear_classifier(d / "ref.onnx")
+    mon = {"sample_rate": 1.0, "seed": 0, "spool_dir": str(d / "spool"),
+           "s3": {"bucket": bucket, "endpoint_url": f"http://127.0.0.1:{port}", "batch_rows": 4}, **mon}
+    svc = MonitorService(resolve_config(parse_spec(T.spec_dict(mon, slices=slices))), ref, ref)
+    assert _wait(lambda: svc.readiness()[0])
+    with TestClient(build_app(svc)) as client:
+        for body in bodies:
+            r = client.post("/v2/models/tiny-clf/infer", content=body)
+            assert r.status_code == 200, r.text
+        assert svc.wait_idle(20)
+    return svc  # leaving the client stopped the service and flushed the sink
+
+
+def test_sink_keeps_input_column_when_request_parameter_named_like_input(s3_bucket, tmp_path):
+    port, client, bucket = s3_bucket
+    import json
+
+    bodies = [json.dumps(request_json({"x": np.full((1, 4), i, np.float32)},
+                                      {"domain": "web", **({"x": "evil", "_tg_weight": "w"} if i % 2 else {})},
+                                      request_id=f"r{i}")).encode() for i in range(8)]
+    svc = _serve_to_s3(tmp_path, port, bucket, {}, bodies)
+    _, df = _objects(client, bucket)
+    assert len(df) == 8 and svc.sink.spooled() == []
+    assert [list(v) for v in df.sort_values("_tg_request_index")["x"]] == [[float(i)] * 4 for i in range(8)]
+    assert (df["_tg_weight"] == 1.0).all()
+    metas = [json.loads(m) for m in df.sort_values("_tg_request_index")["_tg_meta"]]
+    assert metas[1] == {"domain": "web", "x": "evil", "_tg_weight": "w"} and metas[0] == {"domain": "web"}
+    assert _dropped(svc.metrics, "sink_error") == 0
+
+
+def test_sink_writes_every_row_when_parameters_have_lone_surrogates(s3_bucket, tmp_path):
+    port, client, bucket = s3_bucket
+    body = ('{"id": "r\\ud800", "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],'
+            ' "parameters": {"domain": "a\\udfff", "\\udc00k": "v\\ud800"}}').encode()
+    svc = _serve_to_s3(tmp_path, port, bucket, {}, [body] * 3)
+    _, df = _objects(client, bucket)
+    assert len(df) == 3 and (df["domain"] == "a?").all() and (df["?k"] == "v?").all()
+    assert (df["_tg_request_id"] == "r?").all() and [list(s) for s in df["_tg_slices"]] == [["all", "domain=a?"]] * 3
+    assert svc.sink.spooled() == []
+
+
+def test_sink_writes_slice_key_redacted_when_redacted_field_is_slice_column(s3_bucket, tmp_path):
+    port, client, bucket = s3_bucket
+    import json
+
+    slices = [{"name": "dom", "column": "domain", "values": ["legal", "web"]}, {"name": "tier", "column": "tier"}]
+    bodies = [json.dumps(request_json({"x": np.ones((1, 4), np.float32)}, {"domain": "legal", "tier": "gold"}))
+              .encode() for _ in range(3)]
+    mon = {"redact_fields": ["domain"], "slice_pairs": True}
+    svc = _serve_to_s3(tmp_path, port, bucket, mon, bodies, slices=slices)
+    _, df = _objects(client, bucket)
+    assert len(df) == 3
+    assert [list(s) for s in df["_tg_slices"]] == [["all", "dom=<redacted>", "tier=gold",
+                                                    "dom=<redacted>&tier=gold"]] * 3
+    assert (df["domain"] == REDACTED).all() and "legal" not in df.to_json()
+    assert "legal" not in str(svc.slices()) and "legal" not in svc.metrics.exposition().decode()

@@ -204,3 +204,157 @@ def test_noise_floor_service_never_alerts_when_reference_compared_with_itself(mo
         assert svc.wait_idle(20)
         assert svc.alerts() == [] and svc.core.compared_rows == 60
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all", metric="top1_agree") == 1.0
+
+
+# ------------------------------------------------------------------------------------------- hardening
+def _raw_request(data="[1, 2, 3, 4]", shape="[1, 4]", extra=""):
+    return (f'{{"inputs": [{{"name": "x", "shape": {shape}, "datatype": "FP32", "data": {data}}}]{extra}}}'
+            ).encode()
+
+
+def _deep(n):
+    return "[" * n + "1" + "]" * n
+
+
+@pytest.mark.parametrize("endpoint", ["infer", "pairs"])
+@pytest.mark.parametrize("where", ["data", "parameters", "id"])
+def test_ingest_answers_400_too_deep_when_json_nested_deeply(models, endpoint, where):
+    svc, client = _service(models["ref"], models["cand"])
+    deep = _deep(200_000)  # far past Python's recursion limit: json.loads raised RecursionError (a 500)
+    req = {"data": _raw_request(data=deep), "parameters": _raw_request(extra=f', "parameters": {{"a": {deep}}}'),
+           "id": _raw_request(extra=f', "id": {deep}')}[where]
+    body = req if endpoint == "infer" else b'{"request": ' + req + b', "response": {"outputs": []}}'
+    with client:
+        r = client.post(f"/v2/models/{NAME}/{endpoint}", content=body)
+        assert r.status_code == 400 and r.json()["reason"] == "too_deep"
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="too_deep") == 1
+        # brackets inside strings do not count: a shallow body full of them is accepted
+        shallow = _raw_request(extra=', "id": "' + "[{" * 5000 + '\\"' + "[" * 100 + '", "parameters": {"d": "[["}')
+        r = client.post(f"/v2/models/{NAME}/infer", content=shallow)
+        assert r.status_code == 200 and r.json()["id"].startswith("[{[{")
+
+
+@pytest.mark.parametrize("endpoint", ["infer", "pairs", "logger"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_ingest_answers_413_body_too_large_when_body_over_max_body_bytes(models, endpoint, chunked):
+    svc, client = _service(models["ref"], models["cand"], max_body_bytes=4096)
+    body = b'{"request": ' + _raw_request(data="[" + "1, " * 3000 + "4]") + b', "response": {}}'
+    headers = {"ce-id": "ev-1", "ce-type": "org.kubeflow.serving.inference.request"} if endpoint == "logger" else {}
+    content = iter([body[i:i + 1000] for i in range(0, len(body), 1000)]) if chunked else body
+    with client:
+        r = client.post(f"/v2/models/{NAME}/{endpoint}", content=content, headers=headers)
+        assert r.status_code == 413 and r.json()["reason"] == "body_too_large"
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="body_too_large") == 1
+        assert len(svc.join) == 0
+
+
+def test_pairs_answers_413_when_body_over_default_limit(models):
+    svc, client = _service(models["ref"], None)
+    with client:  # 9 MiB: the pairs endpoint had no size limit at all
+        body = b'{"request": ' + _raw_request() + b', "response": {"outputs": [], "pad": "' + b"a" * 9 * 2**20 + b'"}}'
+        r = client.post(f"/v2/models/{NAME}/pairs", content=body)
+        assert r.status_code == 413 and r.json()["reason"] == "body_too_large"
+
+
+def test_ingest_answers_413_batch_too_large_when_rows_over_max_batch_rows(models):
+    svc, client = _service(models["ref"], models["cand"])
+    with client:
+        ok = client.post(f"/v2/models/{NAME}/infer", json=_body(0, batch=1024))
+        assert ok.status_code == 200
+        r = client.post(f"/v2/models/{NAME}/infer", json=_body(1, batch=1025))
+        assert r.status_code == 413 and r.json()["reason"] == "batch_too_large"
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="batch_too_large") == 1
+        assert _value(svc, "tailguard_monitor_requests_total", model=NAME, endpoint="infer") == 1
+    svc, client = _service(models["ref"], None, max_batch_rows=2)
+    with client:
+        doc = _pair(0, "web")
+        doc["request"] = _body(0, batch=3)
+        r = client.post(f"/v2/models/{NAME}/pairs", json=doc)
+        assert r.status_code == 413 and r.json()["reason"] == "batch_too_large"
+
+
+def test_ingest_answers_4xx_when_shape_product_overflows_int64(models):
+    svc, client = _service(models["ref"], None)
+    with client:  # 2**62 * 4 and 2 * 2**63 are 0 modulo 2**64: np.prod said 0 values, then reshape raised (a 500)
+        r = client.post(f"/v2/models/{NAME}/infer", content=_raw_request(data="[]", shape="[4611686018427387904, 4]"))
+        assert r.status_code == 413 and r.json()["reason"] == "batch_too_large"
+        doc = _pair(0, "web")
+        doc["request"] = _body(0, batch=2)
+        doc["response"]["outputs"][0].update(shape=[2, 2**63], data=[])
+        r = client.post(f"/v2/models/{NAME}/pairs", json=doc)
+        assert r.status_code == 422 and r.json()["reason"] == "bad_shape"
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="bad_shape") == 1
+
+
+def test_parse_request_refuses_bad_shape_when_shape_product_overflows_int64():
+    from types import SimpleNamespace
+
+    from tailguard.monitoring.oip import OipError, parse_request
+
+    specs = {2: [SimpleNamespace(name="ids", dtype="int64", shape=["batch", "seq"])],
+             3: [SimpleNamespace(name="ids", dtype="int64", shape=["batch", "seq", "dim"])]}
+    # 4 * 2**62 is 0 modulo 2**64; [1, 0, 2**70] has no values but a dimension numpy cannot allocate
+    for shape in ([4, 2**62], [1, 0, 2**70], [2, 0, 2**63], [1, 2**63 + 1]):
+        body = {"inputs": [{"name": "ids", "shape": shape, "datatype": "INT64", "data": []}]}
+        with pytest.raises(OipError) as err:
+            parse_request(body, specs[len(shape)])
+        assert err.value.reason == "bad_shape", shape
+
+
+@pytest.mark.parametrize("data", ["[NaN, 1, 2, 3]", "[1, Infinity, 2, 3]", "[1, 2, -Infinity, 3]",
+                                  "[1e39, 1, 2, 3]", "[1, 2, 3, 1e400]", '["nan", 1, 2, 3]'])
+def test_ingest_answers_422_non_finite_input_when_inputs_nan_or_inf(models, data):
+    svc, client = _service(models["ref"], models["cand"])
+    with client:
+        r = client.post(f"/v2/models/{NAME}/infer", content=_raw_request(data=data))
+        assert r.status_code == 422 and r.json()["reason"] == "non_finite_input"
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="non_finite_input") == 1
+        assert _value(svc, "tailguard_monitor_requests_total", model=NAME, endpoint="infer") == 0
+
+
+def test_ingest_answers_200_with_encodable_id_when_id_has_lone_surrogate(models):
+    svc, client = _service(models["ref"], models["cand"])
+    with client:
+        r = client.post(f"/v2/models/{NAME}/infer", content=_raw_request(extra=', "id": "a\\ud800b\\udfff"'))
+        assert r.status_code == 200 and r.json()["id"] == "a?b?"
+        r = client.post(f"/v2/models/{NAME}/infer", content=_raw_request(
+            extra=', "id": "\\ud800", "parameters": {"\\udc00": [1]}'))
+        assert r.status_code == 422 and r.json()["reason"] == "bad_parameters"
+        r.json()["error"].encode("utf-8")
+
+
+def test_ingest_answers_422_bad_parameters_when_parameters_too_many_or_int_past_int64(models):
+    svc, client = _service(models["ref"], models["cand"])
+    with client:
+        many = ", ".join(f'"p{i}": {i}' for i in range(129))
+        for extra in (f', "parameters": {{{many}}}', ', "parameters": {"domain": ' + "9" * 400 + "}"):
+            r = client.post(f"/v2/models/{NAME}/infer", content=_raw_request(extra=extra))
+            assert r.status_code == 422 and r.json()["reason"] == "bad_parameters"
+
+
+def test_ingest_never_answers_5xx_when_bodies_hostile(models):
+    svc, client = _service(models["ref"], models["cand"])
+    bodies = [_deep(50), _deep(64), b"{" * 100_000, b'{"a":' * 100_000, b"\xff\xfe[\x00", "[\ud800]".encode(
+        "utf-8", "surrogatepass"), b'{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": ' +
+        _deep(60).encode() + b"}]}", _raw_request(shape="[1, 4, 0, 99999999999999999999999]", data="[]"),
+        _raw_request(extra=', "id": ' + "[" * 60 + "]" * 60), b'{"inputs": [{"name": ' + _deep(60).encode() +
+        b', "shape": [1], "datatype": {"a": [[[]]]}, "data": []}]}', b'{"request": ' + _deep(70).encode() + b"}"]
+    codes = []
+    with TestClient(build_app(svc), raise_server_exceptions=False) as c:
+        for b in bodies:
+            b = b.encode() if isinstance(b, str) else b
+            for ep in ("infer", "pairs"):
+                codes.append(c.post(f"/v2/models/{NAME}/{ep}", content=b).status_code)
+    assert len(codes) == 22 and all(s < 500 for s in codes), codes
+
+
+def test_slice_key_is_redacted_everywhere_when_slice_column_in_redact_fields(models):
+    svc, client = _service(models["ref"], models["cand"], redact_fields=["domain"], slice_columns=["domain"])
+    with client:
+        for i in range(5):
+            assert client.post(f"/v2/models/{NAME}/infer", json=_body(i, domain=f"secret-{i}")).status_code == 200
+        assert svc.wait_idle(20)
+        slices = client.get("/v1/slices").json()["slices"]
+        assert "domain=<redacted>" in slices and not any("secret" in k for k in slices)
+        assert "secret" not in client.get("/metrics").text
+        assert "secret" not in str(client.get("/v1/evidence").json())
