@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tailguard.components.register.logic import RunSummary
+from tailguard.components.validate.gates import insufficient_reason
 from tailguard.errors import StepError, TailguardError, error_from_dict
 from tailguard.home import ENV_HOME, home, quiet_environment
 from tailguard.spec import Spec, dump_spec, load_spec
@@ -206,7 +207,7 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
                                     f"(n={d['support']}, q={d['q_value']:.2g})" for d in (v.discovered or [])),
             "gates": (f"{len(v.gates) - len(failed)}/{len(v.gates)} passed" if v.gates else "-")
                      + (f"; failed: {', '.join(failed)}" if failed else "")
-                     + (f"; insufficient data: {len(insufficient)}" if insufficient else "")
+                     + (f"; {insufficient_reason(insufficient)}" if insufficient else "")
                      + (f"; {v.reason}" if v.status != "ok" and v.reason else ""),
             "promoted": f"{summary.alias} -> v{v.version}" if v.promoted else (f"v{v.version}" if v.version else ""),
         })

@@ -2,8 +2,11 @@
 
 The run's display name carries the key `tg-<model>-v<version>-<spec sha256[:12]>`; before creating a run,
 the experiment's runs are searched for that name, and a run that exists and did not fail is returned
-instead of starting a second one. The model version is a run parameter; secrets are never parameters
-(they reach the pods as Kubernetes secret references, see `kubeflow.secrets`).
+instead of starting a second one. `<version>` is always a concrete version number: `latest` and `@alias` are
+resolved in the MLflow registry first (`concrete_version`), so a new version submitted as `latest` gets a new
+key and a new run, and the run is started with that number (not the moving `latest`). The model version is a
+run parameter; secrets are never parameters (they reach the pods as Kubernetes secret references, see
+`kubeflow.secrets`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,47 @@ FAILED_STATES = {"FAILED", "CANCELED", "CANCELING", "SKIPPED"}
 
 
 def run_key(spec: Spec, model_version: str) -> str:
-    """Idempotency key: tg-<registered name>-v<version>-<sha256 of the spec YAML, 12 hex>."""
+    """Idempotency key: tg-<registered name>-v<version>-<sha256 of the spec YAML, 12 hex>.
+
+    `model_version` must be a concrete version number (see `concrete_version`): a key on the literal `latest`
+    or `@alias` would name every version the reference ever has.
+    """
+    if not str(model_version).isdigit():
+        raise ValueError(f"run_key needs a concrete version number, got {model_version!r} "
+                         "(resolve it with concrete_version)")
     digest = hashlib.sha256(dump_spec(spec).encode()).hexdigest()[:12]
     return f"tg-{spec.model.registered_name}-v{model_version}-{digest}"
+
+
+def concrete_version(spec: Spec, version: str, tracking_uri: str) -> str:
+    """The version number `version` names now: a number as is; `latest` / `@alias` looked up in the MLflow
+    registry (spec `mlflow.registry_uri`, else `tracking_uri`) as the pipeline's resolve step does
+    (`components.resolve.logic.resolve_version`).
+
+    Raises:
+        InputError: unknown model, version or alias, or a registry that cannot be reached (hint: pass
+            --model-version <number>).
+    """
+    version = str(version).strip()
+    if version.isdigit():
+        return version
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from tailguard.components.resolve.logic import resolve_version
+
+    registry = spec.mlflow.registry_uri or tracking_uri
+    try:
+        mv = resolve_version(MlflowClient(tracking_uri=tracking_uri, registry_uri=registry),
+                             spec.model.registered_name, version)
+    except InputError:
+        raise
+    except (MlflowException, OSError) as exc:
+        raise InputError(f"model.version: cannot resolve {version!r} of {spec.model.registered_name!r} in the "
+                         f"registry at {registry}: {exc}",
+                         hint="the submit key needs the concrete version; make the registry reachable from "
+                              "here, or pass --model-version <number>") from None
+    return str(mv.version)
 
 
 def make_client(host: str) -> Any:
@@ -41,7 +82,7 @@ def submit(spec: Spec, *, host: str, model_version: str | None = None, experimen
     Args:
         spec: validated spec.
         host: KFP API endpoint.
-        model_version: overrides spec.model.version.
+        model_version: overrides spec.model.version ("latest", a number, "@alias"; resolved to a number first).
         experiment: KFP experiment (default kubeflow.experiment, else tailguard-<metadata.name>).
         tracking_uri: MLflow URI the pods use (default spec.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI).
 
@@ -49,7 +90,8 @@ def submit(spec: Spec, *, host: str, model_version: str | None = None, experimen
         The KFP run id.
 
     Raises:
-        InputError: no MLflow tracking URI a cluster could reach (the embedded SQLite store is local only).
+        InputError: no MLflow tracking URI a cluster could reach (the embedded SQLite store is local only), or
+            `latest` / `@alias` that does not resolve in the registry (`concrete_version`).
     """
     from tailguard.builder import compile_pipeline
 
@@ -59,6 +101,7 @@ def submit(spec: Spec, *, host: str, model_version: str | None = None, experimen
         raise InputError("mlflow.tracking_uri: a cluster run needs an MLflow tracking server URI "
                          f"(got {uri or 'none'})", hint="set mlflow.tracking_uri in the spec, e.g. "
                                                         "http://mlflow.mlflow.svc:5000")
+    version = concrete_version(spec, version, uri)  # the key and the run name one version, not `latest`
     client = make_client(host)
     exp_name = experiment or spec.kubeflow.experiment or f"tailguard-{spec.metadata.name}"
     key = run_key(spec, version)

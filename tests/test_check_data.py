@@ -65,6 +65,7 @@ def make_spec(validation: str, calibration: str | None = None, *, expectations=(
                  "expectations": list(expectations)},
         "slices": list(slices),
         "variants": [{"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"}],
+        "gates": [{"metric": "top1_agreement", "min": 0.9}],  # a promoting spec needs a parity gate
     })
 
 

@@ -8,7 +8,7 @@ from tailguard.components.validate.gates import GateResult, all_passed, evaluate
 from tailguard.spec import parse_spec
 
 
-def _spec(gates, *, task="classification", batch_sizes=(1, 32), slices=None, cost=None):
+def _spec(gates, *, task="classification", batch_sizes=(1, 32), slices=None, cost=None, promotion=None):
     return parse_spec({
         "apiVersion": "tailguard/v1", "kind": "OptimizationSpec", "metadata": {"name": "gates-test"},
         "model": {"registered_name": "m", "task": task,
@@ -19,7 +19,10 @@ def _spec(gates, *, task="classification", batch_sizes=(1, 32), slices=None, cos
                                                      {"name": "lang", "column": "l"}],
         "variants": [{"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"},
                      {"name": "ort-fp16", "backend": "onnxruntime", "precision": "fp16"}],
-        "gates": gates, "benchmark": {"batch_sizes": list(batch_sizes)}, "cost": cost})
+        # promotion off: these tests evaluate single gates (perf-only, discovered-only); a promoting spec needs a
+        # parity gate (Spec._cross_field), which is not what they are about
+        "gates": gates, "benchmark": {"batch_sizes": list(batch_sizes)}, "cost": cost,
+        "promotion": promotion if promotion is not None else {"enabled": False}})
 
 
 TABLE = pd.DataFrame({
@@ -74,8 +77,14 @@ def test_per_slice_gate_is_insufficient_not_passed_when_every_group_is_small():
     res = _one({"metric": "top1_agreement", "min": 0.99, "scope": "per_slice", "min_support": 1000})
     assert res.status == "insufficient_data" and res.passed is None and res.observed is None
     assert len(res.detail["insufficient"]) == 5
-    assert all_passed([res]) is True
-    assert all_passed([res], strict=True) is False
+
+
+def test_all_passed_is_false_when_a_gate_had_insufficient_data():
+    ok = _one({"metric": "top1_agreement", "min": 0.9}, {"top1_agreement": 0.95})
+    small = _one({"metric": "top1_agreement", "min": 0.99, "scope": "per_slice", "min_support": 1000})
+    assert (ok.status, small.status) == ("passed", "insufficient_data")
+    assert all_passed([ok]) is True
+    assert all_passed([ok, small]) is False  # not judged is not passed: never promotable
 
 
 def test_perf_gate_reads_its_batch_size_when_batch_size_given_else_the_first():
@@ -289,3 +298,77 @@ def test_gate_result_from_dict_loads_old_dict_when_new_fields_are_absent():
 def test_plain_gate_records_point_estimate_when_no_new_fields_are_set():
     res = _one({"metric": "top1_agreement", "min": 0.99}, {"top1_agreement": 0.995})
     assert (res.estimate, res.bound, res.confidence, res.decided_on) == (0.995, None, None, "point")
+
+
+# ------------------------------------------------------------------------ promotion: insufficient data never passes
+def _tiny_onnx(path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def test_verdict_is_not_promoted_naming_the_gate_when_a_gate_had_insufficient_data():
+    from tailguard.components.validate.logic import ValidationResult
+    from tailguard.components.validate.task import verdict
+
+    spec = _spec([{"metric": "top1_agreement", "min": 0.9},
+                  {"metric": "top1_agreement", "min": 0.9, "scope": "per_slice", "min_support": 1000}])
+    gates = evaluate_gates(spec, "ort-fp32", {"top1_agreement": 0.95}, TABLE, PERF)
+    result = ValidationResult("ort-fp32", "classification", 300, {}, PERF, [], gates, all_passed(gates), 0, [1, 32])
+    assert verdict(result) == (False, "not promoted: gate top1_agreement>=0.9@per_slice had insufficient data")
+
+
+def test_register_and_promote_skips_the_variant_when_a_gate_had_insufficient_data(tmp_path):
+    """Real sqlite MLflow store: two variants logged as the validate step logs them; the faster one has a per-slice
+    gate no group could judge, so the slower, fully judged one gets the alias."""
+    import mlflow
+
+    from tailguard.components.register.logic import register_and_promote
+    from tailguard.components.validate.logic import ValidationResult
+    from tailguard.components.validate.task import GATES_TAG, STATUS_TAG, VARIANT_TAG, gate_tag, log_validated_model
+
+    spec = _spec([{"metric": "top1_agreement", "min": 0.9},
+                  {"metric": "top1_agreement", "min": 0.9, "scope": "per_slice", "min_support": 30}],
+                 promotion={"enabled": True})
+    big = TABLE.assign(support=100, **{"top1_agreement": 0.99})      # every group judged, all pass
+    small = TABLE.assign(support=5)                                  # every group under min_support
+    model = _tiny_onnx(tmp_path / "m.onnx")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        client = mlflow.MlflowClient()
+        exp = client.create_experiment("promo", artifact_location=(tmp_path / "artifacts").as_uri())
+        parent = client.create_run(exp).info.run_id
+        run_ids = {}
+        for name, table, p50 in (("ort-fp32", big, 5.0), ("ort-fp16", small, 1.0)):
+            perf = {1: {"latency_ms.p50": p50, "latency_ms.p99": 2 * p50, "throughput_per_s": 1000 / p50}}
+            gates = evaluate_gates(spec, name, {"top1_agreement": 0.99}, table, perf)
+            result = ValidationResult(name, "classification", 300, {"top1_agreement": 0.99}, perf, [], gates,
+                                      all_passed(gates), 0, [1])
+            run_id = client.create_run(exp, tags={"mlflow.parentRunId": parent, VARIANT_TAG: name,
+                                                  STATUS_TAG: "ok"}).info.run_id
+            work = tmp_path / name
+            work.mkdir()
+            log_validated_model(client, run_id, result, work_dir=work, model_file=model,
+                                execution_provider="CPUExecutionProvider")
+            client.set_terminated(run_id)
+            run_ids[name] = run_id
+        summary = register_and_promote(spec, parent_run_id=parent, experiment_id=exp, source_version="1")
+        tags = client.get_run(run_ids["ort-fp16"]).data.tags
+        alias = client.get_model_version_by_alias("m-optimized", "production")
+    finally:
+        mlflow.set_tracking_uri(before[0])
+        mlflow.set_registry_uri(before[1])
+    rows = {v.variant: v for v in summary.variants}
+    assert summary.promoted_variant == "ort-fp32" and str(alias.version) == rows["ort-fp32"].version
+    fp16 = rows["ort-fp16"]
+    assert (fp16.status, fp16.passed, fp16.promoted) == ("ok", False, False) and fp16.version is not None
+    assert fp16.reason == "not promoted: gate top1_agreement>=0.9@per_slice had insufficient data"
+    assert tags[GATES_TAG] == "failed" and tags[gate_tag("top1_agreement>=0.9@per_slice")] == "insufficient_data"

@@ -156,7 +156,8 @@ def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates
 
 def test_run_exits_3_and_moves_no_alias_when_no_variant_passes(env):
     before = alias_version(env)
-    spec = write_spec(env["root"], gates=[{"metric": "latency_ms.p50", "max": 0.0001, "batch_size": 1}])
+    spec = write_spec(env["root"], gates=[{"metric": "nn_top1_agreement", "min": 0.0},  # a promoting spec needs one
+                                          {"metric": "latency_ms.p50", "max": 0.0001, "batch_size": 1}])
     r = tailguard(env, "run", spec)
     assert r.returncode == 3, r.stdout + r.stderr
     assert "no variant passed" in r.stderr

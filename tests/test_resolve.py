@@ -36,6 +36,7 @@ def make_spec(registered_name: str, version: str = "latest", **source):
                   "source": source},
         "data": {"calibration": {"uri": "unused.parquet"}, "validation": {"uri": "unused.parquet"}},
         "variants": [{"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"}],
+        "gates": [{"metric": "top1_agreement", "min": 0.9}],  # a promoting spec needs a parity gate
     })
 
 

@@ -136,3 +136,54 @@ def test_cli_spec_check_exits_2_naming_the_search_budget_when_it_is_zero(tmp_pat
     assert r.exit_code == 2, r.output
     assert "variants.1.search.max_trials" in r.output and "variants.1.search.max_minutes" in r.output
     assert "Traceback" not in r.output
+
+
+# ------------------------------------------------------------------------------- a parity gate to promote
+@pytest.mark.parametrize("gates", [
+    [],
+    [{"metric": "latency_ms.p50", "max": 10}, {"metric": "speedup_vs_onnx_fp32", "min": 1.5}],
+    [{"metric": "nn_top1_agreement", "min": 0.9, "scope": "discovered"}],  # passes when nothing is discovered
+], ids=["no-gates", "latency-only", "discovered-only"])
+def test_spec_rejects_with_gates_path_and_fix_when_promotion_has_no_parity_gate(gates):
+    doc = _doc()
+    doc["gates"] = gates
+    with pytest.raises(SpecError) as ei:
+        parse_spec(doc)
+    assert [e.loc for e in ei.value.errors] == ["gates"]
+    assert "no parity gate" in ei.value.errors[0].message and ei.value.exit_code == 2
+    assert "promotion: {enabled: false}" in ei.value.hint and "nn_top1_agreement" in ei.value.hint
+
+
+def test_spec_rejects_naming_the_variant_when_its_only_parity_gate_is_for_another_variant():
+    doc = _doc()
+    first, second = doc["variants"][0]["name"], doc["variants"][1]["name"]
+    doc["gates"] = [{"metric": "nn_top1_agreement", "min": 0.9, "variants": [first]},
+                    {"metric": "latency_ms.p50", "max": 10}]
+    with pytest.raises(SpecError) as ei:
+        parse_spec(doc)
+    (err,) = ei.value.errors
+    assert err.loc == "gates" and second in err.message and first not in err.message.split("[")[1]
+
+
+def test_spec_accepts_no_parity_gate_when_promotion_is_disabled():
+    doc = _doc()
+    doc["gates"] = [{"metric": "latency_ms.p50", "max": 10}]
+    doc["promotion"] = {"enabled": False}
+    assert parse_spec(doc).promotion.enabled is False
+    doc["gates"] = [{"metric": "nn_top1_agreement", "min": 0.9, "scope": "per_slice", "min_support": 5}]
+    doc["promotion"] = {}
+    assert parse_spec(doc).promotion.enabled is True  # a per-slice parity gate counts
+
+
+@pytest.mark.parametrize("command", [["spec", "check"], ["run"]])
+def test_cli_exits_2_with_gates_path_when_spec_has_only_latency_gates(tmp_path, command):
+    doc = _doc()
+    doc["gates"] = [{"metric": "latency_ms.p50", "max": 10}]
+    for ds in ("calibration", "validation"):  # the copy lives elsewhere: keep the data files reachable
+        doc["data"][ds]["uri"] = str((TINY.parent / doc["data"][ds]["uri"]).resolve())
+    p = tmp_path / "latency-only.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    r = runner.invoke(app, [*command, str(p)])
+    assert r.exit_code == 2, r.output
+    assert "gates: no parity gate" in r.output and "enabled: false" in r.output
+    assert "Traceback" not in r.output and "valid:" not in r.output

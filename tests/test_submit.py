@@ -77,3 +77,36 @@ def test_submit_refuses_a_local_tracking_store_when_targeting_a_cluster(fake, mo
         submit_mod.submit(load_spec(TINY), host="http://kfp", tracking_uri="sqlite:///x.db")
     assert "mlflow.tracking_uri" in str(ei.value)
     assert not fake.runs
+
+
+def test_submit_starts_a_new_run_when_latest_names_a_new_model_version(fake, tmp_path):
+    """`latest` / `@alias` resolve to the version number in a real (sqlite) MLflow registry before the key is made:
+    a new version submitted as `latest` is a new run, started with that number."""
+    from mlflow import MlflowClient
+
+    registry = f"sqlite:///{tmp_path / 'registry.db'}"
+    spec = load_spec(TINY)
+    spec.mlflow.registry_uri = registry
+    name = spec.model.registered_name
+    mlf = MlflowClient(tracking_uri=registry, registry_uri=registry)
+    mlf.create_registered_model(name)
+    (tmp_path / "v1").mkdir()
+    mlf.create_model_version(name, source=(tmp_path / "v1").as_uri())
+    kw = dict(host="http://kfp", tracking_uri="http://mlflow:5000")
+
+    a = submit_mod.submit(spec, model_version="latest", **kw)
+    assert submit_mod.submit(spec, model_version="latest", **kw) == a and len(fake.runs) == 1
+    assert fake.packages[0][1]["model_version"] == "1" and fake.runs[0].display_name == submit_mod.run_key(spec, "1")
+
+    (tmp_path / "v2").mkdir()
+    mlf.create_model_version(name, source=(tmp_path / "v2").as_uri())
+    b = submit_mod.submit(spec, model_version="latest", **kw)
+    assert b != a and len(fake.runs) == 2
+    assert fake.packages[1][1]["model_version"] == "2" and fake.runs[1].display_name == submit_mod.run_key(spec, "2")
+
+    mlf.set_registered_model_alias(name, "production", "1")
+    assert submit_mod.submit(spec, model_version="@production", **kw) == a  # the alias names v1: its run
+    assert submit_mod.submit(spec, model_version="2", **kw) == b and len(fake.runs) == 2
+    with pytest.raises(InputError, match="no alias 'staging'"):
+        submit_mod.submit(spec, model_version="@staging", **kw)
+    assert len(fake.runs) == 2

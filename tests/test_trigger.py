@@ -35,6 +35,7 @@ SPEC = {
               "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", 3]}]},
     "data": {"calibration": {"uri": "calib.parquet"}, "validation": {"uri": "valid.parquet"}},
     "variants": [{"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"}],
+    "gates": [{"metric": "top1_agreement", "min": 0.9}],
 }
 
 

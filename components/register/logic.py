@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tailguard.components.search.task import SEARCH_OF_TAG, TRIAL_RUN_TAG, searched_name
+from tailguard.components.validate.gates import insufficient_reason
 from tailguard.components.validate.task import DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
 
 
@@ -28,7 +29,9 @@ class VariantSummary:
     Attributes:
         variant, backend, precision: from the spec.
         status: ok | failed | skipped (build/validation); reason: why not ok, or which gates failed.
-        passed: every gate passed. run_id: the nested MLflow run. version: registered version (or None).
+        passed: every gate passed (a gate with insufficient data is not passed: the variant is not promoted and
+            `reason` says "not promoted: gate X had insufficient data").
+        run_id: the nested MLflow run. version: registered version (or None).
         p50_ms, p99_ms: latency at the promotion batch size (ms). speedup_vs_torch, speedup_vs_onnx_fp32: ratios
         of the baseline p50 to this variant's p50 at that batch size.
         worst_slice: {"slice", "value", "metric", "value_observed", "support"} of the lowest per-slice parity.
@@ -185,15 +188,20 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
 
     def add_row(name: str, v: Any, run: Any) -> None:
         tags = run.data.tags
+        gates = {k[len("gate."):]: val for k, val in tags.items() if k.startswith("gate.")}
+        insufficient = [k for k, val in gates.items() if val == "insufficient_data"]
+        reason = tags.get("tailguard.reason", "")
+        if insufficient and "insufficient data" not in reason:
+            # not judged is not passed (gates.all_passed), whatever the run's tailguard.gates tag says
+            reason = "; ".join(p for p in (reason, insufficient_reason(insufficient)) if p)
         row = VariantSummary(
             variant=name, backend=v.backend, precision=v.precision, status=tags.get(STATUS_TAG, "failed"),
-            reason=tags.get("tailguard.reason", ""), passed=tags.get(GATES_TAG) == "passed",
+            reason=reason, passed=tags.get(GATES_TAG) == "passed" and not insufficient,
             run_id=run.info.run_id,
             p50_ms=_metric(run, f"bs{bs}.latency_ms.p50"), p99_ms=_metric(run, f"bs{bs}.latency_ms.p99"),
             speedup_vs_torch=_metric(run, f"bs{bs}.speedup_vs_torch"),
             speedup_vs_onnx_fp32=_metric(run, f"bs{bs}.speedup_vs_onnx_fp32"),
-            worst_slice=_worst_slice(run), discovered=_discovered(run),
-            gates={k[len("gate."):]: val for k, val in tags.items() if k.startswith("gate.")})
+            worst_slice=_worst_slice(run), discovered=_discovered(run), gates=gates)
         model_uri = tags.get(MODEL_URI_TAG)
         if row.status == "ok" and model_uri:
             extra = {SEARCH_OF_TAG: tags[SEARCH_OF_TAG], TRIAL_RUN_TAG: tags.get(TRIAL_RUN_TAG, "")} \

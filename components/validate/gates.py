@@ -42,9 +42,10 @@ hybrid score, `intervals.paired_difference_bound`): observed = reference_accurac
 it passes when the lower bound of the difference is >= -max_drop. Confidence gates need the per-row values
 (`per_sample`, and `groups` for per-slice gates); without them they fail with the reason.
 
-`all_passed` decides a variant: it passes when no gate failed. Insufficient-data gates do not fail it (the
-validation set cannot judge them; they are reported, and the report flags a gate where every group was
-insufficient); `strict=True` counts them as failures instead.
+`all_passed` decides a variant: it passes when every applicable gate passed. A gate with status
+insufficient_data was not judged, so it never counts as passed: the variant is not promoted ("not promoted:
+gate X had insufficient data", `insufficient_reason`); the report flags the gate, and its status stays
+insufficient_data (not failed).
 """
 
 from __future__ import annotations
@@ -471,20 +472,29 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
     return results
 
 
-def all_passed(results: list[GateResult], *, strict: bool = False) -> bool:
-    """Whether a variant passes its gates.
+def all_passed(results: list[GateResult]) -> bool:
+    """Whether a variant passes its gates (and may be promoted).
 
     Args:
         results: `evaluate_gates` output.
-        strict: also fail on gates with status insufficient_data.
 
     Returns:
-        True when no gate failed (and, with strict, none was insufficient_data). not_applicable gates are ignored.
+        True when no gate failed and none was insufficient_data: a gate the validation set could not judge is
+        not a passed gate. not_applicable gates are ignored.
     """
-    bad = {"failed", "insufficient_data"} if strict else {"failed"}
-    return not any(r.status in bad for r in results)
+    return not any(r.status in ("failed", "insufficient_data") for r in results)
 
 
 def insufficient_gates(results: list[GateResult]) -> list[GateResult]:
-    """Gates where no group had enough support to be judged (reported prominently, not failed)."""
+    """Gates where no group had enough support to be judged (status insufficient_data, not failed; the variant
+    does not pass: `all_passed`)."""
     return [r for r in results if r.status == "insufficient_data"]
+
+
+def insufficient_reason(gate_keys: Sequence[str]) -> str:
+    """The verdict line of a variant held back by insufficient-data gates: 'not promoted: gate X had
+    insufficient data' ('' when `gate_keys` is empty)."""
+    keys = list(gate_keys)
+    if not keys:
+        return ""
+    return f"not promoted: gate{'s' if len(keys) > 1 else ''} {', '.join(keys)} had insufficient data"

@@ -101,7 +101,7 @@ class ValidationResult:
             baseline was given)}; "samples_ms" (raw timings, ms) is kept.
         slices: per-slice table records ({slice, value, support, <metric>: float}).
         gates: one GateResult per spec gate.
-        passed: the variant passed its gates (`gates.all_passed`).
+        passed: the variant passed its gates (`gates.all_passed`: none failed, none had insufficient data).
         non_finite_rows: validation rows whose candidate output held NaN/inf.
         batch_sizes: benchmark batch sizes, in spec order (the first is the default for gates and metrics).
         files: {"report": path, "slices_csv": path, "result_json": path, "worst_samples_csv": path,

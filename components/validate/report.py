@@ -194,7 +194,7 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
         gates: `gates.evaluate_gates` output.
         perf: `latency.benchmark` output (plus derived metrics) per batch size, with "samples_ms".
         reference_perf: the FP32 reference's benchmark in the same form, drawn beside the variant's.
-        passed: the variant's verdict (default: no gate failed).
+        passed: the variant's verdict (default: no gate failed or had insufficient data).
         discovered: the worst-slice discovery table (`discovery.DiscoveryResult.table`), or None when
             discovery did not run.
         worst_samples: `logic.worst_samples` output (the first MAX_WORST_SAMPLES rows are shown), or None.
@@ -205,7 +205,7 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if passed is None:
-        passed = not any(g.status == "failed" for g in gates)
+        passed = not any(g.status in ("failed", "insufficient_data") for g in gates)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>tailguard: {html.escape(variant)}"
              f"</title><style>{_CSS}</style></head><body>",
              f"<h1>Variant {html.escape(variant)}</h1>",
@@ -215,7 +215,8 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
              f"{sum(g.status == 'not_applicable' for g in gates)} not applicable</div>"]
     insufficient = [g for g in gates if g.status == "insufficient_data"]
     if insufficient:
-        parts.append("<div class='banner warn'>Not judged (no group with enough support): "
+        parts.append("<div class='banner warn'>Not judged (no group with enough support), so the variant is not "
+                     "promoted: "
                      + html.escape(", ".join(g.gate for g in insufficient)) + "</div>")
 
     parts.append("<h2>Gates</h2>")

@@ -138,11 +138,20 @@ def load_reference_outputs(spec: Any, reference_file: Path) -> list[np.ndarray]:
 
 
 def verdict(result: Any) -> tuple[bool, str]:
-    """(passed, reason) of a ValidationResult: non-finite outputs fail whatever the gates say."""
+    """(passed, reason) of a ValidationResult: non-finite outputs fail whatever the gates say; a failed gate or
+    one with insufficient data holds the variant back (reason 'failed gates: ...' and/or 'not promoted: gate X
+    had insufficient data')."""
+    from tailguard.components.validate.gates import insufficient_reason
+
     if result.non_finite_rows:
         return False, f"non-finite outputs in {result.non_finite_rows} validation rows"
-    if not result.passed:
-        return False, "failed gates: " + ", ".join(g.gate for g in result.gates if g.status == "failed")
+    failed = [g.gate for g in result.gates if g.status == "failed"]
+    insufficient = [g.gate for g in result.gates if g.status == "insufficient_data"]
+    if not result.passed or failed or insufficient:
+        # an insufficient-data gate was not judged: it never counts as passed (gates.all_passed)
+        parts = (["failed gates: " + ", ".join(failed)] if failed else []) + \
+            ([insufficient_reason(insufficient)] if insufficient else [])
+        return False, "; ".join(parts) or "failed gates"
     return True, ""
 
 
