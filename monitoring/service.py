@@ -10,7 +10,8 @@ Endpoints:
     GET  /metrics                  Prometheus text format (names: monitoring/metrics.py METRIC_NAMES).
     GET  /healthz                  200 while the process serves.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
-                                   noise-floor mode), else 503 with what is missing.
+                                   noise-floor mode) and answering, else 503 with what is missing or failing
+                                   (every one of a model's last HEALTH_WINDOW calls failed).
     GET  /v1/alerts, /v1/slices    alert records and per-slice statistics (JSON; /v1/slices?offset=&limit= pages
                                    through every tracked slice in key order, limit <= 10000, default 1000).
 
@@ -34,6 +35,7 @@ key `<name>=<redacted>` everywhere (statistics, /metrics, /v1/slices, alerts, ev
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
@@ -62,6 +64,7 @@ from tailguard.runtime import OrtRunner, Runner
 from tailguard.spec import Spec, load_spec
 
 log = logging.getLogger("tailguard.monitoring.service")
+HEALTH_WINDOW = 20  # /readyz answers 503 while each of a model's last 20 calls failed (error, timeout, bad output)
 REDACTED = "<redacted>"  # the value of a redacted parameter (the S3 sink writes the same text)
 
 
@@ -164,6 +167,9 @@ class MonitorService:
         self.load_errors: dict[str, str] = {}
         self._pools = {r: cf.ThreadPoolExecutor(1, thread_name_prefix=f"tg-{r}") for r in ("reference", "candidate")}
         self._stuck: dict[str, cf.Future | None] = {"reference": None, "candidate": None}
+        # per role, the drop reason of each of the last HEALTH_WINDOW calls (None = it answered)
+        self._health: dict[str, collections.deque[str | None]] = {
+            r: collections.deque(maxlen=HEALTH_WINDOW) for r in ("reference", "candidate")}
         self._stop = threading.Event()
         self._seq = 0
         self._worker: threading.Thread | None = None
@@ -221,10 +227,17 @@ class MonitorService:
         return self._sources["candidate"] is not None
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """(ready, details): ready once the reference and (if configured) the candidate are loaded."""
+        """(ready, details): ready once the reference and (if configured) the candidate are loaded, and not while
+        every one of a model's last HEALTH_WINDOW calls failed (`failing` names the model and the last reason)."""
         need = ["reference"] + (["candidate"] if self.needs_candidate else [])
         missing = [r for r in need if self.runners[r] is None]
-        return not missing, {"ready": not missing, "missing": missing, "errors": self.load_errors,
+        failing = {}
+        for r in need:
+            window = list(self._health[r])
+            if self.runners[r] is not None and len(window) == HEALTH_WINDOW and all(window):
+                failing[r] = f"the last {HEALTH_WINDOW} calls failed (last: {window[-1]})"
+        ready = not missing and not failing
+        return ready, {"ready": ready, "missing": missing, "failing": failing, "errors": self.load_errors,
                              "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
                              "noise_floor": self.cfg.mon.noise_floor, "role": self.core.role,
                              **({"peers": self.combiner.status()} if self.combiner is not None else {})}
@@ -379,19 +392,24 @@ class MonitorService:
 
     # --------------------------------------------------------------------------------------- worker
     def _infer(self, role: str, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
-        """Run one model with the reference timeout; None (and a counted drop) on any failure."""
-        m = self.metrics
+        """Run one model with the reference timeout; None (and a counted drop) on any failure. Every call's
+        outcome goes into the role's health window (readiness)."""
+        out, reason = self._call(role, feeds)
+        self._health[role].append(reason)
+        if reason is not None:
+            self.metrics.dropped.labels(reason).inc()
+        return out
+
+    def _call(self, role: str, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray | None, str | None]:
         err_reason = "reference_error" if role == "reference" else "candidate_error"
         timeout_reason = "reference_timeout" if role == "reference" else "candidate_error"
         runner = self.runners[role]
         if runner is None:
-            m.dropped.labels("reference_missing" if role == "reference" else "candidate_error").inc()
-            return None
+            return None, "reference_missing" if role == "reference" else "candidate_error"
         stuck = self._stuck[role]
         if stuck is not None:
             if not stuck.done():  # a timed-out call still holds the model's thread: do not pile up behind it
-                m.dropped.labels(timeout_reason).inc()
-                return None
+                return None, timeout_reason
             self._stuck[role] = None
         t0 = time.perf_counter()
         fut = self._pools[role].submit(runner.run, feeds)
@@ -399,20 +417,17 @@ class MonitorService:
             outs = fut.result(timeout=self.cfg.mon.reference_timeout_s)
         except cf.TimeoutError:
             self._stuck[role] = fut
-            m.dropped.labels(timeout_reason).inc()
-            return None
+            return None, timeout_reason
         except Exception as exc:  # the model raised (ORT runtime error, bad output): count, never propagate
             log.warning("%s model failed: %s", role, str(exc).splitlines()[0][:200] if str(exc) else type(exc))
-            m.dropped.labels(err_reason).inc()
-            return None
-        m.inference_seconds.labels(self.cfg.model_name, role).observe(time.perf_counter() - t0)
+            return None, err_reason
+        self.metrics.inference_seconds.labels(self.cfg.model_name, role).observe(time.perf_counter() - t0)
         names = list(getattr(runner, "output_names", []) or [])
         out = np.asarray(outs[names.index(self.cfg.output.name) if self.cfg.output.name in names else 0])
         first = next(iter(feeds.values()))
         if out.ndim == 0 or out.shape[0] != first.shape[0]:
-            m.dropped.labels(err_reason).inc()
-            return None
-        return out
+            return None, err_reason
+        return out, None
 
     def _process(self, item: _Item) -> None:
         ref = self._infer("reference", item.feeds)

@@ -117,6 +117,25 @@ def test_live_responses_unaffected_and_errors_counted_when_reference_crashes(mod
         assert svc.core.compared_rows == 0
 
 
+def test_readyz_503_naming_the_reference_when_its_last_calls_all_failed(models):
+    svc, client = _service(models["crash"], models["cand"])
+    with client:
+        assert client.get("/readyz").status_code == 200  # loaded, not yet called
+        _send(client, 25)
+        assert svc.wait_idle(20)
+        r = client.get("/readyz")
+        assert r.status_code == 503 and "reference" in r.json()["failing"]
+        assert "reference_error" in r.json()["failing"]["reference"]
+
+
+def test_readyz_stays_200_when_reference_calls_succeed(models):
+    svc, client = _service(models["ref"], models["cand"])
+    with client:
+        _send(client, 25)
+        assert svc.wait_idle(20)
+        assert client.get("/readyz").status_code == 200 and client.get("/readyz").json()["failing"] == {}
+
+
 def test_live_responses_unaffected_and_drops_counted_when_reference_returns_nan(models):
     svc, client = _service(models["nan"], models["cand"])
     with client:
