@@ -20,3 +20,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=gpu))
         if trt and "requires_tensorrt" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=trt))
+
+
+MLFLOW_URI_VARS = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_uris_do_not_leak():
+    """mlflow.set_tracking_uri / set_registry_uri also export MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI into
+    os.environ; a test that points MLflow at its own store must not send a later test's subprocesses (which
+    inherit os.environ) to that store. Restores both variables after every test (module fixtures that set them
+    restore their own, see test_search_pipeline.py)."""
+    saved = {k: os.environ.get(k) for k in MLFLOW_URI_VARS}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -1,6 +1,7 @@
 """Gate evaluation (components/validate/gates.py) on hand-made metrics."""
 
 import math
+import os
 
 import pandas as pd
 
@@ -339,7 +340,8 @@ def test_register_and_promote_skips_the_variant_when_a_gate_had_insufficient_dat
     small = TABLE.assign(support=5)                                  # every group under min_support
     model = _tiny_onnx(tmp_path / "m.onnx")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    # what was *set* (None: MLflow's default), not the resolved default, which set_*_uri would pin
+    before = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_REGISTRY_URI")
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:
