@@ -303,12 +303,13 @@ class SliceState:
         streams: {metric: Stream} for metrics with a threshold.
     """
 
-    __slots__ = ("rows", "sw", "sww", "swx", "ninf", "streams", "last_request", "incarnation", "version")
+    __slots__ = ("rows", "sw", "sww", "swx", "ninf", "streams", "last_request", "incarnation", "version", "peak")
 
     def __init__(self, metrics: Sequence[str], bounded: Iterable[str], incarnation: int = 0,
                  export_walks: bool = False) -> None:
         self.incarnation = incarnation
         self.version = incarnation
+        self.peak = 0.0  # largest alarm CUSUM over the slice's metrics after its last update (ranking for export)
         self.rows = 0
         self.sw = 0.0
         self.sww = 0.0
@@ -391,6 +392,7 @@ class SliceStatistics:
         self.bets = {m: bettings(b) for m, b in self.bounds.items()}
         self.slices: OrderedDict[str, SliceState] = OrderedDict()
         self.evicted = 0
+        self.alerting_keys: set[str] = set()  # slice keys with an active alert
         self.history: list[AlertRecord] = []
         self.requests_seen: Mapping[str, int] = {}
 
@@ -422,6 +424,7 @@ class SliceStatistics:
         # every tracked slice is alerting: the bound wins, the oldest alerting slice goes (still counted)
         k = next(k for k in self.slices if k != ALL_SLICE)
         del self.slices[k]
+        self.alerting_keys.discard(k)
         self.evicted += 1
 
     def update(self, keys: Sequence[str], values: Mapping[str, float], weight: float,
@@ -461,6 +464,7 @@ class SliceStatistics:
                 x = values[m]
                 y = (b.value - x) if b.higher_is_better else (x - b.value)
                 self._step(k, m, s, stream, y, r, request_index, now, ev)
+            s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
         return ev
 
     def _step(self, key: str, metric: str, s: SliceState, stream: Stream, y: float, r: float,
@@ -494,6 +498,7 @@ class SliceStatistics:
                           fired_at=(now or datetime.now(timezone.utc)).isoformat(), request_index=request_index,
                           threshold_source=b.source, source=self.source)
         stream.active = True
+        self.alerting_keys.add(key)
         stream.alerts += 1
         stream.record = rec
         stream.recovery = Cusum()
@@ -510,6 +515,9 @@ class SliceStatistics:
         if rec is not None:
             rec.cleared_at = (now or datetime.now(timezone.utc)).isoformat()
             ev.cleared.append(rec)
+            s = self.slices.get(rec.slice)
+            if s is None or not any(x.active for x in s.streams.values()):
+                self.alerting_keys.discard(rec.slice)
 
     def merge(self, key: str, walks: Mapping[str, tuple[Sequence[float], Sequence[float]]], rows: int,
               now: datetime | None = None) -> Evaluation:
@@ -545,6 +553,7 @@ class SliceStatistics:
             stream.alarm.add_batch(alarm, s.rows)
             if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
                 self._fire(key, metric, s, stream, None, now, ev)
+        s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
         return ev
 
     def evidence(self, since: int = 0) -> dict[str, Any]:
@@ -567,18 +576,18 @@ class SliceStatistics:
     # ------------------------------------------------------------------------------------------ reports
     def active_alerts(self) -> list[AlertRecord]:
         """Alerts currently active."""
-        return [st.record for s in self.slices.values() for st in s.streams.values()
+        return [st.record for k in sorted(self.alerting_keys) for st in self.slices[k].streams.values()
                 if st.active and st.record is not None]
 
     def exported(self, k: int) -> list[str]:
         """The bounded label set for Prometheus: `all`, every slice with an active alert, and the k others with
         the most evidence (alarm statistic / h), in that order."""
-        alerting = [key for key, s in self.slices.items()
-                    if key != ALL_SLICE and any(st.active for st in s.streams.values())]
+        alerting = sorted(self.alerting_keys - {ALL_SLICE})
         chosen = set(alerting) | {ALL_SLICE}
-        rest = ((s.evidence(self.h), key) for key, s in self.slices.items() if key not in chosen)
+        # rank by the largest CUSUM (within log N_BETS of the statistic; kept per slice: cheap at 100k slices)
+        rest = ((s.peak, key) for key, s in self.slices.items() if key not in chosen)
         worst = [key for _, key in heapq.nlargest(k, rest)]
-        return ([ALL_SLICE] if ALL_SLICE in self.slices else []) + sorted(alerting) + worst
+        return ([ALL_SLICE] if ALL_SLICE in self.slices else []) + alerting + worst
 
     def slice_entry(self, key: str) -> dict[str, Any]:
         """One slice's statistics (an entry of slices.json and /v1/slices)."""
