@@ -1,6 +1,5 @@
 """Worst-slice discovery (components/validate/discovery.py): planted slices, error rates, candidate rules."""
 
-import time
 
 import numpy as np
 import pandas as pd
@@ -304,12 +303,9 @@ def test_discover_slices_caps_pair_candidates_when_columns_have_many_values():
     rows = 10_000
     f = pd.DataFrame({f"c{i}": rng.integers(0, 50, rows).astype(str) for i in range(10)})
     agree = rng.random(rows) < 0.97
-    start = time.perf_counter()
     r = _run(f, {"top1_agree": agree}, min_support=5)
-    elapsed = time.perf_counter() - start
     assert r.tested == 500 + MAX_PAIR_CANDIDATES
     assert f"capped at the {MAX_PAIR_CANDIDATES} largest" in r.method
-    assert elapsed < 5.0  # ~0.1 s on 2 cores; pure-Python loops over masks would take minutes
 
 
 def test_discover_slices_returns_empty_table_when_disabled_or_no_candidate():
