@@ -209,6 +209,11 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
         console.print(f"[green]promoted[/green] {summary.optimized_model} v{summary.promoted_version} "
                       f"({summary.promoted_variant}) as @{summary.alias}")
         raise typer.Exit(EXIT_OK)
+    if summary.promotion == "superseded":
+        console.print(f"[yellow]superseded[/yellow]: @{summary.alias} moved to v{summary.alias_version} while this "
+                      "run ran and that version wins the comparison; this run's variants are registered, the alias "
+                      "stays")
+        raise typer.Exit(EXIT_OK)
     if not summary.any_passed:
         err_console.print("[red]no variant passed every gate[/red]: no alias moved (reasons in the table)")
         raise typer.Exit(EXIT_NO_PASSING_VARIANT)

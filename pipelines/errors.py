@@ -144,6 +144,11 @@ class StepError(TailguardError):
         return d
 
 
+class RunInterrupted(TailguardError):
+    """A local run was stopped by SIGINT / SIGTERM (exit 1): its parent MLflow run is marked FAILED with the
+    reason in its description."""
+
+
 class NoPassingVariantError(TailguardError):
     """The run finished but no variant passed every gate: no alias moved (exit 3)."""
 

@@ -11,8 +11,11 @@ import io
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from tailguard.components.register.logic import RunSummary
 from tailguard.components.validate.gates import insufficient_reason
-from tailguard.errors import StepError, TailguardError, error_from_dict
+from tailguard.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.home import ENV_HOME, home, quiet_environment
 from tailguard.spec import Spec, dump_spec, load_spec
 from tailguard.taskio import find_error_records
@@ -98,63 +101,188 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     Raises:
         TailguardError: the first error a task reported (its own exit code: 2 bad input, 1 runtime),
             or StepError naming the log when a task failed without a report. The parent MLflow run is
-            marked FAILED and no alias moves.
+            marked FAILED with the error in its description (mlflow.note.content) and no alias moves.
+        RunInterrupted: SIGINT / SIGTERM: the tasks are terminated, the parent run is marked FAILED with the
+            signal in its description.
+
+    Before it starts, RUNNING parent runs of the same model whose local runner died (kill -9) are marked FAILED
+    (`reap_dead_runs`); this run's runner pid / host / start time go on its parent run for the same purpose.
     """
     quiet_environment()
     os.environ[ENV_HOME] = str(home())
-    from kfp import local
-
     uri = tracking_uri_for(spec)
-    configure(uri, experiment_name_for(spec))
+    configure(uri, experiment_name_for(spec))  # also creates a fresh local store's tables, under a file lock
     pipeline_run = uuid.uuid4().hex[:12]
+    reap_dead_runs(spec, uri, by=pipeline_run)
+    # Recorded on the parent run by resolve (tasks inherit the environment): who runs it, for reap_dead_runs.
+    me = _this_process()
+    os.environ.update({"TAILGUARD_RUNNER_PID": str(me.pid), "TAILGUARD_RUNNER_HOST": socket.gethostname(),
+                       "TAILGUARD_RUNNER_STARTED": repr(me.create_time())})
     run_dir = home() / "runs" / pipeline_run
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "pipeline.log"
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(home() / "kfp"),
-               raise_on_error=True)
-    from tailguard.builder import build_pipeline
+    received: list[str] = []
 
-    pipeline = build_pipeline(spec, cluster=False)
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt  # KeyboardInterrupt: subprocess.Popen.__exit__ does not wait for the task then
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread: no handlers (the caller owns the signals)
+            pass
     try:
+        from kfp import local
+
+        local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(home() / "kfp"),
+                   raise_on_error=True)
+        from tailguard.builder import build_pipeline
+
+        pipeline = build_pipeline(spec, cluster=False)
         with warnings.catch_warnings(), _redirect(log_path, on_event):
             warnings.simplefilter("ignore")
             task = pipeline(spec_yaml=dump_spec(spec), tracking_uri=uri, model_version=model_version or "",
                             pipeline_run=pipeline_run)
+    except KeyboardInterrupt:
+        for sig in previous:  # a second Ctrl-C must not cut the bookkeeping short
+            signal.signal(sig, signal.SIG_IGN)
+        _stop_children()
+        name = received[0] if received else "SIGINT"
+        note = (f"Interrupted by {name}: the local run (pipeline run {pipeline_run}) was stopped before it "
+                f"finished; its tasks were terminated. Log: {log_path}")
+        marked = _mark_failed(spec, uri, pipeline_run, note)
+        raise RunInterrupted(f"interrupted by {name}: " + (f"parent run {', '.join(marked)} marked FAILED"
+                                                           if marked else "no MLflow run had been created yet")
+                             + f" (log: {log_path})") from None
     except Exception as exc:
-        _mark_failed(spec, uri, pipeline_run)
-        records = find_error_records(log_path.read_text(errors="replace"))
+        records = find_error_records(log_path.read_text(errors="replace")) if log_path.exists() else []
         if records:
             err = error_from_dict(records[0])
             err.message += f"\n  (log: {log_path})"
-            raise err from None
-        if isinstance(exc, TailguardError):
-            raise
-        raise StepError(f"the local pipeline failed: {exc}", step="pipeline", log_path=str(log_path)) from None
+        elif isinstance(exc, TailguardError):
+            err = exc
+        else:
+            err = StepError(f"the local pipeline failed: {exc}", step="pipeline", log_path=str(log_path))
+        _mark_failed(spec, uri, pipeline_run, f"Failed: {err.message}")
+        raise err from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     summary = RunSummary.from_dict(json.loads(task.output))
     (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return LocalRun(pipeline_run, log_path, summary)
 
 
-def _mark_failed(spec: Spec, uri: str, pipeline_run: str) -> None:
-    """Mark the parent run of `pipeline_run` (and its still-running children) FAILED, if it was created."""
+NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
+
+
+def _this_process() -> Any:
+    import psutil
+
+    return psutil.Process()
+
+
+def _stop_children(timeout_s: float = 5.0) -> None:
+    """Terminate the task processes this runner started (and theirs), then kill what is left after `timeout_s`."""
+    import psutil
+
+    try:
+        children = _this_process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def _fail_run(client: Any, experiment_id: str, run_id: str, note: str, failure: str) -> None:
+    """Mark a parent run and its still-running children FAILED, with `note` as the parent's description."""
+    client.set_tag(run_id, "tailguard.outcome", "failed")
+    client.set_tag(run_id, "tailguard.failure", failure)
+    client.set_tag(run_id, NOTE_TAG, note)
+    client.set_terminated(run_id, "FAILED")
+    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
+                                    max_results=1000):
+        if child.info.status == "RUNNING":
+            client.set_terminated(child.info.run_id, "FAILED")
+
+
+def _mark_failed(spec: Spec, uri: str, pipeline_run: str, note: str = "") -> list[str]:
+    """Mark the parent run of `pipeline_run` (and its still-running children) FAILED, if it was created, with
+    `note` (why) as its description. Returns the parent run ids marked."""
     import mlflow
 
+    marked = []
     try:
         mlflow.set_tracking_uri(uri)
         client = mlflow.MlflowClient()
         exp = client.get_experiment_by_name(experiment_name_for(spec))
         if exp is None:
-            return
+            return marked
         for run in client.search_runs([exp.experiment_id],
                                       filter_string=f"tags.`tailguard.pipeline_run` = '{pipeline_run}'"):
-            client.set_tag(run.info.run_id, "tailguard.outcome", "failed")
-            client.set_terminated(run.info.run_id, "FAILED")
-            for child in client.search_runs([exp.experiment_id],
-                                            filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'"):
-                if child.info.status == "RUNNING":
-                    client.set_terminated(child.info.run_id, "FAILED")
+            _fail_run(client, exp.experiment_id, run.info.run_id, note,
+                      "interrupted" if note.startswith("Interrupted") else "error")
+            marked.append(run.info.run_id)
     except Exception:  # best effort: never hide the task's own error behind a bookkeeping failure
         pass
+    return marked
+
+
+def _runner_alive(pid: str, started: str) -> bool:
+    """Whether the process `pid` of this host is the runner that started at `started` (create time, seconds)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(int(pid))
+        return abs(proc.create_time() - float(started)) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+    except psutil.Error:  # exists but unreadable (another user's process): assume alive
+        return True
+
+
+def reap_dead_runs(spec: Spec, uri: str, *, by: str = "") -> list[str]:
+    """Mark FAILED the RUNNING parent runs of this spec's model whose local runner is gone (kill -9, a crash).
+
+    Only runs started by a local runner of this host (tags tailguard.runner.host/pid/started, which resolve
+    records from the runner's environment) are judged; runs on a cluster or another machine are left alone.
+    A runner is gone when no process has its pid, or the process with that pid started at another time (pid
+    reuse). Each marked run gets a note saying so. Returns the run ids marked; never raises.
+    """
+    import mlflow
+
+    marked = []
+    try:
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment_name_for(spec))
+        if exp is None:
+            return marked
+        host = socket.gethostname()
+        runs = client.search_runs(
+            [exp.experiment_id], max_results=1000,
+            filter_string=(f"attributes.status = 'RUNNING' and tags.`tailguard.source_model` = "
+                           f"'{spec.model.registered_name}' and tags.`tailguard.runner.host` = '{host}'"))
+        for run in runs:
+            tags = run.data.tags
+            pid, started = tags.get("tailguard.runner.pid", ""), tags.get("tailguard.runner.started", "")
+            if not pid or _runner_alive(pid, started):
+                continue
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(started))) if started else "?"
+            note = (f"Marked FAILED by a later local run{f' (pipeline run {by})' if by else ''}: the local runner "
+                    f"that started this run (pid {pid} on {host}, started {when}) died without closing it "
+                    "(killed with SIGKILL / kill -9, crashed, or the machine restarted).")
+            _fail_run(client, exp.experiment_id, run.info.run_id, note, "runner_died")
+            marked.append(run.info.run_id)
+    except Exception:  # best effort: a bookkeeping failure must not stop the new run
+        pass
+    return marked
 
 
 def launch_run(spec_path: str, model_name: str, version: str) -> str:
@@ -180,6 +308,8 @@ def launch_run(spec_path: str, model_name: str, version: str) -> str:
         from tailguard.submit import submit
 
         return submit(spec, host=host, model_version=version)
+    # Create the store's tables and the experiment here, once, before detached runs race to do it.
+    configure(tracking_uri_for(spec), experiment_name_for(spec))
     run_id = f"trigger-{uuid.uuid4().hex[:12]}"
     log = home() / "runs" / f"{run_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Any, Iterator
 
-from tailguard.home import artifact_root, default_tracking_uri, quiet_environment
+from tailguard.home import artifact_root, default_tracking_uri, home, quiet_environment
+
+_INITIALISED: set[str] = set()  # tracking URIs this process has initialised (tables created, under the lock)
 
 
 def tracking_uri_for(spec: Any | None = None) -> str:
@@ -34,19 +37,68 @@ def configure(tracking_uri: str, experiment: str | None = None) -> str | None:
 
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
+    init_store(tracking_uri)
     if experiment is None:
         return None
     client = mlflow.MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         location = None
-        if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
+        if is_local_store(tracking_uri):
             location = (artifact_root() / experiment.replace("/", "_")).as_uri()
-        exp_id = client.create_experiment(experiment, artifact_location=location)
+        with store_lock(tracking_uri, "experiments"):
+            exp = client.get_experiment_by_name(experiment)  # another process may have created it meanwhile
+            exp_id = exp.experiment_id if exp is not None else \
+                client.create_experiment(experiment, artifact_location=location)
     else:
         exp_id = exp.experiment_id
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
+
+
+def is_local_store(tracking_uri: str) -> bool:
+    """A store on this machine's disk (sqlite: or file:): processes sharing it can coordinate with file locks."""
+    return tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:")
+
+
+@contextlib.contextmanager
+def store_lock(tracking_uri: str, name: str) -> Iterator[Path | None]:
+    """An exclusive fcntl lock $TAILGUARD_HOME/locks/<name>.lock held for the block, for a local store only.
+
+    Processes of one machine sharing a local (SQLite / file) store serialize store initialisation, experiment
+    creation and alias promotion with it. A remote store (a tracking server) gets no lock: yields None.
+    """
+    if not is_local_store(tracking_uri):
+        yield None
+        return
+    import fcntl
+
+    path = home() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield path
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def init_store(tracking_uri: str) -> None:
+    """Create the tables of a local SQLite store once, under a file lock, before anything else touches them.
+
+    Several processes opening a fresh SQLite store at once (trigger-launched runs, parallel tasks) otherwise race
+    in MLflow's table creation ("table ... already exists"). Idempotent and cheap after the first call of a
+    process; a no-op for other stores (a tracking server initialises its own database).
+    """
+    if not tracking_uri.startswith("sqlite:") or tracking_uri in _INITIALISED:
+        return
+    import mlflow
+
+    with store_lock(tracking_uri, "store-init"):
+        client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        client.search_experiments(max_results=1)  # tracking store: creates / migrates the tables
+        client.search_registered_models(max_results=1)  # registry store (same database)
+    _INITIALISED.add(tracking_uri)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tailguard.components.resolve.task import ALIAS_AT_START_TAG, alias_version
 from tailguard.components.search.task import SEARCH_OF_TAG, TRIAL_RUN_TAG, searched_name
 from tailguard.components.validate.gates import insufficient_reason
 from tailguard.components.validate.task import DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
@@ -67,6 +68,9 @@ class RunSummary:
         source_model, source_version: the FP32 reference.
         optimized_model: registered model holding the variants; alias: the spec's promotion alias.
         promoted_variant / promoted_version: the selected variant, or None (no alias moved).
+        promotion: promoted | superseded (a passing variant was chosen, but the alias had moved during the run to
+            a version that wins the comparison, see `promote`) | not_promoted (nothing passed, or promotion off).
+        alias_version: the version the alias points to after this run's promotion step (None: nowhere).
         promotion_enabled: False when the spec turns promotion off.
         batch_size: the batch size 'fastest' was judged at.
         variants: one VariantSummary per spec variant, spec order; a variant V with a search whose chosen
@@ -87,6 +91,8 @@ class RunSummary:
     promoted_version: str | None = None
     variants: list[VariantSummary] = field(default_factory=list)
     searches: list[dict[str, Any]] = field(default_factory=list)
+    promotion: str = "not_promoted"
+    alias_version: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -168,6 +174,10 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     from mlflow.exceptions import MlflowException
 
     client = mlflow.MlflowClient()
+    # Where the alias pointed when the run started (resolve recorded it); promotion is compare-and-set against it.
+    at_start = client.get_run(parent_run_id).data.tags.get(ALIAS_AT_START_TAG)
+    expected = (at_start or None) if at_start is not None else \
+        alias_version(client, spec.optimized_model_name, spec.promotion.alias)
     runs = client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
                               max_results=1000)
     by_variant = {r.data.tags.get(VARIANT_TAG): r for r in runs}
@@ -236,7 +246,111 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     chosen = select_fastest_passing(summary.variants)
     if chosen is not None and spec.promotion.enabled:
         # The alias moves last, after every variant is registered: a failure before this line moves nothing.
-        client.set_registered_model_alias(spec.optimized_model_name, spec.promotion.alias, chosen.version)
-        chosen.promoted = True
-        summary.promoted_variant, summary.promoted_version = chosen.variant, chosen.version
+        result = promote(client, model_name=spec.optimized_model_name, alias=spec.promotion.alias,
+                         version=str(chosen.version), parent_run_id=parent_run_id, batch_size=bs,
+                         expected=expected, tracking_uri=mlflow.get_tracking_uri())
+        summary.promotion, summary.alias_version = result.outcome, result.alias_version
+        if result.outcome == "promoted":
+            chosen.promoted = True
+            summary.promoted_variant, summary.promoted_version = chosen.variant, chosen.version
+    else:
+        summary.alias_version = alias_version(client, spec.optimized_model_name, spec.promotion.alias)
     return summary
+
+
+PROMOTION_TAG = "tailguard.promotion"  # promoted | superseded | not_promoted (on the parent run)
+ALIAS_VERSION_TAG = "tailguard.alias_version"  # the version holding the alias when the tag was written
+SUPERSEDED_BY_TAG = "tailguard.superseded_by"  # parent run id of the run whose promotion replaced this one's
+
+
+@dataclass
+class Promotion:
+    """What `promote` did: outcome promoted | superseded, the version holding the alias after it, and why."""
+
+    outcome: str
+    alias_version: str | None
+    reason: str = ""
+
+
+def _version_int(v: Any) -> int | None:
+    try:
+        return int(str(v))
+    except (TypeError, ValueError):
+        return None
+
+
+def _holder_wins(client: Any, model_name: str, holder: str, *, version: str, batch_size: int) -> tuple[bool, str]:
+    """Whether the version now holding the alias (`holder`, promoted by another run while this one ran) should keep
+    it against this run's `version`, by the rule a single run applies plus source recency.
+
+    A newer source model version (tag tailguard.source_version) wins; for the same source version the faster
+    passing variant wins (p50 at `batch_size` from each version's validation run, select_fastest_passing; ties: the
+    holder). A holder that cannot be judged (no source version or no latency recorded, e.g. promoted by hand) keeps
+    the alias: an unknown promotion is not overwritten.
+    """
+    mine, theirs = client.get_model_version(model_name, version), client.get_model_version(model_name, holder)
+    src_mine = _version_int(mine.tags.get("tailguard.source_version"))
+    src_theirs = _version_int(theirs.tags.get("tailguard.source_version"))
+    if src_mine is None or src_theirs is None:
+        return True, f"v{holder} was promoted by another process and cannot be compared"
+    if src_theirs != src_mine:
+        newer = src_theirs > src_mine
+        return newer, (f"v{holder} is built from {'a newer' if newer else 'an older'} source version "
+                       f"({src_theirs} vs {src_mine})")
+
+    def p50(mv: Any) -> float | None:
+        run_id = mv.tags.get("tailguard.run_id")
+        if not run_id or mv.tags.get("tailguard.gates") != "passed":
+            return None
+        return _metric(client.get_run(run_id), f"bs{batch_size}.latency_ms.p50")
+
+    p_mine, p_theirs = p50(mine), p50(theirs)
+    if p_theirs is None:
+        return True, f"v{holder} was promoted by another process and has no passing latency to compare"
+    if p_mine is None or p_theirs <= p_mine:
+        return True, f"v{holder} is at least as fast (p50 {p_theirs:.4g} ms vs {p_mine} ms)"
+    return False, f"v{holder} is slower (p50 {p_theirs:.4g} ms vs {p_mine:.4g} ms)"
+
+
+def promote(client: Any, *, model_name: str, alias: str, version: str, parent_run_id: str, batch_size: int,
+            expected: str | None, tracking_uri: str) -> Promotion:
+    """Move `alias` to `version`, compare-and-set: only if the alias still points where it pointed when the run
+    decided (`expected`, None = nowhere); else re-decide against the version it now points to (`_holder_wins`).
+
+    For a local store the re-read and the move happen under a file lock ($TAILGUARD_HOME/locks), so two runs of
+    one machine cannot interleave them; for a remote store the alias is re-read right before it is set. Tags are
+    written under the same lock, so they stay true: this run's parent run gets tailguard.promotion (promoted |
+    superseded) and tailguard.alias_version; when this run takes the alias from a version another run promoted
+    while this one ran, that run's parent is re-tagged superseded (tailguard.superseded_by = this run).
+    """
+    from mlflow.exceptions import MlflowException
+
+    from tailguard.tracking import store_lock
+
+    with store_lock(tracking_uri, f"promote-{model_name}"):
+        holder = alias_version(client, model_name, alias)
+        reason = ""
+        if holder is not None and holder != expected and holder != version:
+            keep, reason = _holder_wins(client, model_name, holder, version=version, batch_size=batch_size)
+            if keep:
+                _tag(client, parent_run_id, "superseded", holder, reason)
+                return Promotion("superseded", holder, reason)
+            try:  # the run that promoted `holder` no longer holds the alias: say so on its parent run
+                other = client.get_run(client.get_run(client.get_model_version(model_name, holder)
+                                                      .tags["tailguard.run_id"]).data.tags["mlflow.parentRunId"])
+                if other.info.run_id != parent_run_id:
+                    _tag(client, other.info.run_id, "superseded", version, f"v{version} of run {parent_run_id} "
+                         f"took the alias: {reason.replace(f'v{holder} is', 'it was')}")
+                    client.set_tag(other.info.run_id, SUPERSEDED_BY_TAG, parent_run_id)
+            except (MlflowException, KeyError):
+                pass
+        client.set_registered_model_alias(model_name, alias, version)
+        _tag(client, parent_run_id, "promoted", version, reason)
+        return Promotion("promoted", version, reason)
+
+
+def _tag(client: Any, run_id: str, outcome: str, holder: str | None, reason: str) -> None:
+    client.set_tag(run_id, PROMOTION_TAG, outcome)
+    client.set_tag(run_id, ALIAS_VERSION_TAG, holder or "none")
+    if reason:
+        client.set_tag(run_id, "tailguard.promotion_reason", reason)

@@ -17,7 +17,7 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     """
     import mlflow
 
-    from tailguard.components.register.logic import register_and_promote
+    from tailguard.components.register.logic import ALIAS_VERSION_TAG, PROMOTION_TAG, register_and_promote
     from tailguard.spec import spec_from_yaml
     from tailguard.tracking import configure
 
@@ -33,6 +33,10 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     client.set_tag(parent_run_id, "tailguard.promoted_variant", summary.promoted_variant or "none")
     client.set_tag(parent_run_id, "tailguard.promoted_version", summary.promoted_version or "none")
     client.set_tag(parent_run_id, "tailguard.outcome", "promoted" if summary.promoted_version else
+                   "superseded" if summary.promotion == "superseded" else
                    ("no_passing_variant" if not summary.any_passed else "promotion_disabled"))
+    if summary.promotion == "not_promoted":  # promoted / superseded: `promote` tagged the run under its lock
+        client.set_tag(parent_run_id, PROMOTION_TAG, "not_promoted")
+        client.set_tag(parent_run_id, ALIAS_VERSION_TAG, summary.alias_version or "none")
     client.set_terminated(parent_run_id, "FINISHED")
     return json.dumps(d, default=str)

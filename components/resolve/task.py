@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 from tailguard.taskio import task_entry
 
 PARENT_TAG = "tailguard.pipeline_run"
+# Set by the local runner (tailguard.runner.run_local) in the environment its tasks inherit; recorded on the parent
+# run so that a later local run can tell a run whose runner died (kill -9) from one still going. Absent on a cluster.
+RUNNER_ENV = {"TAILGUARD_RUNNER_PID": "tailguard.runner.pid", "TAILGUARD_RUNNER_HOST": "tailguard.runner.host",
+              "TAILGUARD_RUNNER_STARTED": "tailguard.runner.started"}
+# Where the promotion alias pointed when the run started ("" = nowhere): promotion is compare-and-set against it.
+ALIAS_AT_START_TAG = "tailguard.alias_at_start"
 
 
 @task_entry("resolve")
@@ -41,6 +49,8 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
             "tailguard.source_version": str(resolved.version), "tailguard.source_format": resolved.format,
             "tailguard.source_sha256": resolved.sha256 or ""}
     tags.update({f"tailguard.label.{k}": v for k, v in spec.metadata.labels.items()})
+    tags.update({tag: os.environ[env] for env, tag in RUNNER_ENV.items() if os.environ.get(env)})
+    tags[ALIAS_AT_START_TAG] = alias_version(client, spec.optimized_model_name, spec.promotion.alias) or ""
     run = client.create_run(exp_id, run_name=f"{spec.metadata.name}-v{resolved.version}", tags=tags)
     client.log_text(run.info.run_id, spec_yaml, "spec.yaml")
     client.log_param(run.info.run_id, "model.registered_name", spec.model.registered_name)
@@ -50,6 +60,16 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     # Where the files sit inside the KFP artifact folder: later tasks see that folder at another path.
     d["artifact_subdir"] = str(Path(resolved.local_dir).resolve().relative_to(Path(out_dir).resolve()))
     return json.dumps(d, default=str), run.info.run_id
+
+
+def alias_version(client: Any, model_name: str, alias: str) -> str | None:
+    """The version `alias` of `model_name` points to, or None (no such model or alias)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(model_name, alias).version)
+    except MlflowException:
+        return None
 
 
 def load_resolved(resolved_json: str, reference_dir: str):
