@@ -280,6 +280,19 @@ def test_build_variant_calibrates_every_op_when_extended_fusions_defeat_plain_sh
     assert res.details["preprocess"]["ran"] and res.details["quantized_by_op"].get("Softmax") == 1
 
 
+def test_build_variant_leaves_no_file_in_the_current_directory_when_shape_inference_fails_first(tiny, tmp_path,
+                                                                                               monkeypatch):
+    # the first quant_pre_process try fails on FusedMatMul: ORT then dumps sym_shape_infer_temp.onnx + <uuid>.data
+    # into the current directory; the build must keep them out of the caller's folder
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    res = _build(tiny, tmp_path, name="st-cwd", precision="int8", quantization={"mode": "static"})
+    assert res.status == "ok" and "first_try" in res.details["preprocess"], res.details.get("preprocess")
+    assert list(cwd.iterdir()) == []
+    assert not list((tmp_path / "st-cwd").glob("preprocess-*"))  # the scratch folder is removed
+
+
 def test_build_variant_uses_qlinear_or_integer_ops_when_format_is_qoperator(tiny, tmp_path):
     res = _build(tiny, tmp_path, name="st-qop", precision="int8",
                  quantization={"mode": "static", "format": "qoperator"})

@@ -282,18 +282,24 @@ def _preprocess(src: Path, dst: Path, details: dict[str, Any]) -> Path:
     optimization. Graphs with contrib ops that symbolic shape inference does not know (FusedMatMul after ORT's
     extended level) fail "Incomplete symbolic shape inference"; a second try guesses those ops' output rank
     (guess_output_rank=True), without which the Softmax after them stays untyped and uncalibrated. If both fail,
-    the unprocessed graph is quantized and the reasons are recorded."""
+    the unprocessed graph is quantized and the reasons are recorded.
+
+    ORT's symbolic shape inference dumps `sym_shape_infer_temp.onnx` and a `<uuid>.data` file into the *current
+    directory* when it fails; it runs with a scratch folder beside `dst` as the current directory, removed after,
+    so nothing lands in the caller's folder."""
     from onnxruntime.quantization import quant_pre_process
 
+    src, dst = Path(src).resolve(), Path(dst).resolve()
     errors = []
-    for options in ({"auto_merge": True}, {"auto_merge": True, "guess_output_rank": True}):
-        try:
-            quant_pre_process(str(src), str(dst), **options)
-        except Exception as exc:  # symbolic shape inference fails on some graphs; quantization still can run
-            errors.append(f"{options}: {type(exc).__name__}: {str(exc)[:200]}")
-            continue
-        details["preprocess"] = {"ran": True, **options, **({"first_try": errors[0]} if errors else {})}
-        return dst
+    with tempfile.TemporaryDirectory(prefix="preprocess-", dir=dst.parent) as scratch, contextlib.chdir(scratch):
+        for options in ({"auto_merge": True}, {"auto_merge": True, "guess_output_rank": True}):
+            try:
+                quant_pre_process(str(src), str(dst), **options)
+            except Exception as exc:  # symbolic shape inference fails on some graphs; quantization still can run
+                errors.append(f"{options}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            details["preprocess"] = {"ran": True, **options, **({"first_try": errors[0]} if errors else {})}
+            return dst
     details["preprocess"] = {"ran": False, "error": "; ".join(errors)}
     return src
 
