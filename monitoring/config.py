@@ -21,8 +21,6 @@ MISSING_VALUE = "missing"
 # Metric direction: True = higher is better (bad when low). Formulas: components/validate/parity.py.
 HIGHER_IS_BETTER: dict[str, bool] = {"top1_agree": True, "cosine_similarity": True, "kl_divergence": False,
                                      "abs_error": False, "rel_error": False}
-# 0/1 per-row metrics (their betting CUSUM is Page's Bernoulli CUSUM; monitoring/stats.py).
-BINARY_METRICS = frozenset({"top1_agree"})
 # Range of each per-row metric (components/validate/parity.py): the detector bets against the bound on the good
 # side (monitoring/stats.py), so only that one must be finite.
 METRIC_RANGE: dict[str, tuple[float, float]] = {"top1_agree": (0.0, 1.0), "cosine_similarity": (-1.0, 1.0),

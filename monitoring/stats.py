@@ -203,6 +203,18 @@ def _betting(sign: float, span: float) -> Betting:
     return Betting(sign, tuple(2.0 ** -j / span for j in range(1, N_BETS + 1)), span)
 
 
+def _clip(bet: Betting, excess: float) -> float:
+    """The excess on the side `bet` bets on, clipped to [-span, cap] (keeps every factor >= 0)."""
+    return min(max(bet.sign * excess, -bet.span), bet.cap)
+
+
+def _add_walk(walk: list[float], bet: Betting, excess: float, r: float) -> None:
+    """Accumulate one row's log factors per bet into an unclipped walk (a replica's recovery-side evidence)."""
+    y = _clip(bet, excess)
+    for j, lam in enumerate(bet.lambdas):
+        walk[j] += math.log1p(lam * r * y)
+
+
 class Cusum:
     """N_BETS one-sided CUSUMs of one (slice, metric) stream (formula: module docstring).
 
@@ -223,8 +235,7 @@ class Cusum:
 
     def update(self, bet: Betting, excess: float, r: float, row: int, request_index: int | None) -> None:
         """Add one row: excess y on the bad side (already in the alarm's sign), weight ratio r in (0, 1]."""
-        y = bet.sign * excess
-        y = min(max(y, -bet.span), bet.cap)
+        y = _clip(bet, excess)
         s, walk = self.s, self.walk
         for j, lam in enumerate(bet.lambdas):
             inc = math.log1p(lam * r * y)
@@ -239,13 +250,6 @@ class Cusum:
                     self.start[j] = row
                     self.start_request[j] = request_index
                 s[j] = v
-
-    def add_walk(self, bet: Betting, excess: float, r: float) -> None:
-        """Only accumulate the unclipped walk (a replica's recovery-side evidence for the combiner)."""
-        y = min(max(bet.sign * excess, -bet.span), bet.cap)
-        walk = self.walk
-        for j, lam in enumerate(bet.lambdas):
-            walk[j] += math.log1p(lam * r * y)
 
     def add_batch(self, increments: Sequence[float], row: int) -> None:
         """Add a batch's summed log factors per bet (evidence from a replica); clipping at batch boundaries only."""
@@ -285,7 +289,7 @@ class Stream:
 
     def __init__(self, export_walks: bool = False) -> None:
         self.alarm = Cusum()
-        self.rec_walk = Cusum() if export_walks else None
+        self.rec_walk: list[float] | None = [0.0] * N_BETS if export_walks else None
         self.recovery: Cusum | None = None
         self.active = False
         self.alerts = 0
@@ -472,7 +476,7 @@ class SliceStatistics:
         alarm_bet, rec_bet = self.bets[metric]
         row = s.rows
         if stream.rec_walk is not None:
-            stream.rec_walk.add_walk(rec_bet, y, r)
+            _add_walk(stream.rec_walk, rec_bet, y, r)
         if stream.active and stream.recovery is not None:
             stream.recovery.update(rec_bet, y, r, row, request_index)
             stream.alarm.update(alarm_bet, y, r, row, request_index)  # keeps the walk (replicas) current
@@ -569,7 +573,7 @@ class SliceStatistics:
                 continue
             out[key] = {"incarnation": s.incarnation, "rows": s.rows,
                         "metrics": {m: {"alarm": list(st.alarm.walk),
-                                        "recovery": list(st.rec_walk.walk) if st.rec_walk is not None else []}
+                                        "recovery": list(st.rec_walk) if st.rec_walk is not None else []}
                                     for m, st in s.streams.items()}}
         return {"version": self.version, "slices": out}
 
