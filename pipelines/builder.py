@@ -7,6 +7,8 @@ node-pool settings):
                                     \\-> build-<variant> -> validate-<variant>   (one pair per variant)
                                                          -> search-<variant>   (variants with `search:` only)
     register-and-promote  (after every validate and search task; reads the nested MLflow runs)
+    finalize-run  (cluster form: the exit handler around every task after check-data; marks the parent run
+                   FAILED with the first task error when the pipeline fails or is cancelled)
 
 State that crosses tasks: model files as KFP artifacts; metrics and decisions in MLflow (the parent
 run id is a task output). Caching is off: the tasks write to MLflow.
@@ -51,22 +53,28 @@ def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: boo
     return task
 
 
-def build_pipeline(spec: Spec, *, cluster: bool = False) -> Callable[..., Any]:
+def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | None" = None) -> Callable[..., Any]:
     """A `@dsl.pipeline` function for `spec`.
 
     Args:
         spec: a validated spec (its variants become tasks).
         cluster: add what only a cluster uses (images, GPU requests, node selectors, tolerations, secrets).
             Local runs leave them out; the DAG is the same.
+        exit_handler: wrap every task after check-data in a `dsl.ExitHandler` whose exit task (finalize-run)
+            marks the parent MLflow run FAILED, with the first task error as its description, when the pipeline
+            fails or is cancelled. Default: on for the cluster, off locally (the local runner closes the run and
+            needs the pipeline's output, which KFP cannot compile beside an exit handler).
 
     Returns:
         The pipeline function; parameters spec_yaml, tracking_uri, model_version ('' = the spec's), pipeline_run
-        (a label for the parent run). It returns the run summary JSON (register-and-promote's output).
+        (a label for the parent run). Without the exit handler it returns the run summary JSON
+        (register-and-promote's output); with it, nothing (the summary is summary.json on the parent run).
     """
     from kfp import dsl
 
     from tailguard.components.check_data.component import check_data
     from tailguard.components.export.component import export, reference_pass
+    from tailguard.components.finalize.component import finalize_run
     from tailguard.components.quantize.component import build_variant
     from tailguard.components.register.component import register_and_promote
     from tailguard.components.resolve.component import resolve
@@ -74,18 +82,16 @@ def build_pipeline(spec: Spec, *, cluster: bool = False) -> Callable[..., Any]:
     from tailguard.components.validate.component import validate_variant
 
     variants: list[VariantSpec] = list(spec.variants)
+    if exit_handler is None:
+        exit_handler = cluster
 
-    @dsl.pipeline(name=spec.metadata.name,
-                  description=f"tailguard: optimize and validate {spec.model.registered_name} "
-                              f"({len(variants)} variants), promote by alias '{spec.promotion.alias}'")
-    def tailguard_pipeline(spec_yaml: str, tracking_uri: str, model_version: str = "",
-                           pipeline_run: str = "") -> str:
-        def cfg(task: Any, name: str, gpu: bool = False) -> Any:
-            return _configure_task(task, spec, name=name, gpu=gpu, cluster=cluster)
+    def cfg(task: Any, name: str, gpu: bool = False) -> Any:
+        return _configure_task(task, spec, name=name, gpu=gpu, cluster=cluster)
 
-        chk = cfg(check_data(spec_yaml=spec_yaml), "check-data")
+    def steps(chk: Any, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run: str) -> Any:
+        """Every task after check-data `chk` but the exit handler; returns register-and-promote's task."""
         res = cfg(resolve(spec_yaml=spec_yaml, tracking_uri=tracking_uri, model_version=model_version,
-                          pipeline_run=pipeline_run), "resolve").after(chk)
+                          pipeline_run=pipeline_run, kfp_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "resolve").after(chk)
         exp = cfg(export(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
                          reference=res.outputs["reference"]), "export")
         ref = cfg(reference_pass(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
@@ -111,12 +117,34 @@ def build_pipeline(spec: Spec, *, cluster: bool = False) -> Callable[..., Any]:
                                                    tracking_uri=tracking_uri, onnx_model=exp.outputs["onnx_model"],
                                                    reference_outputs=ref.outputs["outputs"]),
                                     f"search-{v.name}", v.needs_gpu))
-        reg = cfg(register_and_promote(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
-                                       parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri),
-                  "register-and-promote").after(*validations, *searches)
-        return reg.outputs["Output"]
+        return cfg(register_and_promote(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
+                                        parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri),
+                   "register-and-promote").after(*validations, *searches)
 
-    return tailguard_pipeline
+    name = spec.metadata.name
+    description = (f"tailguard: optimize and validate {spec.model.registered_name} ({len(variants)} variants), "
+                   f"promote by alias '{spec.promotion.alias}'")
+    if not exit_handler:
+        @dsl.pipeline(name=name, description=description)
+        def tailguard_pipeline(spec_yaml: str, tracking_uri: str, model_version: str = "",
+                               pipeline_run: str = "") -> str:
+            chk = cfg(check_data(spec_yaml=spec_yaml), "check-data")
+            return steps(chk, spec_yaml, tracking_uri, model_version, pipeline_run).outputs["Output"]
+
+        return tailguard_pipeline
+
+    @dsl.pipeline(name=name, description=description)
+    def tailguard_pipeline_with_exit_handler(spec_yaml: str, tracking_uri: str, model_version: str = "",
+                                             pipeline_run: str = ""):
+        # KFP cannot compile a pipeline output beside an ExitHandler: this form returns nothing (the summary is
+        # summary.json on the parent MLflow run). check-data opens no MLflow run, so it stays outside.
+        chk = cfg(check_data(spec_yaml=spec_yaml), "check-data")
+        fin = cfg(finalize_run(spec_yaml=spec_yaml, tracking_uri=tracking_uri,
+                               kfp_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "finalize-run")
+        with dsl.ExitHandler(fin, name="close-parent-run"):
+            steps(chk, spec_yaml, tracking_uri, model_version, pipeline_run)
+
+    return tailguard_pipeline_with_exit_handler
 
 
 def compile_pipeline(spec: Spec, out_path: str) -> str:

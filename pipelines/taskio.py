@@ -33,15 +33,28 @@ def task_entry(step: str) -> Callable[[F], F]:
                 return fn(*args, **kwargs)
             except TailguardError as err:
                 print(ERROR_MARKER + dumps_error(err), file=sys.stderr, flush=True)
+                _record_on_parent(step, err, kwargs)
                 raise
             except Exception as exc:  # an unexpected bug: keep the traceback in the log, report a StepError
                 err = StepError(f"{type(exc).__name__}: {exc}", step=step, variant=kwargs.get("variant_name"))
                 print(ERROR_MARKER + dumps_error(err), file=sys.stderr, flush=True)
+                _record_on_parent(step, err, kwargs)
                 raise
 
         return wrapper  # type: ignore[return-value]
 
     return deco
+
+
+def _record_on_parent(step: str, err: TailguardError, kwargs: dict[str, Any]) -> None:
+    """Put the error on the parent MLflow run when the task knows it (tasks after resolve): the cluster's exit
+    handler (components/finalize) writes it into the failed run's description."""
+    parent, uri = kwargs.get("parent_run_id"), kwargs.get("tracking_uri")
+    if parent and uri:
+        from tailguard.tracking import record_task_failure
+
+        where = f"{step}" + (f" ({kwargs['variant_name']})" if kwargs.get("variant_name") else "")
+        record_task_failure(uri, parent, f"{where}: {err.message}")
 
 
 def find_error_records(text: str) -> list[dict[str, Any]]:

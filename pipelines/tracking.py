@@ -112,3 +112,42 @@ def closing_run(client: Any, run_id: str) -> Iterator[str]:
         raise
     if client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id, "FINISHED")
+
+
+NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI
+KFP_RUN_TAG = "tailguard.kfp_run"  # the KFP pipeline job id (dsl.PIPELINE_JOB_ID_PLACEHOLDER) of a parent run
+FAILURE_MESSAGE_TAG = "tailguard.failure_message"  # the first task error of a run, set by the failing task
+
+
+def fail_parent_run(client: Any, experiment_id: str, run_id: str, note: str, failure: str) -> None:
+    """Mark a parent run and its still-running children FAILED, with `note` as the parent's description.
+
+    Args:
+        client: an `mlflow.MlflowClient`.
+        experiment_id / run_id: the parent run.
+        note: the description (mlflow.note.content): why it failed, in words.
+        failure: a short code for the `tailguard.failure` tag (error, interrupted, runner_died, kfp_failed...).
+    """
+    client.set_tag(run_id, "tailguard.outcome", "failed")
+    client.set_tag(run_id, "tailguard.failure", failure)
+    client.set_tag(run_id, NOTE_TAG, note)
+    client.set_terminated(run_id, "FAILED")
+    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
+                                    max_results=1000):
+        if child.info.status == "RUNNING":
+            client.set_terminated(child.info.run_id, "FAILED")
+
+
+def record_task_failure(tracking_uri: str, parent_run_id: str, message: str) -> None:
+    """Best effort: put a failing task's error on its parent run (`tailguard.failure_message`), unless an earlier
+    task already did, so that a cluster run's exit handler can write it into the run's description.
+    Never raises (the task's own error must not be hidden by bookkeeping)."""
+    try:
+        import mlflow
+
+        mlflow.set_tracking_uri(tracking_uri)
+        client = mlflow.MlflowClient()
+        if FAILURE_MESSAGE_TAG not in client.get_run(parent_run_id).data.tags:
+            client.set_tag(parent_run_id, FAILURE_MESSAGE_TAG, message[:4000])
+    except Exception:
+        pass

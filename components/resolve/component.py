@@ -10,8 +10,11 @@ from tailguard.components.images import CPU_IMAGE
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def resolve(spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run: str,
-            reference: Output[Model]) -> NamedTuple("ResolveOutputs", [("resolved", str), ("parent_run_id", str)]):
+            reference: Output[Model], kfp_run: str = "") -> NamedTuple("ResolveOutputs", [("resolved", str), ("parent_run_id", str)]):
     """Resolve `model.registered_name` at `model_version` ('' = the spec's), refuse untrusted pickles.
+
+    `kfp_run` (the KFP job id) is recorded on the parent run: the exit handler (components/finalize) finds the
+    run by it.
 
     Returns:
         resolved: JSON of the resolved model (format, version, sha256, files).
@@ -22,5 +25,5 @@ def resolve(spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     from tailguard.components.resolve.task import main
 
     resolved, parent = main(spec_yaml=spec_yaml, tracking_uri=tracking_uri, model_version=model_version,
-                            pipeline_run=pipeline_run, out_dir=reference.path)
+                            pipeline_run=pipeline_run, out_dir=reference.path, kfp_run=kfp_run)
     return namedtuple("ResolveOutputs", ["resolved", "parent_run_id"])(resolved, parent)

@@ -21,7 +21,7 @@ ALIAS_AT_START_TAG = "tailguard.alias_at_start"
 
 @task_entry("resolve")
 def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run: str,
-         out_dir: str) -> tuple[str, str]:
+         out_dir: str, kfp_run: str = "") -> tuple[str, str]:
     """Resolve the FP32 reference into `out_dir` and create the parent run (status RUNNING).
 
     Returns:
@@ -50,6 +50,10 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
             "tailguard.source_sha256": resolved.sha256 or ""}
     tags.update({f"tailguard.label.{k}": v for k, v in spec.metadata.labels.items()})
     tags.update({tag: os.environ[env] for env, tag in RUNNER_ENV.items() if os.environ.get(env)})
+    if kfp_run:
+        from tailguard.tracking import KFP_RUN_TAG
+
+        tags[KFP_RUN_TAG] = kfp_run
     tags[ALIAS_AT_START_TAG] = alias_version(client, spec.optimized_model_name, spec.promotion.alias) or ""
     run = client.create_run(exp_id, run_name=f"{spec.metadata.name}-v{resolved.version}", tags=tags)
     client.log_text(run.info.run_id, spec_yaml, "spec.yaml")
