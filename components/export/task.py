@@ -43,30 +43,93 @@ def check_batches(spec: Any, ds: Any) -> list[dict[str, np.ndarray]]:
     return [make_batch(ds, idx, spec.model.inputs, pad_values=spec.model.pad_values) for idx in (first, second)]
 
 
+def reference_parts(resolved: Any, spec: Any) -> dict[str, Any] | None:
+    """What identifies the FP32 reference, for cache keys (tailguard.cache): its format, files and their bytes,
+    the torch class it loads with (and the source file of that class's module), and the model section (exported
+    shapes, export settings, pad values).
+
+    Returns:
+        The parts, or None (no caching) when the reference names a class whose module's source file cannot be
+        found: an edit of that class could not be seen. Modules the class's module imports are not hashed.
+    """
+    from tailguard.cache import dir_sha256, file_sha256
+
+    parts: dict[str, Any] = {
+        "format": resolved.format, "model_file": resolved.model_file, "sha256": resolved.sha256,
+        "files": dir_sha256(resolved.local_dir), "class_path": resolved.class_path,
+        "init_kwargs": resolved.init_kwargs,
+        "model": spec.model.model_dump(mode="json", exclude={"version", "registered_name"}),
+    }
+    if resolved.class_path:
+        import importlib.util
+
+        from tailguard.components.resolve import logic as resolve_logic
+
+        if hasattr(resolve_logic, "add_model_path"):  # the folders a model class is imported from
+            resolve_logic.add_model_path()
+        try:
+            found = importlib.util.find_spec(resolved.class_path.split(":")[0])
+        except (ImportError, ValueError):
+            found = None
+        if found is None or not found.origin or not Path(found.origin).is_file():
+            return None
+        parts["class_source"] = file_sha256(found.origin)
+    return parts
+
+
+def _validation_parts(spec: Any) -> dict[str, Any] | None:
+    """The validation section and file SHA-256, or None for a remote file (not cached)."""
+    from tailguard.cache import data_sha256
+
+    digest = data_sha256(spec.data.validation.uri)
+    if digest is None:
+        return None
+    return {**spec.data.validation.model_dump(mode="json", exclude={"uri"}), "sha256": digest}
+
+
 @task_entry("export")
 def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str) -> str:
     """Write `out_dir/model.onnx`: the exported (torch) or checked (ONNX) FP32 reference.
+
+    A pure step (no MLflow): under `tailguard run` its output comes from the local cache (tailguard.cache) when
+    the reference's bytes, the model section, the validation rows it checks with and the versions are unchanged.
+
+    Returns:
+        JSON facts of the export plus "cached" (true: copied from the cache, not exported).
 
     Raises:
         ExportMismatchError: an output differs beyond its tolerance (every output's max diff listed; exit 1).
         InputError: a corrupt ONNX reference (exit 2).
     """
-    from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
-    from tailguard.components.resolve.logic import load_torch_reference
+    from tailguard.cache import cached_step
     from tailguard.components.resolve.task import load_resolved
-    from tailguard.data import load_validation
-    from tailguard.runtime import TorchRunner
     from tailguard.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
     resolved = load_resolved(resolved_json, reference_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    parts = reference_parts(resolved, spec)
+    if parts is not None and resolved.format != "onnx":  # the export check reads validation rows
+        validation = _validation_parts(spec)
+        parts = None if validation is None else {**parts, "validation": validation}
+    facts = cached_step("export", parts, out, lambda: _export(spec, resolved, out), label="export")
+    return json.dumps(facts, default=str)
+
+
+def _export(spec: Any, resolved: Any, out: Path) -> dict[str, Any]:
+    """Export (torch) or check and copy (ONNX) the reference into `out`; returns the facts."""
+    from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
+
     if resolved.format == "onnx":
         facts = check_onnx_file(resolved.onnx_path)
         _copy_onnx(Path(resolved.onnx_path), out)
         facts["exporter"] = "none (reference is ONNX)"
-        return json.dumps(facts, default=str)
+        return facts
+    from tailguard.components.resolve.logic import load_torch_reference
+    from tailguard.data import load_validation
+    from tailguard.runtime import TorchRunner
+
     module = load_torch_reference(resolved, spec.model)
     ds = load_validation(spec)
     batches = check_batches(spec, ds)
@@ -74,7 +137,7 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str
     runner = TorchRunner(module, [i.name for i in spec.model.inputs])
     facts["check"] = check_export(runner, str(out / ONNX_FILE), batches, spec.model)
     write_json(out / "export.json", facts)
-    return json.dumps(facts, default=str)
+    return facts
 
 
 @task_entry("reference-pass")
@@ -82,7 +145,10 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
                    reference_dir: str, onnx_dir: str, out_dir: str, metrics: Any = None) -> str:
     """Run the FP32 reference over the validation set; time torch eager FP32 and ONNX Runtime FP32.
 
-    Writes `out_dir/reference_outputs.npz` (one array per model output, (rows, ...), original row order).
+    Writes `out_dir/reference_outputs.npz` (one array per model output, (rows, ...), original row order). Those
+    outputs are pure and served from the local cache under `tailguard run` (tailguard.cache); the timings and the
+    MLflow logging (metrics and calibration coverage on the parent run) run every time, so KFP caching stays off
+    for this task.
 
     Returns:
         JSON {"torch": {batch size: perf} | null, "onnx_fp32": {batch size: perf}, "rows": n}.
@@ -92,6 +158,7 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
     """
     import mlflow
 
+    from tailguard.cache import cached_step, dir_sha256
     from tailguard.components.resolve.logic import load_torch_reference
     from tailguard.components.resolve.task import load_resolved
     from tailguard.components.validate.latency import benchmark
@@ -112,17 +179,27 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
     if resolved.format != "onnx":
         torch_runner = TorchRunner(load_torch_reference(resolved, spec.model), names, intra_op_num_threads=threads)
     truth = torch_runner or onnx_runner
-    outputs = run_dataset(truth, ds, spec.model.inputs, batch_size=spec.data.validation.batch_size,
-                          pad_values=spec.model.pad_values)
-    for spec_out, arr in zip(spec.model.outputs, outputs):
-        if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
-            bad = int((~np.isfinite(arr.reshape(len(arr), -1))).any(axis=1).sum())
-            raise StepError(f"the FP32 reference output {spec_out.name!r} has NaN/Inf in {bad} validation rows",
-                            step="reference-pass",
-                            hint="check the validation inputs (data.validation.uri) and the reference model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / REFERENCE_FILE, **{o.name: a for o, a in zip(spec.model.outputs, outputs)})
+
+    def reference_outputs() -> dict[str, Any]:
+        outputs = run_dataset(truth, ds, spec.model.inputs, batch_size=spec.data.validation.batch_size,
+                              pad_values=spec.model.pad_values)
+        for spec_out, arr in zip(spec.model.outputs, outputs):
+            if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+                bad = int((~np.isfinite(arr.reshape(len(arr), -1))).any(axis=1).sum())
+                raise StepError(f"the FP32 reference output {spec_out.name!r} has NaN/Inf in {bad} validation rows",
+                                step="reference-pass",
+                                hint="check the validation inputs (data.validation.uri) and the reference model")
+        np.savez(out / REFERENCE_FILE, **{o.name: a for o, a in zip(spec.model.outputs, outputs)})
+        return {"rows": ds.n_rows}
+
+    # The outputs are pure (cached under `tailguard run`); the timings below and the MLflow logging are not.
+    validation, reference = _validation_parts(spec), reference_parts(resolved, spec)
+    parts = None if validation is None or reference is None else {
+        **reference, "validation": validation, "threads": threads,
+        "onnx": dir_sha256(onnx_dir, prefix=ONNX_FILE) if torch_runner is None else None}
+    cached_step("reference-outputs", parts, out, reference_outputs, label="reference outputs")
     baselines: dict[str, Any] = {"rows": ds.n_rows, "torch": None,
                                  "onnx_fp32": benchmark(onnx_runner, ds, spec.model.inputs, spec.benchmark,
                                                         pad_values=spec.model.pad_values)}

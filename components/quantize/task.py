@@ -1,11 +1,79 @@
-"""Task glue of the build-variant component."""
+"""Task glue of the build-variant component.
+
+A pure step: it writes the variant's files and returns a StepResult, and writes nothing to MLflow (the validate
+task logs what the build measured, from the StepResult it receives). Under `tailguard run` its output is served
+from the local cache (tailguard.cache) when the FP32 model, the variant's sections, the data it reads and the
+versions are the same as in an earlier run.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
 from tailguard.taskio import task_entry, write_json
+
+ONNX_FILE = "model.onnx"  # export's output file (components/export/task.py ONNX_FILE; not imported: cheap start-up)
+
+
+def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path) -> dict[str, Any] | None:
+    """What a build reads, for the cache key (tailguard.cache.cache_key): the FP32 model's bytes, the variant
+    (all but its `search` section, which a build does not read), the model section (inputs, pad values), and for
+    a static INT8 build or a sensitivity ranking the calibration section and the calibration file's SHA-256.
+
+    Returns:
+        The parts, or None when an input cannot be hashed (a remote calibration file): then no caching.
+    """
+    from tailguard.cache import data_sha256, dir_sha256
+
+    static = variant.quantization is not None and variant.quantization.mode == "static"
+    sens = _wants_sensitivity(spec, variant)
+    parts: dict[str, Any] = {
+        "fp32_onnx": dir_sha256(onnx_dir, prefix=ONNX_FILE),
+        "variant": variant.model_dump(mode="json", exclude={"search"}),
+        "model": spec.model.model_dump(mode="json", exclude={"version", "registered_name", "description"}),
+        "sensitivity": spec.analysis.sensitivity.model_dump(mode="json") if sens else None,
+    }
+    if static or sens:
+        digest = data_sha256(spec.data.calibration.uri)
+        if digest is None:
+            return None
+        parts["calibration"] = {**spec.data.calibration.model_dump(mode="json", exclude={"uri"}), "sha256": digest}
+    return parts
+
+
+def skip_torch_in_ort_tools() -> bool:
+    """Keep ONNX Runtime's quantization tools from importing torch in this process.
+
+    `onnxruntime.tools/__init__` imports `pytorch_export_helpers` (and so torch) whenever torch is installed, and
+    `quant_pre_process` (symbolic shape inference) imports `onnxruntime.tools`: every INT8 build would pay for a
+    torch import (1.5 s on an idle 2-core machine, up to 9 s on a busy one) for `infer_input_info`, which no build
+    calls. This registers a placeholder module under that name whose `infer_input_info` raises ImportError.
+    Nothing is done when torch or the real module is already imported (then there is nothing to save).
+
+    Returns:
+        True when the placeholder was registered.
+    """
+    name = "onnxruntime.tools.pytorch_export_helpers"
+    if name in sys.modules or "torch" in sys.modules:
+        return False
+    placeholder = types.ModuleType(name, "tailguard placeholder: the build task does not load torch")
+
+    def infer_input_info(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"{name} is a placeholder in tailguard's build task (skip_torch_in_ort_tools): torch "
+                          "is not loaded there; call it from a process that has not built a variant")
+
+    placeholder.infer_input_info = infer_input_info  # type: ignore[attr-defined]
+    sys.modules[name] = placeholder
+    return True
+
+
+def _wants_sensitivity(spec: Any, variant: Any) -> bool:
+    return (spec.analysis.sensitivity.enabled and variant.precision == "int8" and variant.backend == "onnxruntime"
+            and variant.search is None)
 
 
 @task_entry("build-variant")
@@ -13,33 +81,48 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
     """Build variant `variant_name` from `onnx_dir/model.onnx` into `out_dir`.
 
     A variant that cannot be built here (no GPU for TensorRT, a quantizer failure) is returned with status
-    skipped/failed and its reason; the run goes on with the other variants.
+    skipped/failed and its reason; the run goes on with the other variants. Only ok builds are cached.
 
     Returns:
-        JSON StepResult; `artifact` is the model file name relative to `out_dir`.
+        JSON StepResult plus "variant" and "cached" (true: copied from the local cache, not built);
+        `artifact` is the model file name relative to `out_dir`.
     """
-    from tailguard.components.export.task import ONNX_FILE
-    from tailguard.components.quantize.logic import build_variant
-    from tailguard.data import load_calibration
+    from tailguard.cache import cached_step
     from tailguard.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
     variant = next(v for v in spec.variants if v.name == variant_name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+
+    def build() -> dict[str, Any]:
+        return _build(spec, variant, Path(onnx_dir), out)
+
+    parts = cache_parts(spec, variant, onnx_dir)
+    d = cached_step("build", parts, out, build, label=f"build {variant_name}",
+                    cacheable=lambda r: r.get("status") == "ok")
+    write_json(out / "build.json", d)
+    return json.dumps(d, default=str)
+
+
+def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path) -> dict[str, Any]:
+    """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant"."""
+    skip_torch_in_ort_tools()
+    from tailguard.components.quantize.logic import build_variant
+    from tailguard.data import load_calibration
+
     needs_calibration = variant.quantization is not None and variant.quantization.mode == "static"
     calibration = load_calibration(spec) if needs_calibration else None
-    result = build_variant(variant, str(Path(onnx_dir) / ONNX_FILE), str(out), calibration=calibration,
+    result = build_variant(variant, str(onnx_dir / ONNX_FILE), str(out), calibration=calibration,
                            model=spec.model, calibration_batch_size=spec.data.calibration.batch_size)
     if result.artifact:
         result.artifact = str(Path(result.artifact).resolve().relative_to(out.resolve()))
-    if (result.status == "ok" and spec.analysis.sensitivity.enabled and variant.precision == "int8"
-            and variant.backend == "onnxruntime" and variant.search is None):
-        _sensitivity(spec, variant, Path(onnx_dir) / ONNX_FILE, out, calibration)
+    if result.status == "ok" and _wants_sensitivity(spec, variant):
+        _sensitivity(spec, variant, onnx_dir / ONNX_FILE, out, calibration)
     d = result.to_dict()
-    d["variant"] = variant_name
+    d["variant"] = variant.name
     write_json(out / "build.json", d)
-    return json.dumps(d, default=str)
+    return d
 
 
 def _sensitivity(spec, variant, fp32_onnx: Path, out: Path, calibration) -> None:
