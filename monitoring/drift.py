@@ -83,12 +83,20 @@ class DriftSnapshots:
             monitoring.drift_reference or data.calibration.uri; None there when unreadable, then only output
             drift is written).
         background: build snapshots in a thread (False: synchronously, for tests and replay).
+        session: a label telling this monitor process / replay apart from others writing to the same project
+            (default: its UTC start time and a random suffix, e.g. '20261123T230501Z-3fa2c1'). It is in every
+            snapshot's name, tags ('session:<label>') and metadata (session, window, model, started), so the
+            snapshots of two replays of the same requests can be told apart.
     """
 
     def __init__(self, cfg: MonitorConfig, *, reference_frame: pd.DataFrame | None = None,
-                 background: bool = True) -> None:
+                 background: bool = True, session: str | None = None) -> None:
         if not cfg.mon.evidently_workspace:
             raise ValueError("monitoring.evidently_workspace is not set")
+        import uuid
+
+        self.started = datetime.now(timezone.utc)
+        self.session = session or f"{self.started:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
         self.cfg = cfg
         self.every = cfg.mon.snapshot_every
         self.background = background
@@ -164,19 +172,22 @@ class DriftSnapshots:
 
             ws, project = self._workspace()
             stamp = datetime.now(timezone.utc)
-            entry: dict[str, Any] = {"window": window, "rows": len(inputs)}
+            entry: dict[str, Any] = {"window": window, "rows": len(inputs), "session": self.session}
+            meta = {"session": self.session, "window": str(window), "model": str(self.cfg.model_name),
+                    "started": self.started.isoformat(), "rows": str(len(inputs))}
+            tags = [f"session:{self.session}", self.cfg.model_name]
             ref_in = self._reference()
             if ref_in is not None and len(ref_in):
                 cols = [c for c in inputs.columns if c in ref_in.columns]
                 snap = Report([DataDriftPreset()]).run(
-                    _dataset(inputs[cols]), _dataset(ref_in[cols]), timestamp=stamp,
-                    name=f"input drift, window {window}", tags=["input_drift", self.cfg.model_name])
+                    _dataset(inputs[cols]), _dataset(ref_in[cols]), timestamp=stamp, metadata=meta,
+                    name=f"input drift, window {window} [{self.session}]", tags=["input_drift", *tags])
                 entry["input_snapshot"] = str(ws.add_run(project.id, snap).id)
                 entry["input_drift_share"] = _drift_share(snap)
             snap = Report([DataDriftPreset()]).run(
-                _dataset(cand_out), _dataset(ref_out), timestamp=stamp,
-                name=f"output drift (candidate vs reference), window {window}",
-                tags=["output_drift", self.cfg.model_name])
+                _dataset(cand_out), _dataset(ref_out), timestamp=stamp, metadata=meta,
+                name=f"output drift (candidate vs reference), window {window} [{self.session}]",
+                tags=["output_drift", *tags])
             entry["output_snapshot"] = str(ws.add_run(project.id, snap).id)
             entry["output_drift_share"] = _drift_share(snap)
             self.written.append(entry)

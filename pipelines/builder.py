@@ -11,7 +11,9 @@ node-pool settings):
                    FAILED with the first task error when the pipeline fails or is cancelled)
 
 State that crosses tasks: model files as KFP artifacts; metrics and decisions in MLflow (the parent
-run id is a task output). Caching is off: the tasks write to MLflow.
+run id is a task output). Caching: on the cluster KFP's execution cache is on for the pure tasks only (export
+and build-<variant>: they write artifacts, never MLflow; `tailguard compile --no-cache` turns it off); every
+MLflow-writing task stays uncached. Local runs use tailguard's own cache instead (tailguard.cache).
 """
 
 # no `from __future__ import annotations`: KFP reads the pipeline function's annotations as types
@@ -28,10 +30,19 @@ def _image_for(spec: Spec, gpu: bool) -> "str | None":
     return (kf.gpu_image or kf.image) if gpu else kf.image
 
 
-def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: bool) -> Any:
-    """Display name, no caching, and (for the cluster) image, GPU resources, node pool and secrets."""
+# Tasks that are pure functions of their inputs (no MLflow writes): KFP may serve them from its cache.
+# reference-pass is not among them: it logs the FP32 baselines and calibration coverage to the parent run.
+def is_pure(name: str) -> bool:
+    """Whether the task named `name` (display name) is pure: "export" or "build-<variant>"."""
+    return name == "export" or name.startswith("build-")
+
+
+def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: bool, cache: bool = True) -> Any:
+    """Display name, caching (on the cluster, for pure tasks unless `cache` is False; off locally: kfp.local has
+    no cache, tailguard.cache serves local runs), and (for the cluster) image, GPU resources, node pool and
+    secrets."""
     task.set_display_name(name)
-    task.set_caching_options(False)
+    task.set_caching_options(cluster and cache and is_pure(name))
     if not cluster:
         return task
     image = _image_for(spec, gpu)
@@ -53,7 +64,8 @@ def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: boo
     return task
 
 
-def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | None" = None) -> Callable[..., Any]:
+def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | None" = None,
+                   cache: bool = True) -> Callable[..., Any]:
     """A `@dsl.pipeline` function for `spec`.
 
     Args:
@@ -64,6 +76,8 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
             marks the parent MLflow run FAILED, with the first task error as its description, when the pipeline
             fails or is cancelled. Default: on for the cluster, off locally (the local runner closes the run and
             needs the pipeline's output, which KFP cannot compile beside an exit handler).
+        cache: with `cluster`, turn KFP's execution cache on for the pure tasks (export, build-<variant>); False
+            (`tailguard compile --no-cache`) leaves it off for every task.
 
     Returns:
         The pipeline function; parameters spec_yaml, tracking_uri, model_version ('' = the spec's), pipeline_run
@@ -86,7 +100,7 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
         exit_handler = cluster
 
     def cfg(task: Any, name: str, gpu: bool = False) -> Any:
-        return _configure_task(task, spec, name=name, gpu=gpu, cluster=cluster)
+        return _configure_task(task, spec, name=name, gpu=gpu, cluster=cluster, cache=cache)
 
     def steps(chk: Any, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run: str) -> Any:
         """Every task after check-data `chk` but the exit handler; returns register-and-promote's task."""
@@ -105,7 +119,8 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
             val = cfg(validate_variant(spec_yaml=spec_yaml, variant_name=v.name, build=build.outputs["Output"],
                                        baselines=ref.outputs["Output"], parent_run_id=res.outputs["parent_run_id"],
                                        tracking_uri=tracking_uri, variant_model=build.outputs["variant_model"],
-                                       reference_outputs=ref.outputs["outputs"]),
+                                       reference_outputs=ref.outputs["outputs"],
+                                       reference_model=exp.outputs["onnx_model"]),
                       f"validate-{v.name}", v.needs_gpu)
             validations.append(val)
             if v.search is not None:
@@ -147,9 +162,12 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     return tailguard_pipeline_with_exit_handler
 
 
-def compile_pipeline(spec: Spec, out_path: str) -> str:
-    """Compile the cluster form of the pipeline to KFP IR YAML at `out_path`; returns the path."""
+def compile_pipeline(spec: Spec, out_path: str, *, cache: bool = True) -> str:
+    """Compile the cluster form of the pipeline to KFP IR YAML at `out_path`; returns the path.
+
+    `cache`: KFP's execution cache on for the pure tasks (default), or off for every task (False).
+    """
     from kfp import compiler
 
-    compiler.Compiler().compile(build_pipeline(spec, cluster=True), package_path=out_path)
+    compiler.Compiler().compile(build_pipeline(spec, cluster=True, cache=cache), package_path=out_path)
     return out_path

@@ -29,6 +29,9 @@ trigger_app = typer.Typer(help="Start runs when new model versions are registere
 app.add_typer(spec_app, name="spec")
 app.add_typer(monitor_app, name="monitor")
 app.add_typer(trigger_app, name="trigger")
+cache_app = typer.Typer(help="The local cache of pure steps (export, builds, reference outputs) under "
+                             "$TAILGUARD_HOME/cache.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
 
 # Wide enough for the summary table when output goes to a file or a CI log (no terminal to measure).
 console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -77,17 +80,25 @@ def print_error(err: TailguardError) -> None:
 # ----------------------------------------------------------------------------------------------- spec
 @spec_app.command("check")
 @handle_errors
-def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file.")) -> None:
-    """Validate SPEC, and the column names it uses against local data files; print every error with its field
-    path (exit 2 when invalid)."""
-    from tailguard.spec import load_spec
+def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file."),
+               data: bool = typer.Option(True, "--data/--no-data", help=(
+                   "Also check the local data files: they exist, have the model inputs' columns with rows of the "
+                   "right rank and fixed sizes, and every column the spec names (remote s3:// files are not "
+                   "read)."))) -> None:
+    """Validate SPEC and, by default, its local data files; print every error with its field path at once
+    (exit 2 when invalid)."""
+    from tailguard.preflight import check_spec_file
 
-    s = load_spec(spec, resolve_paths=False)
-    from tailguard.preflight import check_columns
-
-    check_columns(load_spec(spec), source=str(spec))  # column names, where the data files are local and present
+    s, check = check_spec_file(spec, data=data)
     console.print(f"[green]valid[/green]: {spec} ({s.metadata.name}: {len(s.variants)} variants, "
                   f"{len(s.gates)} gates, {len(s.slices)} slices)")
+    if check is not None:
+        for name, n in check.rows.items():
+            console.print(f"  data.{name}: {n} rows checked (file, input columns and shapes, named columns)")
+        for uri in check.remote:
+            console.print(f"  [yellow]not checked[/yellow] (remote): {uri}; the run's data check reads it")
+    else:
+        console.print("  data files not checked (--no-data)")
 
 
 @spec_app.command("schema")
@@ -105,6 +116,20 @@ def spec_schema(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Wr
 
 
 # ------------------------------------------------------------------------------------------------ run
+def int8_macs_cell(v: Any) -> str:
+    """The summary's "int8 MACs" cell of a VariantSummary: the share of MACs in INT8 for INT8 variants ("100%";
+    red with "!" under LOW_QUANTIZED_MAC_FRACTION; "?" when not recorded), "" for other variants."""
+    from tailguard.components.register.logic import LOW_QUANTIZED_MAC_FRACTION
+
+    if v is None or getattr(v, "precision", None) != "int8":
+        return ""
+    frac = getattr(v, "quantized_mac_fraction", None)
+    if frac is None:
+        return "?" if getattr(v, "status", "") == "ok" else ""
+    text = f"{frac:.0%}" if frac >= 0.995 or frac < 0.005 else f"{frac:.1%}"
+    return f"[bold red]{text} ![/bold red]" if frac < LOW_QUANTIZED_MAC_FRACTION else text
+
+
 def print_summary(summary: Any) -> None:
     """The end-of-run table."""
     from tailguard.runner import summary_rows
@@ -112,16 +137,26 @@ def print_summary(summary: Any) -> None:
     table = Table(title=f"{summary.source_model} v{summary.source_version} -> {summary.optimized_model} "
                         f"(latency at batch {summary.batch_size})", show_lines=False)
     rows = summary_rows(summary)
-    for col in ("variant", "status", "x torch", "x onnx fp32", "p50 ms", "p99 ms", "worst slice", "gates",
-                "promoted"):
+    variants = list(getattr(summary, "variants", None) or [])  # one per row, same order (summary_rows)
+    for col in ("variant", "status", "x torch", "x onnx fp32", "p50 ms", "p99 ms", "int8 MACs", "worst slice",
+                "gates", "registered", "promoted"):
         table.add_column(col, overflow="fold")
-    for r in rows:
+    for i, r in enumerate(rows):
         fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
         style = "green" if r["status"] == "passed" else ("yellow" if r["status"] == "skipped" else "red")
         table.add_row(*[fmt(r[c]) for c in ("variant",)], f"[{style}]{r['status']}[/{style}]",
-                      *[fmt(r[c]) for c in ("x torch", "x onnx fp32", "p50 ms", "p99 ms", "worst slice", "gates",
-                                            "promoted")])
+                      *[fmt(r[c]) for c in ("x torch", "x onnx fp32", "p50 ms", "p99 ms")],
+                      int8_macs_cell(variants[i] if i < len(variants) else None),
+                      *[fmt(r[c]) for c in ("worst slice", "gates", "registered", "promoted")])
     console.print(table)
+    for v in variants:  # e.g. an INT8 variant that quantized under half of its MACs (register.coverage_warnings)
+        for w in getattr(v, "warnings", None) or []:
+            console.print(f"[bold red]! {v.variant}[/bold red]: {w}")
+    timed = [r for r in rows if r["status"] in ("passed", "failed gates")]
+    if timed and all(r["x torch"] is None for r in timed):  # no torch baseline: the reference is an ONNX model
+        from tailguard.components.validate.report import TORCH_NOTE
+
+        console.print(f"[dim]{TORCH_NOTE}[/dim]")
     found = [r for r in rows if r.get("discovered")]
     if found:
         console.print("[bold]discovered slices[/bold] (significantly worse than the rest, Benjamini-Hochberg):")
@@ -150,7 +185,8 @@ def print_search(search: dict) -> None:
     console.print(table)
 
 
-def _run_with_progress(spec: Any, model_version: Optional[str]) -> Any:
+def _run_with_progress(spec: Any, model_version: Optional[str], cache: bool = True,
+                       model_path: Optional[list[Path]] = None) -> Any:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from tailguard.runner import run_local, task_count
@@ -167,7 +203,8 @@ def _run_with_progress(spec: Any, model_version: Optional[str]) -> Any:
                 if state != "success":
                     progress.console.print(f"  [red]{task}: {state}[/red]")
 
-        return run_local(spec, model_version=model_version, on_event=on_event)
+        return run_local(spec, model_version=model_version, on_event=on_event, cache=cache,
+                         model_path=model_path or ())
 
 
 @app.command("run")
@@ -177,7 +214,12 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
                                                                                   "(overrides model.version)."),
         runner: str = typer.Option("local", "--runner", help="local (kfp.local, embedded MLflow) or kfp."),
         host: Optional[str] = typer.Option(None, "--host", help="KFP endpoint for --runner kfp."),
-        summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary here.")
+        summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary here."),
+        no_cache: bool = typer.Option(False, "--no-cache", help="Run export, builds and the reference outputs even "
+                                                                 "when $TAILGUARD_HOME/cache holds them."),
+        model_path: Optional[list[Path]] = typer.Option(None, "--model-path", help=(
+            "Folder to import a state dict's model class from (repeatable; local runs). The spec's folder is "
+            "searched too, after the installed packages."))
         ) -> None:
     """One pipeline run for one model version. Exit 0 promoted (or promotion off), 3 no variant passed."""
     from tailguard.spec import load_spec
@@ -186,9 +228,16 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     from tailguard.preflight import check_columns
 
     check_columns(s, source=str(spec))
+    model_dirs = _model_dirs(model_path, "--model-path") + [spec.resolve().parent]
     if runner == "kfp":
         if not host:
             raise SpecError([], source="--host", hint="--runner kfp needs --host URL of the KFP API")
+        if model_path:
+            from tailguard.errors import InputError
+
+            raise InputError("--model-path: applies to local runs only; a cluster's steps import the model class "
+                             "from their image", hint="install the package that defines the class in the component "
+                                                      "images (docs/deploy.md), or run with --runner local")
         from tailguard.submit import submit
 
         run_id = submit(s, host=host, model_version=model_version)
@@ -196,7 +245,7 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
         return
     if runner != "local":
         raise typer.BadParameter("--runner must be local or kfp")
-    result = _run_with_progress(s, model_version)
+    result = _run_with_progress(s, model_version, cache=not no_cache, model_path=model_dirs)
     summary = result.summary
     print_summary(summary)
     if summary_json:
@@ -205,6 +254,7 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
 
     uri = tracking_uri_for(s)
     console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")
+    console.print(f"report: report.html of the parent run, or `tailguard report {summary.parent_run_id} -o FILE`")
     if summary.promoted_version:
         console.print(f"[green]promoted[/green] {summary.optimized_model} v{summary.promoted_version} "
                       f"({summary.promoted_variant}) as @{summary.alias}")
@@ -220,17 +270,108 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     console.print("promotion is off: variants registered, no alias moved")
 
 
+# --------------------------------------------------------------------------------------------- report
+@app.command("report")
+@handle_errors
+def report(run_id: str = typer.Argument(..., metavar="RUN_ID|latest",
+                                        help="Parent run id (as `tailguard run` printed it), a variant run id (its "
+                                             "parent's report), or 'latest'."),
+           output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                                 help="HTML file to write (default: ./report-<run id>.html)."),
+           tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help=(
+               "MLflow store holding the run (default: $MLFLOW_TRACKING_URI, else the local store under "
+               "$TAILGUARD_HOME).")),
+           ui_url: Optional[str] = typer.Option(None, "--ui-url", help=(
+               "MLflow UI base URL for the links to the variant runs (default: the tracking server, or "
+               "http://127.0.0.1:5000 for a local store)."))) -> None:
+    """Write a run's report (variants table, Pareto plot, gate matrix, per-slice heat map, search trials, links to
+    the variant runs) from the MLflow store: the same report.html the run logged. Exit 2 for an unknown run."""
+    from tailguard.run_report import write_run_report_file
+
+    path, parent = write_run_report_file(run_id, output, tracking_uri=tracking_uri, ui_url=ui_url)
+    console.print(f"wrote {path} (parent run {parent})")
+
+
+# ------------------------------------------------------------------------------------------- register
+# register_model names its arguments in errors; the CLI names its options instead.
+_REGISTER_FIELDS = {"name": "NAME", "path": "PATH", "format": "--format", "class_path": "--class-path",
+                    "init_kwargs": "--init-kwargs", "tags": "--tag", "model_path": "--model-path"}
+
+
+def _model_dirs(dirs: Optional[list[Path]], option: str) -> list[Path]:
+    """--model-path folders, checked to exist (InputError naming `option`)."""
+    from tailguard.errors import InputError
+
+    out = []
+    for d in dirs or []:
+        if not d.is_dir():
+            raise InputError(f"{option}: not a folder: {d}", hint="the folder that holds the model class's module")
+        out.append(d.resolve())
+    return out
+
+
+@app.command("register")
+@handle_errors
+def register(name: str = typer.Argument(..., help="Registered model name (the spec's model.registered_name)."),
+             path: Path = typer.Argument(..., help="Model file: .onnx, .pt2 (torch.export.save), or a state dict "
+                                                   "(.pt / .pth / .safetensors)."),
+             format: Optional[str] = typer.Option(None, "--format", help=(
+                 "onnx | torch-export | state-dict (default: from the suffix: .onnx, .pt2, .pt/.pth/.safetensors).")),
+             class_path: Optional[str] = typer.Option(None, "--class-path", help=(
+                 "'module:Class' the state dict loads into (state-dict only).")),
+             init_kwargs: Optional[str] = typer.Option(None, "--init-kwargs", help=(
+                 "JSON object of the class's keyword arguments, e.g. '{\"hidden\": 64}'.")),
+             tag: Optional[list[str]] = typer.Option(None, "--tag", help="Version tag KEY=VALUE (repeatable)."),
+             model_path: Optional[list[Path]] = typer.Option(None, "--model-path", help=(
+                 "Folder to import --class-path's module from (repeatable); the current directory is searched "
+                 "too, after the installed packages.")),
+             description: Optional[str] = typer.Option(None, "--description", help="Version description."),
+             tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help=(
+                 "MLflow tracking and registry URI (default: $MLFLOW_TRACKING_URI, else the local store under "
+                 "$TAILGUARD_HOME, as `tailguard run` uses for a spec without mlflow.tracking_uri).")),
+             experiment: Optional[str] = typer.Option(None, "--experiment", help=(
+                 "MLflow experiment of the registering run (default tailguard/model-registration)."))) -> None:
+    """Register an FP32 reference model file as a new version of NAME; print the version and its models:/ URI.
+    Exit 0 registered, 2 bad input (nothing is written then)."""
+    from tailguard.errors import InputError
+    from tailguard.registration import DEFAULT_EXPERIMENT, parse_init_kwargs, parse_tags, register_model
+
+    try:
+        dirs = _model_dirs(model_path, "model_path") + [Path.cwd()]
+        reg = register_model(name, path, format=format, class_path=class_path,
+                             init_kwargs=parse_init_kwargs(init_kwargs) if init_kwargs is not None else None,
+                             tags=parse_tags(tag or []), description=description, tracking_uri=tracking_uri,
+                             experiment=experiment or DEFAULT_EXPERIMENT, model_path=dirs)
+    except InputError as err:
+        field, sep, rest = err.message.partition(": ")
+        if sep and field in _REGISTER_FIELDS:
+            err.message = f"{_REGISTER_FIELDS[field]}: {rest}"
+        raise
+    console.print(f"registered {reg.name} version {reg.version} ({reg.format}, sha256 {reg.sha256[:12]})", markup=False)
+    console.print(f"  uri: {reg.model_uri}", markup=False)
+    console.print(f"  tracking: {reg.tracking_uri}", markup=False)
+    if reg.class_file:
+        console.print(f"  class {reg.class_path} from {reg.class_file}: a run imports it from an installed "
+                      "package, the spec's folder or --model-path")
+    console.print(f"  next: set model.registered_name: {reg.name} (version: {reg.version} or latest) in a spec, "
+                  "then `tailguard run SPEC`")
+
+
 # -------------------------------------------------------------------------------------------- compile
 @app.command("compile")
 @handle_errors
 def compile_(spec: Path = typer.Argument(..., help="Spec YAML file."),
-             output: Path = typer.Option(..., "--output", "-o", help="KFP IR YAML to write.")) -> None:
-    """Compile SPEC to KFP IR YAML (GPU node-pool settings, images and secrets from the kubeflow section)."""
+             output: Path = typer.Option(..., "--output", "-o", help="KFP IR YAML to write."),
+             no_cache: bool = typer.Option(False, "--no-cache", help="KFP execution caching off for every task "
+                                                                      "(default: on for export and build-*).")
+             ) -> None:
+    """Compile SPEC to KFP IR YAML (GPU node-pool settings, images and secrets from the kubeflow section; KFP
+    caching on for the pure tasks)."""
     from tailguard.builder import compile_pipeline
     from tailguard.spec import load_spec
 
     s = load_spec(spec)
-    compile_pipeline(s, str(output))
+    compile_pipeline(s, str(output), cache=not no_cache)
     console.print(f"wrote {output}")
 
 
@@ -249,6 +390,41 @@ def submit_(spec: Path = typer.Argument(..., help="Spec YAML file."),
     run_id = submit(load_spec(spec), host=host, model_version=model_version, experiment=experiment,
                     tracking_uri=tracking_uri)
     console.print(f"run: {run_id}")
+
+
+# ---------------------------------------------------------------------------------------------- cache
+@cache_app.command("ls")
+@handle_errors
+def cache_ls(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    """List the cache's entries, most recently used first: key, step, what, size, last use."""
+    import time
+
+    from tailguard.cache import cache_dir, entries, max_bytes
+
+    found = entries()
+    if as_json:
+        sys.stdout.write(json.dumps([e.to_dict() for e in found], indent=2) + "\n")
+        return
+    total = sum(e.bytes for e in found)
+    table = Table(title=f"{cache_dir()}: {len(found)} entries, {total / 1e6:.1f} MB (bound {max_bytes() / 1e6:.0f} MB)")
+    for col in ("key", "step", "what", "MB", "last used"):
+        table.add_column(col)
+    for e in found:
+        table.add_row(e.key[:12], e.step, e.label, f"{e.bytes / 1e6:.2f}",
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used)))
+    console.print(table)
+
+
+@cache_app.command("prune")
+@handle_errors
+def cache_prune(max_bytes_: Optional[int] = typer.Option(None, "--max-bytes", min=0, help=(
+        "Keep at most this many bytes (least recently used entries go first); default $TAILGUARD_CACHE_MAX_BYTES "
+        "or 5 GiB. 0 empties the cache."))) -> None:
+    """Remove least recently used entries down to the size bound, and partial entries of killed processes."""
+    from tailguard.cache import prune
+
+    removed = prune(max_bytes_)
+    console.print(f"removed {len(removed)} entries ({sum(e.bytes for e in removed) / 1e6:.1f} MB)")
 
 
 # ----------------------------------------------------------------------------------------------- demo

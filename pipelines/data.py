@@ -1,16 +1,21 @@
 """Datasets: Parquet files with one row per sample, a column per model input (array-valued,
 variable length allowed), plus label and metadata columns used for slicing.
 
-Batches are padded per batch (to the longest row in the batch, or to a fixed length where a
-calibration method needs one). Length-sorted batching runs ~3x faster than random order on
-transformer models; outputs are always returned in the original row order.
+A model input of spec shape `[batch, d1, ..., dk]` has, per row, a rank-k array: `dj` an int is a fixed size
+that every row must have, `dj` a name (e.g. `sequence`) is a variable length. A cell is stored either as
+(nested) Parquet lists (`list<float>`, `list<list<float>>`, ...) or as an Arrow fixed-shape tensor
+(`pa.fixed_shape_tensor(value_type, (d1, ..., dk))`, row-major); both load to one numpy array per row.
+
+Batches are padded per batch: every variable axis to the longest row in the batch (or the first variable axis to a
+fixed length where a calibration method needs one); fixed axes are never padded. Length-sorted batching runs ~3x
+faster than random order on transformer models; outputs are always returned in the original row order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -18,6 +23,71 @@ import pandas as pd
 from tailguard.errors import InputError
 
 NP_DTYPES = {"int64": np.int64, "int32": np.int32, "float32": np.float32, "float16": np.float16, "bool": np.bool_}
+_SHOWN_ROWS = 5  # offending rows named in a shape error
+
+
+# ------------------------------------------------------------------------------------------- row shapes
+def row_shape(spec: Any) -> tuple[int | None, ...] | None:
+    """The per-row shape an input spec asks for: its shape without the batch axis, an int for a fixed size and
+    None for a named (variable) axis; e.g. `[batch, sequence, 80]` -> (None, 80), `[batch, 1, 8, 8]` ->
+    (1, 8, 8), `[batch]` -> (). None when `spec` has no shape (duck-typed specs of older callers)."""
+    shape = getattr(spec, "shape", None)
+    if not shape:
+        return None
+    return tuple(d if isinstance(d, int) and not isinstance(d, bool) else None for d in list(shape)[1:])
+
+
+def describe_row_shape(spec: Any) -> str:
+    """The expected per-row shape in words, e.g. "(1, 8, 8)" or "(sequence, 80)" (named axes: any length)."""
+    shape = list(getattr(spec, "shape", None) or [])[1:]
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def shape_text(shape: Sequence) -> str:
+    """A spec shape as written in YAML, e.g. "[batch, 1, 8, 8]"."""
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def cell_array(value: Any, dtype: Any = None) -> np.ndarray:
+    """One Parquet cell as one numpy array: a scalar, a list, nested lists (pandas gives arrays of arrays), or a
+    fixed-shape tensor row (already an ndarray, see `read_parquet`).
+
+    Args:
+        value: the cell.
+        dtype: numpy dtype to cast to (None: keep).
+
+    Returns:
+        The array, rank = nesting depth (nested lists must be rectangular).
+
+    Raises:
+        ValueError: nested lists of unequal lengths (ragged), message "ragged nested lists".
+        TypeError: a non-numeric element or a null inside the cell.
+    """
+    arr = np.asarray(value)
+    if arr.dtype == object:
+        if arr.ndim == 0:
+            raise TypeError(f"non-numeric element {value!r}")
+        if arr.size == 0:
+            arr = np.zeros(arr.shape, dtype=np.float64)
+        else:
+            parts = list(arr.ravel())
+            if not all(type(p) is np.ndarray and p.dtype != object for p in parts):  # deeper nesting
+                parts = [cell_array(v) for v in parts]
+            if len({p.shape for p in parts}) > 1:
+                raise ValueError("ragged nested lists")
+            arr = np.stack(parts).reshape(arr.shape + parts[0].shape)
+    return arr if dtype is None else arr.astype(dtype)
+
+
+def shape_problem(arr: np.ndarray, spec: Any) -> str | None:
+    """Why a row's array does not fit the input spec's per-row shape, e.g. "shape (1, 8, 7)", or None when it
+    fits (right rank, every fixed axis equal; named axes any length) or the spec has no shape."""
+    want = row_shape(spec)
+    if want is None:
+        return None
+    if arr.ndim != len(want) or any(w is not None and w != d for w, d in zip(want, arr.shape)):
+        return f"shape {tuple(arr.shape)}"
+    return None
 
 
 @dataclass
@@ -26,9 +96,11 @@ class Dataset:
 
     Attributes:
         inputs: {input name: list of n_rows arrays}; each array has the input's shape without the batch axis
-            (e.g. (sequence,) int64 for token ids), lengths may differ between rows.
+            (e.g. (sequence,) int64 for token ids, (1, 8, 8) float32 for `[batch, 1, 8, 8]` images,
+            (sequence, 80) for `[batch, sequence, 80]` frames); sizes along named axes may differ between rows.
         frame: pandas DataFrame (n_rows rows) of every non-input column (labels, metadata).
-        lengths: (n_rows,) int64, the length of each row's first input along its first axis (1 for scalars).
+        lengths: (n_rows,) int64 batching sort key: each row's size along the first named (variable) axis of the
+            first input that has one; with none, along the first axis of the first input (1 for scalars).
         uri: where the rows came from (for error messages).
     """
 
@@ -52,26 +124,60 @@ class Dataset:
 def read_parquet(uri: str, *, field: str = "data") -> pd.DataFrame:
     """Read a Parquet file (local path or s3:// through pyarrow's filesystem).
 
+    Columns of the Arrow fixed-shape tensor type (`pa.fixed_shape_tensor(type, shape)`) come back as one numpy
+    array of that shape per row (pandas alone would flatten them); a null tensor cell comes back as None.
+
     Raises:
-        InputError: missing or unreadable file, naming the uri and the spec field.
+        InputError: missing or unreadable file, or a fixed-shape tensor column with a non-row-major permutation,
+            naming the uri and the spec field.
     """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if "://" not in uri and not Path(uri).is_file():
         raise InputError(f"{field}: file not found: {uri}", hint="fix the path in the spec (relative paths are "
                                                                  "resolved against the spec file's folder)")
     try:
-        return pd.read_parquet(uri)
+        # what pd.read_parquet does with the pyarrow engine, keeping the Arrow table for tensor columns
+        table = pq.read_table(uri, use_pandas_metadata=True)
+        df = table.to_pandas()
     except Exception as exc:  # pyarrow raises several unrelated types for a corrupt file
         raise InputError(f"{field}: cannot read Parquet file {uri}: {exc}",
                          hint="the file must be a Parquet table with one row per sample") from None
+    for f in table.schema:
+        if isinstance(f.type, pa.FixedShapeTensorType):
+            df[f.name] = pd.Series(_tensor_rows(table.column(f.name), f, uri, field), index=df.index,
+                                   dtype=object)
+    return df
+
+
+def _tensor_rows(column: Any, f: Any, uri: str, field: str) -> list[np.ndarray | None]:
+    """One (shape) array per row of a fixed-shape tensor column (chunked array); None for null cells."""
+    perm = f.type.permutation
+    if perm is not None and list(perm) != list(range(len(perm))):
+        raise InputError(f"{field}: column {f.name!r} in {uri} is a fixed-shape tensor with permutation "
+                         f"{list(perm)}; only row-major tensors (no permutation) are read",
+                         hint="write the column with pa.fixed_shape_tensor(type, shape) and C-ordered arrays")
+    rows: list[np.ndarray | None] = []
+    for chunk in column.chunks:
+        if chunk.null_count == 0:
+            rows.extend(chunk.to_numpy_ndarray())  # views into one (rows, *shape) array
+        else:  # to_numpy_ndarray fills null cells with garbage: convert cell by cell
+            rows.extend(chunk[i].to_numpy() if chunk[i].is_valid else None for i in range(len(chunk)))
+    return rows
 
 
 def load_dataset(uri: str, input_specs: Sequence, *, field: str = "data", max_samples: int | None = None,
                  seed: int = 0, stratify_by: str | None = None) -> Dataset:
     """Load a Parquet dataset and split model-input columns from metadata columns.
 
+    Every cell of an input column becomes one array of the input's dtype (nested lists and fixed-shape tensors
+    alike, see the module docstring); with a spec shape, each row must have its rank and every fixed size.
+
     Args:
         uri: Parquet file.
-        input_specs: the spec's `model.inputs` (objects with .name and .dtype).
+        input_specs: the spec's `model.inputs` (objects with .name, .dtype and .shape; without .shape no row
+            shape is checked).
         field: spec field path used in error messages (e.g. "data.validation").
         max_samples: keep at most this many rows: a seeded uniform sample, or, with `stratify_by`, a sample
             spread evenly over that column's values (rare values keep all their rows).
@@ -79,7 +185,9 @@ def load_dataset(uri: str, input_specs: Sequence, *, field: str = "data", max_sa
         stratify_by: metadata column to stratify the sample over.
 
     Raises:
-        InputError: missing file, missing input column, or a row that is not numeric.
+        InputError: missing file, missing input column, a row that is not numeric or is ragged nested lists, or
+            rows whose shape does not fit the spec (names the column, the first rows, the expected and found
+            shapes).
     """
     df = read_parquet(uri, field=f"{field}.uri")
     missing = [s.name for s in input_specs if s.name not in df.columns]
@@ -89,17 +197,55 @@ def load_dataset(uri: str, input_specs: Sequence, *, field: str = "data", max_sa
     if max_samples is not None and len(df) > max_samples:
         df = _sample(df, max_samples, seed, stratify_by, field)
     df = df.reset_index(drop=True)
-    inputs: dict[str, list[np.ndarray]] = {}
-    for s in input_specs:
-        dtype = NP_DTYPES[s.dtype]
-        try:
-            inputs[s.name] = [np.asarray(v, dtype=dtype) for v in df[s.name].tolist()]
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"{field}: column {s.name!r} in {uri} is not convertible to {s.dtype}: {exc}") from None
-    first = inputs[input_specs[0].name]
-    lengths = np.array([a.shape[0] if a.ndim else 1 for a in first], dtype=np.int64)
+    inputs = {s.name: _input_rows(df[s.name].tolist(), s, uri, field) for s in input_specs}
+    lengths = _lengths(inputs, input_specs)
     frame = df.drop(columns=[s.name for s in input_specs])
     return Dataset(inputs, frame, lengths, uri)
+
+
+def _input_rows(cells: list[Any], s: Any, uri: str, field: str) -> list[np.ndarray]:
+    dtype = NP_DTYPES[s.dtype]
+    want = row_shape(s)
+    rows: list[np.ndarray] = []
+    bad: list[tuple[int, str]] = []
+    for i, v in enumerate(cells):
+        try:
+            a = cell_array(v, dtype)
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"{field}: column {s.name!r} in {uri}, row {i}: not convertible to a {s.dtype} array "
+                             f"of shape {describe_row_shape(s)}: {exc}",
+                             hint="store each row as (nested) numeric lists or a fixed-shape tensor") from None
+        if a.size == 0 and a.ndim == 1 and want and want[0] is None and len(want) > 1:
+            a = a.reshape((0, *(w or 0 for w in want[1:])))  # an empty sequence, e.g. of (80,) frames
+        if want is not None and (a.ndim != len(want) or any(w is not None and w != d
+                                                            for w, d in zip(want, a.shape))):
+            bad.append((i, f"shape {tuple(a.shape)}"))  # as shape_problem words it
+        rows.append(a)
+    if bad:
+        found: dict[str, list[int]] = {}
+        for i, p in bad:
+            found.setdefault(p, []).append(i)
+        shown = "; ".join(f"{p} in row(s) {r[:_SHOWN_ROWS]}" + (f" and {len(r) - _SHOWN_ROWS} more"
+                                                               if len(r) > _SHOWN_ROWS else "")
+                          for p, r in list(found.items())[:_SHOWN_ROWS])
+        raise InputError(f"{field}: column {s.name!r} in {uri}: {len(bad)} of {len(cells)} rows do not have the "
+                         f"per-row shape {describe_row_shape(s)} of model.inputs {s.name!r} (shape "
+                         f"{shape_text(s.shape)}; named axes may have any length): found {shown}",
+                         hint="fix the rows, or model.inputs[].shape (one entry per axis, batch first)")
+    return rows
+
+
+def _lengths(inputs: dict[str, list[np.ndarray]], input_specs: Sequence) -> np.ndarray:
+    """(n_rows,) int64 sort key: each row's size along the first variable axis of the first input that has one;
+    else (no variable axis anywhere, or specs without shape) along the first axis of the first input, 1 for
+    scalars."""
+    for s in input_specs:
+        want = row_shape(s)
+        if want and None in want:
+            axis = want.index(None)
+            return np.array([a.shape[axis] if a.ndim > axis else 1 for a in inputs[s.name]], dtype=np.int64)
+    first = inputs[input_specs[0].name]
+    return np.array([a.shape[0] if a.ndim else 1 for a in first], dtype=np.int64)
 
 
 def _sample(df: pd.DataFrame, n: int, seed: int, stratify_by: str | None, field: str) -> pd.DataFrame:
@@ -126,15 +272,22 @@ def make_batch(ds: Dataset, idx: np.ndarray, input_specs: Sequence, *, pad_value
                fixed_length: int | None = None) -> dict[str, np.ndarray]:
     """Stack rows `idx` into one feed per input, padding variable-length axes per batch.
 
+    Every axis is padded (at the end, with the input's pad value) to the longest row of the batch; fixed axes of
+    the spec shape have one size in every row, so they are never padded. With `fixed_length`, the first variable
+    axis (a named axis of the spec shape after batch; the first row axis for specs without shape) is padded or
+    truncated to that length instead; inputs with no variable axis ignore it. For `[batch, sequence]` inputs this
+    is the sequence axis, as always.
+
     Args:
         ds: the dataset.
         idx: (batch,) row indices.
-        input_specs: `model.inputs` (name, dtype).
+        input_specs: `model.inputs` (name, dtype, shape).
         pad_values: pad value per input name (default 0).
-        fixed_length: pad (or truncate) the first non-batch axis to this length instead of the batch maximum.
+        fixed_length: length of the first variable axis instead of the batch maximum.
 
     Returns:
-        {input name: array of shape (batch, *padded row shape)} with the input's dtype.
+        {input name: array of shape (batch, *padded row shape)} with the input's dtype, e.g. (batch, 1, 8, 8)
+        float32 for `[batch, 1, 8, 8]`, (batch, longest sequence, 80) for `[batch, sequence, 80]`.
     """
     pad_values = pad_values or {}
     feeds: dict[str, np.ndarray] = {}
@@ -144,11 +297,20 @@ def make_batch(ds: Dataset, idx: np.ndarray, input_specs: Sequence, *, pad_value
         if rows[0].ndim == 0:
             feeds[s.name] = np.asarray(rows, dtype=dtype)
             continue
-        length = fixed_length or max(r.shape[0] for r in rows)
-        out = np.full((len(rows), length, *rows[0].shape[1:]), pad_values.get(s.name, 0), dtype=dtype)
+        target = [max(r.shape[ax] for r in rows) for ax in range(rows[0].ndim)]
+        if fixed_length:
+            want = row_shape(s)
+            if want is None or len(want) != rows[0].ndim:
+                target[0] = fixed_length
+            elif None in want:
+                target[want.index(None)] = fixed_length
+        if all(r.shape == tuple(target) for r in rows):
+            feeds[s.name] = np.stack(rows).astype(dtype, copy=False)
+            continue
+        out = np.full((len(rows), *target), pad_values.get(s.name, 0), dtype=dtype)
         for j, r in enumerate(rows):
-            n = min(r.shape[0], length)
-            out[j, :n] = r[:n]
+            cut = tuple(slice(0, min(n, t)) for n, t in zip(r.shape, target))
+            out[(j, *cut)] = r[cut]
         feeds[s.name] = out
     return feeds
 

@@ -8,7 +8,9 @@ files. `check_columns` does that before a run starts, so a misspelled column is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tailguard.errors import FieldError, SpecError
 from tailguard.spec import Spec
@@ -37,9 +39,16 @@ def check_columns(spec: Spec, *, source: str = "spec") -> None:
     Raises:
         SpecError: one FieldError per unknown column, naming the field, the file and the columns it has.
     """
+    errors = column_errors(spec, parquet_columns(spec.data.validation.uri),
+                           parquet_columns(spec.data.calibration.uri))
+    if errors:
+        raise SpecError(errors, source=source, hint="fix the column names (they are case-sensitive)")
+
+
+def column_errors(spec: Spec, val: list[str] | None, cal: list[str] | None) -> list[FieldError]:
+    """One FieldError per column the spec names (slices, discovery, stratify_by, label columns) that is not among
+    the validation file's columns `val` / the calibration file's `cal` (None: that file is not checked)."""
     errors: list[FieldError] = []
-    val = parquet_columns(spec.data.validation.uri)
-    cal = parquet_columns(spec.data.calibration.uri)
 
     def need(cols: list[str] | None, column: str, field: str, uri: str) -> None:
         if cols is not None and column not in cols:
@@ -54,5 +63,131 @@ def check_columns(spec: Spec, *, source: str = "spec") -> None:
     for name, ds, cols in (("validation", spec.data.validation, val), ("calibration", spec.data.calibration, cal)):
         if ds.label_column:
             need(cols, ds.label_column, f"data.{name}.label_column", ds.uri)
-    if errors:
-        raise SpecError(errors, source=source, hint="fix the column names (they are case-sensitive)")
+    return errors
+
+
+# ------------------------------------------------------------------------------- spec check --data
+_SHOWN_ROWS = 5  # offending rows named per input column
+
+
+@dataclass
+class DataCheck:
+    """What `check_spec_file` looked at in the data files: {"validation"/"calibration": rows read} for local files
+    it read, and the URIs it could not check here (remote)."""
+
+    rows: dict[str, int] = field(default_factory=dict)
+    remote: list[str] = field(default_factory=list)
+
+
+def _input_errors(df: Any, spec: Spec, name: str, uri: str) -> list[FieldError]:
+    """Input columns of one data file against model.inputs: each present, each row a numeric array of the input's
+    rank and fixed sizes (tailguard.data's `cell_array` / `shape_problem`, as the data check and loading use)."""
+    import numpy as np
+
+    from tailguard.data import cell_array, describe_row_shape, row_shape, shape_problem, shape_text
+
+    errors: list[FieldError] = []
+    for i, s in enumerate(spec.model.inputs):
+        if s.name not in df.columns:
+            errors.append(FieldError(f"model.inputs.{i}.name", f"no column {s.name!r} in {uri} (data.{name}.uri); "
+                                     f"columns: {list(df.columns)}", s.name))
+            continue
+        found: dict[str, list[int]] = {}
+        want = row_shape(s)
+        for r, v in enumerate(df[s.name].tolist()):
+            if v is None:
+                problem: str | None = "null"
+            else:
+                try:
+                    arr = cell_array(v, np.float64)
+                    problem = shape_problem(arr, s)
+                    if problem and arr.size == 0 and arr.ndim == 1 and want and want[0] is None:
+                        problem = None  # an empty sequence fits a variable first axis
+                except ValueError as exc:
+                    problem = "ragged nested lists" if "ragged" in str(exc) else "not numeric"
+                except TypeError:
+                    problem = "not numeric"
+            if problem:
+                found.setdefault(problem, []).append(r)
+        if found:
+            n_bad = sum(len(rows) for rows in found.values())
+            shown = "; ".join(f"{p} in row(s) {rows[:_SHOWN_ROWS]}" + (f" and {len(rows) - _SHOWN_ROWS} more"
+                                                                       if len(rows) > _SHOWN_ROWS else "")
+                              for p, rows in list(found.items())[:_SHOWN_ROWS])
+            errors.append(FieldError(f"model.inputs.{i}.shape", f"column {s.name!r} in {uri} (data.{name}.uri): "
+                                     f"{n_bad} of {len(df)} rows are not numeric arrays of the per-row shape "
+                                     f"{describe_row_shape(s)} (shape {shape_text(s.shape)}; named axes may have "
+                                     f"any length): found {shown}", s.name))
+    return errors
+
+
+def data_errors(spec: Spec) -> tuple[list[FieldError], DataCheck]:
+    """Check a spec against its local data files: every error at once.
+
+    Checked per local file (remote s3:// files are listed in DataCheck.remote, not read): that it exists and is a
+    readable Parquet file (`data.<set>.uri`); that every model input has a column whose rows are numeric arrays of
+    the input's rank and fixed sizes (`model.inputs.<i>.name` / `.shape`); and every column the spec names
+    (`column_errors`).
+
+    Args:
+        spec: a Spec with data URIs already resolved (absolute or remote).
+
+    Returns:
+        (the FieldErrors, what was checked).
+    """
+    from tailguard.data import read_parquet
+    from tailguard.errors import InputError
+
+    errors: list[FieldError] = []
+    check = DataCheck()
+    columns: dict[str, list[str] | None] = {}
+    for name, ds in (("validation", spec.data.validation), ("calibration", spec.data.calibration)):
+        columns[name] = None
+        if "://" in ds.uri:
+            check.remote.append(ds.uri)
+            continue
+        if not Path(ds.uri).is_file():
+            errors.append(FieldError(f"data.{name}.uri", f"file not found: {ds.uri} (relative paths are resolved "
+                                     "against the spec file's folder)", ds.uri))
+            continue
+        try:
+            df = read_parquet(ds.uri, field=f"data.{name}.uri")
+        except InputError as err:
+            errors.append(FieldError(f"data.{name}.uri", err.message.removeprefix(f"data.{name}.uri: "), ds.uri))
+            continue
+        columns[name] = list(df.columns)
+        check.rows[name] = len(df)
+        errors.extend(_input_errors(df, spec, name, ds.uri))
+    errors.extend(column_errors(spec, columns["validation"], columns["calibration"]))
+    return errors, check
+
+
+def check_spec_file(path: str | Path, *, data: bool = True) -> tuple[Spec, DataCheck | None]:
+    """`tailguard spec check`: validate a spec file and, with `data`, its local data files; every error at once.
+
+    The spec's field errors, the cross-field errors they would hide (tailguard.spec.validate_spec) and, when the
+    rest of the spec is usable, the data files' errors (`data_errors`) are reported in one SpecError.
+
+    Args:
+        path: the spec YAML.
+        data: also check the data files (local paths only; remote ones are listed, not read).
+
+    Returns:
+        (the Spec with data URIs resolved, the DataCheck or None without `data`).
+
+    Raises:
+        SpecError: every problem, each with its field path (exit 2).
+    """
+    from tailguard.spec import read_spec_document, resolve_data_uris, spec_error, validate_spec
+
+    doc = read_spec_document(path)
+    spec, errors = validate_spec(doc)
+    check = None
+    if spec is not None:
+        resolve_data_uris(spec, path)
+        if data:
+            found, check = data_errors(spec)
+            errors = errors + found
+    if errors or spec is None:
+        raise spec_error(errors or [FieldError("", "not a valid spec")], doc, source=str(path))
+    return spec, check

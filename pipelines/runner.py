@@ -20,9 +20,11 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
+from tailguard.cache import ENV_CACHE
 from tailguard.components.register.logic import RunSummary
+from tailguard.components.resolve.logic import MODEL_PATH_ENV
 from tailguard.components.validate.gates import insufficient_reason
 from tailguard.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.home import ENV_HOME, home, quiet_environment
@@ -90,13 +92,19 @@ def task_count(spec: Spec) -> int:
 
 
 def run_local(spec: Spec, *, model_version: str | None = None,
-              on_event: Callable[[str, str], None] | None = None) -> LocalRun:
+              on_event: Callable[[str, str], None] | None = None, cache: bool = True,
+              model_path: Iterable[str | Path] = ()) -> LocalRun:
     """Run the pipeline with kfp.local (SubprocessRunner, use_venv=False) and return its summary.
 
     Args:
         spec: a validated spec (data URIs absolute).
         model_version: overrides spec.model.version ("latest", a number, "@alias").
         on_event: called with (task name, "running" | "success" | "failure") as tasks start and end.
+        cache: serve the pure steps (export, builds, reference outputs) from $TAILGUARD_HOME/cache
+            (tailguard.cache); False (`tailguard run --no-cache`) runs them all.
+        model_path: folders the tasks import a state dict's model class from, after the installed packages
+            (`tailguard run` passes --model-path and the spec's folder); set as $TAILGUARD_MODEL_PATH for the
+            tasks during the run, ahead of any inherited value.
 
     Raises:
         TailguardError: the first error a task reported (its own exit code: 2 bad input, 1 runtime),
@@ -110,6 +118,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     """
     quiet_environment()
     os.environ[ENV_HOME] = str(home())
+    os.environ[ENV_CACHE] = "1" if cache else "0"  # tasks inherit it (tailguard.cache.enabled)
     uri = tracking_uri_for(spec)
     configure(uri, experiment_name_for(spec))  # also creates a fresh local store's tables, under a file lock
     pipeline_run = uuid.uuid4().hex[:12]
@@ -118,6 +127,10 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     me = _this_process()
     os.environ.update({"TAILGUARD_RUNNER_PID": str(me.pid), "TAILGUARD_RUNNER_HOST": socket.gethostname(),
                        "TAILGUARD_RUNNER_STARTED": repr(me.create_time())})
+    inherited_model_path = os.environ.get(MODEL_PATH_ENV)
+    if model_path:  # tasks inherit it (tailguard.components.resolve.logic.add_model_path)
+        os.environ[MODEL_PATH_ENV] = os.pathsep.join([str(Path(p).resolve()) for p in model_path]
+                                                     + ([inherited_model_path] if inherited_model_path else []))
     run_dir = home() / "runs" / pipeline_run
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "pipeline.log"
@@ -170,9 +183,18 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if model_path:
+            _restore_env(MODEL_PATH_ENV, inherited_model_path)
     summary = RunSummary.from_dict(json.loads(task.output))
     (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return LocalRun(pipeline_run, log_path, summary)
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
@@ -202,15 +224,10 @@ def _stop_children(timeout_s: float = 5.0) -> None:
 
 
 def _fail_run(client: Any, experiment_id: str, run_id: str, note: str, failure: str) -> None:
-    """Mark a parent run and its still-running children FAILED, with `note` as the parent's description."""
-    client.set_tag(run_id, "tailguard.outcome", "failed")
-    client.set_tag(run_id, "tailguard.failure", failure)
-    client.set_tag(run_id, NOTE_TAG, note)
-    client.set_terminated(run_id, "FAILED")
-    for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
-                                    max_results=1000):
-        if child.info.status == "RUNNING":
-            client.set_terminated(child.info.run_id, "FAILED")
+    """Mark a parent run and its still-running children FAILED (tracking.fail_parent_run)."""
+    from tailguard.tracking import fail_parent_run
+
+    fail_parent_run(client, experiment_id, run_id, note, failure)
 
 
 def _mark_failed(spec: Spec, uri: str, pipeline_run: str, note: str = "") -> list[str]:
@@ -322,7 +339,8 @@ def launch_run(spec_path: str, model_name: str, version: str) -> str:
 
 def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
     """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms, worst slice, discovered slices (the
-    worst significant ones), gates, promoted."""
+    worst significant ones), gates, registered (the version registered, if any) and promoted (only the version the
+    alias was moved to by this run)."""
     rows = []
     for v in summary.variants:
         failed = [k for k, s in v.gates.items() if s == "failed"]
@@ -339,7 +357,9 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
                      + (f"; failed: {', '.join(failed)}" if failed else "")
                      + (f"; {insufficient_reason(insufficient)}" if insufficient else "")
                      + (f"; {v.reason}" if v.status != "ok" and v.reason else ""),
-            "promoted": f"{summary.alias} -> v{v.version}" if v.promoted else (f"v{v.version}" if v.version else ""),
+            # registered: every version this run registered; promoted: only the one the alias moved to
+            "registered": f"v{v.version}" if v.version else "",
+            "promoted": f"@{summary.alias} -> v{v.version}" if v.promoted else "",
         })
     return rows
 

@@ -7,12 +7,15 @@ is reported with its field path in one pass (`load_spec` raises `SpecError` with
 
 from __future__ import annotations
 
+import copy
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from tailguard.errors import FieldError, SpecError
 
@@ -27,7 +30,10 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {
     "classification": ("accuracy", "reference_accuracy", "top1_agreement", "kl_divergence.mean",
                        "kl_divergence.p99", "abs_error.max", "abs_error.mean", "abs_error.p99"),
     "embedding": ("cosine_similarity.mean", "cosine_similarity.p01", "cosine_similarity.min",
-                  "nn_top1_agreement", "nn_top5_agreement", "abs_error.max", "abs_error.mean", "abs_error.p99"),
+                  "nn_top1_agreement", "nn_top5_agreement", "abs_error.max", "abs_error.mean", "abs_error.p99",
+                  # label- and retrieval-aware (analysis.embedding; docs/spec.md "Embedding gates"): accuracy and
+                  # reference_accuracy are kNN label accuracies (needs data.validation.label_column)
+                  "accuracy", "reference_accuracy", "nn_recall_at_k", "nn_top1_margin_agreement"),
     "regression": ("abs_error.max", "abs_error.mean", "abs_error.p99", "rel_error.max", "rel_error.mean"),
     "generic": ("abs_error.max", "abs_error.mean", "abs_error.p99", "rel_error.max", "rel_error.mean"),
 }
@@ -37,7 +43,13 @@ PERF_METRICS: tuple[str, ...] = ("latency_ms.p50", "latency_ms.p95", "latency_ms
                                  "peak_rss_mb", "model_size_mb")
 # Parity metrics that are the mean of a 0/1 value per row: their confidence bound is Wilson's score interval.
 # Every other parity metric (means of continuous values, quantiles, maxima) gets a seeded percentile bootstrap.
-PROPORTION_METRICS = frozenset({"accuracy", "reference_accuracy", "top1_agreement", "nn_top1_agreement"})
+PROPORTION_METRICS = frozenset({"accuracy", "reference_accuracy", "top1_agreement", "nn_top1_agreement",
+                                "nn_top1_margin_agreement"})
+# Performance metrics that compare the variant with a baseline timed interleaved with it in the validate step
+# (components/validate/latency.py): a gate on one may set `confidence` and is then decided on the bound of the
+# speed ratio (paired bootstrap over rounds); <metric>.lb95 / .ub95 are logged beside it. speedup_vs_torch is
+# not among them: torch eager is timed in reference-pass, another process at another time.
+RATIO_METRICS = frozenset({"speedup_vs_onnx_fp32"})
 # Parity metrics where lower is better (errors, divergences); the rest are higher-is-better.
 LOWER_IS_BETTER_PREFIXES = ("abs_error", "rel_error", "kl_divergence")
 
@@ -48,6 +60,49 @@ def higher_is_better(metric: str) -> bool:
             "usd_per_1m_inferences", "peak_rss_mb", "model_size_mb"):
         return False
     return True
+
+
+# Build metrics: facts of how a variant was built, counted once on its graph (no sampling noise, so no confidence
+# bound), overall scope only, INT8 onnxruntime variants only. quantized_mac_fraction = MACs computed in INT8 / all
+# MACs of the graph, per sample (formulas: components/quantize/macs.py). The build stores them in the model file's
+# metadata_props[QUANTIZATION_COVERAGE_KEY] (JSON) and in build.json; validate logs them as metrics of the variant.
+BUILD_METRICS: tuple[str, ...] = ("quantized_mac_fraction",)
+QUANTIZATION_COVERAGE_KEY = "tailguard.quantization_coverage"
+
+
+def build_gate_errors(i: int, gate: "GateSpec", variants: list["VariantSpec"]) -> list[str]:
+    """The problems of gate `i` on a build metric (BUILD_METRICS), as '<field path>: <problem>' strings: it must
+    be an overall, absolute (min/max) gate in [0, 1] without confidence or batch_size, and apply to at least one
+    INT8 onnxruntime variant (a `variants` list may name only such variants)."""
+    m, errors = gate.metric, []
+    example = f"{{metric: {m}, min: 0.9}}"
+    if gate.scope != "overall":
+        errors.append(f"gates.{i}.scope: {m} is a build metric (one value per variant, counted on its graph), so "
+                      f"it is overall only, not {gate.scope!r}; remove scope")
+    if gate.confidence is not None:
+        errors.append(f"gates.{i}.confidence: {m} is a build metric counted on the graph, not estimated from "
+                      f"validation rows: it has no confidence bound; remove confidence")
+    if gate.max_drop is not None:
+        errors.append(f"gates.{i}.max_drop: {m} has no FP32 reference score to drop from; give an absolute bound, "
+                      f"e.g. {example}")
+    if gate.batch_size is not None:
+        errors.append(f"gates.{i}.batch_size: {m} does not depend on the batch size (MACs are counted per "
+                      f"sample); remove batch_size")
+    for key in ("min", "max"):
+        bound = getattr(gate, key)
+        if bound is not None and not 0 <= bound <= 1:
+            errors.append(f"gates.{i}.{key}: {m} is a fraction in [0, 1] (not a percentage), got {bound:g}; "
+                          f"e.g. {example}")
+    int8 = {v.name for v in variants if v.precision == "int8" and v.backend == "onnxruntime"}
+    if gate.variants is not None:
+        others = [v.name for v in variants if v.name in gate.variants and v.name not in int8]
+        if others:
+            errors.append(f"gates.{i}.variants: {m} applies to INT8 onnxruntime variants only; {others} "
+                          f"{'is' if len(others) == 1 else 'are'} not")
+    elif not int8:
+        errors.append(f"gates.{i}.metric: {m} applies to INT8 onnxruntime variants and the spec has none; remove "
+                      "the gate or add an INT8 variant")
+    return errors
 
 
 BATCHED_METRICS = frozenset({"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
@@ -76,16 +131,47 @@ class _Model(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------- model
+_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 class TensorSpec(_Model):
     """One model input or output."""
 
     name: str = Field(description="Tensor name in the ONNX graph / the torch forward() argument name.")
     dtype: Literal["int64", "int32", "float32", "float16", "bool"] = Field(description="Element type.")
-    shape: list[str | int] = Field(
-        description="Axes: a string is a named dynamic axis (e.g. batch, sequence), an int a fixed size.")
+    shape: list[str | int] = Field(min_length=1, description=(
+        "Axes, batch first: a name is a dynamic axis (e.g. batch, sequence), a positive int a fixed size, "
+        "e.g. [batch, sequence] for token ids, [batch, 1, 8, 8] for images, [batch, sequence, 80] for audio "
+        "frames. The first axis must be a name (tailguard runs several batch sizes). For inputs, every named "
+        "axis after batch is a variable length padded per batch (model.pad_values); every int axis must match "
+        "in every data row."))
     value_range: tuple[float, float] | None = Field(None, description=(
         "Inputs only: inclusive [min, max] of every element, e.g. [0, 30521] for token ids of a 30522-word "
         "vocabulary. The data check fails rows with an element outside it."))
+
+    @field_validator("shape", mode="before")
+    @classmethod
+    def _shape_dims(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v  # pydantic reports the type error
+        problems = []
+        for i, d in enumerate(v):
+            if isinstance(d, bool) or not isinstance(d, (int, str)):
+                problems.append(f"axis {i} is {d!r}: give a positive int (fixed size) or a name (dynamic axis)")
+            elif isinstance(d, int) and d < 1:
+                problems.append(f"axis {i} is {d}: a fixed size must be a positive int")
+            elif isinstance(d, str) and not _AXIS_NAME.fullmatch(d):
+                problems.append(f"axis {i} is {d!r}: a dynamic axis name is letters, digits, '_' (e.g. "
+                                f"'sequence'), not starting with a digit")
+        if v and not problems and not isinstance(v[0], str):
+            dims = [str(d) for d in v]
+            problems.append(f"axis 0 is {v[0]!r}: the first axis is the batch axis and must be a name "
+                            f"(tailguard runs several batch sizes): [{', '.join(['batch', *dims[1:]])}] if "
+                            f"{v[0]!r} is a fixed batch size, [{', '.join(['batch', *dims])}] if the batch axis "
+                            "is missing")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return v
 
     @model_validator(mode="after")
     def _range_order(self) -> "TensorSpec":
@@ -177,7 +263,9 @@ class DatasetSpec(_Model):
     max_samples: int | None = Field(None, ge=1, description="Use at most this many rows (seeded sample).")
     min_rows: int = Field(1, ge=1, description="Fewer rows fails the data check.")
     batch_size: int = Field(32, ge=1, description="Rows per inference batch (padded per batch).")
-    label_column: str | None = Field(None, description="Ground-truth label column (classification accuracy).")
+    label_column: str | None = Field(None, description=(
+        "Ground-truth label column: classification accuracy (integer class ids), or embedding kNN label "
+        "accuracy (any hashable labels)."))
     seed: int = Field(0, description="Seed for the max_samples subsample.")
 
 
@@ -339,7 +427,9 @@ class GateSpec(_Model):
     vacuously (its bound is wide) nor fails on noise (the bound, not one unlucky row, decides).
     """
 
-    metric: str = Field(description="A parity metric of the task, or a performance metric (see docs/spec.md).")
+    metric: str = Field(description=(
+        "A parity metric of the task, a performance metric, or the build metric quantized_mac_fraction (INT8 "
+        "variants; see docs/spec.md)."))
     min: float | None = Field(None, description="Pass when observed (or its lower bound) >= min.")
     max: float | None = Field(None, description="Pass when observed (or its upper bound) <= max.")
     max_drop: float | None = Field(None, ge=0, description=(
@@ -348,7 +438,8 @@ class GateSpec(_Model):
         "Parity metrics only."))
     confidence: float | None = Field(None, gt=0.5, lt=1, description=(
         "Decide on the one-sided confidence bound at this level (e.g. 0.95) instead of the point estimate. "
-        "Parity metrics only."))
+        "Parity metrics, and the speed ratio speedup_vs_onnx_fp32 (bound of the ratio of medians over timing "
+        "rounds interleaved with the FP32 reference, paired bootstrap)."))
     scope: Literal["overall", "per_slice", "discovered"] = Field("overall", description=(
         "overall: all validation rows; per_slice: every declared slice group with enough support must pass; "
         "discovered: every slice found by worst-slice discovery (analysis.discovery) must pass."))
@@ -431,6 +522,20 @@ class SensitivitySpec(_Model):
     samples: int = Field(64, ge=1, description="Calibration rows used.")
 
 
+class EmbeddingAnalysisSpec(_Model):
+    """Settings of the label- and retrieval-aware embedding metrics (components/validate/parity.py)."""
+
+    knn_k: int = Field(1, ge=1, le=100, description=(
+        "accuracy / reference_accuracy (task embedding, with data.validation.label_column): the label predicted "
+        "for a row is the majority label of its knn_k nearest FP32 neighbours (ties: the nearer neighbour's)."))
+    recall_k: int = Field(10, ge=1, le=1000, description=(
+        "nn_recall_at_k: share of the FP32 query's k nearest neighbours that the variant's query also ranks in "
+        "its k nearest."))
+    margin_tolerance: float = Field(0.01, ge=0, le=2, description=(
+        "nn_top1_margin_agreement: a top-1 disagreement counts only where the FP32 query's top-1 and top-2 "
+        "cosine similarities differ by more than this (a near-tie may flip under any rounding)."))
+
+
 class AnalysisSpec(_Model):
     """What validation computes beyond the gates: tail samples, worst-slice discovery, bootstrap settings."""
 
@@ -440,6 +545,8 @@ class AnalysisSpec(_Model):
     bootstrap: BootstrapSpec = Field(default_factory=BootstrapSpec, description="Bootstrap for bounds.")
     sensitivity: SensitivitySpec = Field(default_factory=SensitivitySpec, description=(
         "Per-node sensitivity of INT8 variants without a search."))
+    embedding: EmbeddingAnalysisSpec = Field(default_factory=EmbeddingAnalysisSpec, description=(
+        "k and tolerance of the embedding metrics accuracy (kNN), nn_recall_at_k and nn_top1_margin_agreement."))
 
 
 # ------------------------------------------------------------------------------- benchmark and cost
@@ -705,7 +812,9 @@ class Spec(_Model):
     monitoring: MonitoringSpec | None = Field(None, description="Shadow-traffic monitor settings.")
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "Spec":
+    def _cross_field(self, info: ValidationInfo) -> "Spec":
+        if info.context and info.context.get(SKIP_CROSS_FIELD):  # validate_spec's partial spec (errors known)
+            return self
         errors: list[str] = []
         names = [v.name for v in self.variants]
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -714,11 +823,13 @@ class Spec(_Model):
         slice_names = [s.name for s in self.slices]
         if len(set(slice_names)) != len(slice_names):
             errors.append("slices: duplicate slice names")
-        allowed = set(TASK_METRICS[self.model.task]) | set(PERF_METRICS)
+        allowed = set(TASK_METRICS[self.model.task]) | set(PERF_METRICS) | set(BUILD_METRICS)
         for i, g in enumerate(self.gates):
             if g.metric not in allowed:
-                errors.append(f"gates.{i}.metric: {g.metric!r} is not produced for task {self.model.task!r}; "
-                              f"choose one of {sorted(allowed)}")
+                close = difflib.get_close_matches(g.metric, sorted(allowed), n=1)
+                errors.append(f"gates.{i}.metric: {g.metric!r} is not produced for task {self.model.task!r}"
+                              + (f" (did you mean {close[0]!r}?)" if close else "")
+                              + f", choose one of {sorted(allowed)}")
             if g.scope != "overall" and g.metric in PERF_METRICS:
                 errors.append(f"gates.{i}.scope: performance metric {g.metric!r} is overall only")
             if g.metric in PERF_METRICS and g.max_drop is not None:
@@ -726,8 +837,9 @@ class Spec(_Model):
             if g.max_drop is not None and g.metric == "reference_accuracy":
                 errors.append(f"gates.{i}.max_drop: reference_accuracy is the reference's own score; gate "
                               "accuracy with max_drop instead")
-            if g.metric in PERF_METRICS and g.confidence is not None:
-                errors.append(f"gates.{i}.confidence: confidence bounds apply to parity metrics, not {g.metric!r}")
+            if g.metric in PERF_METRICS and g.metric not in RATIO_METRICS and g.confidence is not None:
+                errors.append(f"gates.{i}.confidence: confidence bounds apply to parity metrics and speed ratios "
+                              f"({', '.join(sorted(RATIO_METRICS))}), not {g.metric!r}")
             if g.scope == "discovered" and not self.analysis.discovery.enabled:
                 errors.append(f"gates.{i}.scope: a 'discovered' gate needs analysis.discovery.enabled: true")
             if g.scope == "per_slice" and not self.slices:
@@ -742,6 +854,8 @@ class Spec(_Model):
                     errors.append(f"gates.{i}.variants: unknown variant {v!r}")
             if g.metric == "speedup_vs_torch" and self.model.source.format == "onnx":
                 errors.append(f"gates.{i}.metric: speedup_vs_torch needs a PyTorch reference (source is onnx)")
+            if g.metric in BUILD_METRICS:
+                errors.extend(build_gate_errors(i, g, self.variants))
         dm = self.analysis.discovery.metric
         if dm is not None and dm not in TASK_METRICS[self.model.task]:
             errors.append(f"analysis.discovery.metric: {dm!r} is not a parity metric of task {self.model.task!r}; "
@@ -765,7 +879,8 @@ class Spec(_Model):
         if self.model.task == "classification" and self.data.validation.label_column is None:
             pass  # accuracy is then not computed; agreement metrics still are
         if errors:
-            raise ValueError("; ".join(errors))
+            # one "<field path>: <problem>" per line; `_field_errors` splits them (a problem may hold "; ")
+            raise ValueError(CROSS_FIELD_SEP.join(errors))
         return self
 
     @property
@@ -791,13 +906,116 @@ def _field_errors(exc: ValidationError) -> list[FieldError]:
             msg = "unknown field (check the spelling; see `tailguard spec schema`)"
         loc = _loc(e["loc"])
         if e["type"] == "value_error" and not loc and re.match(r"^[A-Za-z_][\w.]*: ", msg):
-            # cross-field (Spec._cross_field): "<field path>: <problem>" joined by "; ", one FieldError each
-            for part in msg.split("; "):
+            # cross-field (Spec._cross_field): "<field path>: <problem>" lines, one FieldError each
+            for part in msg.split(CROSS_FIELD_SEP):
                 field_path, _, text = part.partition(": ")
                 out.append(FieldError(field_path, text or part))
             continue
         out.append(FieldError(loc, msg, e.get("input")))
     return out
+
+
+CROSS_FIELD_SEP = "\n"  # between the problems Spec._cross_field reports in one ValueError
+SKIP_CROSS_FIELD = "tailguard.skip_cross_field"  # validation context key: build a spec whose errors are known
+_MAX_PRUNE_ROUNDS = 4
+
+
+def _drop(doc: Any, loc: tuple[Any, ...]) -> bool:
+    """Delete the mapping key at pydantic error location `loc` from `doc` (in place); parts that are not keys or
+    indexes of the document (union tags, validator names) are skipped. False when the location ends at a list item
+    or the root (deleting it would renumber the field paths of later errors) or is not found."""
+    parts = [p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+    if not parts:
+        return False
+    node = doc
+    for part in parts[:-1]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            return False
+    if isinstance(node, dict) and parts[-1] in node:
+        del node[parts[-1]]
+        return True
+    return False
+
+
+def _hidden_errors(data: dict[str, Any], exc: ValidationError) -> tuple[dict[str, Any], list[FieldError]]:
+    """The cross-field errors (unknown gate metric, unknown slice, ...) that field errors kept from running.
+
+    Pydantic runs Spec's model validators only when every field is valid, so a type error elsewhere would hide
+    them until the user fixed it and tried again. This drops every invalid field from a copy of the document
+    (optional fields then take their defaults) and validates again, a few rounds, collecting what the model
+    validators find. Errors at the dropped fields themselves are not repeated.
+
+    Returns:
+        (the pruned document, the extra FieldErrors).
+    """
+    doc = copy.deepcopy(data)
+    dropped: set[str] = set()
+    extra: list[FieldError] = []
+    for _ in range(_MAX_PRUNE_ROUNDS):
+        progress = False
+        for e in exc.errors(include_url=False):
+            if _drop(doc, tuple(e["loc"])):
+                dropped.add(_loc(tuple(e["loc"])))
+                progress = True
+        if not progress:
+            return doc, extra
+        try:
+            Spec.model_validate(doc)
+            return doc, extra
+        except ValidationError as again:
+            exc = again
+            for fe in _field_errors(again):
+                if not any(fe.loc == d or fe.loc.startswith(d + ".") for d in dropped):
+                    if not any(fe.loc == x.loc and fe.message == x.message for x in extra):
+                        extra.append(fe)
+    return doc, extra
+
+
+def validate_spec(data: Any) -> tuple[Spec | None, list[FieldError]]:
+    """Validate a parsed YAML/JSON document as a Spec and collect every problem at once.
+
+    Field errors (types, unknown fields) and the cross-field errors they would otherwise hide (`_hidden_errors`)
+    are returned together.
+
+    Returns:
+        (spec, errors): errors empty -> the Spec. Errors non-empty -> a partial Spec for further checks (e.g. of
+        the data files): the document without its invalid optional fields, validated without the cross-field
+        rules (whose errors are in `errors`); None when even that does not validate (a required field is wrong).
+    """
+    if not isinstance(data, dict):
+        return None, [FieldError("", f"expected a mapping at the top level, got {type(data).__name__}")]
+    try:
+        return Spec.model_validate(data), []
+    except ValidationError as exc:
+        errors = _field_errors(exc)
+        doc = data
+        if all(e["loc"] for e in exc.errors(include_url=False)):  # field errors: Spec's validators did not run
+            doc, extra = _hidden_errors(data, exc)
+            known = {(e.loc, e.message) for e in errors}
+            errors += [e for e in extra if (e.loc, e.message) not in known]
+        try:  # the rest of the spec, for checks beyond the spec itself (data files)
+            partial: Spec | None = Spec.model_validate(doc, context={SKIP_CROSS_FIELD: True})
+        except ValidationError:
+            partial = None
+        return partial, errors
+
+
+def spec_error(errors: list[FieldError], data: Any, *, source: str = "spec") -> SpecError:
+    """The SpecError for `errors` (from `validate_spec`), with a fix hint (the parity-gate example when the spec
+    has no parity gate)."""
+    hint = "fix the fields above; `tailguard spec schema` prints every field"
+    if any(e.loc == "gates" and e.message.startswith(NO_PARITY_GATE) for e in errors):
+        task = (data.get("model") or {}).get("task") if isinstance(data, dict) and isinstance(data.get("model"),
+                                                                                               dict) else None
+        example = PARITY_GATE_EXAMPLE.get(str(task), PARITY_GATE_EXAMPLE["embedding"])
+        hint = (f"add a gate on a parity metric (overall or per_slice) for every variant, e.g. "
+                f"`- {example}` under gates, or set `promotion: {{enabled: false}}` to register and report "
+                "without moving the alias; " + hint)
+    return SpecError(errors, source=source, hint=hint)
 
 
 def parse_spec(data: Any, *, source: str = "spec") -> Spec:
@@ -806,21 +1024,10 @@ def parse_spec(data: Any, *, source: str = "spec") -> Spec:
     Raises:
         SpecError: with every problem and its field path.
     """
-    if not isinstance(data, dict):
-        raise SpecError([FieldError("", f"expected a mapping at the top level, got {type(data).__name__}")],
-                        source=source)
-    try:
-        return Spec.model_validate(data)
-    except ValidationError as exc:
-        errors = _field_errors(exc)
-        hint = "fix the fields above; `tailguard spec schema` prints every field"
-        if any(e.loc == "gates" and e.message.startswith(NO_PARITY_GATE) for e in errors):
-            task = (data.get("model") or {}).get("task") if isinstance(data.get("model"), dict) else None
-            example = PARITY_GATE_EXAMPLE.get(str(task), PARITY_GATE_EXAMPLE["embedding"])
-            hint = (f"add a gate on a parity metric (overall or per_slice) for every variant, e.g. "
-                    f"`- {example}` under gates, or set `promotion: {{enabled: false}}` to register and report "
-                    "without moving the alias; " + hint)
-        raise SpecError(errors, source=source, hint=hint) from None
+    spec, errors = validate_spec(data)
+    if errors or spec is None:
+        raise spec_error(errors or [FieldError("", "not a valid spec")], data, source=source)
+    return spec
 
 
 def load_spec(path: str | Path, *, resolve_paths: bool = True) -> Spec:
@@ -834,23 +1041,37 @@ def load_spec(path: str | Path, *, resolve_paths: bool = True) -> Spec:
         SpecError: the file is missing, is not YAML, or is not a valid spec (every error with its field path).
     """
     p = Path(path)
+    spec = parse_spec(read_spec_document(p), source=str(p))
+    if resolve_paths:
+        resolve_data_uris(spec, p)
+    return spec
+
+
+def read_spec_document(path: str | Path) -> Any:
+    """The parsed YAML of a spec file (not validated).
+
+    Raises:
+        SpecError: the file is missing or is not YAML (with the line and column).
+    """
+    p = Path(path)
     if not p.is_file():
         raise SpecError([FieldError("", f"file not found: {p}")], source=str(p),
                         hint="pass the path of a spec YAML file")
     try:
-        data = yaml.safe_load(p.read_text())
+        return yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise SpecError([FieldError("", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}")],
                         source=str(p)) from None
-    spec = parse_spec(data, source=str(p))
-    if resolve_paths:
-        base = p.resolve().parent
-        for ds in (spec.data.calibration, spec.data.validation):
-            if "://" not in ds.uri and not Path(ds.uri).is_absolute():
-                ds.uri = str((base / ds.uri).resolve())
-    return spec
+
+
+def resolve_data_uris(spec: Spec, spec_path: str | Path) -> None:
+    """Make relative data URIs absolute, relative to the spec file's folder (in place)."""
+    base = Path(spec_path).resolve().parent
+    for ds in (spec.data.calibration, spec.data.validation):
+        if "://" not in ds.uri and not Path(ds.uri).is_absolute():
+            ds.uri = str((base / ds.uri).resolve())
 
 
 def dump_spec(spec: Spec) -> str:

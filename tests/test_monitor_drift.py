@@ -28,3 +28,29 @@ def test_drift_writes_input_and_output_snapshots_per_window_when_workspace_set(t
     ws = Workspace(str(tmp_path / "ws"))
     (project,) = [p for p in ws.list_projects() if p.name == "tailguard-monitor"]
     assert len(ws.list_runs(project.id)) == 4
+
+
+def test_drift_snapshots_of_two_replays_differ_in_name_tags_and_metadata_when_written_to_one_project(tmp_path):
+    T.requests_frame(200, seed=0).to_parquet(tmp_path / "calib.parquet")
+    spec = parse_spec(T.spec_dict({"sample_rate": 0.1, "evidently_workspace": str(tmp_path / "ws"),
+                                   "snapshot_every": 30}, data_uri=str(tmp_path / "calib.parquet")))
+    rng = np.random.default_rng(1)
+    rows = [rng.normal(size=4).astype(np.float32) for _ in range(30)]
+    sessions = []
+    for _ in range(2):  # the same requests replayed twice
+        snaps = DriftSnapshots(resolve_config(spec), background=False)
+        for x in rows:
+            snaps.add({"inputs": {"x": x}, "meta": {"domain": "web"}, "reference": x @ T.weights(),
+                       "candidate": x @ T.weights()})
+        sessions.append(snaps.written[0]["session"])
+    assert sessions[0] != sessions[1]
+    from evidently.ui.workspace import Workspace
+
+    ws = Workspace(str(tmp_path / "ws"))
+    (project,) = [p for p in ws.list_projects() if p.name == "tailguard-monitor"]
+    snapshots = [ws.get_run(project.id, r) for r in ws.list_runs(project.id)]
+    labels = {(s.name, tuple(s.tags), s.metadata["session"]) for s in snapshots}
+    assert len(labels) == 4  # input + output drift of window 1, per replay: no two alike
+    assert {s.metadata["session"] for s in snapshots} == set(sessions)
+    assert all(f"[{s.metadata['session']}]" in s.name and f"session:{s.metadata['session']}" in s.tags
+               for s in snapshots)

@@ -78,7 +78,7 @@ def test_spec_rejects_a_discovered_gate_when_discovery_is_off():
 
 def test_spec_rejects_an_unknown_discovery_metric():
     doc = _doc()
-    doc["analysis"] = {"discovery": {"metric": "accuracy"}}
+    doc["analysis"] = {"discovery": {"metric": "top1_agreement"}}
     assert "analysis.discovery.metric" in _locs(doc)
 
 

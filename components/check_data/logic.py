@@ -6,6 +6,10 @@ Built-in expectations (per dataset, see components/check_data/README.md):
     - every model input column exists and is non-null;
     - every element of every model input row is numeric and finite (no NaN/Inf): GX has no expectation over array
       cells, so a derived boolean column `__<input>_finite` (one value per row) must be all True;
+    - every model input row has the rank and every fixed size of `model.inputs[].shape` after the batch axis
+      (named axes any length), e.g. (1, 8, 8) for `[batch, 1, 8, 8]`: a derived column `__<input>_shape` holds
+      "ok" or what the row has instead ("shape (1, 8, 7)", "ragged nested lists"), so a failure names the rows
+      and the shapes found;
     - with `model.inputs[].value_range: [lo, hi]`: the per-row minimum and maximum (derived columns
       `__<input>_min` / `__<input>_max`) lie in [lo, hi] (e.g. token ids inside the vocabulary);
     - the label column (if declared) exists and is non-null;
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pandas as pd
 
-from tailguard.data import read_parquet
+from tailguard.data import cell_array, describe_row_shape, read_parquet, row_shape, shape_problem, shape_text
 from tailguard.errors import DataCheckError, FieldError, SpecError
 from tailguard.home import quiet_environment
 
@@ -192,25 +196,32 @@ def build_spec_expectations(spec: "Spec") -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------- derived columns
-def _as_float_array(value: Any) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.dtype == object:  # Parquet list<list<...>> cells come back as arrays of arrays
-        arr = np.stack([_as_float_array(v) for v in arr]) if arr.size else np.zeros(0)
-    return arr.astype(np.float64)
+SHAPE_OK = "ok"  # value of a derived `__<input>_shape` cell whose row fits the spec shape
 
 
-def _row_stats(value: Any) -> tuple[bool | None, float | None, float | None]:
-    """(finite, min, max) of one cell; (None, None, None) for a null cell; (False, None, None) if not numeric."""
+def _row_stats(value: Any, spec_in: Any = None) -> tuple[bool | None, float | None, float | None, str | None]:
+    """(finite, min, max, shape status) of one cell; all None for a null cell. The status is SHAPE_OK or what the
+    row has (e.g. "shape (1, 8, 7)") against `spec_in`'s shape. Each problem fails one check only: ragged nested
+    lists give (None, None, None, "ragged nested lists"), a non-numeric cell (False, None, None, None)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return None, None, None
-    try:
-        arr = _as_float_array(value)
-    except (TypeError, ValueError):
-        return False, None, None
+        return None, None, None, None
+    try:  # Parquet list<list<...>> cells come back as arrays of arrays; tensor cells as ndarrays
+        arr = cell_array(value, np.float64)
+    except ValueError as exc:
+        if "ragged" in str(exc):
+            return None, None, None, "ragged nested lists"
+        return False, None, None, None
+    except TypeError:
+        return False, None, None, None
+    problem = shape_problem(arr, spec_in) if spec_in is not None else None
+    if arr.size == 0 and problem and arr.ndim == 1:  # an empty list: any rank fits no elements
+        want = row_shape(spec_in) or ()
+        problem = None if want and want[0] is None else problem
+    status = problem or SHAPE_OK
     finite = bool(np.isfinite(arr).all())
     if arr.size == 0 or not finite:
-        return finite, None, None
-    return finite, float(arr.min()), float(arr.max())
+        return finite, None, None, status
+    return finite, float(arr.min()), float(arr.max()), status
 
 
 def finite_column(name: str) -> str:
@@ -218,15 +229,22 @@ def finite_column(name: str) -> str:
     return f"__{name}_finite"
 
 
+def shape_column(name: str) -> str:
+    """Name of the derived per-row shape status column of input `name` (SHAPE_OK or the shape found)."""
+    return f"__{name}_shape"
+
+
 def add_derived_columns(df: pd.DataFrame, inputs: list[Any]) -> pd.DataFrame:
-    """Copy of `df` with, per model input column present: `__<name>_finite` (bool, None for null cells) and,
-    with a value_range, `__<name>_min` / `__<name>_max` (float64, NaN for null/empty/non-finite cells)."""
+    """Copy of `df` with, per model input column present: `__<name>_finite` (bool, None for null cells),
+    `__<name>_shape` (str: SHAPE_OK or what the row has, None for null cells) and, with a value_range,
+    `__<name>_min` / `__<name>_max` (float64, NaN for null/empty/non-finite cells)."""
     out = df.copy()
     for spec_in in inputs:
         if spec_in.name not in df.columns:
             continue
-        stats = [_row_stats(v) for v in df[spec_in.name].tolist()]
+        stats = [_row_stats(v, spec_in) for v in df[spec_in.name].tolist()]
         out[finite_column(spec_in.name)] = pd.Series([s[0] for s in stats], index=df.index, dtype=object)
+        out[shape_column(spec_in.name)] = pd.Series([s[3] for s in stats], index=df.index, dtype=object)
         if spec_in.value_range is not None:
             out[f"__{spec_in.name}_min"] = pd.Series([s[1] for s in stats], index=df.index, dtype="float64")
             out[f"__{spec_in.name}_max"] = pd.Series([s[2] for s in stats], index=df.index, dtype="float64")
@@ -263,6 +281,10 @@ def _builtin_plan(spec: "Spec", name: str, ds: "DatasetSpec", columns: set[str])
         add(E.ExpectColumnValuesToBeInSet, s.name,
             f"every element of model input {s.name!r} is numeric and finite (no NaN/Inf; derived column)",
             column=finite_column(s.name), value_set=[True])
+        add(E.ExpectColumnValuesToBeInSet, s.name,
+            f"every row of model input {s.name!r} has shape {describe_row_shape(s)} after the batch axis "
+            f"(model.inputs shape {shape_text(s.shape)}; named axes any length; derived column)",
+            column=shape_column(s.name), value_set=[SHAPE_OK])
         if s.value_range is not None:
             lo, hi = s.value_range
             for side in ("min", "max"):

@@ -43,6 +43,28 @@ def dynamic_axes_from_spec(spec: Any) -> dict[str, dict[int, str]]:
     return out
 
 
+def dummy_feeds(spec: Any, *, batch: int = 2, length: int = 4) -> dict[str, np.ndarray]:
+    """Feeds made from the spec's input shapes alone (no data), for tracing an export.
+
+    Args:
+        spec: a `tailguard.spec.ModelSpec` (inputs: name, dtype, shape with batch first).
+        batch: size of the batch axis (the first axis). At least 2 keeps torch.export from specializing it.
+        length: size of every other named axis (e.g. `sequence`), at least 2 for the same reason.
+
+    Returns:
+        {input name: array of the input's dtype}, e.g. image (2, 1, 8, 8) float32 for `[batch, 1, 8, 8]`,
+        frames (2, 4, 80) for `[batch, sequence, 80]`; filled with `value_range`'s lower bound, else 0.
+    """
+    from tailguard.data import NP_DTYPES
+
+    feeds = {}
+    for t in spec.inputs:
+        dims = [batch] + [d if isinstance(d, int) else length for d in list(t.shape)[1:]]
+        fill = t.value_range[0] if getattr(t, "value_range", None) is not None else 0
+        feeds[t.name] = np.full(dims, fill, dtype=NP_DTYPES[t.dtype])
+    return feeds
+
+
 def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], out_path: str | Path
                 ) -> dict[str, Any]:
     """Export a torch module to one ONNX file with the spec's names and dynamic axes.

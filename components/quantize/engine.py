@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from tailguard.cache import file_sha256
 from tailguard.errors import TailguardError
 
 MANIFEST_SUFFIX = ".json"
@@ -61,15 +62,6 @@ class EngineFingerprint:
         """`field: this != other` for every field that differs (empty when equal)."""
         return [f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}" for f in fields(self)
                 if getattr(self, f.name) != getattr(other, f.name)]
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    """sha256 (hex) of a file, read in `chunk`-byte pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def config_sha256(config: dict[str, Any]) -> str:

@@ -12,10 +12,24 @@ Pipeline of an ONNX Runtime variant (every stage recorded in `details`):
 1. graph optimization (`variant.graph_optimization`): `fusion: bert` runs
    `onnxruntime.transformers.optimizer.optimize_model` (Attention, SkipLayerNormalization, Gelu fusions);
    otherwise an ORT session at `level` saves its optimized graph (`SessionOptions.optimized_model_filepath`).
+   INT8 without `fusion: bert`: quantize first, then fuse (`optimization_levels`). Only the `basic` level
+   (constant folding, Conv+BatchNorm/Add/Mul folding, MatMul+Add -> Gemm, eliminations: graphs ORT's quantizer
+   still quantizes) runs before quantization; `extended` / `all` are left to the ONNX Runtime session that
+   loads the quantized model (the validate step's and serving sessions run at `all`), where they fuse the
+   quantized graph (DynamicQuantizeMatMul, QGemm, QLinearConv, ...). The artifact stays a plain QDQ /
+   QOperator graph that other execution providers read. Run before quantization, those fusions (Gemm+Relu ->
+   FusedGemm, Conv+Relu -> FusedConv, MatMul+Mul -> FusedMatMul) make ops no quantizer knows: they left 2 of
+   the 3 layers of an MLP in float (9% of its MACs in INT8) while the build said ok. `fusion: bert` stays
+   before quantization: its Attention is what ORT's quantizer handles.
 2. precision: fp32 keeps the optimized graph; fp16 runs `onnxruntime.transformers.float16.
    convert_float_to_float16(keep_io_types=True)`; int8 runs `quant_pre_process` (optional) then
    `quantize_dynamic` or `quantize_static` with a calibration reader over the calibration set.
-3. the result is written as one self-contained .onnx file (external data only above 2 GB), loaded once in
+3. INT8 coverage (`macs.quantization_coverage`, formulas in macs.py): MAC nodes of the graph given to the
+   quantizer (`quantizable_nodes`), those computing in INT8 (`quantized_mac_nodes`), MACs per sample
+   (`macs_total`, `macs_int8`) and `quantized_mac_fraction`, in `details` (build.json) and in the model's
+   metadata_props[`QUANTIZATION_COVERAGE_KEY`], so whoever validates the file (validate step, search trials)
+   reads them from the artifact itself (`gates.build_metrics`).
+4. the result is written as one self-contained .onnx file (external data only above 2 GB), loaded once in
    ONNX Runtime on the variant's execution provider, and a `reproduce.sh` is written beside it.
 """
 
@@ -38,6 +52,7 @@ import numpy as np
 from tailguard.data import Dataset, batch_indices, make_batch
 from tailguard.errors import InputError
 from tailguard.runtime import ort_providers_unavailable_reason, tensorrt_unavailable_reason
+from tailguard.spec import QUANTIZATION_COVERAGE_KEY
 from tailguard.steps import StepResult, get_step, register_step
 
 TWO_GB = 2 * 1024**3  # protobuf's limit for one serialized ModelProto
@@ -59,7 +74,8 @@ FUSED_OP_TYPES = ("EmbedLayerNormalization", "Attention", "MultiHeadAttention", 
 INTEGER_OP_TYPES = frozenset({"MatMulInteger", "ConvInteger", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
                               "QAttention", "QGemm", "QEmbedLayerNormalization", "DynamicQuantizeLSTM"})
 QDQ_OP_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
-_MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "Conv", "Attention")
+_MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "Conv", "FusedConv", "ConvTranspose", "Attention",
+               "MultiHeadAttention")
 
 
 # --------------------------------------------------------------------------------------------- dispatch
@@ -215,16 +231,21 @@ def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | No
             excluded, bad = _excluded_nodes(source, q)
             details["excluded_nodes"] = excluded
             if bad:
+                before = optimization_levels(variant)[0]
                 return (f"variant {variant.name}: quantization.exclude_nodes {bad} are not nodes of the graph "
-                        f"being quantized (after graph optimization level {variant.graph_optimization.level!r}"
+                        f"being quantized (after graph optimization level {before!r} before quantization"
                         f"{', quant_pre_process' if source != optimized else ''}); use node names of that graph "
                         "or set graph_optimization.level: disabled")
+            quantized = tmp / "quantized.onnx"
             if q.mode == "dynamic":
-                _quantize_dynamic(q, source, target, excluded, details)
+                _quantize_dynamic(q, source, quantized, excluded, details)
             else:
-                _quantize_static(q, source, target, excluded, calibration, model, calibration_batch_size,
+                _quantize_static(q, source, quantized, excluded, calibration, model, calibration_batch_size,
                                  tmp, details)
                 _write_calibration(calibration, model, out)
+            progress["stage"] = "quantization coverage"
+            coverage = _coverage(source, quantized, calibration, details)
+            _save_self_contained(quantized, target, metadata={QUANTIZATION_COVERAGE_KEY: json.dumps(coverage)})
         progress["stage"] = "summary"
         details.update(_summary(target, details.get("excluded_nodes", [])))
         progress["stage"] = "load check"
@@ -233,9 +254,29 @@ def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | No
 
 
 # ------------------------------------------------------------------------------------- graph optimization
-def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any]) -> Path:
+def optimization_levels(variant: Any) -> tuple[str, str | None]:
+    """(ORT graph optimization level applied before quantization / precision conversion, level left to the
+    ONNX Runtime session that loads the quantized model, or None).
+
+    INT8 without `fusion: bert` at level extended or all: ("basic", level): quantize first, then fuse (module
+    docstring). Every other variant: (level, None).
+    """
     go = variant.graph_optimization
+    if variant.precision == "int8" and go.fusion == "none" and go.level in ("extended", "all"):
+        return "basic", go.level
+    return go.level, None
+
+
+def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any]) -> Path:
+    """Graph optimization before quantization / fp16 conversion, at `optimization_levels(variant)[0]` (the
+    search's sensitivity analysis prepares its graph with this too, so node names match)."""
+    go = variant.graph_optimization
+    level, after = optimization_levels(variant)
     info: dict[str, Any] = {"level": go.level, "fusion": go.fusion}
+    if after is not None:
+        info.update(before_quantization=level, after_quantization=after,
+                    note=(f"quantize first, then fuse: level {level!r} ran before quantization; the {after!r} "
+                          "fusions run in the ONNX Runtime session that loads the quantized model"))
     if go.fusion == "bert":
         from onnxruntime.transformers.optimizer import optimize_model
 
@@ -244,17 +285,8 @@ def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any])
                              use_gpu=variant.execution_provider != "CPUExecutionProvider")
         info["fused_ops_reported"] = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
         opt.save_model_to_file(str(dst), use_external_data_format=opt.model.ByteSize() >= TWO_GB)
-    elif go.level != "disabled":
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = {
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[go.level]
-        opts.optimized_model_filepath = str(dst)
-        opts.log_severity_level = 3
-        ort.InferenceSession(str(src), sess_options=opts, providers=[variant.execution_provider])
+    elif level != "disabled":
+        _ort_optimize(src, dst, level, variant.execution_provider)
     else:
         shutil.copyfile(src, dst)
     counts = _op_counts(dst)
@@ -262,6 +294,40 @@ def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any])
     info["nodes"] = sum(counts.values())
     details["graph_optimization"] = info
     return dst
+
+
+def _ort_optimize(src: Path, dst: Path, level: str, provider: str) -> None:
+    """Save the graph an ORT session at `level` (basic | extended | all) makes of `src` on `provider`."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = {
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[level]
+    opts.optimized_model_filepath = str(dst)
+    opts.log_severity_level = 3
+    ort.InferenceSession(str(src), sess_options=opts, providers=[provider])
+
+
+def _coverage(source: Path, quantized: Path, calibration: Dataset | None,
+              details: dict[str, Any]) -> dict[str, Any]:
+    """Quantization coverage of the quantizer's output vs its input (`macs.quantization_coverage`), with symbolic
+    axes at the calibration rows' median length when there are rows; top-level facts copied into `details`."""
+    from .macs import quantization_coverage
+
+    sequence = None
+    if calibration is not None and calibration.n_rows:
+        sequence = max(1, int(np.median(np.asarray(calibration.lengths))))
+    try:
+        cov = quantization_coverage(source, quantized, sequence=sequence)
+    except Exception as exc:  # a measurement, not the build: recorded; a gate on it then fails with this reason
+        cov = {"error": f"{type(exc).__name__}: {str(exc)[:500]}", "quantizable_nodes": None,
+               "quantized_mac_nodes": None, "macs_total": None, "macs_int8": None, "quantized_mac_fraction": None}
+    details["quantization_coverage"] = cov
+    for key in ("quantizable_nodes", "quantized_mac_nodes", "macs_total", "macs_int8", "quantized_mac_fraction"):
+        details[key] = cov[key]
+    return cov
 
 
 # -------------------------------------------------------------------------------------------------- fp16
@@ -506,10 +572,18 @@ def _save_proto(proto: Any, dst: Path) -> None:
         onnx.save_model(proto, str(dst), save_as_external_data=True, location=dst.name + ".data")
 
 
-def _save_self_contained(src: Path, dst: Path) -> None:
+def _save_self_contained(src: Path, dst: Path, metadata: dict[str, str] | None = None) -> None:
+    """Load `src` (with its external data) and save it as `dst`, with `metadata` set in metadata_props."""
     import onnx
 
-    _save_proto(onnx.load(str(src)), dst)
+    proto = onnx.load(str(src))
+    if metadata:
+        keep = [p for p in proto.metadata_props if p.key not in metadata]
+        del proto.metadata_props[:]
+        proto.metadata_props.extend(keep)
+        for k, v in metadata.items():
+            proto.metadata_props.add(key=k, value=v)
+    _save_proto(proto, dst)
 
 
 def _op_counts(path: Path) -> dict[str, int]:

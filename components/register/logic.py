@@ -21,6 +21,7 @@ from tailguard.components.resolve.task import ALIAS_AT_START_TAG, alias_version
 from tailguard.components.search.task import SEARCH_OF_TAG, TRIAL_RUN_TAG, searched_name
 from tailguard.components.validate.gates import insufficient_reason
 from tailguard.components.validate.task import DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
+from tailguard.components.validate.task import GATE_NAME_PREFIX
 
 
 @dataclass
@@ -39,6 +40,10 @@ class VariantSummary:
         discovered: the worst significant slices worst-slice discovery found (up to 3: slice, value, support,
             metric, value_in_slice, value_rest, q_value); [] when none was significant or discovery was off.
         gates: {gate key: status}.
+        quantized_mac_fraction: INT8 variants: share of the MACs computed in INT8 (metric of the variant's run;
+            components/quantize/macs.py), else None.
+        warnings: what the summary must flag although no gate asked (`coverage_warnings`: an INT8 variant that
+            quantized under LOW_QUANTIZED_MAC_FRACTION of its MACs, or whose coverage was not recorded).
     """
 
     variant: str
@@ -57,6 +62,8 @@ class VariantSummary:
     gates: dict[str, str] = field(default_factory=dict)
     promoted: bool = False
     discovered: list[dict[str, Any]] = field(default_factory=list)
+    quantized_mac_fraction: float | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +156,34 @@ def _discovered(run: Any) -> list[dict[str, Any]]:
     return json.loads(raw) if raw else []
 
 
+LOW_QUANTIZED_MAC_FRACTION = 0.5  # an INT8 variant computing less than this share of its MACs in INT8 is flagged
+
+
+def coverage_warnings(precision: str, backend: str, status: str, fraction: float | None) -> list[str]:
+    """The summary's warnings about quantization coverage for one variant (no gate needed to see them).
+
+    Args:
+        precision, backend: the variant's (from the spec).
+        status: its build/validation status (ok | failed | skipped).
+        fraction: its quantized_mac_fraction metric (MACs in INT8 / all MACs, in [0, 1]), or None.
+
+    Returns:
+        [] unless the variant asked for INT8 on onnxruntime and was built (status ok); then one warning when
+        fraction < LOW_QUANTIZED_MAC_FRACTION ("INT8 variant computes only 9% of its MACs in INT8 ...") or when
+        no fraction was recorded.
+    """
+    if precision != "int8" or backend != "onnxruntime" or status != "ok":
+        return []
+    if fraction is None:
+        return ["INT8 variant: quantization coverage was not recorded (no quantized_mac_fraction metric); see "
+                "its build.json"]
+    if fraction < LOW_QUANTIZED_MAC_FRACTION:
+        return [f"INT8 variant computes only {fraction:.0%} of its MACs in INT8 (quantized_mac_fraction "
+                f"{fraction:.3f} < {LOW_QUANTIZED_MAC_FRACTION:g}): most of it runs in float; build.json "
+                "quantization_coverage lists the float nodes"]
+    return []
+
+
 def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
     """The passing variant with the lowest p50 latency (ties: spec order). None when none passed."""
     passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
@@ -198,7 +233,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
 
     def add_row(name: str, v: Any, run: Any) -> None:
         tags = run.data.tags
-        gates = {k[len("gate."):]: val for k, val in tags.items() if k.startswith("gate.")}
+        gates = gate_statuses(tags)
         insufficient = [k for k, val in gates.items() if val == "insufficient_data"]
         reason = tags.get("tailguard.reason", "")
         if insufficient and "insufficient data" not in reason:
@@ -211,7 +246,9 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             p50_ms=_metric(run, f"bs{bs}.latency_ms.p50"), p99_ms=_metric(run, f"bs{bs}.latency_ms.p99"),
             speedup_vs_torch=_metric(run, f"bs{bs}.speedup_vs_torch"),
             speedup_vs_onnx_fp32=_metric(run, f"bs{bs}.speedup_vs_onnx_fp32"),
-            worst_slice=_worst_slice(run), discovered=_discovered(run), gates=gates)
+            worst_slice=_worst_slice(run), discovered=_discovered(run), gates=gates,
+            quantized_mac_fraction=_metric(run, "quantized_mac_fraction"))
+        row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction)
         model_uri = tags.get(MODEL_URI_TAG)
         if row.status == "ok" and model_uri:
             extra = {SEARCH_OF_TAG: tags[SEARCH_OF_TAG], TRIAL_RUN_TAG: tags.get(TRIAL_RUN_TAG, "")} \
@@ -255,6 +292,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             summary.promoted_variant, summary.promoted_version = chosen.variant, chosen.version
     else:
         summary.alias_version = alias_version(client, spec.optimized_model_name, spec.promotion.alias)
+    log_run_report(client, summary.to_dict(), tracking_uri=mlflow.get_tracking_uri())
     return summary
 
 
@@ -318,7 +356,10 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
     decided (`expected`, None = nowhere); else re-decide against the version it now points to (`_holder_wins`).
 
     For a local store the re-read and the move happen under a file lock ($TAILGUARD_HOME/locks), so two runs of
-    one machine cannot interleave them; for a remote store the alias is re-read right before it is set. Tags are
+    one machine cannot interleave them; for a remote store (a tracking server: MLflow's API has no atomic
+    compare-and-set and no lock) the alias is re-read right before it is set and again right after, and the tags
+    say superseded when another run's write landed last; two runs on different machines can still interleave
+    between those reads, so run one promotion per model at a time there (docs/architecture.md). Tags are
     written under the same lock, so they stay true: this run's parent run gets tailguard.promotion (promoted |
     superseded) and tailguard.alias_version; when this run takes the alias from a version another run promoted
     while this one ran, that run's parent is re-tagged superseded (tailguard.superseded_by = this run).
@@ -345,6 +386,11 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
             except (MlflowException, KeyError):
                 pass
         client.set_registered_model_alias(model_name, alias, version)
+        now = alias_version(client, model_name, alias)
+        if now != version:  # a remote store has no lock: another run moved the alias between our read and set
+            why = f"v{now} took the alias right after this run set it (a concurrent run on a remote store)"
+            _tag(client, parent_run_id, "superseded", now, why)
+            return Promotion("superseded", now, why)
         _tag(client, parent_run_id, "promoted", version, reason)
         return Promotion("promoted", version, reason)
 
@@ -354,3 +400,105 @@ def _tag(client: Any, run_id: str, outcome: str, holder: str | None, reason: str
     client.set_tag(run_id, ALIAS_VERSION_TAG, holder or "none")
     if reason:
         client.set_tag(run_id, "tailguard.promotion_reason", reason)
+
+
+# --------------------------------------------------------------------------------------------- run report
+NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI
+REPORT_ERROR_TAG = "tailguard.report_error"  # why report.html could not be written (the run itself is unaffected)
+LOCAL_UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default: the report's run links
+
+
+def gate_statuses(tags: dict[str, str]) -> dict[str, str]:
+    """{gate key as the spec and docs spell it: status} from a variant run's tags.
+
+    `gate.<sanitised key>` holds the status; `gate_name.<sanitised key>` holds the canonical key (runs logged
+    before that tag existed fall back to the sanitised key).
+    """
+    out = {}
+    for k, val in tags.items():
+        if k.startswith("gate."):
+            short = k[len("gate."):]
+            out[tags.get(GATE_NAME_PREFIX + short, short)] = val
+    return out
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str, ui_url: str | None = None) -> str:
+    """The MLflow UI address of a run: under `ui_url`, else the tracking server (http/https URIs), else
+    LOCAL_UI_URL (`mlflow ui` on a local store)."""
+    base = ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else LOCAL_UI_URL)
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def report_inputs(client: Any, summary: dict[str, Any], *, tracking_uri: str,
+                  ui_url: str | None = None) -> dict[str, Any]:
+    """What `report.run_report_html` needs beyond the summary, read from the store: each variant's slices.csv
+    (skipped when absent or unreadable), links to the variant runs, and whether a torch baseline was timed
+    (a `baseline.torch.*` metric on the parent run).
+
+    Args:
+        client: an MlflowClient on the run's store.
+        summary: `RunSummary.to_dict()` (or a partial one with parent_run_id, experiment_id and variants).
+        tracking_uri: the store's URI (for the links).
+        ui_url: the MLflow UI base URL for the links (default: see `run_url`).
+
+    Returns:
+        {slice_tables, links, torch_baseline} keyword arguments.
+    """
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    tables, links = {}, {}
+    exp = summary.get("experiment_id", "")
+    for v in summary.get("variants") or []:
+        run_id = v.get("run_id")
+        if not run_id:
+            continue
+        links[v["variant"]] = run_url(tracking_uri, exp, run_id, ui_url)
+        if v.get("status") != "ok":
+            continue
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                tables[v["variant"]] = _read_slices_csv(client.download_artifacts(run_id, "slices.csv", tmp))
+        except (MlflowException, OSError, ValueError):  # no per-slice table: the heat map goes without it
+            continue
+    parent = client.get_run(summary["parent_run_id"])
+    torch_baseline = any(k.startswith("baseline.torch.") for k in parent.data.metrics)
+    return {"slice_tables": tables, "links": links, "torch_baseline": torch_baseline}
+
+
+def _read_slices_csv(path: str) -> Any:
+    """A slices.csv as a DataFrame, slice values kept as text (a value '01' stays '01')."""
+    import pandas as pd
+
+    return pd.read_csv(path, dtype={"slice": str, "value": str})
+
+
+def log_run_report(client: Any, summary: dict[str, Any], *, tracking_uri: str) -> None:
+    """Give the parent run its description (mlflow.note.content: `report.decision_note`, the decision in two lines)
+    and its report.html (all variants, Pareto plot, gate matrix, per-slice heat map, search trials, run links).
+
+    The description is set first; a report that cannot be built (an unreadable artifact, a plotting error) does
+    not fail the run that registered and promoted: the error goes to tag tailguard.report_error and stderr, and
+    `tailguard report RUN_ID` can rebuild the report from the store later.
+    """
+    import sys
+    import tempfile
+    import time
+
+    from tailguard.components.validate.report import RUN_REPORT_FILE, decision_note, write_run_report
+
+    run_id = summary["parent_run_id"]
+    client.set_tag(run_id, NOTE_TAG, decision_note(summary))
+    try:
+        parent = client.get_run(run_id)
+        run = {"run_id": run_id, "experiment_id": summary.get("experiment_id"), "status": "FINISHED",
+               "name": parent.info.run_name,
+               "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(parent.info.start_time / 1000))}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_run_report(f"{tmp}/{RUN_REPORT_FILE}", summary, run=run,
+                                    **report_inputs(client, summary, tracking_uri=tracking_uri))
+            client.log_artifact(run_id, str(path))
+    except Exception as exc:  # noqa: BLE001 - see the docstring: the report is rebuilt by `tailguard report`
+        client.set_tag(run_id, REPORT_ERROR_TAG, f"{type(exc).__name__}: {exc}"[:4000])
+        print(f"tailguard: the run report could not be written: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -10,7 +10,12 @@ Storage conventions (what `register_reference` writes and `resolve_reference` re
 | `pickle`       | an MLflow `pytorch` flavor saved with pickle (`data/model.pth`)         | `mlflow.pytorch.load_model`, only with `model.source.trusted: true` |
 
 Every version registered here carries the tags `tailguard.format` and `tailguard.sha256` (SHA-256 of the model
-file as stored); `resolve_reference` recomputes the digest after download and refuses a mismatch.
+file as stored); `resolve_reference` recomputes the digest after download and refuses a mismatch. Users register
+files with `tailguard register` / `tailguard.register_model` (pipelines/registration.py), which checks them and
+calls `register_reference`.
+
+A state dict's `class_path` module is imported from `sys.path`, then from the folders of $TAILGUARD_MODEL_PATH
+(`add_model_path`; the local runner sets it to the spec's folder and `--model-path`).
 """
 
 from __future__ import annotations
@@ -19,16 +24,20 @@ import difflib
 import hashlib
 import importlib
 import json
+import os
 import re
+import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from tailguard.errors import InputError, UntrustedModelError
 from tailguard.home import quiet_environment
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions (KFP components import this module)
+    import onnx
     import torch
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
@@ -44,6 +53,10 @@ TAG_SHA256 = "tailguard.sha256"
 STATE_DICT_FILE = "model.safetensors"
 EXPORTED_PROGRAM_FILE = "model.pt2"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+# Folders (os.pathsep-separated) searched for the module of a state dict's class_path after the installed packages.
+# The local runner sets it for its tasks (the spec's folder and `tailguard run --model-path`); a cluster image
+# installs the package that defines the class instead.
+MODEL_PATH_ENV = "TAILGUARD_MODEL_PATH"
 # Protobuf cannot serialize a message over 2 GiB; bigger ONNX models keep their weights in external data files.
 _ONNX_INLINE_LIMIT_BYTES = 1_800_000_000
 _MAX_LISTED = 20
@@ -182,7 +195,7 @@ def resolve_version(client: "MlflowClient", name: str, version: str) -> "ModelVe
 
 
 # ------------------------------------------------------------------------------------------ registering
-def register_reference(registered_name: str, *, onnx_path: str | Path | None = None,
+def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.ModelProto | None" = None,
                        state_dict: Mapping[str, Any] | str | Path | None = None, class_path: str | None = None,
                        init_kwargs: dict[str, Any] | None = None, exported_program: Any = None,
                        pickled_module: Any = None, tags: dict[str, str] | None = None,
@@ -193,12 +206,14 @@ def register_reference(registered_name: str, *, onnx_path: str | Path | None = N
     and chosen the experiment. The files are logged in a new run (nested if a run is active) and registered as a
     new version of `registered_name` (created if needed). Exactly one model argument is given:
 
-    - `onnx_path`: `mlflow.onnx.log_model` (flavor onnx); the weights stay inline up to ~1.8 GB.
-    - `exported_program` (a `torch.export.ExportedProgram`): `torch.export.save` -> `model.pt2` plus the
+    - `onnx_path` (an .onnx file, or an `onnx.ModelProto`): `mlflow.onnx.log_model` (flavor onnx); the weights
+      stay inline up to ~1.8 GB.
+    - `exported_program` (a `torch.export.ExportedProgram`, or a .pt2 file of one, copied unchanged after
+      `torch.export.load` has read it): `torch.export.save` -> `model.pt2` plus the
       descriptor `tailguard-model.json`, logged as run artifacts. (`mlflow.pytorch.log_model(serialization_format=
       "pt2")` exports an nn.Module itself and cannot take an already exported program; versions it produced are
       still resolved as torch_export.)
-    - `state_dict` ({parameter name: tensor}, or a .safetensors / .pt file of one) with `class_path` and
+    - `state_dict` ({parameter name: tensor}, or a .safetensors / .pt / .pth file of one) with `class_path` and
       `init_kwargs`: `model.safetensors` plus the descriptor (format, class_path, init_kwargs, file, sha256),
       registered with `client.create_model_version(source=<artifact uri>, run_id=...)`.
     - `pickled_module` (a torch.nn.Module): `mlflow.pytorch.log_model(serialization_format="pickle")`. Resolving
@@ -208,11 +223,11 @@ def register_reference(registered_name: str, *, onnx_path: str | Path | None = N
 
     Args:
         registered_name: registered model to add a version to.
-        onnx_path: an .onnx file.
+        onnx_path: an .onnx file (external data files beside it are read in), or an onnx.ModelProto.
         state_dict: tensors by parameter name, or a .safetensors / .pt / .pth file holding them.
         class_path: "module:Class" of the torch.nn.Module the state dict loads into (state_dict only).
         init_kwargs: JSON-serializable keyword arguments for `class_path` (state_dict only).
-        exported_program: a torch.export.ExportedProgram.
+        exported_program: a torch.export.ExportedProgram, or the path of a .pt2 file saved by torch.export.save.
         pickled_module: a torch.nn.Module to pickle.
         tags: extra version tags.
         description: version description.
@@ -243,7 +258,7 @@ def register_reference(registered_name: str, *, onnx_path: str | Path | None = N
         run_id = run.info.run_id
         mlflow.set_tag("tailguard.role", "reference")
         if onnx_path is not None:
-            fmt, mv = "onnx", _register_onnx(client, registered_name, Path(onnx_path), Path(tmp))
+            fmt, mv = "onnx", _register_onnx(client, registered_name, onnx_path, Path(tmp))
         elif pickled_module is not None:
             fmt, mv = "pickle", _register_pickle(client, registered_name, pickled_module, Path(tmp))
         else:
@@ -291,17 +306,22 @@ def _register_logged(client: "MlflowClient", name: str, info: Any, fmt: str, mod
                                        tags={TAG_FORMAT: fmt, TAG_SHA256: digest})
 
 
-def _register_onnx(client: "MlflowClient", name: str, path: Path, tmp: Path) -> "ModelVersion":
+def _register_onnx(client: "MlflowClient", name: str, source: "str | Path | onnx.ModelProto",
+                   tmp: Path) -> "ModelVersion":
     import mlflow
     import onnx
     import onnxruntime
 
-    if not path.is_file():
-        raise InputError(f"register_reference: ONNX file not found: {path}")
-    try:
-        model = onnx.load(str(path))
-    except Exception as exc:  # onnx raises DecodeError / OSError / ValueError for a bad file
-        raise InputError(f"register_reference: {path} is not a loadable ONNX model: {exc}") from None
+    if isinstance(source, onnx.ModelProto):
+        model = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise InputError(f"onnx_path: ONNX file not found: {path}")
+        try:
+            model = onnx.load(str(path))  # external data files beside it are read in
+        except Exception as exc:  # onnx raises DecodeError / OSError / ValueError for a bad file
+            raise InputError(f"onnx_path: {path} is not a loadable ONNX model: {exc}") from None
     external = model.ByteSize() > _ONNX_INLINE_LIMIT_BYTES
     info = mlflow.onnx.log_model(model, name=REFERENCE_ARTIFACT, save_as_external_data=external,
                                  pip_requirements=[f"onnx=={onnx.__version__}",
@@ -339,7 +359,7 @@ def _write_state_dict(state_dict: Mapping[str, Any] | str | Path, class_path: st
         json.dumps(init_kwargs)
     except TypeError as exc:
         raise InputError(f"register_reference: init_kwargs must be JSON-serializable: {exc}") from None
-    tensors = _read_state_dict(Path(state_dict), "state_dict") if isinstance(state_dict, (str, Path)) \
+    tensors = read_state_dict(Path(state_dict), "state_dict") if isinstance(state_dict, (str, Path)) \
         else dict(state_dict)
     bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
     if bad:
@@ -352,14 +372,43 @@ def _write_state_dict(state_dict: Mapping[str, Any] | str | Path, class_path: st
 
 
 def _write_exported_program(ep: Any, folder: Path) -> None:
+    """Store an ExportedProgram (saved with torch.export.save), or copy a .pt2 file of one unchanged after checking
+    that torch.export.load reads it."""
     import torch
 
-    if not isinstance(ep, torch.export.ExportedProgram):
-        raise InputError("register_reference: exported_program must be a torch.export.ExportedProgram, got "
+    target = folder / EXPORTED_PROGRAM_FILE
+    if isinstance(ep, (str, Path)):
+        load_exported_program(Path(ep), field="exported_program")
+        shutil.copyfile(ep, target)
+    elif isinstance(ep, torch.export.ExportedProgram):
+        torch.export.save(ep, str(target))
+    else:
+        raise InputError("exported_program: must be a torch.export.ExportedProgram or a .pt2 file of one, got "
                          f"{type(ep).__name__}", hint="pass torch.export.export(model.eval(), example_args)")
-    torch.export.save(ep, str(folder / EXPORTED_PROGRAM_FILE))
     _write_descriptor(folder, format="torch_export", file=EXPORTED_PROGRAM_FILE,
-                      sha256=sha256_file(folder / EXPORTED_PROGRAM_FILE), torch_version=torch.__version__)
+                      sha256=sha256_file(target), torch_version=torch.__version__)
+
+
+def load_exported_program(path: Path, *, field: str) -> Any:
+    """`torch.export.load(path)`, with a missing or unreadable file as an InputError naming `field`.
+
+    Returns:
+        The torch.export.ExportedProgram.
+    """
+    import torch
+
+    if not path.is_file():
+        raise InputError(f"{field}: file not found: {path}")
+    try:
+        ep = torch.export.load(str(path))
+    except Exception as exc:  # torch raises several types for a bad archive
+        raise InputError(f"{field}: {path} is not a torch.export program (torch.export.save / .pt2): "
+                         f"{type(exc).__name__}: {exc}",
+                         hint="save it with torch.export.save(torch.export.export(model.eval(), args), path)"
+                         ) from None
+    if not isinstance(ep, torch.export.ExportedProgram):
+        raise InputError(f"{field}: {path} does not hold a torch.export.ExportedProgram")
+    return ep
 
 
 # ------------------------------------------------------------------------------------------- resolving
@@ -404,8 +453,9 @@ def resolve_reference(spec: "Spec", *, tracking_uri: str, out_dir: Path, version
             f"model.source.trusted: {where} holds a pickled PyTorch model (mlflow.pytorch pickle flavor, "
             f"{model_file}); unpickling runs arbitrary code stored in the artifact, so tailguard refuses it "
             "unless model.source.trusted is true",
-            hint="re-register the reference as a state dict, a torch.export program or ONNX "
-                 "(components/resolve/README.md), or set model.source.trusted: true for a source you control")
+            hint="re-register the reference as a state dict, a torch.export program or ONNX (`tailguard "
+                 "register NAME FILE`, components/resolve/README.md), or set model.source.trusted: true for a "
+                 "source you control")
     class_path, init_kwargs = None, {}
     if fmt == "state_dict":
         class_path, init_kwargs = _class_and_kwargs(spec.model, descriptor)
@@ -564,6 +614,7 @@ def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.n
         import mlflow.pytorch
         from mlflow.exceptions import MlflowException
 
+        add_model_path()  # unpickling imports the module's classes
         try:
             module = mlflow.pytorch.load_model(resolved.local_dir)
         except MlflowException as exc:
@@ -575,32 +626,25 @@ def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.n
         raise InputError("model.source.class_path: a state-dict reference needs a class path",
                          hint="set model.source.class_path: 'package.module:Class'")
     init_kwargs = dict(spec.source.init_kwargs) if spec.source.class_path else dict(resolved.init_kwargs)
-    cls = import_module_class(class_path)
-    try:
-        module = cls(**init_kwargs)
-    except TypeError as exc:
-        raise InputError(f"model.source.init_kwargs: {class_path}(**{init_kwargs}) failed: {exc}",
-                         hint="fix model.source.init_kwargs to match the class's __init__") from None
-    weights = _read_state_dict(path, "model.source.weights_file")
-    try:
-        result = module.load_state_dict(weights, strict=False)
-    except RuntimeError as exc:  # shape mismatches raise even with strict=False
-        raise InputError(f"model.source.class_path: the state dict {path.name} does not fit {class_path}: {exc}",
-                         hint="check class_path and init_kwargs (layer sizes) against the registered weights"
-                         ) from None
-    if result.missing_keys or result.unexpected_keys:
-        raise InputError(
-            f"model.source.class_path: the state dict {path.name} does not fit {class_path}: "
-            f"missing keys {_short(result.missing_keys)}, unexpected keys {_short(result.unexpected_keys)}",
-            hint="check class_path and init_kwargs against the registered weights")
-    return module.eval()
+    weights = read_state_dict(path, "model.source.weights_file")
+    return build_state_dict_module(class_path, init_kwargs, weights, weights_name=path.name)
 
 
 def _short(keys: list[str], n: int = 20) -> str:
     return str(list(keys[:n])) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
-def _read_state_dict(path: Path, field_name: str) -> dict[str, Any]:
+def read_state_dict(path: Path, field_name: str) -> dict[str, Any]:
+    """Read {parameter name: tensor} from a .safetensors file, or a torch.save file with `weights_only=True` (no
+    code runs: a pickled whole module is refused).
+
+    Returns:
+        {name: tensor} on the CPU.
+
+    Raises:
+        InputError: the file is missing, unreadable, a pickled module, or not a flat {name: tensor} mapping
+            (names `field_name`).
+    """
     import torch
 
     if not path.is_file():
@@ -613,29 +657,94 @@ def _read_state_dict(path: Path, field_name: str) -> dict[str, Any]:
         else:
             sd = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # safetensors / torch.load (weights_only refusal) raise various types
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+        first = ("it holds pickled Python objects (e.g. a whole module saved with torch.save(model)), which are "
+                 "not unpickled" if "Weights only load failed" in text else
+                 (text.splitlines() or [type(exc).__name__])[0])
         raise InputError(f"{field_name}: {path} is not a plain state dict (safetensors, or torch.save of tensors "
-                         f"loadable with weights_only=True): {exc}") from None
+                         f"loadable with weights_only=True): {first}",
+                         hint="save the weights with torch.save(model.state_dict(), path) or "
+                              "safetensors.torch.save_file; a pickled whole module is not loaded") from None
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise InputError(f"{field_name}: {path} does not hold a {{name: tensor}} state dict")
+        nested = [k for k, v in sd.items() if isinstance(v, Mapping)] if isinstance(sd, Mapping) else []
+        raise InputError(f"{field_name}: {path} does not hold a {{name: tensor}} state dict",
+                         hint=(f"it looks like a checkpoint; save its {nested[0]!r} entry alone" if nested else
+                               "save model.state_dict()"))
     return dict(sd)
 
 
-def import_module_class(class_path: str, *, field: str = "model.source.class_path") -> type:
+def model_search_path(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """Folders searched for a model class's module after the installed packages: `extra`, then $TAILGUARD_MODEL_PATH.
+
+    Args:
+        extra: folders given by the caller (e.g. `tailguard register --model-path`), searched first.
+
+    Returns:
+        Absolute folders, in search order, without duplicates (missing folders are kept: the caller reports them).
+    """
+    entries = [*extra, *(e for e in os.environ.get(MODEL_PATH_ENV, "").split(os.pathsep) if e)]
+    out: list[Path] = []
+    for e in entries:
+        p = Path(e).expanduser().resolve()
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def add_model_path(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """Append the folders of `model_search_path(extra)` to `sys.path` (after the installed packages).
+
+    Appending, not prepending: a module in the user's folder never shadows an installed or standard-library module
+    (a `types.py` beside the spec must not break `import types`); a module that exists only there is found.
+
+    Returns:
+        The folders searched (`model_search_path(extra)`).
+    """
+    folders = model_search_path(extra)
+    added = False
+    for folder in folders:
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+            added = True
+    if added:
+        importlib.invalidate_caches()
+    return folders
+
+
+def import_module_class(class_path: str, *, field: str = "model.source.class_path",
+                        search_path: Iterable[str | Path] = ()) -> type:
     """Import "package.module:Class" and check that it is a torch.nn.Module subclass.
 
+    The module is looked up on `sys.path` (installed packages, and the current directory where Python puts it
+    there), then in `search_path` and the folders of $TAILGUARD_MODEL_PATH (see `add_model_path`).
+
+    Args:
+        class_path: "package.module:Class".
+        field: the spec field or argument named in errors.
+        search_path: extra folders to search for the module.
+
     Raises:
-        InputError: malformed path, module not importable, no such class, or not an nn.Module (names `field`).
+        InputError: malformed path, module not importable (the folders searched are listed), no such class, or not
+            an nn.Module (names `field`).
     """
     import torch
 
     mod_name, sep, cls_name = class_path.partition(":")
     if not sep or not mod_name or not cls_name:
         raise InputError(f"{field}: {class_path!r} is not 'package.module:Class'")
+    folders = add_model_path(search_path)
     try:
         module = importlib.import_module(mod_name)
     except ImportError as exc:
-        raise InputError(f"{field}: cannot import module {mod_name!r} of {class_path!r}: {exc}",
-                         hint="install the package that defines the model class in the step's image") from None
+        searched = ", ".join(str(f) for f in folders) or "none"
+        raise InputError(f"{field}: cannot import module {mod_name!r} of {class_path!r}: {exc} (installed packages "
+                         f"and the current directory searched, then the model path: {searched})",
+                         hint="put the module beside the spec file or pass --model-path DIR (tailguard run / "
+                              "register), or install the package that defines the class (on a cluster: in the "
+                              "step's image)") from None
+    except Exception as exc:  # the module was found but running it failed (SyntaxError, NameError, ...)
+        raise InputError(f"{field}: importing module {mod_name!r} of {class_path!r} failed: "
+                         f"{type(exc).__name__}: {exc}", hint="fix the module so that `import` runs") from None
     cls = getattr(module, cls_name, None)
     if cls is None:
         known = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
@@ -645,6 +754,47 @@ def import_module_class(class_path: str, *, field: str = "model.source.class_pat
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise InputError(f"{field}: {class_path!r} is not a torch.nn.Module subclass")
     return cls
+
+
+def build_state_dict_module(class_path: str, init_kwargs: Mapping[str, Any], weights: Mapping[str, Any], *,
+                            weights_name: str, class_field: str = "model.source.class_path",
+                            kwargs_field: str = "model.source.init_kwargs",
+                            search_path: Iterable[str | Path] = ()) -> "torch.nn.Module":
+    """Import `class_path`, build it with `init_kwargs` and load `weights` strictly (every bad key listed).
+
+    Args:
+        class_path: "package.module:Class" of a torch.nn.Module.
+        init_kwargs: keyword arguments of the class.
+        weights: {parameter name: tensor}.
+        weights_name: the weights' file name, for messages.
+        class_field / kwargs_field: the spec fields or arguments named in errors.
+        search_path: extra folders for the class's module (see `import_module_class`).
+
+    Returns:
+        The module in eval mode.
+
+    Raises:
+        InputError: the class cannot be imported, `cls(**init_kwargs)` fails (names `kwargs_field`), or the weights
+            do not fit (missing / unexpected keys or shape mismatches; names `class_field`).
+    """
+    cls = import_module_class(class_path, field=class_field, search_path=search_path)
+    init_kwargs = dict(init_kwargs)
+    try:
+        module = cls(**init_kwargs)
+    except TypeError as exc:
+        raise InputError(f"{kwargs_field}: {class_path}(**{init_kwargs}) failed: {exc}",
+                         hint=f"fix {kwargs_field} to match the class's __init__") from None
+    try:
+        result = module.load_state_dict(dict(weights), strict=False)
+    except RuntimeError as exc:  # shape mismatches raise even with strict=False
+        raise InputError(f"{class_field}: the state dict {weights_name} does not fit {class_path}: {exc}",
+                         hint=f"check {class_field} and {kwargs_field} (layer sizes) against the weights") from None
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(
+            f"{class_field}: the state dict {weights_name} does not fit {class_path}: "
+            f"missing keys {_short(result.missing_keys)}, unexpected keys {_short(result.unexpected_keys)}",
+            hint=f"check {class_field} and {kwargs_field} against the weights")
+    return module.eval()
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -129,7 +129,8 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
 
 
 def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validation: Any, baselines: dict[str, Any],
-                  work_root: Path) -> tuple[Callable[[Any, Path], Any], dict[str, Path]]:
+                  work_root: Path, reference_model_dir: str | Path | None = None
+                  ) -> tuple[Callable[[Any, Path], Any], dict[str, Path]]:
     """The `evaluate(trial_variant, model_path)` run_search calls, mirroring the validate step.
 
     Each trial runs on its own execution provider with spec.benchmark.intra_op_num_threads, over the same
@@ -142,10 +143,12 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
         (evaluate, work dirs by trial name) -- the dict fills as trials are evaluated.
     """
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.components.validate.task import verdict
+    from tailguard.components.validate.task import reference_runners, verdict
     from tailguard.runtime import OrtRunner
 
     dirs: dict[str, Path] = {}
+    # as in the validate step: the FP32 reference timed interleaved with each trial (speed-ratio bounds)
+    baseline_runners = reference_runners(spec, reference_model_dir)
 
     def evaluate(trial_variant: Any, model_path: Path) -> Any:
         runner = OrtRunner(model_path, providers=[trial_variant.execution_provider],
@@ -156,7 +159,7 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
         dirs[trial_variant.name] = d
         result = validate_variant(spec, variant.name, runner, reference_outputs, validation, d,
                                   reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
-                                  model_path=model_path)
+                                  model_path=model_path, baseline_runners=baseline_runners)
         result.passed = verdict(result)[0]  # the validate step's verdict: non-finite outputs fail too
         return result
 
@@ -224,7 +227,8 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
         static = variant.quantization is not None and variant.quantization.mode == "static"
         evaluate, dirs = make_evaluate(
             spec, variant, reference_outputs=load_reference_outputs(spec, Path(reference_dir) / REFERENCE_FILE),
-            validation=load_validation(spec), baselines=parse_baselines(baselines_json), work_root=work / "eval")
+            validation=load_validation(spec), baselines=parse_baselines(baselines_json), work_root=work / "eval",
+            reference_model_dir=onnx_dir)
         trial_runs: dict[int, str] = {}
 
         def on_trial(trial: Any) -> None:

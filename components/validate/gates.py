@@ -23,6 +23,16 @@ Rules:
                           reason "no slice discovered"; discovery not run: failed.
     performance gate      latency/throughput/cost/speedup (BATCHED_METRICS) from perf[spec.gate_batch_size(gate)];
                           peak_rss_mb / model_size_mb from `overall`.
+    speed-ratio gate with confidence (RATIO_METRICS, e.g. speedup_vs_onnx_fp32): decided on the one-sided bound
+                          at the gate's level (lower for `min`, upper for `max`) of the ratio of medians over
+                          the rounds in which the baseline was timed interleaved with the variant
+                          (`latency.speed_ratio`: paired percentile bootstrap over rounds, seeded by
+                          analysis.bootstrap); observed = the bound, estimate = the ratio. Without interleaved
+                          timings of that baseline (perf row key "baseline_samples_ms") the gate fails with the
+                          reason.
+    build gate            (BUILD_METRICS: quantized_mac_fraction) observed = overall[metric], the fact the INT8
+                          build stored in the model file (`build_metrics`); not_applicable to a variant that is not
+                          INT8 on onnxruntime (a gate without `variants` judges the INT8 variants only).
     a metric that was not measured (no cost section, no torch baseline, no labels for accuracy, NaN) fails
     its gate, with the reason in detail: a threshold the user asked for is never silently skipped.
 
@@ -57,7 +67,10 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import numpy as np
 import pandas as pd
 
-from tailguard.spec import BATCHED_METRICS, PERF_METRICS, GateSpec, Spec, higher_is_better
+from tailguard.errors import InputError
+from tailguard.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec, higher_is_better
+
+from tailguard.spec import BUILD_METRICS, QUANTIZATION_COVERAGE_KEY
 
 from .intervals import method_words, metric_bound, paired_difference_bound
 from .parity import aggregate
@@ -404,6 +417,91 @@ def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResu
     return _groups(gate, base, ctx, candidates, method, where)
 
 
+def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: dict[str, Any] | None,
+                      missing_reason: str) -> GateResult:
+    """A speed-ratio gate with `confidence`, decided on the bound of the interleaved ratio (module docstring)."""
+    from .latency import speed_ratio
+
+    op, thr, bs = base["op"], base["threshold"], base["batch_size"]
+    name = gate.metric.removeprefix("speedup_vs_")
+    side = _side(op)
+    level = gate.confidence
+    paired = ((row or {}).get("baseline_samples_ms") or {}).get(name)
+    method = f"benchmark at batch size {bs}"
+    kw = dict(base, confidence=level, decided_on="bound")
+    if row is None or paired is None:
+        reason = missing_reason if row is None or row.get(gate.metric) is None else (
+            f"the {name} baseline was not timed interleaved with the variant (no paired rounds), so "
+            f"{gate.metric} has no confidence bound; the validate step times it when given the reference model")
+        return GateResult(**kw, observed=None, passed=False, status="failed", method=method,
+                          detail={"reason": reason})
+    bsp = ctx.spec.analysis.bootstrap
+    try:
+        r = speed_ratio(paired, row["samples_ms"], level, samples=bsp.samples, seed=bsp.seed)
+    except InputError as exc:
+        return GateResult(**kw, observed=None, passed=False, status="failed", method=method,
+                          detail={"reason": f"no confidence bound: {exc.message}"})
+    b = r["lower"] if side == "lower" else r["upper"]
+    ok = _ok(b, op, thr)
+    method += f"; decided on the one-sided {level * 100:g}% {side} bound of the " + r["method"]
+    return GateResult(**kw, observed=b, passed=ok, status="passed" if ok else "failed", method=method,
+                      estimate=r["ratio"], bound=b, detail={"rounds": r["rounds"], "lower": r["lower"],
+                                                            "upper": r["upper"]})
+
+
+def build_metrics(model_path: Any) -> dict[str, float]:
+    """The build metrics (BUILD_METRICS) an INT8 build stored in its model file.
+
+    Args:
+        model_path: the variant's .onnx file (or None / a folder / another format: nothing is read).
+
+    Returns:
+        {"quantized_mac_fraction": float in [0, 1]} from the model's metadata_props[QUANTIZATION_COVERAGE_KEY]
+        (written by components/quantize/logic.py; MACs per sample, formulas in components/quantize/macs.py);
+        {} when the file has no such entry (fp32/fp16 variants, models built before it existed) or the value is
+        not a number.
+
+    Raises:
+        InputError: the file exists but is not a readable ONNX model.
+    """
+    import json
+    from pathlib import Path
+
+    if model_path is None or Path(model_path).suffix != ".onnx" or not Path(model_path).is_file():
+        return {}
+    import onnx
+
+    try:
+        props = {p.key: p.value for p in onnx.load(str(model_path), load_external_data=False).metadata_props}
+    except Exception as exc:  # DecodeError and friends
+        raise InputError(f"cannot read the model file {model_path}: {type(exc).__name__}: {str(exc)[:200]}",
+                         hint="validate the .onnx file the build step wrote") from None
+    try:
+        facts = json.loads(props.get(QUANTIZATION_COVERAGE_KEY, "{}"))
+    except ValueError:
+        return {}
+    out = {}
+    for m in BUILD_METRICS:
+        v = _num(facts.get(m)) if isinstance(facts, dict) else None
+        if v is not None:
+            out[m] = v
+    return out
+
+
+def _build_gate(gate: GateSpec, base: dict[str, Any], spec: Spec, variant_name: str,
+                overall: dict[str, float]) -> GateResult:
+    """A gate on a build metric: not_applicable unless the variant is INT8 on onnxruntime."""
+    v = next((x for x in spec.variants if x.name == variant_name), None)
+    if v is not None and not (v.precision == "int8" and v.backend == "onnxruntime"):
+        return GateResult(**base, observed=None, passed=None, status="not_applicable",
+                          method=f"{gate.metric} is a fact of INT8 onnxruntime builds; variant {variant_name} is "
+                                 f"{v.precision} on {v.backend}")
+    return _single(gate, base, overall.get(gate.metric),
+                   "counted on the built graph: MACs per sample in INT8 / all MACs (components/quantize/macs.py)",
+                   f"{gate.metric} was not measured: the model file holds no quantization coverage "
+                   f"(metadata {QUANTIZATION_COVERAGE_KEY!r}); rebuild the variant with this tailguard version")
+
+
 def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], slice_table: pd.DataFrame,
                    perf: dict[int, dict[str, float]], *, per_sample: dict[str, np.ndarray] | None = None,
                    groups: "list[SliceGroup] | None" = None,
@@ -414,7 +512,8 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
         spec: the validated spec (gates, benchmark batch sizes, analysis.bootstrap / discovery).
         variant_name: the variant's name, matched against `gate.variants`.
         overall: overall-scope metrics: the parity metrics of `parity.aggregate` plus, when measured,
-            "peak_rss_mb" (MiB) and "model_size_mb" (MiB).
+            "peak_rss_mb" (MiB) and "model_size_mb" (MiB), and for INT8 builds "quantized_mac_fraction"
+            (`build_metrics`).
         slice_table: `slices.per_slice_table` output (columns slice, value, support, <metrics>).
         perf: {batch size: {"latency_ms.p50": ms, "latency_ms.p99": ms, "throughput_per_s": rows/s,
             "usd_per_1m_inferences": USD, "speedup_vs_torch": x, ...}} (`latency.benchmark` plus the derived
@@ -445,7 +544,9 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
                                       confidence=gate.confidence,
                                       decided_on="point" if gate.confidence is None else "bound"))
             continue
-        if gate.scope == "per_slice":
+        if gate.metric in BUILD_METRICS:
+            results.append(_build_gate(gate, base, spec, variant_name, overall))
+        elif gate.scope == "per_slice":
             results.append(_per_slice(gate, base, ctx, slice_table))
         elif gate.scope == "discovered":
             results.append(_discovered(gate, base, ctx))
@@ -455,8 +556,11 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
                       f"{gate.metric} was not measured at batch size {bs}"
                       + (" (no cost section in the spec)" if gate.metric == "usd_per_1m_inferences" else "")
                       + (" (no baseline benchmark given)" if gate.metric.startswith("speedup") else ""))
-            results.append(_single(gate, base, (row or {}).get(gate.metric),
-                                   f"benchmark at batch size {bs}", reason))
+            if gate.confidence is not None and gate.metric in RATIO_METRICS:
+                results.append(_ratio_bound_gate(gate, base, ctx, row, reason))
+            else:
+                results.append(_single(gate, base, (row or {}).get(gate.metric),
+                                       f"benchmark at batch size {bs}", reason))
         elif gate.metric in PERF_METRICS:
             results.append(_single(gate, base, overall.get(gate.metric), "measured on this node",
                                    f"{gate.metric} was not measured"))

@@ -16,11 +16,13 @@ MLflow metric names (`ValidationResult.mlflow_metrics`, DESIGN.md "MLflow conven
 
     <parity metric>                   overall, e.g. top1_agreement, cosine_similarity.p01, abs_error.max
     peak_rss_mb, model_size_mb        overall resources (MiB), when measured
+    quantized_mac_fraction            INT8 builds: MACs in INT8 / all MACs (gates.build_metrics)
     non_finite_rows                   validation rows whose candidate output had NaN/inf
     gates_passed                      1.0 when the variant passed its gates, else 0.0
     <perf metric>                     at the FIRST benchmark batch size (the gates' default):
                                       latency_ms.p50/.p95/.p99/.mean, throughput_per_s,
-                                      usd_per_1m_inferences, speedup_vs_torch, speedup_vs_onnx_fp32
+                                      usd_per_1m_inferences, speedup_vs_torch, speedup_vs_onnx_fp32,
+                                      speedup_vs_onnx_fp32.lb95/.ub95 (when timed interleaved)
     bs<N>.<perf metric>               the same at every batch size N (first one included), plus
                                       bs<N>.n_iterations
     slice.<slice>.<value>.<metric>    per slice group, and slice.<slice>.<value>.support; <value> is
@@ -53,14 +55,17 @@ from tailguard.runtime import Runner, run_dataset
 from tailguard.spec import Spec
 from tailguard.taskio import json_default
 
-from .gates import GateResult, all_passed, evaluate_gates
-from .latency import benchmark, cost_per_1m, peak_rss_mb
+from .gates import GateResult, all_passed, build_metrics, evaluate_gates
+from .latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
 from .parity import aggregate, non_finite_rows, per_sample_metrics
 from .report import higher_is_better, key_metric, write_report
 from .slices import per_slice_table, slice_groups
 
 PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean", "throughput_per_s",
-             "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32")
+             "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32",
+             # bounds of the speed ratios when the baselines were timed interleaved (latency.add_speed_ratios)
+             "speedup_vs_torch.lb95", "speedup_vs_torch.ub95", "speedup_vs_onnx_fp32.lb95",
+             "speedup_vs_onnx_fp32.ub95")
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_.\- ]")
 DISCOVERED_METRICS_TOP = 5  # discovered.<i>.* MLflow metrics for the i = 1..5 worst significant slices
 # per task: the per-row value that ranks worst_samples.csv, and whether low values are the bad ones
@@ -209,7 +214,7 @@ class ValidationResult:
 
 def _labels(spec: Spec, validation: Dataset) -> np.ndarray | None:
     col = spec.data.validation.label_column
-    if spec.model.task != "classification" or col is None:
+    if spec.model.task not in ("classification", "embedding") or col is None:
         return None
     if col not in validation.frame.columns:
         raise InputError(f"data.validation.label_column: no column {col!r} in the validation data; "
@@ -219,6 +224,8 @@ def _labels(spec: Spec, validation: Dataset) -> np.ndarray | None:
     if s.isna().any():
         raise InputError(f"data.validation.label_column: column {col!r} has {int(s.isna().sum())} missing labels",
                          hint="fill or drop the rows without a label")
+    if spec.model.task == "embedding":  # kNN label accuracy: any hashable label (parity.per_sample_metrics)
+        return s.to_numpy()
     if not pd.api.types.is_integer_dtype(s) and not (
             pd.api.types.is_float_dtype(s) and np.all(np.mod(s.to_numpy(), 1) == 0)):
         raise InputError(f"data.validation.label_column: column {col!r} must hold integer class ids "
@@ -293,7 +300,8 @@ def _model_size_mb(model_path: str | Path | None) -> float | None:
 
 def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_outputs: list[np.ndarray],
                      validation: Dataset, out_dir: str | Path, *, reference_perf: dict | None = None,
-                     torch_perf: dict | None = None, model_path: str | Path | None = None) -> ValidationResult:
+                     torch_perf: dict | None = None, model_path: str | Path | None = None,
+                     baseline_runners: dict[str, Runner] | None = None) -> ValidationResult:
     """Validate one variant against the FP32 reference and the spec's gates.
 
     Args:
@@ -309,6 +317,11 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
             for speedup_vs_onnx_fp32 and the latency plot.
         torch_perf: the torch reference's `benchmark` output, for speedup_vs_torch.
         model_path: the variant's model file (or folder) for model_size_mb.
+        baseline_runners: {"onnx_fp32": runner, "torch": runner} (either or both): the baselines are timed
+            interleaved with the variant in this process (`latency.interleaved_benchmark`), and the speed ratios
+            speedup_vs_<name> and their bounds (.lb95/.ub95) come from those paired rounds
+            (`latency.add_speed_ratios`); the interleaved onnx_fp32 timing also replaces `reference_perf`.
+            A baseline not given here keeps the ratio of p50s against `reference_perf` / `torch_perf`.
 
     Returns:
         The ValidationResult (also written to out_dir/result.json).
@@ -334,7 +347,10 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     if not outputs:
         raise InputError(f"validate: variant {variant_name!r} produced no outputs")
     cand = outputs[0]
-    per_sample = per_sample_metrics(task, ref, cand, labels=labels)
+    emb = spec.analysis.embedding
+    per_sample = per_sample_metrics(task, ref, cand, labels=labels,
+                                    **({"recall_k": emb.recall_k, "knn_k": emb.knn_k,
+                                        "margin_tolerance": emb.margin_tolerance} if task == "embedding" else {}))
     overall: dict[str, float] = aggregate(task, per_sample)
     groups = slice_groups(validation.frame, spec.slices)
     table = per_slice_table(task, per_sample, groups)
@@ -347,11 +363,24 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                                     exclude_columns=[label] if label is not None else [])
     worst = worst_samples(task, per_sample, validation.frame, spec.analysis.worst_k)
 
-    perf = benchmark(runner, validation, spec.model.inputs, spec.benchmark, pad_values=spec.model.pad_values)
+    interleaved: dict[str, Any] = {}
+    if baseline_runners:
+        timed = interleaved_benchmark({"variant": runner, **baseline_runners}, validation, spec.model.inputs,
+                                      spec.benchmark, pad_values=spec.model.pad_values)
+        perf = timed.pop("variant")
+        interleaved = timed
+        add_speed_ratios(perf, interleaved, samples=spec.analysis.bootstrap.samples,
+                         seed=spec.analysis.bootstrap.seed)
+        if "onnx_fp32" in interleaved:
+            reference_perf = interleaved["onnx_fp32"]
+    else:
+        perf = benchmark(runner, validation, spec.model.inputs, spec.benchmark, pad_values=spec.model.pad_values)
     for bs, row in perf.items():
         if spec.cost is not None:
             row["usd_per_1m_inferences"] = cost_per_1m(spec.cost.usd_per_hour, row["throughput_per_s"])
         for key, base in (("speedup_vs_torch", torch_perf), ("speedup_vs_onnx_fp32", reference_perf)):
+            if key.removeprefix("speedup_vs_") in interleaved:
+                continue  # already the interleaved ratio of medians (add_speed_ratios)
             b = _perf_row(base, bs)
             if b and b.get("latency_ms.p50") and row["latency_ms.p50"] > 0:
                 row[key] = float(b["latency_ms.p50"]) / row["latency_ms.p50"]
@@ -359,6 +388,7 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     size = _model_size_mb(model_path)
     if size is not None:
         overall["model_size_mb"] = size
+    overall.update(build_metrics(model_path))  # INT8: quantized_mac_fraction, stored in the model by the build
 
     gates = evaluate_gates(spec, variant_name, overall, table, perf, per_sample=per_sample, groups=groups,
                            discovered=discovery)

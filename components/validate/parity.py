@@ -21,6 +21,18 @@ embedding (vectors, shape (rows, dim)):
     nn_top1_agree_i     = NN1(cand_i) == NN1(ref_i), nearest neighbours by cosine in the FP32 index
     nn_top5_overlap_i   = |top5(cand_i) ∩ top5(ref_i)| / 5     (/ k when the index has k < 5 candidates)
     abs_error_i         = max_d |cand_id - ref_id|
+    nn_recall_i         = |topK(cand_i) ∩ topK(ref_i)| / K    K = recall_k (spec analysis.embedding.recall_k,
+                          default 10; smaller when the index is): recall@K of the FP32 query's K neighbours
+    margin_i            = s(ref_i, NN1(ref_i)) - s(ref_i, NN2(ref_i))   the FP32 query's top-1/top-2 cosine gap
+                          (+inf when the index offers one candidate only)
+    nn_top1_margin_agree_i = nn_top1_agree_i OR margin_i <= margin_tolerance
+                          (analysis.embedding.margin_tolerance, default 0.01): a disagreement counts only where
+                          the FP32 ranking itself is decisive, not on a near-tie any rounding could flip
+    correct_i           = knn_label(cand_i) == label_i        (labels given)
+    reference_correct_i = knn_label(ref_i) == label_i         (labels given)
+                          knn_label(q) = the majority label of the knn_k (default 1) nearest FP32 index rows
+                          of q (ties: the label of the nearer neighbour), i.e. kNN classification in the FP32
+                          index; labels may be any hashable values (strings, ints)
     The FP32 index defaults to the reference outputs themselves; then row i is excluded from its own
     neighbours (`exclude_self`), otherwise every row would trivially find itself. This is the usual
     retrieval-consistency check for quantized embedding models (e.g. the "retrieval overlap@k" of
@@ -36,8 +48,15 @@ Non-finite rows: a row whose candidate (or reference) output holds NaN or +-inf 
 
 Aggregates (keys of TASK_METRICS): `x.mean`, `x.max`, `x.min` as named; `x.p99` / `x.p01` are the
 99th / 1st percentiles with numpy's default "linear" interpolation (an interpolation touching +-inf gives
-+-inf, never NaN); `accuracy`, `reference_accuracy`, `top1_agreement`, `nn_top1_agreement` are means of the
-0/1 indicators; `nn_top5_agreement` is the mean overlap. An empty selection gives NaN for every metric.
++-inf, never NaN); `accuracy`, `reference_accuracy`, `top1_agreement`, `nn_top1_agreement`,
+`nn_top1_margin_agreement` are means of the 0/1 indicators; `nn_top5_agreement` is the mean overlap,
+`nn_recall_at_k` the mean recall. An empty selection gives NaN for every metric.
+
+Which embedding metric to gate on (docs/spec.md "Embedding gates"): nn_top1_agreement punishes every flip
+of a near-tie, so on data with many near-duplicates (WordNet lemmas of one synset) it fails a variant whose
+retrieval is intact; nn_top1_margin_agreement keeps the check but skips FP32 near-ties; nn_recall_at_k asks
+whether the neighbourhood survives (search/RAG); accuracy with max_drop (kNN label accuracy vs the
+reference's, paired Newcombe bound) asks whether the task the embedding serves still works.
 """
 
 from __future__ import annotations
@@ -52,6 +71,9 @@ from tailguard.spec import TASK_METRICS
 REL_EPS = 1e-6  # floor of |reference| in rel_error, so exact zeros in the reference do not divide by zero
 NORM_EPS = 1e-12  # floor of vector norms in cosine similarity
 NN_K = 5  # neighbours compared by nn_top5_overlap
+RECALL_K = 10  # default K of nn_recall_at_k (spec analysis.embedding.recall_k)
+KNN_K = 1  # default neighbours voting in kNN label accuracy (spec analysis.embedding.knn_k)
+MARGIN_TOLERANCE = 0.01  # default FP32 top-1/top-2 cosine gap below which a top-1 flip is a near-tie
 SEARCH_BLOCK_BYTES = 64 * 2**20  # score matrix block size for nearest-neighbour search (float32)
 
 # per-row metric -> how the aggregate metrics are computed from it
@@ -118,9 +140,17 @@ def _topk(queries: np.ndarray, index: np.ndarray, k: int, exclude: np.ndarray | 
     queries, index: L2-normalised float32 (rows, dim), (n, dim). exclude: (rows,) index row to skip per query
     (or None). Ties are broken by the lower index row, so equal inputs give equal neighbours.
     """
+    return _topk_scored(queries, index, k, exclude)[0]
+
+
+def _topk_scored(queries: np.ndarray, index: np.ndarray, k: int, exclude: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """`_topk` and the cosine similarities of those neighbours: (indices (rows, k) int64, scores (rows, k)
+    float32), best first."""
     n = index.shape[0]
     rows = queries.shape[0]
     out = np.empty((rows, k), dtype=np.int64)
+    out_scores = np.empty((rows, k), dtype=np.float32)
     block = max(1, SEARCH_BLOCK_BYTES // (4 * max(n, 1)))
     for start in range(0, rows, block):
         stop = min(rows, start + block)
@@ -135,12 +165,24 @@ def _topk(queries: np.ndarray, index: np.ndarray, k: int, exclude: np.ndarray | 
         # sort by score descending, then index ascending (lexsort: last key is primary)
         order = np.lexsort((part, -part_scores), axis=1)
         out[start:stop] = np.take_along_axis(part, order, axis=1)[:, :k]
-    return out
+        out_scores[start:stop] = np.take_along_axis(part_scores, order, axis=1)[:, :k]
+    return out, out_scores
+
+
+def _knn_labels(neighbours: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """Majority label code of each row's neighbours (rows, k) -> (rows,); ties go to the nearer neighbour."""
+    lab = codes[neighbours]  # (rows, k)
+    k = lab.shape[1]
+    votes = (lab[:, :, None] == lab[:, None, :]).sum(axis=2)  # (rows, k): votes for the label at position j
+    score = votes * (k + 1) - np.arange(k)[None, :]  # more votes first, then the nearer position
+    return lab[np.arange(lab.shape[0]), score.argmax(axis=1)]
 
 
 def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, *,
                        labels: np.ndarray | None = None, reference_index: np.ndarray | None = None,
-                       exclude_self: bool = True) -> dict[str, np.ndarray]:
+                       exclude_self: bool = True, index_labels: np.ndarray | None = None,
+                       recall_k: int = RECALL_K, knn_k: int = KNN_K,
+                       margin_tolerance: float = MARGIN_TOLERANCE) -> dict[str, np.ndarray]:
     """One parity value per validation row, for the task's metrics (formulas: module docstring).
 
     Args:
@@ -148,26 +190,36 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
         reference: FP32 reference output, shape (rows, ...) — (rows, classes) logits for classification,
             (rows, dim) vectors for embedding; float (float16/32/64).
         candidate: the variant's output for the same rows, same shape as `reference`.
-        labels: classification only: ground-truth class ids, shape (rows,), int. Adds "correct" and
-            "reference_correct".
+        labels: ground-truth labels, shape (rows,). Classification: int class ids. Embedding: any hashable
+            values (str, int), the labels of the rows and, with the default index, of the index rows. Adds
+            "correct" and "reference_correct".
         reference_index: embedding only: the FP32 index searched for neighbours, shape (n, dim) float
             (default: `reference` itself).
         exclude_self: embedding only: when the index is the reference set (`reference_index` None or the
             very same array), row i is not its own neighbour.
+        index_labels: embedding only: labels of the `reference_index` rows, shape (n,) (default: `labels`,
+            which then needs the default index).
+        recall_k: embedding only: K of "nn_recall" (spec analysis.embedding.recall_k); capped at the index
+            rows available.
+        knn_k: embedding only: neighbours voting for the kNN label (analysis.embedding.knn_k); capped likewise.
+        margin_tolerance: embedding only: cosine gap (>= 0) at or below which the FP32 top-1/top-2 is a
+            near-tie (analysis.embedding.margin_tolerance).
 
     Returns:
         {per-row metric: array of shape (rows,)}:
         classification: "top1_agree" (bool), "kl_divergence" (float64, nats), "abs_error" (float64),
         and with labels "correct", "reference_correct" (bool);
         embedding: "cosine_similarity", "abs_error" (float64), "nn_top1_agree" (bool),
-        "nn_top5_overlap" (float64 in [0, 1]);
+        "nn_top5_overlap", "nn_recall" (float64 in [0, 1]), "nn_margin" (float64, cosine units, the FP32
+        top-1/top-2 gap), "nn_top1_margin_agree" (bool), and with labels "correct", "reference_correct" (bool);
         regression/generic: "abs_error", "rel_error" (float64).
         Every task also has "non_finite" (bool): rows with NaN/inf in the candidate or reference, scored
         worst-case.
 
     Raises:
         InputError: unknown task, shapes that differ or do not suit the task, labels of the wrong length,
-            an index of another width, or an index too small to search (fewer than 2 rows with exclude_self).
+            an index of another width, or an index too small to search (fewer than 2 rows with exclude_self),
+            embedding labels with a custom index but no index_labels, k < 1 or a negative margin_tolerance.
     """
     ref, cand = _check_pair(task, reference, candidate)
     rows = ref.shape[0]
@@ -219,16 +271,50 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
             raise InputError(f"parity: nearest-neighbour metrics need an index of at least "
                              f"{2 if exclude is not None else 1} rows, got {index.shape[0]}",
                              hint="validate on more rows (data.validation)")
+        if int(recall_k) < 1 or int(knn_k) < 1 or not (float(margin_tolerance) >= 0):
+            raise InputError(f"parity: need recall_k >= 1, knn_k >= 1, margin_tolerance >= 0; got {recall_k!r}, "
+                             f"{knn_k!r}, {margin_tolerance!r}", hint="check analysis.embedding")
         k = min(NN_K, available)
+        kr, kk = min(int(recall_k), available), min(int(knn_k), available)
+        depth = max(k, kr, kk, min(2, available))
+        codes = None
+        if labels is not None:
+            lab = np.asarray(labels).reshape(-1)
+            if lab.shape[0] != rows:
+                raise InputError(f"parity: {lab.shape[0]} labels for {rows} rows",
+                                 hint="check data.validation.label_column")
+            if index_labels is None and not self_index:
+                raise InputError("parity: embedding labels with a custom reference_index need index_labels")
+            il = lab if index_labels is None else np.asarray(index_labels).reshape(-1)
+            if il.shape[0] != index.shape[0]:
+                raise InputError(f"parity: {il.shape[0]} index labels for an index of {index.shape[0]} rows")
+            _, inv = np.unique(np.concatenate([lab, il]).astype(object).astype(str), return_inverse=True)
+            q_codes, codes = inv[:rows], inv[rows:]
         if rows:
-            tc, tr = _topk(cn, index, k, exclude), _topk(rn, index, k, exclude)
+            tc, _ = _topk_scored(cn, index, depth, exclude)
+            tr, sr = _topk_scored(rn, index, depth, exclude)
             top1 = tc[:, 0] == tr[:, 0]
-            overlap = (tc[:, :, None] == tr[:, None, :]).any(axis=2).sum(axis=1) / float(k)
+            overlap = (tc[:, :k, None] == tr[:, None, :k]).any(axis=2).sum(axis=1) / float(k)
+            recall = (tc[:, :kr, None] == tr[:, None, :kr]).any(axis=2).sum(axis=1) / float(kr)
+            margin = (sr[:, 0].astype(np.float64) - sr[:, 1].astype(np.float64) if depth >= 2
+                      else np.full(rows, np.inf))
         else:
-            top1, overlap = np.zeros(0, dtype=bool), np.zeros(0)
+            top1, overlap, recall, margin = np.zeros(0, dtype=bool), np.zeros(0), np.zeros(0), np.zeros(0)
         top1[bad] = False
         overlap[bad] = 0.0
-        out.update(cosine_similarity=cos, nn_top1_agree=top1, nn_top5_overlap=overlap)
+        recall[bad] = 0.0
+        margin_agree = top1 | (margin <= float(margin_tolerance))
+        margin_agree[bad] = False
+        out.update(cosine_similarity=cos, nn_top1_agree=top1, nn_top5_overlap=overlap, nn_recall=recall,
+                   nn_margin=margin, nn_top1_margin_agree=margin_agree)
+        if codes is not None:
+            if rows:
+                correct = _knn_labels(tc[:, :kk], codes) == q_codes
+                reference_correct = _knn_labels(tr[:, :kk], codes) == q_codes
+            else:
+                correct, reference_correct = np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)
+            correct[bad] = False
+            out.update(correct=correct, reference_correct=reference_correct)
     else:  # regression, generic
         rel = diff / np.maximum(np.abs(ref2), REL_EPS)
         rel_error = rel.max(axis=1) if rel.shape[1] else np.zeros(rows)
@@ -275,6 +361,8 @@ _AGG: dict[str, tuple[str, str]] = {
     "top1_agreement": ("top1_agree", "mean"),
     "nn_top1_agreement": ("nn_top1_agree", "mean"),
     "nn_top5_agreement": ("nn_top5_overlap", "mean"),
+    "nn_recall_at_k": ("nn_recall", "mean"),
+    "nn_top1_margin_agreement": ("nn_top1_margin_agree", "mean"),
 }
 
 

@@ -18,6 +18,7 @@ GATES_TAG = "tailguard.gates"        # passed | failed | not_evaluated
 MODEL_URI_TAG = "tailguard.model_uri"
 WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
 DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
+COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
 
 
 def discovered_summary(records: list[dict[str, Any]], top: int = 3) -> list[dict[str, Any]]:
@@ -51,6 +52,16 @@ def gate_tag(gate_key: str) -> str:
     return "gate." + re.sub(r"[^A-Za-z0-9_\-. /]", "_", re.sub(r"\s+", " ", k).strip())
 
 
+GATE_NAME_PREFIX = "gate_name."  # gate_name.<same as gate_tag> = the gate key as the spec and docs spell it
+
+
+def gate_name_tag(gate_key: str) -> str:
+    """MLflow tag key whose VALUE is the gate's key as written in docs and reports (MLflow keys cannot hold
+    '>', '=', '@'): tag 'gate_name.top1_agreement ge 0.9 lb95 per_slice digit' holds
+    'top1_agreement>=0.9@lb95@per_slice:digit' (docs/spec.md, gate keys)."""
+    return GATE_NAME_PREFIX + gate_tag(gate_key)[len("gate."):]
+
+
 def _sha256(path: Path) -> str:
     """sha256 of a file, hex."""
     import hashlib
@@ -72,8 +83,16 @@ def parse_baselines(baselines_json: str) -> dict[str, Any]:
 @task_entry("validate")
 def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: str, parent_run_id: str,
          tracking_uri: str, variant_dir: str, reference_dir: str, metrics: Any = None,
-         report_path: str | None = None) -> str:
+         report_path: str | None = None, reference_model_dir: str | None = None) -> str:
     """Validate one built variant and log its nested MLflow run (also for skipped/failed builds).
+
+    With `reference_model_dir` (the export step's folder holding the FP32 reference model.onnx) the FP32
+    ONNX Runtime reference is timed in this process, interleaved with the variant in rounds on the same
+    batches (`latency.interleaved_benchmark`): speedup_vs_onnx_fp32 is then the ratio of medians of those
+    paired rounds, with bounds speedup_vs_onnx_fp32.lb95 / .ub95 (paired bootstrap, `latency.speed_ratio`),
+    and a speedup gate with `confidence` is decided on its bound. Without it the ratio compares the
+    reference-pass timing (another process, another time) and has no bound. torch eager is timed in
+    reference-pass only (speedup_vs_torch has no bound).
 
     Returns:
         JSON {variant, status, reason, passed, run_id, model_uri, overall, perf, gates, worst_slice}.
@@ -99,16 +118,35 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
                                "passed": False, "run_id": run_id, "model_uri": None, "build": build}
     with closing_run(client, run_id):
         client.log_dict(run_id, build, "build.json")
+        log_coverage(client, run_id, build)
         if build["status"] != "ok":
             client.set_tag(run_id, "tailguard.reason", build.get("reason", "")[:5000])
             return json.dumps(summary, default=str)
         summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
-                                 Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path))
+                                 Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path,
+                                 reference_model_dir))
         return json.dumps(summary, default=str)
 
 
+def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict[str, Any] | None:
+    """The baselines timed interleaved with a variant: {"onnx_fp32": OrtRunner of the FP32 reference ONNX}, on
+    the CPU execution provider with the spec's threads as reference-pass times it; None without a folder.
+
+    Raises:
+        InputError: the folder has no model.onnx.
+    """
+    if not reference_model_dir:
+        return None
+    from tailguard.components.export.task import ONNX_FILE
+    from tailguard.runtime import OrtRunner
+
+    return {"onnx_fp32": OrtRunner(Path(reference_model_dir) / ONNX_FILE,
+                                   intra_op_num_threads=spec.benchmark.intra_op_num_threads)}
+
+
 def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
-              run_id: str, client: Any, metrics: Any, report_path: str | None) -> dict[str, Any]:
+              run_id: str, client: Any, metrics: Any, report_path: str | None,
+              reference_model_dir: str | None = None) -> dict[str, Any]:
     from tailguard.components.validate.logic import validate_variant
     from tailguard.data import load_validation
     from tailguard.runtime import OrtRunner
@@ -116,12 +154,13 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     model_file = variant_dir / build["artifact"]
     runner = OrtRunner(model_file, providers=[variant.execution_provider],
                        intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    baseline_runners = reference_runners(spec, reference_model_dir)
     ds = load_validation(spec)
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
     try:
         result = validate_variant(spec, variant.name, runner, load_reference_outputs(spec, reference_file), ds,
                                   work, reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
-                                  model_path=model_file)
+                                  model_path=model_file, baseline_runners=baseline_runners)
         if (variant_dir / "sensitivity").is_dir():  # analysis.sensitivity, written by the build step
             shutil.copytree(variant_dir / "sensitivity", work / "sensitivity")
         return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
@@ -129,6 +168,18 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
                                    report_path=report_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def log_coverage(client: Any, run_id: str, build: dict[str, Any]) -> None:
+    """An INT8 build's quantization coverage on the variant's run, as tag COVERAGE_TAG (one line, or the reason
+    it could not be counted). The metric quantized_mac_fraction comes with the validation's metrics (read from
+    the model file: `gates.build_metrics`). Nothing for builds without coverage (fp32, fp16, skipped)."""
+    from tailguard.components.quantize.macs import coverage_line
+
+    cov = (build.get("details") or {}).get("quantization_coverage")
+    if isinstance(cov, dict):
+        client.set_tag(run_id, COVERAGE_TAG, (f"not counted: {cov['error']}" if cov.get("error")
+                                              else coverage_line(cov))[:5000])
 
 
 def load_reference_outputs(spec: Any, reference_file: Path) -> list[np.ndarray]:
@@ -180,6 +231,7 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
     client.set_tag(run_id, GATES_TAG, "passed" if passed else "failed")
     for g in result.gates:
         client.set_tag(run_id, gate_tag(g.gate), g.status)
+        client.set_tag(run_id, gate_name_tag(g.gate), g.gate)  # the canonical spelling, in the value
     if result.worst_slice:
         client.set_tag(run_id, WORST_SLICE_TAG, json.dumps(result.worst_slice, default=str))
     if result.discovery is not None:

@@ -1,0 +1,240 @@
+"""Register a user's FP32 reference model from a file: the `tailguard register` command and `tailguard.register_model`.
+
+A file goes into the MLflow registry the way the resolve step reads it back (components/resolve/README.md):
+
+| file                      | format (`--format`) | stored as |
+| ------------------------- | ------------------- | --------- |
+| `*.onnx`                  | `onnx`              | an MLflow `onnx` flavor model |
+| `*.pt2` (torch.export.save) | `torch-export`    | `model.pt2` + `tailguard-model.json` |
+| `*.pt` / `*.pth` / `*.safetensors` / `*.bin` (a state dict) | `state-dict` | `model.safetensors` + `tailguard-model.json` (class_path, init_kwargs) |
+
+Everything is checked before anything is written: the file is read, a state dict is loaded into its class
+(`class_path` built with `init_kwargs`, strictly), tags and kwargs are validated. A pickled whole module
+(`torch.save(model)`) is refused: save `model.state_dict()` or a torch.export program instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from tailguard.errors import InputError
+
+# User-facing format names (the CLI's), and the resolve step's names for them.
+FORMAT_NAMES = {"onnx": "onnx", "torch-export": "torch_export", "state-dict": "state_dict"}
+# File suffix -> format when `format` is not given.
+SUFFIX_FORMATS = {".onnx": "onnx", ".pt2": "torch-export", ".pt": "state-dict", ".pth": "state-dict",
+                  ".safetensors": "state-dict", ".bin": "state-dict"}
+DEFAULT_EXPERIMENT = "tailguard/model-registration"  # the experiment `tailguard demo` registers its model in
+RESERVED_TAG_PREFIX = "tailguard."  # format / digest tags written by tailguard; a user tag must not overwrite them
+_TAG_KEY = re.compile(r"^[\w.\-/ ]{1,250}$")
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A version registered by `register_model`.
+
+    Attributes:
+        name: registered model name.
+        version: the new version number, as a string ("3").
+        format: the resolve step's format name: "onnx", "torch_export" or "state_dict".
+        model_uri: "models:/<name>/<version>".
+        sha256: hex SHA-256 of the model file as stored (the `tailguard.sha256` version tag).
+        tracking_uri: the MLflow tracking (and registry) URI it was registered in.
+        run_id: the MLflow run that logged the files.
+        class_path: "module:Class" (state_dict), else None.
+        class_file: the file that defines the class (state_dict), else None: a run must import it from there
+            (the spec's folder, `tailguard run --model-path`, or an installed package).
+    """
+
+    name: str
+    version: str
+    format: str
+    model_uri: str
+    sha256: str
+    tracking_uri: str
+    run_id: str | None
+    class_path: str | None = None
+    class_file: str | None = None
+
+
+def infer_format(path: Path) -> str:
+    """The format name ("onnx", "torch-export", "state-dict") of a model file from its suffix.
+
+    Raises:
+        InputError: an unknown suffix (names `format`).
+    """
+    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise InputError(f"format: cannot tell the format of {path.name} from its suffix {path.suffix or '(none)'!r}",
+                         hint="give the format: onnx, torch-export or state-dict (suffixes: "
+                              + ", ".join(f"{s} -> {f}" for s, f in SUFFIX_FORMATS.items()) + ")")
+    return fmt
+
+
+def parse_tags(pairs: Iterable[str]) -> dict[str, str]:
+    """`KEY=VALUE` strings (the CLI's `--tag`) -> {key: value}.
+
+    Raises:
+        InputError: a pair without "=" or with an empty or malformed key (names `tags`).
+    """
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = str(pair).partition("=")
+        if not sep or not key.strip():
+            raise InputError(f"tags: {pair!r} is not KEY=VALUE", hint="e.g. --tag team=vision --tag dataset=digits")
+        out[key.strip()] = value
+    return out
+
+
+def parse_init_kwargs(text: str) -> dict[str, Any]:
+    """The CLI's `--init-kwargs` JSON text -> a dict.
+
+    Raises:
+        InputError: not JSON, or JSON that is not an object (names `init_kwargs`).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"init_kwargs: not valid JSON ({exc.msg} at character {exc.pos}): {text!r}",
+                         hint="a JSON object, e.g. '{\"hidden\": 64, \"n_classes\": 10}' (quote it for the shell)"
+                         ) from None
+    if not isinstance(value, dict):
+        raise InputError(f"init_kwargs: must be a JSON object of keyword arguments, got {type(value).__name__}",
+                         hint="e.g. '{\"hidden\": 64}'")
+    return value
+
+
+def register_model(name: str, path: str | Path, *, format: str | None = None, class_path: str | None = None,
+                   init_kwargs: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None,
+                   description: str | None = None, tracking_uri: str | None = None,
+                   experiment: str = DEFAULT_EXPERIMENT, model_path: Iterable[str | Path] = ()) -> RegisteredModel:
+    """Register an FP32 reference model file as a new version of `name`, the way `tailguard run` resolves it.
+
+    Everything is checked before anything is written to the store. The model is then logged in a new MLflow run of
+    `experiment` and registered (components/resolve/logic.py `register_reference`); the version carries the tags
+    `tailguard.format` and `tailguard.sha256` (SHA-256 of the stored model file) plus `tags`.
+
+    MLflow is pointed at `tracking_uri` (tracking and registry, `tailguard.tracking.configure`) and stays pointed
+    there after the call, as `tailguard run` does.
+
+    Args:
+        name: registered model name (the spec's `model.registered_name`); created if needed.
+        path: the model file: `.onnx`; `.pt2` (torch.export.save); or a state dict `.pt` / `.pth` (torch.save of
+            {name: tensor}, read with weights_only=True) / `.safetensors` / `.bin`.
+        format: "onnx", "torch-export" or "state-dict" ("torch_export" / "state_dict" are accepted too); None:
+            from the file suffix (`SUFFIX_FORMATS`).
+        class_path: "module:Class" of the torch.nn.Module a state dict loads into (state-dict only, required).
+            Looked up in the installed packages, then in `model_path`, then $TAILGUARD_MODEL_PATH.
+        init_kwargs: JSON-serializable keyword arguments of the class (state-dict only).
+        tags: extra version tags (keys must not start with "tailguard.").
+        description: the version's description.
+        tracking_uri: MLflow tracking URI; None: $MLFLOW_TRACKING_URI, else the embedded store under
+            $TAILGUARD_HOME (the same as `tailguard run` for a spec without `mlflow.tracking_uri`).
+        experiment: MLflow experiment of the registering run.
+        model_path: folders to import the class's module from (appended to sys.path; see
+            components/resolve/logic.py `add_model_path`).
+
+    Returns:
+        The RegisteredModel (version, models:/ URI, format, sha256).
+
+    Raises:
+        InputError: naming the argument: `name` empty; `path` missing or not a model of its format (a pickled
+            module, a corrupt file); `format` unknown or not inferable; `class_path` missing for a state dict,
+            given for another format, not importable, or not fitting the weights (keys listed); `init_kwargs` not
+            a JSON-serializable dict or not accepted by the class; `tags` reserved or malformed; `model_path` not
+            a folder.
+    """
+    from tailguard.components.resolve import logic
+
+    if not str(name or "").strip():
+        raise InputError("name: the registered model name is empty", hint="e.g. digits-mlp")
+    name = str(name).strip()
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise InputError(f"path: model file not found: {path}" + (" (a folder)" if path.is_dir() else ""),
+                         hint="pass an .onnx, .pt2, or state-dict (.pt / .pth / .safetensors) file")
+    fmt_name = _format_name(format, path)
+    fmt = FORMAT_NAMES[fmt_name]
+    folders = [Path(p).expanduser() for p in model_path]
+    for folder in folders:
+        if not folder.is_dir():
+            raise InputError(f"model_path: not a folder: {folder}",
+                             hint="the folder that holds the module of --class-path")
+    init_kwargs = dict(init_kwargs or {})
+    if fmt != "state_dict" and (class_path or init_kwargs):
+        raise InputError(f"class_path: a class path and init_kwargs go with a state dict only; {path.name} is "
+                         f"{fmt_name}", hint="drop --class-path / --init-kwargs, or pass a state dict")
+    try:
+        json.dumps(init_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"init_kwargs: must be JSON-serializable: {exc}") from None
+    user_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+    for key in user_tags:
+        if not _TAG_KEY.match(key):
+            raise InputError(f"tags: {key!r} is not a valid tag key (letters, digits, _ - . / and spaces, up to "
+                             "250 characters)")
+        if key.startswith(RESERVED_TAG_PREFIX):
+            raise InputError(f"tags: {key!r} starts with {RESERVED_TAG_PREFIX!r}, which tailguard reserves for "
+                             "the tags it writes (format, SHA-256)", hint="pick another key")
+
+    model_arg: dict[str, Any]
+    class_file = None
+    if fmt == "onnx":
+        model_arg = {"onnx_path": _load_onnx(path)}
+    elif fmt == "torch_export":
+        logic.load_exported_program(path, field="path")
+        model_arg = {"exported_program": path}
+    else:
+        if not class_path:
+            raise InputError(f"class_path: {path.name} is a state dict; it needs the class it loads into",
+                             hint="--class-path 'module:Class' (the module beside the spec, in --model-path, or "
+                                  "installed), with --init-kwargs JSON for its __init__")
+        weights = logic.read_state_dict(path, "path")  # (weights_only / safetensors: no code runs)
+        module = logic.build_state_dict_module(class_path, init_kwargs, weights, weights_name=path.name,
+                                               class_field="class_path", kwargs_field="init_kwargs",
+                                               search_path=folders)
+        class_file = _module_file(type(module))
+        model_arg = {"state_dict": weights, "class_path": class_path, "init_kwargs": init_kwargs}
+
+    from tailguard.tracking import configure, tracking_uri_for
+
+    uri = tracking_uri or tracking_uri_for(None)
+    configure(uri, experiment)
+    mv = logic.register_reference(name, **model_arg, tags=user_tags, description=description)
+    return RegisteredModel(name=name, version=str(mv.version), format=fmt, model_uri=f"models:/{name}/{mv.version}",
+                           sha256=(mv.tags or {}).get(logic.TAG_SHA256, ""), tracking_uri=uri,
+                           run_id=mv.run_id or None, class_path=class_path if fmt == "state_dict" else None,
+                           class_file=class_file)
+
+
+def _format_name(format: str | None, path: Path) -> str:
+    if format is None or not str(format).strip():
+        return infer_format(path)
+    key = str(format).strip().lower().replace("_", "-")
+    if key not in FORMAT_NAMES:
+        raise InputError(f"format: unknown format {format!r}; known: {list(FORMAT_NAMES)}",
+                         hint="pickled whole modules are not registered: save model.state_dict() (state-dict) or "
+                              "torch.export.save a program (torch-export)" if key == "pickle" else
+                         "or leave it out to infer it from the file suffix")
+    return key
+
+
+def _load_onnx(path: Path) -> Any:
+    import onnx
+
+    try:
+        return onnx.load(str(path))  # external data files beside it are read in
+    except Exception as exc:  # onnx raises DecodeError / OSError / ValueError for a bad file
+        raise InputError(f"path: {path} is not a loadable ONNX model: {type(exc).__name__}: {exc}",
+                         hint="export it with torch.onnx.export, or give --format if the suffix misleads") from None
+
+
+def _module_file(cls: type) -> str | None:
+    import sys
+
+    mod = sys.modules.get(cls.__module__)
+    return getattr(mod, "__file__", None)
