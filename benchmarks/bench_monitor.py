@@ -48,7 +48,7 @@ from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.service import MonitorService, build_app
 from tailguard.monitoring.stats import sprt_expected_samples
-from tailguard.spec import parse_spec
+from tailguard.core.spec import parse_spec
 
 
 QUEUE = 100  # overload queue bound (small, so it fills within the run)
@@ -262,7 +262,7 @@ def _real_agreement_pools(d, n=20_000):
     share is drawn (agreeing and disagreeing rows of that real model), so the stream's true agreement is known:
     1.00 (the unperturbed weights), 0.94 (the drift) and 0.975 (0.5 points above the 0.97 threshold).
     """
-    from tailguard.runtime import OrtRunner
+    from tailguard.core.runtime import OrtRunner
 
     x = np.random.default_rng(7).normal(size=(n, T.N_FEATURES)).astype(np.float32)
     ref = OrtRunner(T.linear_classifier(d / "pool-ref.onnx")).run({"x": x})[0].argmax(1)

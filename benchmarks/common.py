@@ -21,7 +21,7 @@ def prepare_minilm(home_dir: Path, **data_kwargs: Any) -> tuple[Path, dict[str, 
     os.environ["TAILGUARD_HOME"] = str(Path(home_dir).resolve())
     from tailguard.demo import write_demo_spec
     from tailguard.demo_data import build_wordnet_datasets
-    from tailguard.home import home, quiet_environment
+    from tailguard.core.home import home, quiet_environment
 
     quiet_environment()
     work = home() / "bench"
@@ -55,8 +55,8 @@ def run_minilm(spec_path: Path, doc: dict[str, Any]) -> tuple[Any, str, Any, Any
 
     from tailguard.demo import register_demo_model
     from tailguard.runner import run_local
-    from tailguard.spec import load_spec
-    from tailguard.tracking import tracking_uri_for
+    from tailguard.core.spec import load_spec
+    from tailguard.core.tracking import tracking_uri_for
 
     spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     spec = load_spec(spec_path)

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tailguard.components.validate import parity
+from tailguard.core import parity
 
 
 def reference_non_finite(reference: np.ndarray) -> np.ndarray:

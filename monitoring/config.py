@@ -11,31 +11,25 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from tailguard.errors import FieldError, SpecError
-from tailguard.spec import MonitoringSpec, MonitorThreshold, SliceSpec, Spec, TensorSpec
+from tailguard.core.errors import FieldError, SpecError
+from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
+from tailguard.core.spec import MonitoringSpec, MonitorThreshold, SliceSpec, Spec, TensorSpec
 
 ALL_SLICE = "all"
 OTHER_VALUE = "other"
 MISSING_VALUE = "missing"
 
-# Metric direction: True = higher is better (bad when low). Formulas: components/validate/parity.py.
-HIGHER_IS_BETTER: dict[str, bool] = {"top1_agree": True, "cosine_similarity": True, "kl_divergence": False,
-                                     "abs_error": False, "rel_error": False}
-# Range of each per-row metric (components/validate/parity.py): the detector bets against the bound on the good
-# side (monitoring/stats.py), so only that one must be finite.
-METRIC_RANGE: dict[str, tuple[float, float]] = {"top1_agree": (0.0, 1.0), "cosine_similarity": (-1.0, 1.0),
-                                               "kl_divergence": (0.0, math.inf), "abs_error": (0.0, math.inf),
-                                               "rel_error": (0.0, math.inf)}
+# Metric direction (True = higher is better, bad when low) and range of each per-row metric the monitor can
+# track, from the metric catalogue (tailguard.core.metrics.ROW_METRICS; formulas: tailguard.core.parity). The
+# detector bets against the bound on the good side (monitoring/stats.py), so only that one must be finite.
+HIGHER_IS_BETTER: dict[str, bool] = {r.key: r.higher_is_better for r in ROW_METRICS if r.monitored}
+METRIC_RANGE: dict[str, tuple[float, float]] = {r.key: r.value_range for r in ROW_METRICS if r.monitored}
 # Slice values longer than this (characters) are cut to it, with "~" appended, and counted
 # (tailguard_monitor_slice_values_cut_total): a label value, a JSON key and a dict key per slice stay small.
 MAX_LABEL_CHARS = 64
 PAIR_SEPARATOR = "&"
-DEFAULT_METRICS: dict[str, tuple[str, ...]] = {
-    "classification": ("top1_agree", "kl_divergence", "abs_error"),
-    "embedding": ("cosine_similarity", "abs_error"),
-    "regression": ("abs_error", "rel_error"),
-    "generic": ("abs_error", "rel_error"),
-}
+# Tracked per-row metrics by default: every one the task's parity computes for a single pair (catalogue order).
+DEFAULT_METRICS: dict[str, tuple[str, ...]] = {t: monitor_metrics(t) for t in TASKS}
 # Default alert thresholds. 0.97 top-1 agreement matches the per-slice gate of the example spec
 # (shared/DESIGN.md); 0.98 cosine is the usual "near-lossless" bar for INT8 sentence embeddings.
 DEFAULT_THRESHOLDS: dict[str, dict[str, MonitorThreshold]] = {
@@ -196,43 +190,38 @@ def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
         The MonitorConfig.
 
     Raises:
-        SpecError: no monitoring section; a metric or threshold the task does not produce; a quantile slice
-            (its edges depend on data the monitor does not hold: give `bins`); every problem with its field path.
+        SpecError: no monitoring section; a metric or threshold the task does not produce, a threshold on the
+            wrong side of its metric or outside its range (`MonitoringSpec.task_problems`, which `spec check` runs
+            too; here also for the task's default thresholds); a quantile slice (its edges depend on data the
+            monitor does not hold: give `bins`); every problem with its field path.
     """
     mon = spec.monitoring
     if mon is None:
         raise SpecError([FieldError("monitoring", "section missing")], source=source,
                         hint="add `monitoring: {sample_rate: 0.05}` (sample_rate is required)")
     task = spec.model.task
-    errors: list[FieldError] = []
-    available = set(DEFAULT_METRICS[task]) | ({"kl_divergence", "abs_error"} if task == "classification" else set())
+    errors: list[FieldError] = mon.task_problems(task)  # the checks `spec check` runs (tailguard.core.spec)
     metrics = tuple(mon.metrics) if mon.metrics else DEFAULT_METRICS[task]
-    for i, m in enumerate(metrics):
-        if m not in available:
-            errors.append(FieldError(f"monitoring.metrics.{i}",
-                                     f"{m!r} is not a per-row metric of task {task!r}; use {sorted(available)}"))
     thresholds = mon.thresholds if mon.thresholds is not None else DEFAULT_THRESHOLDS[task]
     bounds: dict[str, Bound] = {}
     for m, t in thresholds.items():
-        if m not in metrics:
-            errors.append(FieldError(f"monitoring.thresholds.{m}",
-                                     f"{m!r} is not tracked; tracked metrics: {list(metrics)}"))
+        path = f"monitoring.thresholds.{m}"
+        if mon.thresholds is None:  # the task's default thresholds: not in the spec, so checked here
+            if m not in metrics:
+                errors.append(FieldError(path, f"the default threshold on {m!r} needs it tracked; tracked metrics: "
+                                               f"{list(metrics)} (add {m!r} to monitoring.metrics, or set "
+                                               "monitoring.thresholds: {})"))
+                continue
+            errors.extend(t.problems(m, path))
+        if any(e.loc == path or e.loc.startswith(path + ".") for e in errors):
             continue
         hib = HIGHER_IS_BETTER[m]
         if t.baseline is not None:
             value = t.baseline - t.max_drop if hib else t.baseline + t.max_drop  # type: ignore[operator]
             bounds[m] = Bound(m, float(value), hib, "baseline-max_drop")
         elif t.min is not None:
-            if not hib:
-                errors.append(FieldError(f"monitoring.thresholds.{m}.min",
-                                         f"{m} is lower-is-better: give max, not min"))
-                continue
             bounds[m] = Bound(m, float(t.min), True, "min")
         else:
-            if hib:
-                errors.append(FieldError(f"monitoring.thresholds.{m}.max",
-                                         f"{m} is higher-is-better: give min, not max"))
-                continue
             bounds[m] = Bound(m, float(t.max), False, "max")  # type: ignore[arg-type]
     declared = {s.name: s for s in spec.slices}
     rules: list[SliceRule] = []

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tailguard.errors import InputError
+from tailguard.core.errors import InputError
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.testing import flip_top1
-from tailguard.spec import Spec, load_spec
+from tailguard.core.spec import Spec, load_spec
 
 
 def perturb_outputs(task: str, outputs: np.ndarray, mask: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:

@@ -141,7 +141,7 @@ class DriftSnapshots:
             self._ref_loaded = True
             uri = self.cfg.mon.drift_reference or self.cfg.spec.data.calibration.uri
             try:
-                from tailguard.data import load_dataset
+                from tailguard.core.data import load_dataset
 
                 ds = load_dataset(uri, self.cfg.inputs, field="monitoring.drift_reference")
                 cols = [c for c in self.cfg.metadata_columns if c in ds.frame.columns]

@@ -50,7 +50,7 @@ INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_i
                    "bad_datatype", "bad_shape", "bad_data", "batch_mismatch", "bad_parameters", "missing_output",
                    "body_too_large", "missing_ce_id", "unknown_ce_type", "structured_mode", "too_deep",
                    "batch_too_large", "non_finite_input")
-# Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/spec.py MonitoringSpec).
+# Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec.py MonitoringSpec).
 MAX_BODY_BYTES = 8 * 2**20
 MAX_BATCH_ROWS = 1024
 # Deepest bracket nesting accepted: an OIP body needs 3 levels plus the tensor's rank (pairs: one more).

@@ -16,14 +16,14 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from tailguard.data import Dataset, load_dataset
-from tailguard.errors import EXIT_ALERT, EXIT_OK, InputError, StepError, TailguardError
+from tailguard.core.data import Dataset, load_dataset
+from tailguard.core.errors import EXIT_ALERT, EXIT_OK, InputError, StepError, TailguardError
 from tailguard.monitoring.compare import compare_rows, reference_non_finite
 from tailguard.monitoring.config import MonitorConfig, resolve_config
 from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.drift import DriftSnapshots
-from tailguard.runtime import OrtRunner, Runner, run_dataset
-from tailguard.spec import Spec, load_spec
+from tailguard.core.runtime import OrtRunner, Runner, run_dataset
+from tailguard.core.spec import Spec, load_spec
 
 TIMESTAMP_COLUMN = "timestamp"
 # perturb(candidate_outputs (n_sampled, ...), row_indices (n_sampled,), frame) -> candidate_outputs

@@ -51,8 +51,8 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from tailguard.errors import InputError
-from tailguard.home import home
+from tailguard.core.errors import InputError
+from tailguard.core.home import home
 from tailguard.monitoring.combine import Combiner, PollLoop, http_fetch
 from tailguard.monitoring.config import MonitorConfig, SliceRule, resolve_config
 from tailguard.monitoring.core import MonitorCore
@@ -60,8 +60,8 @@ from tailguard.monitoring.join import CE_TYPES, JoinBuffer
 from tailguard.monitoring.metrics import MonitorMetrics
 from tailguard.monitoring.oip import InferRequest, OipError, load_json, parse_request, parse_response_output
 from tailguard.monitoring.sampler import Decision
-from tailguard.runtime import OrtRunner, Runner
-from tailguard.spec import Spec, load_spec
+from tailguard.core.runtime import OrtRunner, Runner
+from tailguard.core.spec import Spec, load_spec
 
 log = logging.getLogger("tailguard.monitoring.service")
 HEALTH_WINDOW = 20  # /readyz answers 503 while each of a model's last 20 calls failed (error, timeout, bad output)

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from tailguard.monitoring.metrics import MonitorMetrics
-from tailguard.spec import MonitorS3Spec
+from tailguard.core.spec import MonitorS3Spec
 
 log = logging.getLogger("tailguard.monitoring.sink")
 REDACTED = "<redacted>"

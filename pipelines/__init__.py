@@ -16,7 +16,7 @@ _LAZY = {"register_model": "tailguard.registration", "RegisteredModel": "tailgua
 
 def __getattr__(name: str):
     """`tailguard.register_model` (a model file -> a registry version, see tailguard.registration),
-    `tailguard.RegisteredModel` and `tailguard.register_reference` (in-memory models, components/resolve/logic.py)."""
+    `tailguard.RegisteredModel` and `tailguard.register_reference` (in-memory models, pipelines/core/reference.py)."""
     if name in _LAZY:
         import importlib
 

@@ -20,7 +20,7 @@ MLflow-writing task stays uncached. Local runs use tailguard's own cache instead
 
 from typing import Any, Callable
 
-from tailguard.spec import Spec, VariantSpec
+from tailguard.core.spec import Spec, VariantSpec
 
 PARAMS = ("spec_yaml", "tracking_uri", "model_version", "pipeline_run")
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from tailguard.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, SpecError,
+from tailguard.core.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, SpecError,
                               TailguardError)
 
 app = typer.Typer(help="tailguard: quantize/compile models, prove every variant against its FP32 reference per "
@@ -33,9 +32,11 @@ cache_app = typer.Typer(help="The local cache of pure steps (export, builds, ref
                              "$TAILGUARD_HOME/cache.", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
-# Wide enough for the summary table when output goes to a file or a CI log (no terminal to measure).
-console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+# The terminal presentation (consoles, the summary table, the progress bar) lives in tailguard.terminal, which
+# the demo shares; re-exported here for existing imports.
+from tailguard.terminal import (console, err_console, int8_macs_cell, print_search,  # noqa: E402,F401
+                                print_summary)
+from tailguard.terminal import run_with_progress as _run_with_progress  # noqa: E402
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -54,7 +55,7 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             err_console.print("[red]interrupted[/red]: no alias was moved")
             raise typer.Exit(EXIT_RUNTIME) from None
         except Exception as exc:  # a bug: keep the traceback in a file, not on the user's screen
-            from tailguard.home import home
+            from tailguard.core.home import home
 
             path = home() / "last-error.txt"
             path.write_text(traceback.format_exc())
@@ -105,7 +106,7 @@ def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file."),
 @handle_errors
 def spec_schema(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write to this file.")) -> None:
     """Print the spec's JSON Schema (docs/spec.schema.json holds a copy)."""
-    from tailguard.spec import json_schema
+    from tailguard.core.spec import json_schema
 
     text = json.dumps(json_schema(), indent=2) + "\n"
     if out:
@@ -116,97 +117,6 @@ def spec_schema(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Wr
 
 
 # ------------------------------------------------------------------------------------------------ run
-def int8_macs_cell(v: Any) -> str:
-    """The summary's "int8 MACs" cell of a VariantSummary: the share of MACs in INT8 for INT8 variants ("100%";
-    red with "!" under LOW_QUANTIZED_MAC_FRACTION; "?" when not recorded), "" for other variants."""
-    from tailguard.components.register.logic import LOW_QUANTIZED_MAC_FRACTION
-
-    if v is None or getattr(v, "precision", None) != "int8":
-        return ""
-    frac = getattr(v, "quantized_mac_fraction", None)
-    if frac is None:
-        return "?" if getattr(v, "status", "") == "ok" else ""
-    text = f"{frac:.0%}" if frac >= 0.995 or frac < 0.005 else f"{frac:.1%}"
-    return f"[bold red]{text} ![/bold red]" if frac < LOW_QUANTIZED_MAC_FRACTION else text
-
-
-def print_summary(summary: Any) -> None:
-    """The end-of-run table."""
-    from tailguard.runner import summary_rows
-
-    table = Table(title=f"{summary.source_model} v{summary.source_version} -> {summary.optimized_model} "
-                        f"(latency at batch {summary.batch_size})", show_lines=False)
-    rows = summary_rows(summary)
-    variants = list(getattr(summary, "variants", None) or [])  # one per row, same order (summary_rows)
-    for col in ("variant", "status", "x torch", "x onnx fp32", "p50 ms", "p99 ms", "int8 MACs", "worst slice",
-                "gates", "registered", "promoted"):
-        table.add_column(col, overflow="fold")
-    for i, r in enumerate(rows):
-        fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
-        style = "green" if r["status"] == "passed" else ("yellow" if r["status"] == "skipped" else "red")
-        table.add_row(*[fmt(r[c]) for c in ("variant",)], f"[{style}]{r['status']}[/{style}]",
-                      *[fmt(r[c]) for c in ("x torch", "x onnx fp32", "p50 ms", "p99 ms")],
-                      int8_macs_cell(variants[i] if i < len(variants) else None),
-                      *[fmt(r[c]) for c in ("worst slice", "gates", "registered", "promoted")])
-    console.print(table)
-    for v in variants:  # e.g. an INT8 variant that quantized under half of its MACs (register.coverage_warnings)
-        for w in getattr(v, "warnings", None) or []:
-            console.print(f"[bold red]! {v.variant}[/bold red]: {w}")
-    timed = [r for r in rows if r["status"] in ("passed", "failed gates")]
-    if timed and all(r["x torch"] is None for r in timed):  # no torch baseline: the reference is an ONNX model
-        from tailguard.components.validate.report import TORCH_NOTE
-
-        console.print(f"[dim]{TORCH_NOTE}[/dim]")
-    found = [r for r in rows if r.get("discovered")]
-    if found:
-        console.print("[bold]discovered slices[/bold] (significantly worse than the rest, Benjamini-Hochberg):")
-        for r in found:
-            console.print(f"  {r['variant']}: {r['discovered']}")
-    for search in getattr(summary, "searches", None) or []:
-        print_search(search)
-
-
-def print_search(search: dict) -> None:
-    """One search's Pareto table (trial, excluded nodes, per_channel, p50 ms, worst-slice value, passed, front,
-    chosen) and the reason it stopped."""
-    from rich.text import Text
-
-    from tailguard.runner import search_rows, search_title
-
-    cols = ("trial", "excluded nodes", "per_channel", "p50 ms", "worst slice", "passed", "front", "chosen")
-    table = Table(title=search_title(search), show_lines=False)
-    for col in cols:
-        table.add_column(col, overflow="fold")
-    fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-    for r in search_rows(search):
-        style = "green" if r["chosen"] else ("" if r["passed"] == "yes" else "red")
-        cells = [fmt(r[c]) for c in cols]
-        table.add_row(*[Text(c, style=style) for c in cells])  # Text: node names are never read as markup
-    console.print(table)
-
-
-def _run_with_progress(spec: Any, model_version: Optional[str], cache: bool = True,
-                       model_path: Optional[list[Path]] = None) -> Any:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from tailguard.runner import run_local, task_count
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total} tasks"), TimeElapsedColumn(), console=console, transient=False) as progress:
-        bar = progress.add_task(f"{spec.metadata.name}: starting", total=task_count(spec))
-
-        def on_event(task: str, state: str) -> None:
-            if state == "running":
-                progress.update(bar, description=f"{spec.metadata.name}: {task}")
-            else:
-                progress.advance(bar)
-                if state != "success":
-                    progress.console.print(f"  [red]{task}: {state}[/red]")
-
-        return run_local(spec, model_version=model_version, on_event=on_event, cache=cache,
-                         model_path=model_path or ())
-
-
 @app.command("run")
 @handle_errors
 def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
@@ -222,7 +132,7 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
             "searched too, after the installed packages."))
         ) -> None:
     """One pipeline run for one model version. Exit 0 promoted (or promotion off), 3 no variant passed."""
-    from tailguard.spec import load_spec
+    from tailguard.core.spec import load_spec
 
     s = load_spec(spec)
     from tailguard.preflight import check_columns
@@ -233,7 +143,7 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
         if not host:
             raise SpecError([], source="--host", hint="--runner kfp needs --host URL of the KFP API")
         if model_path:
-            from tailguard.errors import InputError
+            from tailguard.core.errors import InputError
 
             raise InputError("--model-path: applies to local runs only; a cluster's steps import the model class "
                              "from their image", hint="install the package that defines the class in the component "
@@ -250,7 +160,7 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     print_summary(summary)
     if summary_json:
         summary_json.write_text(json.dumps(summary.to_dict(), indent=2))
-    from tailguard.tracking import tracking_uri_for
+    from tailguard.core.tracking import tracking_uri_for
 
     uri = tracking_uri_for(s)
     console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")
@@ -300,7 +210,7 @@ _REGISTER_FIELDS = {"name": "NAME", "path": "PATH", "format": "--format", "class
 
 def _model_dirs(dirs: Optional[list[Path]], option: str) -> list[Path]:
     """--model-path folders, checked to exist (InputError naming `option`)."""
-    from tailguard.errors import InputError
+    from tailguard.core.errors import InputError
 
     out = []
     for d in dirs or []:
@@ -333,7 +243,7 @@ def register(name: str = typer.Argument(..., help="Registered model name (the sp
                  "MLflow experiment of the registering run (default tailguard/model-registration)."))) -> None:
     """Register an FP32 reference model file as a new version of NAME; print the version and its models:/ URI.
     Exit 0 registered, 2 bad input (nothing is written then)."""
-    from tailguard.errors import InputError
+    from tailguard.core.errors import InputError
     from tailguard.registration import DEFAULT_EXPERIMENT, parse_init_kwargs, parse_tags, register_model
 
     try:
@@ -368,7 +278,7 @@ def compile_(spec: Path = typer.Argument(..., help="Spec YAML file."),
     """Compile SPEC to KFP IR YAML (GPU node-pool settings, images and secrets from the kubeflow section; KFP
     caching on for the pure tasks)."""
     from tailguard.builder import compile_pipeline
-    from tailguard.spec import load_spec
+    from tailguard.core.spec import load_spec
 
     s = load_spec(spec)
     compile_pipeline(s, str(output), cache=not no_cache)
@@ -384,7 +294,7 @@ def submit_(spec: Path = typer.Argument(..., help="Spec YAML file."),
             tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
                                                        help="MLflow server the pods use.")) -> None:
     """Submit SPEC to a KFP cluster; re-submitting the same (model, version, spec) returns the existing run."""
-    from tailguard.spec import load_spec
+    from tailguard.core.spec import load_spec
     from tailguard.submit import submit
 
     run_id = submit(load_spec(spec), host=host, model_version=model_version, experiment=experiment,
@@ -399,7 +309,7 @@ def cache_ls(as_json: bool = typer.Option(False, "--json", help="Print JSON inst
     """List the cache's entries, most recently used first: key, step, what, size, last use."""
     import time
 
-    from tailguard.cache import cache_dir, entries, max_bytes
+    from tailguard.core.cache import cache_dir, entries, max_bytes
 
     found = entries()
     if as_json:
@@ -421,7 +331,7 @@ def cache_prune(max_bytes_: Optional[int] = typer.Option(None, "--max-bytes", mi
         "Keep at most this many bytes (least recently used entries go first); default $TAILGUARD_CACHE_MAX_BYTES "
         "or 5 GiB. 0 empties the cache."))) -> None:
     """Remove least recently used entries down to the size bound, and partial entries of killed processes."""
-    from tailguard.cache import prune
+    from tailguard.core.cache import prune
 
     removed = prune(max_bytes_)
     console.print(f"removed {len(removed)} entries ({sum(e.bytes for e in removed) / 1e6:.1f} MB)")

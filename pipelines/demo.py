@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from tailguard.errors import EXIT_NO_PASSING_VARIANT, EXIT_OK
-from tailguard.home import home, quiet_environment
+from tailguard.core.errors import EXIT_NO_PASSING_VARIANT, EXIT_OK
+from tailguard.core.home import home, quiet_environment
 
 DEMO_MODEL = "minilm-embedder"
 
@@ -47,9 +47,9 @@ def register_demo_model(tracking_uri: str) -> str:
     Returns:
         The new version number (str).
     """
-    from tailguard.components.resolve.logic import register_reference
+    from tailguard.core.reference import register_reference
     from tailguard.models import load_minilm, minilm_init_kwargs
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     configure(tracking_uri, "tailguard/model-registration")
     module = load_minilm()
@@ -63,10 +63,10 @@ def register_demo_model(tracking_uri: str) -> str:
 def run_demo(console: Any, *, skip_monitor: bool = False, n_validation: int = 2500, n_calibration: int = 256) -> int:
     """Run the demo; returns the exit code (0, or 3 when no variant passed)."""
     quiet_environment()
-    from tailguard.cli import print_summary
+    from tailguard.terminal import print_summary
     from tailguard.demo_data import build_wordnet_datasets
-    from tailguard.spec import load_spec
-    from tailguard.tracking import tracking_uri_for
+    from tailguard.core.spec import load_spec
+    from tailguard.core.tracking import tracking_uri_for
 
     t0 = time.monotonic()
     root = home()
@@ -82,9 +82,9 @@ def run_demo(console: Any, *, skip_monitor: bool = False, n_validation: int = 25
     version = register_demo_model(uri)
     console.print(f"      {DEMO_MODEL} version {version}")
     console.print(f"[bold]3/4[/bold] pipeline (kfp.local): {spec_path}")
-    from tailguard.cli import _run_with_progress
+    from tailguard.terminal import run_with_progress
 
-    result = _run_with_progress(spec, version)
+    result = run_with_progress(spec, version)
     summary = result.summary
     print_summary(summary)
     code = EXIT_OK if summary.any_passed else EXIT_NO_PASSING_VARIANT

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tailguard.errors import InputError
+from tailguard.core.errors import InputError
 
 # lexnames(5WN), WordNet 3.0: lexicographer file number -> name. Debian's wordnet-base does not ship the
 # `lexnames` file itself, so the table is kept here; a `lexnames` file in the WordNet folder takes precedence.

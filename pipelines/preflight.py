@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailguard.errors import FieldError, SpecError
-from tailguard.spec import Spec
+from tailguard.core.errors import FieldError, SpecError
+from tailguard.core.spec import Spec
 
 
 def parquet_columns(uri: str) -> list[str] | None:
@@ -84,7 +84,7 @@ def _input_errors(df: Any, spec: Spec, name: str, uri: str) -> list[FieldError]:
     rank and fixed sizes (tailguard.data's `cell_array` / `shape_problem`, as the data check and loading use)."""
     import numpy as np
 
-    from tailguard.data import cell_array, describe_row_shape, row_shape, shape_problem, shape_text
+    from tailguard.core.data import cell_array, describe_row_shape, row_shape, shape_problem, shape_text
 
     errors: list[FieldError] = []
     for i, s in enumerate(spec.model.inputs):
@@ -135,8 +135,8 @@ def data_errors(spec: Spec) -> tuple[list[FieldError], DataCheck]:
     Returns:
         (the FieldErrors, what was checked).
     """
-    from tailguard.data import read_parquet
-    from tailguard.errors import InputError
+    from tailguard.core.data import read_parquet
+    from tailguard.core.errors import InputError
 
     errors: list[FieldError] = []
     check = DataCheck()
@@ -178,7 +178,7 @@ def check_spec_file(path: str | Path, *, data: bool = True) -> tuple[Spec, DataC
     Raises:
         SpecError: every problem, each with its field path (exit 2).
     """
-    from tailguard.spec import read_spec_document, resolve_data_uris, spec_error, validate_spec
+    from tailguard.core.spec import read_spec_document, resolve_data_uris, spec_error, validate_spec
 
     doc = read_spec_document(path)
     spec, errors = validate_spec(doc)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from tailguard.errors import InputError
+from tailguard.core.errors import InputError
 
 # User-facing format names (the CLI's), and the resolve step's names for them.
 FORMAT_NAMES = {"onnx": "onnx", "torch-export": "torch_export", "state-dict": "state_dict"}
@@ -115,7 +115,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
     """Register an FP32 reference model file as a new version of `name`, the way `tailguard run` resolves it.
 
     Everything is checked before anything is written to the store. The model is then logged in a new MLflow run of
-    `experiment` and registered (components/resolve/logic.py `register_reference`); the version carries the tags
+    `experiment` and registered (pipelines/core/reference.py `register_reference`); the version carries the tags
     `tailguard.format` and `tailguard.sha256` (SHA-256 of the stored model file) plus `tags`.
 
     MLflow is pointed at `tracking_uri` (tracking and registry, `tailguard.tracking.configure`) and stays pointed
@@ -136,7 +136,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             $TAILGUARD_HOME (the same as `tailguard run` for a spec without `mlflow.tracking_uri`).
         experiment: MLflow experiment of the registering run.
         model_path: folders to import the class's module from (appended to sys.path; see
-            components/resolve/logic.py `add_model_path`).
+            pipelines/core/reference.py `add_model_path`).
 
     Returns:
         The RegisteredModel (version, models:/ URI, format, sha256).
@@ -148,7 +148,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             a JSON-serializable dict or not accepted by the class; `tags` reserved or malformed; `model_path` not
             a folder.
     """
-    from tailguard.components.resolve import logic
+    from tailguard.core import reference as logic
 
     if not str(name or "").strip():
         raise InputError("name: the registered model name is empty", hint="e.g. digits-mlp")
@@ -200,7 +200,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
         class_file = _module_file(type(module))
         model_arg = {"state_dict": weights, "class_path": class_path, "init_kwargs": init_kwargs}
 
-    from tailguard.tracking import configure, tracking_uri_for
+    from tailguard.core.tracking import configure, tracking_uri_for
 
     uri = tracking_uri or tracking_uri_for(None)
     configure(uri, experiment)

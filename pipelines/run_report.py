@@ -13,19 +13,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tailguard.errors import InputError
+from tailguard.core.errors import InputError
 
 PIPELINE_RUN_TAG = "tailguard.pipeline_run"  # set by resolve on every parent run
 FAILURE_MESSAGE_TAG = "tailguard.failure_message"  # a failing task's error (tracking.record_task_failure)
 
 
 def _client(tracking_uri: str | None) -> tuple[Any, str]:
-    from tailguard.home import quiet_environment
+    from tailguard.core.home import quiet_environment
 
     quiet_environment()  # before mlflow reads it: no artifact progress bars on the terminal
     import mlflow
 
-    from tailguard.tracking import init_store, tracking_uri_for
+    from tailguard.core.tracking import init_store, tracking_uri_for
 
     uri = tracking_uri or tracking_uri_for(None)
     init_store(uri)
@@ -126,7 +126,7 @@ def build_run_report(run_ref: str, *, tracking_uri: str | None = None,
         InputError: unknown run id, or no run in the store (exit 2).
     """
     from tailguard.components.register.logic import NOTE_TAG, report_inputs
-    from tailguard.components.validate.report import run_report_html
+    from tailguard.core.report import run_report_html
 
     client, uri = _client(tracking_uri)
     parent = parent_run(client, run_ref)

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tailguard.errors import InputError
-from tailguard.spec import Spec, dump_spec
+from tailguard.core.errors import InputError
+from tailguard.core.spec import Spec, dump_spec
 
 FAILED_STATES = {"FAILED", "CANCELED", "CANCELING", "SKIPPED"}
 
@@ -52,7 +52,7 @@ def concrete_version(spec: Spec, version: str, tracking_uri: str) -> str:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tailguard.components.resolve.logic import resolve_version
+    from tailguard.core.reference import resolve_version
 
     registry = spec.mlflow.registry_uri or tracking_uri
     try:

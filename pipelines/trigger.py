@@ -48,7 +48,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from tailguard.errors import FieldError, InputError, SpecError
+from tailguard.core.errors import FieldError, InputError, SpecError
 
 log = logging.getLogger("tailguard.trigger")
 
@@ -220,7 +220,7 @@ def default_launcher(config: TriggerConfig) -> Launcher:
 
 
 def _check_specs(config: TriggerConfig) -> None:
-    from tailguard.spec import load_spec
+    from tailguard.core.spec import load_spec
 
     errors = []
     for name, path in config.models.items():

@@ -3,7 +3,7 @@
 import yaml
 
 from tailguard.builder import build_pipeline, compile_pipeline
-from tailguard.spec import load_spec
+from tailguard.core.spec import load_spec
 
 from tests.test_spec import TINY
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tailguard import cache
+from tailguard.core import cache
 from tailguard.components.quantize import task as build_task
 
 
@@ -130,7 +130,7 @@ def test_build_step_never_uses_the_cache_when_it_is_off(env, monkeypatch):
 
 
 def export(env, reference: Path, out: str) -> dict:
-    from tailguard.cache import file_sha256
+    from tailguard.core.cache import file_sha256
     from tailguard.components.export import task as export_task
 
     resolved = {"registered_name": "mlp", "version": "1", "run_id": None, "format": "onnx",
@@ -242,7 +242,7 @@ def _caching(ir_path: Path) -> dict[str, bool]:
 
 def test_compiled_pipeline_caches_only_the_pure_tasks_when_compiled_for_the_cluster(tmp_path):
     from tailguard.builder import compile_pipeline
-    from tailguard.spec import load_spec
+    from tailguard.core.spec import load_spec
 
     from tests.test_spec import TINY
 
@@ -272,8 +272,8 @@ def test_int8_build_task_never_imports_torch_or_mlflow_when_run_in_its_own_proce
 
 def test_reference_parts_refuse_to_cache_when_the_model_class_source_cannot_be_found(tmp_path):
     from tailguard.components.export.task import reference_parts
-    from tailguard.components.resolve.logic import ResolvedModel
-    from tailguard.spec import spec_from_yaml
+    from tailguard.core.reference import ResolvedModel
+    from tailguard.core.spec import spec_from_yaml
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     spec = spec_from_yaml(spec_yaml())

@@ -10,8 +10,8 @@ import pytest
 
 from tailguard.components.check_data.logic import (REPORT_FILE, CheckReport, add_derived_columns, check_datasets,
                                                    expectation_classes, write_report)
-from tailguard.errors import DataCheckError, InputError, SpecError
-from tailguard.spec import parse_spec
+from tailguard.core.errors import DataCheckError, InputError, SpecError
+from tailguard.core.spec import parse_spec
 
 N_ROWS = 40
 VOCAB = 64

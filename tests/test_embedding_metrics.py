@@ -1,4 +1,4 @@
-"""Label- and retrieval-aware embedding metrics (components/validate/parity.py): kNN label accuracy vs the
+"""Label- and retrieval-aware embedding metrics (pipelines/core/parity.py): kNN label accuracy vs the
 reference's, recall@k of the FP32 top-k, margin-aware top-1 agreement; overall, per slice, with bounds and
 gates. Synthetic embeddings with known answers."""
 
@@ -9,11 +9,11 @@ import pytest
 from tailguard.components.validate.gates import evaluate_gates
 from tailguard.components.validate.intervals import metric_bound, wilson_bound
 from tailguard.components.validate.logic import validate_variant
-from tailguard.components.validate.parity import aggregate, per_sample_metrics
-from tailguard.components.validate.slices import per_slice_table, slice_groups
-from tailguard.data import Dataset
-from tailguard.errors import InputError
-from tailguard.spec import PROPORTION_METRICS, TASK_METRICS, SliceSpec, parse_spec
+from tailguard.core.parity import aggregate, per_sample_metrics
+from tailguard.core.slices import per_slice_table, slice_groups
+from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError
+from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, SliceSpec, parse_spec
 
 DIM_PER_GROUP = 3
 

@@ -10,8 +10,8 @@ import pytest
 
 from tailguard.components.quantize.engine import (EngineMismatchError, calibration_cache_key, fingerprint,
                                                   probe_device, verify_engine, write_manifest)
-from tailguard.errors import MissingDependencyError
-from tailguard.runtime import tensorrt_unavailable_reason
+from tailguard.core.errors import MissingDependencyError
+from tailguard.core.runtime import tensorrt_unavailable_reason
 
 H100 = {"tensorrt_version": "10.13.0", "device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
         "cuda_version": "12.8"}

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from tailguard.builder import build_pipeline
-from tailguard.spec import load_spec
-from tailguard.tracking import FAILURE_MESSAGE_TAG, KFP_RUN_TAG, NOTE_TAG
+from tailguard.core.spec import load_spec
+from tailguard.core.tracking import FAILURE_MESSAGE_TAG, KFP_RUN_TAG, NOTE_TAG
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SPEC = ROOT / "tests" / "data" / "tiny_spec.yaml"
@@ -38,8 +38,8 @@ def _components():
 
     @dsl.component(base_image="python:3.11", install_kfp_package=False)
     def step(tracking_uri: str, parent_run_id: str, fail: bool) -> None:
-        from tailguard.errors import InputError
-        from tailguard.taskio import task_entry
+        from tailguard.core.errors import InputError
+        from tailguard.core.taskio import task_entry
 
         @task_entry("validate")
         def main(*, tracking_uri: str, parent_run_id: str, variant_name: str) -> None:
@@ -80,7 +80,7 @@ def store(tmp_path, monkeypatch):
     monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     spec = load_spec(TINY_SPEC)
-    from tailguard.tracking import configure, experiment_name_for
+    from tailguard.core.tracking import configure, experiment_name_for
 
     configure(uri, experiment_name_for(spec))
     return uri, TINY_SPEC.read_text(), experiment_name_for(spec)

@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 
 from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
-from tailguard.errors import ExportMismatchError, InputError
-from tailguard.runtime import TorchRunner
+from tailguard.core.errors import ExportMismatchError, InputError
+from tailguard.core.runtime import TorchRunner
 from tests.tiny_models import (HIDDEN, INPUT_NAMES, N_CLASSES, export_tiny, make_tiny_encoder, tiny_feeds,
                                tiny_model_spec)
 

@@ -6,7 +6,7 @@ import os
 import pandas as pd
 
 from tailguard.components.validate.gates import GateResult, all_passed, evaluate_gates
-from tailguard.spec import parse_spec
+from tailguard.core.spec import parse_spec
 
 
 def _spec(gates, *, task="classification", batch_sizes=(1, 32), slices=None, cost=None, promotion=None):
@@ -127,8 +127,8 @@ import pytest  # noqa: E402
 
 from tailguard.components.validate.discovery import DiscoveryResult  # noqa: E402
 from tailguard.components.validate.intervals import paired_difference_bound, wilson_bound  # noqa: E402
-from tailguard.components.validate.parity import aggregate  # noqa: E402
-from tailguard.components.validate.slices import SliceGroup, per_slice_table  # noqa: E402
+from tailguard.core.parity import aggregate  # noqa: E402
+from tailguard.core.slices import SliceGroup, per_slice_table  # noqa: E402
 
 
 def _rows(small_agree=30, big_agree=396, ref_correct=None, correct=None):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tailguard.builder import compile_pipeline
-from tailguard.spec import load_spec
+from tailguard.core.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"

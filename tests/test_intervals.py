@@ -9,8 +9,8 @@ from statsmodels.stats.proportion import proportion_confint
 
 from tailguard.components.validate.intervals import (bootstrap_bound, bootstrap_distribution, metric_bound,
                                                      paired_difference_bound, wilson_bound, wilson_interval)
-from tailguard.errors import InputError
-from tailguard.spec import BootstrapSpec
+from tailguard.core.errors import InputError
+from tailguard.core.spec import BootstrapSpec
 
 
 # ------------------------------------------------------------------------------------------------- Wilson

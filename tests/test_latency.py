@@ -1,4 +1,4 @@
-"""Benchmark structure (components/validate/latency.py). Structural checks with wide bands, not timed tests.
+"""Benchmark structure (pipelines/core/latency.py). Structural checks with wide bands, not timed tests.
 
 The runner here is a stand-in that sleeps: the benchmark's contract (warm-up not timed, seeded batches,
 early stop, statistics) is independent of what the runner computes; real ONNX Runtime runners are timed in
@@ -11,10 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.validate.latency import MIN_SAMPLES, benchmark, cost_per_1m, peak_rss_mb
-from tailguard.data import Dataset
-from tailguard.errors import InputError
-from tailguard.spec import BenchmarkSpec, TensorSpec
+from tailguard.core.latency import MIN_SAMPLES, benchmark, cost_per_1m, peak_rss_mb
+from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError
+from tailguard.core.spec import BenchmarkSpec, TensorSpec
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", "sequence"])]
 

@@ -1,4 +1,4 @@
-"""Interleaved timing rounds and speed-ratio bounds (components/validate/latency.py), and speed gates decided on
+"""Interleaved timing rounds and speed-ratio bounds (pipelines/core/latency.py), and speed gates decided on
 the bound (components/validate/gates.py).
 
 No test here reads the wall clock to decide anything: the statistics are checked on synthetic timings, the
@@ -13,13 +13,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.validate.gates import evaluate_gates
-from tailguard.components.validate.latency import (MIN_SAMPLES, add_speed_ratios, interleaved_benchmark,
+from tailguard.core.latency import (MIN_SAMPLES, add_speed_ratios, interleaved_benchmark,
                                                    ratio_key, round_order, speed_ratio)
 from tailguard.components.validate.logic import validate_variant
-from tailguard.data import Dataset
-from tailguard.errors import InputError, SpecError
-from tailguard.runtime import OrtRunner, run_dataset
-from tailguard.spec import BenchmarkSpec, TensorSpec, parse_spec
+from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError, SpecError
+from tailguard.core.runtime import OrtRunner, run_dataset
+from tailguard.core.spec import BenchmarkSpec, TensorSpec, parse_spec
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", 4])]
 

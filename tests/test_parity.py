@@ -1,14 +1,14 @@
-"""Parity metrics (components/validate/parity.py) on synthetic outputs with known answers."""
+"""Parity metrics (pipelines/core/parity.py) on synthetic outputs with known answers."""
 
 import math
 
 import numpy as np
 import pytest
 
-from tailguard.components.validate import parity
-from tailguard.components.validate.parity import aggregate, non_finite_rows, per_sample_metrics
-from tailguard.errors import InputError
-from tailguard.spec import TASK_METRICS
+from tailguard.core import parity
+from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
+from tailguard.core.errors import InputError
+from tailguard.core.spec import TASK_METRICS
 
 
 def _paired_embeddings(n_pairs: int = 20, dim: int = 32, seed: int = 0) -> np.ndarray:

@@ -79,10 +79,10 @@ def env(tmp_path_factory):
     environ = {**os.environ, "TAILGUARD_HOME": str(home)}
     old = os.environ.get("TAILGUARD_HOME")
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.components.resolve.logic import register_reference
-    from tailguard.home import default_tracking_uri
+    from tailguard.core.reference import register_reference
+    from tailguard.core.home import default_tracking_uri
     from tailguard.models import MeanPooledEncoder
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     uri = default_tracking_uri()
     configure(uri, "registration")

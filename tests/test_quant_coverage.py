@@ -1,6 +1,6 @@
 """Quantization coverage as a fact and a gate (issue 13, item 3).
 
-MAC counting (components/quantize/macs.py) on hand-made ONNX graphs whose MACs are known by hand; the build's
+MAC counting (pipelines/core/macs.py) on hand-made ONNX graphs whose MACs are known by hand; the build's
 coverage on a real Linear-ReLU-Linear-ReLU-Linear MLP and a small CNN exported from torch, quantized by ONNX
 Runtime (dynamic and static) with the DEFAULT spec (graph_optimization.level: extended); the gate
 `quantized_mac_fraction` through spec check, gate evaluation, the validate step's metrics and a real MLflow file
@@ -19,11 +19,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.quantize import logic
 from tailguard.components.quantize.logic import build_variant
-from tailguard.components.quantize.macs import (DEFAULT_SEQUENCE, count_macs, coverage_line,
+from tailguard.core.macs import (DEFAULT_SEQUENCE, count_macs, coverage_line,
                                                 quantization_coverage)
 from tailguard.components.validate.gates import build_metrics, evaluate_gates
-from tailguard.errors import SpecError
-from tailguard.spec import QUANTIZATION_COVERAGE_KEY, ModelSpec, VariantSpec, parse_spec
+from tailguard.core.errors import SpecError
+from tailguard.core.spec import QUANTIZATION_COVERAGE_KEY, ModelSpec, VariantSpec, parse_spec
 
 IN, H1, H2, OUT = 64, 32, 32, 10
 MLP_MACS = IN * H1 + H1 * H2 + H2 * OUT  # 3392 per sample
@@ -54,7 +54,7 @@ def mlp(tmp_path_factory):
     calibration Dataset of 32 rows)."""
     import torch
 
-    from tailguard.data import load_dataset
+    from tailguard.core.data import load_dataset
 
     d = tmp_path_factory.mktemp("mlp")
     torch.manual_seed(0)
@@ -182,7 +182,7 @@ def test_build_variant_reports_the_float_share_when_a_layer_is_excluded(mlp, tmp
 def test_build_variant_quantizes_every_conv_when_cnn_uses_the_default_spec(tmp_path):
     import torch
 
-    from tailguard.data import load_dataset
+    from tailguard.core.data import load_dataset
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 8, 3),
@@ -276,7 +276,7 @@ def test_validation_logs_the_fraction_and_decides_its_gate_when_an_int8_mlp_is_v
 
     from tailguard.components.validate.logic import validate_variant
     from tailguard.components.validate.task import log_coverage, log_validation
-    from tailguard.runtime import OrtRunner, run_dataset
+    from tailguard.core.runtime import OrtRunner, run_dataset
 
     path, model, calib = mlp
     spec = _spec([{"metric": "quantized_mac_fraction", "min": 0.9}], promotion={"enabled": False})

@@ -28,9 +28,9 @@ import pytest
 from tailguard.components.quantize import logic
 from tailguard.components.quantize.logic import DatasetCalibrationReader, build_variant
 from tailguard.components.quantize.presets import QUANTIZATION_PRESETS, quantization_preset
-from tailguard.errors import InputError, SpecError
-from tailguard.spec import VariantSpec
-from tailguard.steps import UnknownStepError, get_step, registered_steps
+from tailguard.core.errors import InputError, SpecError
+from tailguard.core.spec import VariantSpec
+from tailguard.core.steps import UnknownStepError, get_step, registered_steps
 from tests.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
 

@@ -24,10 +24,10 @@ import yaml
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.components.resolve.logic import (MODEL_PATH_ENV, TAG_FORMAT, TAG_SHA256, add_model_path,
+from tailguard.core.reference import (MODEL_PATH_ENV, TAG_FORMAT, TAG_SHA256, add_model_path,
                                                 import_module_class, load_torch_reference, resolve_reference)
-from tailguard.errors import InputError, UntrustedModelError
-from tailguard.spec import parse_spec
+from tailguard.core.errors import InputError, UntrustedModelError
+from tailguard.core.spec import parse_spec
 
 runner = CliRunner()
 N_IN, HIDDEN, N_OUT = 64, 16, 10
@@ -186,7 +186,7 @@ def test_resolve_reads_a_plain_mlflow_onnx_log_when_registered_without_tailguard
     import mlflow
     import onnx
 
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     onnx_file = env["root"] / "plain.onnx"
     torch.onnx.export(env["model"], (X,), str(onnx_file), input_names=["x"], output_names=["logits"],
@@ -210,7 +210,7 @@ def test_resolve_reads_a_plain_mlflow_onnx_log_when_registered_without_tailguard
 def test_resolve_reads_a_plain_mlflow_pytorch_pt2_log_when_registered_without_tailguard_tags(env):
     import mlflow
 
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     configure(env["uri"], "plain")
     with mlflow.start_run():
@@ -227,7 +227,7 @@ def test_resolve_reads_a_plain_mlflow_pytorch_pt2_log_when_registered_without_ta
 def test_resolve_refuses_a_plain_mlflow_pytorch_pickle_log_naming_trusted_when_not_trusted(env):
     import mlflow
 
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     configure(env["uri"], "plain")
     with mlflow.start_run():

@@ -1,4 +1,4 @@
-"""The HTML report (components/validate/report.py) and the whole validate step (logic.py) on a real tiny
+"""The HTML report (pipelines/core/report.py) and the whole validate step (logic.py) on a real tiny
 ONNX Runtime model."""
 
 import json
@@ -12,11 +12,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.validate.gates import GateResult
 from tailguard.components.validate.logic import ValidationResult, sanitize_key_part, validate_variant
-from tailguard.components.validate.report import write_report
-from tailguard.data import Dataset
-from tailguard.errors import InputError
-from tailguard.runtime import OrtRunner, run_dataset
-from tailguard.spec import parse_spec
+from tailguard.core.report import write_report
+from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError
+from tailguard.core.runtime import OrtRunner, run_dataset
+from tailguard.core.spec import parse_spec
 
 
 def _perf(ms):
@@ -157,7 +157,7 @@ def _e2e_spec_with(gates, analysis):
 
 
 def test_validate_variant_writes_worst_samples_and_discovered_csv_when_discovery_enabled(e2e):
-    from tailguard.components.validate.parity import per_sample_metrics
+    from tailguard.core.parity import per_sample_metrics
 
     d, ds, w, ref_runner, reference = e2e
     bad_w = w.copy()

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from tailguard.components.resolve.logic import (DESCRIPTOR_FILE, TAG_FORMAT, TAG_SHA256, ResolvedModel,
+from tailguard.core.reference import (DESCRIPTOR_FILE, TAG_FORMAT, TAG_SHA256, ResolvedModel,
                                                 load_torch_reference, register_reference, resolve_reference,
                                                 resolve_version)
-from tailguard.errors import InputError, UntrustedModelError
-from tailguard.spec import parse_spec
+from tailguard.core.errors import InputError, UntrustedModelError
+from tailguard.core.spec import parse_spec
 from tests._resolve_models import N_IN, OtherClassifier, make_tiny
 
 CLASS_PATH = "tests._resolve_models:TinyClassifier"

@@ -29,10 +29,10 @@ def env(tmp_path_factory):
     make_rows(40, 1).to_parquet(root / "calibration.parquet")
     old = os.environ.get("TAILGUARD_HOME")
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.components.resolve.logic import register_reference
-    from tailguard.home import default_tracking_uri
+    from tailguard.core.reference import register_reference
+    from tailguard.core.home import default_tracking_uri
     from tailguard.models import MeanPooledEncoder
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     uri = default_tracking_uri()
     configure(uri, "registration")
@@ -137,7 +137,7 @@ def test_next_run_marks_parent_failed_with_died_note_when_runner_was_killed(env)
 # ------------------------------------------------------------------------------------------- races
 def _promote_worker(uri, parent_run_id, version, barrier, results):
     from tailguard.components.register.logic import promote
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     configure(uri)
     client = mlflow.MlflowClient()
@@ -149,7 +149,7 @@ def _promote_worker(uri, parent_run_id, version, barrier, results):
 
 def _candidates(tmp_path, specs):
     """A store with one parent run + validation run + registered version per (label, p50 ms, source version)."""
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp_id = configure(uri, "race")
@@ -217,7 +217,7 @@ def test_promote_keeps_the_faster_holder_when_the_alias_moved_during_the_run(pri
 
 def _init_worker(uri, barrier, results):
     try:
-        from tailguard.tracking import configure
+        from tailguard.core.tracking import configure
 
         barrier.wait(timeout=120)
         results.put(("ok", configure(uri, "tailguard/fresh")))

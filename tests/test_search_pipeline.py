@@ -73,9 +73,9 @@ def env(tmp_path_factory):
     # restore all three afterwards, or later modules' subprocesses would use this module's store
     saved = {k: os.environ.get(k) for k in ("TAILGUARD_HOME", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.components.resolve.logic import register_reference
-    from tailguard.home import default_tracking_uri
-    from tailguard.tracking import configure
+    from tailguard.core.reference import register_reference
+    from tailguard.core.home import default_tracking_uri
+    from tailguard.core.tracking import configure
 
     uri = default_tracking_uri()
     configure(uri, "registration")
@@ -174,7 +174,7 @@ def test_run_exits_3_with_the_pareto_table_and_moves_no_alias_when_no_trial_pass
 
 # ------------------------------------------------------------------------------------------ quick units
 def _spec_obj(tmp_path, **search):
-    from tailguard.spec import load_spec
+    from tailguard.core.spec import load_spec
 
     return load_spec(write_spec(tmp_path, gates=[COSINE_GATE], search=search or None), resolve_paths=False)
 

@@ -1,4 +1,4 @@
-"""Per-node quantization sensitivity (components/search/sensitivity.py) on a tiny MLP with one planted
+"""Per-node quantization sensitivity (components/quantize/sensitivity.py) on a tiny MLP with one planted
 sensitive MatMul (tests/search_models.py), with real ONNX Runtime quantization and sessions.
 
 Mocked (narrow seam, said where): `_quantize_dynamic` raising for one node, to check how a node ORT cannot
@@ -13,10 +13,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.quantize import logic as quantize_logic
-from tailguard.components.search.sensitivity import (SENSITIVITY_COLUMNS, candidate_nodes, node_sensitivity,
+from tailguard.components.quantize.sensitivity import (SENSITIVITY_COLUMNS, candidate_nodes, node_sensitivity,
                                                      output_errors)
-from tailguard.errors import InputError
-from tailguard.spec import QuantizationSpec, VariantSpec
+from tailguard.core.errors import InputError
+from tailguard.core.spec import QuantizationSpec, VariantSpec
 from tests.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
 
 

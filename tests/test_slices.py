@@ -1,13 +1,13 @@
-"""Slice groups and the per-slice table (components/validate/slices.py)."""
+"""Slice groups and the per-slice table (pipelines/core/slices.py)."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.validate.parity import per_sample_metrics
-from tailguard.components.validate.slices import per_slice_table, slice_groups
-from tailguard.errors import InputError
-from tailguard.spec import TASK_METRICS, SliceSpec
+from tailguard.core.parity import per_sample_metrics
+from tailguard.core.slices import per_slice_table, slice_groups
+from tailguard.core.errors import InputError
+from tailguard.core.spec import TASK_METRICS, SliceSpec
 
 
 def _groups(frame, **kw):

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tailguard.errors import SpecError
-from tailguard.spec import json_schema, load_spec, parse_spec
+from tailguard.core.errors import SpecError
+from tailguard.core.spec import json_schema, load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "tiny_spec.yaml"

@@ -15,9 +15,9 @@ import yaml
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.errors import SpecError
+from tailguard.core.errors import SpecError
 from tailguard.preflight import check_spec_file
-from tailguard.spec import validate_spec
+from tailguard.core.spec import validate_spec
 
 runner = CliRunner()
 

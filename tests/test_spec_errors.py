@@ -8,9 +8,9 @@ import yaml
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.errors import SpecError
+from tailguard.core.errors import SpecError
 from tailguard.preflight import check_columns
-from tailguard.spec import load_spec, parse_spec
+from tailguard.core.spec import load_spec, parse_spec
 
 from tests.test_spec import TINY
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 import tailguard.submit as submit_mod
-from tailguard.errors import InputError
-from tailguard.spec import load_spec
+from tailguard.core.errors import InputError
+from tailguard.core.spec import load_spec
 
 from tests.test_spec import TINY
 

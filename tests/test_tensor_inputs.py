@@ -20,12 +20,12 @@ import torch
 from tailguard.components.check_data.logic import check_datasets
 from tailguard.components.export.logic import check_export, dummy_feeds, export_onnx
 from tailguard.components.quantize.logic import DatasetCalibrationReader, build_variant
-from tailguard.components.validate.latency import benchmark
-from tailguard.components.validate.parity import aggregate, per_sample_metrics
-from tailguard.data import load_dataset, make_batch, read_parquet
-from tailguard.errors import DataCheckError, InputError, SpecError
-from tailguard.runtime import OrtRunner, TorchRunner, run_dataset
-from tailguard.spec import BenchmarkSpec, ModelSpec, VariantSpec, parse_spec
+from tailguard.core.latency import benchmark
+from tailguard.core.parity import aggregate, per_sample_metrics
+from tailguard.core.data import load_dataset, make_batch, read_parquet
+from tailguard.core.errors import DataCheckError, InputError, SpecError
+from tailguard.core.runtime import OrtRunner, TorchRunner, run_dataset
+from tailguard.core.spec import BenchmarkSpec, ModelSpec, VariantSpec, parse_spec
 from tests.user_models import (DIGITS_SHAPE, N_BANDS, digits_model_doc, digits_spec, frames_frame, frames_model_doc,
                                frames_spec, train_digits_cnn, train_frame_classifier, write_digits, write_frames)
 
@@ -377,7 +377,7 @@ def test_run_validates_fp32_and_int8_variants_per_class_when_a_cnn_takes_images(
     assert set(rows) == {"ort-fp32", "ort-int8-dynamic", "ort-int8-static"}
     assert all(v["status"] == "ok" and v["passed"] for v in rows.values()), rows
     monkeypatch.setenv("TAILGUARD_HOME", env["TAILGUARD_HOME"])
-    from tailguard.home import default_tracking_uri
+    from tailguard.core.home import default_tracking_uri
 
     client = mlflow.MlflowClient(default_tracking_uri())
     children = client.search_runs([client.get_run(summary["parent_run_id"]).info.experiment_id],

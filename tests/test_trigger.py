@@ -19,7 +19,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from tailguard.errors import InputError, SpecError
+from tailguard.core.errors import InputError, SpecError
 from tailguard.trigger import (DELIVERY_ID_HEADER, OUTCOMES, SIGNATURE_HEADER, TIMESTAMP_HEADER, TriggerConfig,
                                create_app, sign)
 from tests._mlflow_server import uvicorn_in_thread

@@ -99,9 +99,9 @@ def test_trigger_promotes_optimized_version_when_real_mlflow_server_registers_a_
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tailguard.components.resolve.logic import register_reference
+    from tailguard.core.reference import register_reference
     from tailguard.models import MeanPooledEncoder
-    from tailguard.tracking import configure
+    from tailguard.core.tracking import configure
 
     app, url = receiver
     client = MlflowClient(tracking_uri=server, registry_uri=server)
@@ -132,5 +132,11 @@ def test_trigger_promotes_optimized_version_when_real_mlflow_server_registers_a_
     assert promoted.tags["tailguard.source_version"] == str(mv.version)
     assert promoted.tags["tailguard.variant"] == "ort-fp32"
     variant_run = client.get_run(promoted.run_id)
-    parent = client.get_run(variant_run.data.tags["mlflow.parentRunId"])
+    parent_id = variant_run.data.tags["mlflow.parentRunId"]
+    # the alias moves before register-and-promote writes its outcome tags, the report and closes the parent run
+    parent = client.get_run(parent_id)
+    while parent.info.status == "RUNNING" and time.time() < deadline:
+        time.sleep(POLL_S)
+        parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED", parent.info.status
     assert parent.data.tags["tailguard.outcome"] == "promoted"

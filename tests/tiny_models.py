@@ -59,7 +59,7 @@ def make_tiny_encoder(seed: int = 0):
 
 def tiny_model_spec(**export):
     """A tailguard ModelSpec for the tiny encoder; keyword arguments go to `model.export` (e.g. dynamo=True)."""
-    from tailguard.spec import ModelSpec
+    from tailguard.core.spec import ModelSpec
 
     return ModelSpec.model_validate({
         "registered_name": "tiny-encoder", "task": "classification",
@@ -101,7 +101,7 @@ def tiny_dataset(n_rows: int = 24, *, min_len: int = 3, max_len: int = 12, seed:
 
     The frame holds `n_tokens` and a `label` column (n_rows,) int64 in [0, N_CLASSES).
     """
-    from tailguard.data import Dataset
+    from tailguard.core.data import Dataset
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_len, max_len + 1, size=n_rows).astype(np.int64)

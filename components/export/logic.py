@@ -19,8 +19,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tailguard.errors import ExportMismatchError, InputError, StepError
-from tailguard.runtime import OrtRunner, Runner
+from tailguard.core.errors import ExportMismatchError, InputError, StepError
+from tailguard.core.runtime import OrtRunner, Runner
 
 TWO_GB = 2 * 1024**3  # protobuf's hard limit for one serialized ModelProto
 
@@ -55,7 +55,7 @@ def dummy_feeds(spec: Any, *, batch: int = 2, length: int = 4) -> dict[str, np.n
         {input name: array of the input's dtype}, e.g. image (2, 1, 8, 8) float32 for `[batch, 1, 8, 8]`,
         frames (2, 4, 80) for `[batch, sequence, 80]`; filled with `value_range`'s lower bound, else 0.
     """
-    from tailguard.data import NP_DTYPES
+    from tailguard.core.data import NP_DTYPES
 
     feeds = {}
     for t in spec.inputs:

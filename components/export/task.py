@@ -8,10 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from tailguard.taskio import task_entry, write_json
+from tailguard.core.taskio import task_entry, write_json
 
-ONNX_FILE = "model.onnx"
-REFERENCE_FILE = "reference_outputs.npz"
+from tailguard.core.contract import ONNX_FILE, REFERENCE_FILE  # noqa: F401 (file names shared with validate, search)
 
 
 def _copy_onnx(src: Path, out_dir: Path) -> Path:
@@ -33,7 +32,7 @@ def check_batches(spec: Any, ds: Any) -> list[dict[str, np.ndarray]]:
 
     Two different batch sizes and padded lengths exercise both dynamic axes.
     """
-    from tailguard.data import make_batch
+    from tailguard.core.data import make_batch
 
     n = min(spec.model.export.check_samples, ds.n_rows)
     order = np.argsort(ds.lengths, kind="stable")
@@ -52,7 +51,7 @@ def reference_parts(resolved: Any, spec: Any) -> dict[str, Any] | None:
         The parts, or None (no caching) when the reference names a class whose module's source file cannot be
         found: an edit of that class could not be seen. Modules the class's module imports are not hashed.
     """
-    from tailguard.cache import dir_sha256, file_sha256
+    from tailguard.core.cache import dir_sha256, file_sha256
 
     parts: dict[str, Any] = {
         "format": resolved.format, "model_file": resolved.model_file, "sha256": resolved.sha256,
@@ -63,7 +62,7 @@ def reference_parts(resolved: Any, spec: Any) -> dict[str, Any] | None:
     if resolved.class_path:
         import importlib.util
 
-        from tailguard.components.resolve import logic as resolve_logic
+        from tailguard.core import reference as resolve_logic
 
         if hasattr(resolve_logic, "add_model_path"):  # the folders a model class is imported from
             resolve_logic.add_model_path()
@@ -79,7 +78,7 @@ def reference_parts(resolved: Any, spec: Any) -> dict[str, Any] | None:
 
 def _validation_parts(spec: Any) -> dict[str, Any] | None:
     """The validation section and file SHA-256, or None for a remote file (not cached)."""
-    from tailguard.cache import data_sha256
+    from tailguard.core.cache import data_sha256
 
     digest = data_sha256(spec.data.validation.uri)
     if digest is None:
@@ -101,9 +100,9 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str
         ExportMismatchError: an output differs beyond its tolerance (every output's max diff listed; exit 1).
         InputError: a corrupt ONNX reference (exit 2).
     """
-    from tailguard.cache import cached_step
-    from tailguard.components.resolve.task import load_resolved
-    from tailguard.spec import spec_from_yaml
+    from tailguard.core.cache import cached_step
+    from tailguard.core.reference import load_resolved
+    from tailguard.core.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
     resolved = load_resolved(resolved_json, reference_dir)
@@ -126,9 +125,9 @@ def _export(spec: Any, resolved: Any, out: Path) -> dict[str, Any]:
         _copy_onnx(Path(resolved.onnx_path), out)
         facts["exporter"] = "none (reference is ONNX)"
         return facts
-    from tailguard.components.resolve.logic import load_torch_reference
-    from tailguard.data import load_validation
-    from tailguard.runtime import TorchRunner
+    from tailguard.core.reference import load_torch_reference
+    from tailguard.core.data import load_validation
+    from tailguard.core.runtime import TorchRunner
 
     module = load_torch_reference(resolved, spec.model)
     ds = load_validation(spec)
@@ -158,15 +157,15 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
     """
     import mlflow
 
-    from tailguard.cache import cached_step, dir_sha256
-    from tailguard.components.resolve.logic import load_torch_reference
-    from tailguard.components.resolve.task import load_resolved
-    from tailguard.components.validate.latency import benchmark
-    from tailguard.data import load_validation
-    from tailguard.errors import StepError
-    from tailguard.runtime import OrtRunner, TorchRunner, run_dataset
-    from tailguard.spec import spec_from_yaml
-    from tailguard.tracking import configure
+    from tailguard.core.cache import cached_step, dir_sha256
+    from tailguard.core.reference import load_torch_reference
+    from tailguard.core.reference import load_resolved
+    from tailguard.core.latency import benchmark
+    from tailguard.core.data import load_validation
+    from tailguard.core.errors import StepError
+    from tailguard.core.runtime import OrtRunner, TorchRunner, run_dataset
+    from tailguard.core.spec import spec_from_yaml
+    from tailguard.core.tracking import configure
 
     spec = spec_from_yaml(spec_yaml)
     resolved = load_resolved(resolved_json, reference_dir)
@@ -220,13 +219,13 @@ def reference_main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tr
 
 
 def _log_calibration_coverage(spec: Any, validation: Any, client: Any, parent_run_id: str, metrics: Any) -> None:
-    """Calibration coverage per declared slice (components/quantize/coverage.py) on the parent run:
+    """Calibration coverage per declared slice (pipelines/core/coverage.py) on the parent run:
     calibration_coverage.csv, and metrics calibration.groups_missing (validation groups without a calibration
     row) and calibration.min_coverage_ratio (lowest calibration share / validation share)."""
     import tempfile
 
-    from tailguard.components.quantize.coverage import calibration_coverage
-    from tailguard.data import load_calibration
+    from tailguard.core.coverage import calibration_coverage
+    from tailguard.core.data import load_calibration
 
     if not spec.slices:
         return

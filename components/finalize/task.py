@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tailguard.taskio import task_entry
+from tailguard.core.taskio import task_entry
 
 
 @task_entry("finalize")
@@ -25,8 +25,8 @@ def main(*, spec_yaml: str, tracking_uri: str, kfp_run: str, state: str, error_m
     """
     import mlflow
 
-    from tailguard.spec import spec_from_yaml
-    from tailguard.tracking import (FAILURE_MESSAGE_TAG, KFP_RUN_TAG, configure, experiment_name_for,
+    from tailguard.core.spec import spec_from_yaml
+    from tailguard.core.tracking import (FAILURE_MESSAGE_TAG, KFP_RUN_TAG, configure, experiment_name_for,
                                     fail_parent_run)
 
     spec = spec_from_yaml(spec_yaml)

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from tailguard.cache import file_sha256
-from tailguard.errors import TailguardError
+from tailguard.core.cache import file_sha256
+from tailguard.core.errors import TailguardError
 
 MANIFEST_SUFFIX = ".json"
 
@@ -75,7 +75,7 @@ def probe_device() -> dict[str, str]:
     Raises:
         MissingDependencyError: TensorRT or a CUDA-enabled torch is not importable (a CPU node).
     """
-    from tailguard.runtime import require_tensorrt
+    from tailguard.core.runtime import require_tensorrt
 
     trt = require_tensorrt()
     import torch

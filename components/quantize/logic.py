@@ -44,16 +44,17 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from tailguard.data import Dataset, batch_indices, make_batch
-from tailguard.errors import InputError
-from tailguard.runtime import ort_providers_unavailable_reason, tensorrt_unavailable_reason
-from tailguard.spec import QUANTIZATION_COVERAGE_KEY
-from tailguard.steps import StepResult, get_step, register_step
+if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
+    from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError
+from tailguard.core.spec import QUANTIZATION_COVERAGE_KEY
+from tailguard.core.steps import StepResult, get_step, register_step
 
 TWO_GB = 2 * 1024**3  # protobuf's limit for one serialized ModelProto
 
@@ -143,6 +144,8 @@ def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *
         InputError: `fp32_onnx` is missing.
     """
     _check_inputs(variant, fp32_onnx, None)
+    from tailguard.core.runtime import tensorrt_unavailable_reason  # tailguard.core.runtime imports pandas
+
     reason = tensorrt_unavailable_reason()
     if reason:
         return StepResult("skipped", reason=f"TensorRT variant {variant.name} needs a GPU with TensorRT: {reason}",
@@ -172,6 +175,8 @@ def quantize_onnxruntime(variant: Any, fp32_onnx: str | Path, out_dir: str | Pat
     fp32 = _check_inputs(variant, fp32_onnx, calibration)
     if model is None:
         raise InputError(f"variant {variant.name}: the model spec is required (model inputs and pad values)")
+    from tailguard.core.runtime import ort_providers_unavailable_reason  # imports pandas: only when building
+
     reason = ort_providers_unavailable_reason(variant.execution_provider)
     if reason:
         return StepResult("skipped", reason=f"variant {variant.name}: {reason}",
@@ -314,7 +319,7 @@ def _coverage(source: Path, quantized: Path, calibration: Dataset | None,
               details: dict[str, Any]) -> dict[str, Any]:
     """Quantization coverage of the quantizer's output vs its input (`macs.quantization_coverage`), with symbolic
     axes at the calibration rows' median length when there are rows; top-level facts copied into `details`."""
-    from .macs import quantization_coverage
+    from tailguard.core.macs import quantization_coverage
 
     sequence = None
     if calibration is not None and calibration.n_rows:
@@ -446,6 +451,8 @@ class DatasetCalibrationReader:
                  fixed_length: int | None = None, equal_batches: bool = False,
                  input_names: list[str] | None = None) -> None:
         self.ds, self.specs = ds, [s for s in input_specs if input_names is None or s.name in input_names]
+        from tailguard.core.data import batch_indices
+
         self.batch_size, self.pad_values, self.fixed_length = batch_size, pad_values or {}, fixed_length
         self.batches = batch_indices(ds, batch_size)
         if equal_batches and self.batches and len(self.batches[-1]) < batch_size:
@@ -456,6 +463,8 @@ class DatasetCalibrationReader:
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         """The next batch of feeds, or None at the end."""
+        from tailguard.core.data import make_batch
+
         idx = next(self._it, None)
         if idx is None:
             return None
@@ -494,21 +503,25 @@ def _quantize_static(q: Any, src: Path, dst: Path, excluded: list[str], calibrat
     if q.calibration_method == "percentile":
         extra["CalibPercentile"] = q.percentile
         calib_info["percentile"] = q.percentile
-    if q.calibration_method == "minmax":
+    if _calibration_cache_supported():
+        # tailguard calibrates (calibrate_ranges) and hands the ranges over as a calibration cache: the ranges
+        # are memoized per process (a search's static trials of one variant calibrate once), and quantize_static
+        # does not forward num_bins to the histogram calibrators (onnxruntime/quantization/quantize.py passes only
+        # CalibTensorRangeSymmetric/MovingAverage/MaxIntermediateOutputs/Percentile), which create_calibrator
+        # (extra_options={"num_bins": ...}) gets here. One collect_data call per batch for the histogram methods:
+        # they stack the batches of one call into one array, which fails on variable-length batches.
+        cache = tmp / "calibration_cache.json"
+        n_batches, reused = _memoized_calibration(src, q, method, calibration, model, batch_size, graph_inputs,
+                                                  cache, tmp)
+        kwargs["calibration_cache_path"] = str(cache)
+        calib_info.update(batches=n_batches, padding="per batch", ranges_reused=reused)
+        if q.calibration_method != "minmax":
+            calib_info.update(num_bins=q.num_bins, num_bins_applied=True)
+    elif q.calibration_method == "minmax":
         reader = DatasetCalibrationReader(calibration, model.inputs, batch_size, pad_values=model.pad_values,
                                           input_names=graph_inputs)
         kwargs["calibration_data_reader"] = reader
         calib_info.update(batches=len(reader), padding="per batch")
-    elif _calibration_cache_supported():
-        # quantize_static does not forward num_bins to the histogram calibrators (onnxruntime/quantization/
-        # quantize.py passes only CalibTensorRangeSymmetric/MovingAverage/MaxIntermediateOutputs/Percentile), so
-        # tailguard calibrates with create_calibrator(extra_options={"num_bins": ...}) and hands the ranges over
-        # as a calibration cache. One collect_data call per batch: the calibrators stack the batches of one call
-        # into one array, which fails on variable-length batches; histograms merge across calls.
-        cache = tmp / "calibration_cache.json"
-        n_batches = _calibrate_histogram(src, q, method, calibration, model, batch_size, graph_inputs, cache, tmp)
-        kwargs["calibration_cache_path"] = str(cache)
-        calib_info.update(batches=n_batches, padding="per batch", num_bins=q.num_bins, num_bins_applied=True)
     else:
         fixed = int(calibration.lengths.max())
         reader = DatasetCalibrationReader(calibration, model.inputs, batch_size, pad_values=model.pad_values,
@@ -529,11 +542,78 @@ def _quantize_static(q: Any, src: Path, dst: Path, excluded: list[str], calibrat
                                "extra_options": _jsonable(extra)}
 
 
-def _calibrate_histogram(src: Path, q: Any, method: Any, calibration: Dataset, model: Any, batch_size: int,
-                         graph_inputs: list[str], cache: Path, tmp: Path) -> int:
-    from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+# Calibration ranges memoized per process: {key: (TensorsData, batches)}, least recently used first.
+_RANGES: "OrderedDict[str, tuple[Any, int]]" = OrderedDict()
+_RANGES_MAX = 8  # entries kept (a search's variants x calibration methods); histograms are num_bins per tensor
 
-    extra: dict[str, Any] = {"num_bins": q.num_bins}
+
+def calibration_key(src: Path, q: Any, calibration: "Dataset", model: Any, batch_size: int) -> str:
+    """SHA-256 over what the calibration ranges of `src` depend on: the graph given to the quantizer (bytes of
+    `src`, after graph optimization and quant_pre_process), the method, num_bins (histogram methods), percentile
+    (percentile), op_types, the calibration rows (every input array's dtype, shape and bytes, in row order), the
+    batch size and pad values (they shape the batches) and the model inputs' names and dtypes. Not in it:
+    exclude_nodes, per_channel, reduce_range, weight/activation types and format, which ORT applies after
+    calibration (create_calibrator sees only the graph, op_types and the method's options)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(src, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    meta = {"method": q.calibration_method, "op_types": sorted(q.op_types or []), "batch_size": batch_size,
+            "num_bins": q.num_bins if q.calibration_method != "minmax" else None,
+            "percentile": q.percentile if q.calibration_method == "percentile" else None,
+            "pad_values": dict(sorted((model.pad_values or {}).items())),
+            "inputs": [(s.name, str(s.dtype)) for s in model.inputs]}
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    for s in model.inputs:
+        for arr in calibration.inputs.get(s.name, []):
+            a = np.ascontiguousarray(arr)
+            h.update(f"{s.name}|{a.dtype.str}|{a.shape}".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _memoized_calibration(src: Path, q: Any, method: Any, calibration: "Dataset", model: Any, batch_size: int,
+                          graph_inputs: list[str], cache: Path, tmp: Path) -> tuple[int, bool]:
+    """Write the calibration ranges of `src` to `cache` (an ORT calibration cache, `save_tensors_data`): from the
+    process memo when `calibration_key` matches an earlier calibration, else from `calibrate_ranges`.
+    Graphs with external data (> 2 GB) are not memoized. Returns (batches, reused)."""
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    key = None if _large(src) else calibration_key(src, q, calibration, model, batch_size)
+    if key is not None and key in _RANGES:
+        _RANGES.move_to_end(key)
+        ranges, n_batches = _RANGES[key]
+        save_tensors_data(ranges, cache)
+        return n_batches, True
+    ranges, n_batches = calibrate_ranges(src, q, method, calibration, model, batch_size, graph_inputs, tmp)
+    save_tensors_data(ranges, cache)
+    if key is not None:
+        _RANGES[key] = (ranges, n_batches)
+        while len(_RANGES) > _RANGES_MAX:
+            _RANGES.popitem(last=False)
+    return n_batches, False
+
+
+def calibrate_ranges(src: Path, q: Any, method: Any, calibration: "Dataset", model: Any, batch_size: int,
+                     graph_inputs: list[str], tmp: Path) -> tuple[Any, int]:
+    """Calibrate `src` on the calibration rows: ORT's `create_calibrator` (op_types, `method`, num_bins /
+    percentile for the histogram methods) fed length-sorted batches of `batch_size` rows padded per batch.
+    Min-max gets every batch in one collect_data call (as quantize_static does; the per-batch reductions are
+    merged with nanmin / nanmax); the histogram methods one call per batch (their histograms merge across calls,
+    while one call stacks its batches into one array, which fails on variable-length batches).
+
+    Returns:
+        (TensorsData: {tensor name: range}, batches). The seam that counts calibrations.
+    """
+    from onnxruntime.quantization.calibrate import create_calibrator
+
+    from tailguard.core.data import make_batch
+
+    extra: dict[str, Any] = {}
+    if q.calibration_method != "minmax":
+        extra["num_bins"] = q.num_bins
     if q.calibration_method == "percentile":
         extra["percentile"] = q.percentile
     calibrator = create_calibrator(src, q.op_types or None, augmented_model_path=str(tmp / "augmented.onnx"),
@@ -541,10 +621,13 @@ def _calibrate_histogram(src: Path, q: Any, method: Any, calibration: Dataset, m
                                    providers=["CPUExecutionProvider"], extra_options=extra)
     reader = DatasetCalibrationReader(calibration, model.inputs, batch_size, pad_values=model.pad_values,
                                       input_names=graph_inputs)
-    for idx in reader.batches:
-        calibrator.collect_data(_OneBatch(make_batch(calibration, idx, reader.specs, pad_values=reader.pad_values)))
-    save_tensors_data(calibrator.compute_data(), cache)
-    return len(reader.batches)
+    if q.calibration_method == "minmax":
+        calibrator.collect_data(reader)
+    else:
+        for idx in reader.batches:
+            calibrator.collect_data(_OneBatch(make_batch(calibration, idx, reader.specs,
+                                                         pad_values=reader.pad_values)))
+    return calibrator.compute_data(), len(reader.batches)
 
 
 class _OneBatch:

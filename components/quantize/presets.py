@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tailguard.errors import FieldError, SpecError
+from tailguard.core.errors import FieldError, SpecError
 
 QUANTIZATION_PRESETS: dict[str, dict[str, Any]] = {
     # x86-64 with AVX512-VNNI / AVX-VNNI (Cascade Lake and later, Zen 4): u8 x s8 dot products accumulate in
@@ -53,7 +53,7 @@ def quantization_preset(name: str, **overrides: Any):
     """
     from pydantic import ValidationError
 
-    from tailguard.spec import QuantizationSpec
+    from tailguard.core.spec import QuantizationSpec
 
     if name not in QUANTIZATION_PRESETS:
         raise SpecError([FieldError("quantization.preset", f"unknown preset {name!r}; known: "

@@ -14,9 +14,9 @@ import types
 from pathlib import Path
 from typing import Any
 
-from tailguard.taskio import task_entry, write_json
+from tailguard.core.taskio import task_entry, write_json
 
-ONNX_FILE = "model.onnx"  # export's output file (components/export/task.py ONNX_FILE; not imported: cheap start-up)
+from tailguard.core.contract import ONNX_FILE  # export's output file
 
 
 def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path) -> dict[str, Any] | None:
@@ -27,7 +27,7 @@ def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path) -> dict[str, Any]
     Returns:
         The parts, or None when an input cannot be hashed (a remote calibration file): then no caching.
     """
-    from tailguard.cache import data_sha256, dir_sha256
+    from tailguard.core.cache import data_sha256, dir_sha256
 
     static = variant.quantization is not None and variant.quantization.mode == "static"
     sens = _wants_sensitivity(spec, variant)
@@ -87,8 +87,8 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
         JSON StepResult plus "variant" and "cached" (true: copied from the local cache, not built);
         `artifact` is the model file name relative to `out_dir`.
     """
-    from tailguard.cache import cached_step
-    from tailguard.spec import spec_from_yaml
+    from tailguard.core.cache import cached_step
+    from tailguard.core.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
     variant = next(v for v in spec.variants if v.name == variant_name)
@@ -109,10 +109,13 @@ def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path) -> dict[str, Any]
     """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant"."""
     skip_torch_in_ort_tools()
     from tailguard.components.quantize.logic import build_variant
-    from tailguard.data import load_calibration
 
     needs_calibration = variant.quantization is not None and variant.quantization.mode == "static"
-    calibration = load_calibration(spec) if needs_calibration else None
+    calibration = None
+    if needs_calibration:  # tailguard.core.data imports pandas: only a build that reads rows loads it
+        from tailguard.core.data import load_calibration
+
+        calibration = load_calibration(spec)
     result = build_variant(variant, str(onnx_dir / ONNX_FILE), str(out), calibration=calibration,
                            model=spec.model, calibration_batch_size=spec.data.calibration.batch_size)
     if result.artifact:
@@ -126,14 +129,14 @@ def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path) -> dict[str, Any]
 
 
 def _sensitivity(spec, variant, fp32_onnx: Path, out: Path, calibration) -> None:
-    """analysis.sensitivity: rank the variant's quantizable nodes (components/search/sensitivity.py) into
+    """analysis.sensitivity: rank the variant's quantizable nodes (components/quantize/sensitivity.py) into
     out/sensitivity/ (sensitivity.csv, sensitivity.png); the validate task logs that folder to the variant's run.
     Variants with a search get the same ranking from the search task instead."""
     import tempfile
 
-    from tailguard.components.search.logic import write_sensitivity_artifacts
-    from tailguard.components.search.sensitivity import node_sensitivity
-    from tailguard.data import load_calibration
+    from tailguard.components.quantize.sensitivity import write_sensitivity_artifacts
+    from tailguard.components.quantize.sensitivity import node_sensitivity
+    from tailguard.core.data import load_calibration
 
     rows = calibration if calibration is not None else load_calibration(spec)
     with tempfile.TemporaryDirectory(prefix=f"sensitivity-{variant.name}-") as work:

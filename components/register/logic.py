@@ -17,11 +17,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tailguard.components.resolve.task import ALIAS_AT_START_TAG, alias_version
-from tailguard.components.search.task import SEARCH_OF_TAG, TRIAL_RUN_TAG, searched_name
-from tailguard.components.validate.gates import insufficient_reason
-from tailguard.components.validate.task import DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG
-from tailguard.components.validate.task import GATE_NAME_PREFIX
+from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, DISCOVERED_TAG, GATE_NAME_PREFIX,
+                                     GATES_TAG, MODEL_URI_TAG, NOTE_TAG, PROMOTION_TAG, REPORT_ERROR_TAG,
+                                     SEARCH_OF_TAG, STATUS_TAG, SUPERSEDED_BY_TAG, TRIAL_RUN_TAG, VARIANT_TAG,
+                                     WORST_SLICE_TAG, insufficient_reason, searched_name)
+from tailguard.core.reference import alias_version
 
 
 @dataclass
@@ -41,7 +41,7 @@ class VariantSummary:
             metric, value_in_slice, value_rest, q_value); [] when none was significant or discovery was off.
         gates: {gate key: status}.
         quantized_mac_fraction: INT8 variants: share of the MACs computed in INT8 (metric of the variant's run;
-            components/quantize/macs.py), else None.
+            pipelines/core/macs.py), else None.
         warnings: what the summary must flag although no gate asked (`coverage_warnings`: an INT8 variant that
             quantized under LOW_QUANTIZED_MAC_FRACTION of its MACs, or whose coverage was not recorded).
     """
@@ -84,6 +84,9 @@ class RunSummary:
             trial was logged is followed by a row '<V>-searched' (it competes for promotion like the others).
         searches: the search.json of every searched variant (components/search: variant, seed, stopped_by,
             chosen, chosen_name, trials = Pareto records, sensitivity), spec order; [] without searches.
+        tasks: per-task timings of a local run, filled by the runner after the pipeline ends (None on a cluster
+            and inside the register task): {"tasks": [{task, status, cached (bool | None), wall_s, body_s,
+            imports_s, overhead_s}], "total_s", "startup_s", "startup_share"} (tailguard.runner.task_timings).
     """
 
     parent_run_id: str
@@ -100,6 +103,7 @@ class RunSummary:
     searches: list[dict[str, Any]] = field(default_factory=list)
     promotion: str = "not_promoted"
     alias_version: str | None = None
+    tasks: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -136,7 +140,7 @@ def _search_json(client: Any, run_id: str) -> dict[str, Any] | None:
 
     from mlflow.exceptions import MlflowException
 
-    from tailguard.components.search.task import SEARCH_JSON
+    from tailguard.core.contract import SEARCH_JSON
 
     try:
         names = {a.path for a in client.list_artifacts(run_id, SEARCH_JSON.rsplit("/", 1)[0])}
@@ -296,11 +300,6 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     return summary
 
 
-PROMOTION_TAG = "tailguard.promotion"  # promoted | superseded | not_promoted (on the parent run)
-ALIAS_VERSION_TAG = "tailguard.alias_version"  # the version holding the alias when the tag was written
-SUPERSEDED_BY_TAG = "tailguard.superseded_by"  # parent run id of the run whose promotion replaced this one's
-
-
 @dataclass
 class Promotion:
     """What `promote` did: outcome promoted | superseded, the version holding the alias after it, and why."""
@@ -366,7 +365,7 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
     """
     from mlflow.exceptions import MlflowException
 
-    from tailguard.tracking import store_lock
+    from tailguard.core.tracking import store_lock
 
     with store_lock(tracking_uri, f"promote-{model_name}"):
         holder = alias_version(client, model_name, alias)
@@ -403,8 +402,6 @@ def _tag(client: Any, run_id: str, outcome: str, holder: str | None, reason: str
 
 
 # --------------------------------------------------------------------------------------------- run report
-NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI
-REPORT_ERROR_TAG = "tailguard.report_error"  # why report.html could not be written (the run itself is unaffected)
 LOCAL_UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default: the report's run links
 
 
@@ -486,7 +483,8 @@ def log_run_report(client: Any, summary: dict[str, Any], *, tracking_uri: str) -
     import tempfile
     import time
 
-    from tailguard.components.validate.report import RUN_REPORT_FILE, decision_note, write_run_report
+    from tailguard.core.contract import RUN_REPORT_FILE
+    from tailguard.core.report import decision_note, write_run_report
 
     run_id = summary["parent_run_id"]
     client.set_tag(run_id, NOTE_TAG, decision_note(summary))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tailguard.taskio import task_entry
+from tailguard.core.taskio import task_entry
 
 
 @task_entry("register-and-promote")
@@ -18,8 +18,8 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     import mlflow
 
     from tailguard.components.register.logic import ALIAS_VERSION_TAG, PROMOTION_TAG, register_and_promote
-    from tailguard.spec import spec_from_yaml
-    from tailguard.tracking import configure
+    from tailguard.core.spec import spec_from_yaml
+    from tailguard.core.tracking import configure
 
     spec = spec_from_yaml(spec_yaml)
     resolved = json.loads(resolved_json)

@@ -8,15 +8,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tailguard.taskio import task_entry
+from tailguard.core.taskio import task_entry
 
-PARENT_TAG = "tailguard.pipeline_run"
+from tailguard.core.contract import ALIAS_AT_START_TAG, PARENT_TAG  # noqa: F401 (re-exported)
+from tailguard.core.reference import alias_version, load_resolved  # noqa: F401 (re-exported)
+
 # Set by the local runner (tailguard.runner.run_local) in the environment its tasks inherit; recorded on the parent
 # run so that a later local run can tell a run whose runner died (kill -9) from one still going. Absent on a cluster.
 RUNNER_ENV = {"TAILGUARD_RUNNER_PID": "tailguard.runner.pid", "TAILGUARD_RUNNER_HOST": "tailguard.runner.host",
               "TAILGUARD_RUNNER_STARTED": "tailguard.runner.started"}
-# Where the promotion alias pointed when the run started ("" = nowhere): promotion is compare-and-set against it.
-ALIAS_AT_START_TAG = "tailguard.alias_at_start"
 
 
 @task_entry("resolve")
@@ -33,9 +33,9 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     """
     import mlflow
 
-    from tailguard.components.resolve.logic import resolve_reference
-    from tailguard.spec import spec_from_yaml
-    from tailguard.tracking import configure, experiment_name_for
+    from tailguard.core.reference import resolve_reference
+    from tailguard.core.spec import spec_from_yaml
+    from tailguard.core.tracking import configure, experiment_name_for
 
     spec = spec_from_yaml(spec_yaml)
     exp_id = configure(tracking_uri, experiment_name_for(spec))
@@ -51,7 +51,7 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     tags.update({f"tailguard.label.{k}": v for k, v in spec.metadata.labels.items()})
     tags.update({tag: os.environ[env] for env, tag in RUNNER_ENV.items() if os.environ.get(env)})
     if kfp_run:
-        from tailguard.tracking import KFP_RUN_TAG
+        from tailguard.core.tracking import KFP_RUN_TAG
 
         tags[KFP_RUN_TAG] = kfp_run
     tags[ALIAS_AT_START_TAG] = alias_version(client, spec.optimized_model_name, spec.promotion.alias) or ""
@@ -64,22 +64,3 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     # Where the files sit inside the KFP artifact folder: later tasks see that folder at another path.
     d["artifact_subdir"] = str(Path(resolved.local_dir).resolve().relative_to(Path(out_dir).resolve()))
     return json.dumps(d, default=str), run.info.run_id
-
-
-def alias_version(client: Any, model_name: str, alias: str) -> str | None:
-    """The version `alias` of `model_name` points to, or None (no such model or alias)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return str(client.get_model_version_by_alias(model_name, alias).version)
-    except MlflowException:
-        return None
-
-
-def load_resolved(resolved_json: str, reference_dir: str):
-    """The ResolvedModel of `main`'s JSON with its paths rebased onto this task's view of the artifact folder."""
-    from tailguard.components.resolve.logic import ResolvedModel
-
-    d = json.loads(resolved_json)
-    sub = d.pop("artifact_subdir", ".")
-    return ResolvedModel.from_dict(d).with_local_dir(str(Path(reference_dir) / sub))

@@ -54,18 +54,18 @@ import numpy as np
 import pandas as pd
 
 from tailguard.components.validate.logic import ValidationResult
-from tailguard.data import Dataset
-from tailguard.errors import InputError
-from tailguard.spec import NAME_RE, SearchSpec, Spec, VariantSpec, higher_is_better
+from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError
+from tailguard.core.spec import NAME_RE, SearchSpec, Spec, VariantSpec, higher_is_better
 
-from .sensitivity import node_sensitivity
+from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,  # noqa: F401 (re-exported)
+                                                       write_sensitivity_artifacts)
 
 STOPPED_BY = ("space_exhausted", "max_trials", "max_minutes")
 # The key parity metric when a trial has no worst slice (no slices with enough support): by task, the same
 # defaults as worst-slice discovery (spec DiscoverySpec.metric).
 DEFAULT_KEY_METRIC = {"classification": "top1_agreement", "embedding": "nn_top1_agreement",
                       "regression": "abs_error.mean", "generic": "abs_error.mean"}
-TOP_SENSITIVITY = 20  # nodes in search.json and in the sensitivity plot
 
 
 @dataclass
@@ -454,31 +454,6 @@ def _run_trial(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out: Pat
 
 
 # ---------------------------------------------------------------------------------------------- artifacts
-def _bar_plot(sens: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    top = sens.head(TOP_SENSITIVITY)
-    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.32 * len(top) + 1.0)))
-    if len(top):
-        vals = np.nan_to_num(top["output_rel_l2"].to_numpy(dtype=float), posinf=np.nan)
-        finite_max = np.nanmax(vals) if np.isfinite(vals).any() else 1.0
-        vals = np.where(np.isnan(vals), finite_max, vals)
-        labels = [f"{n} ({t})" for n, t in zip(top["node"], top["op_type"])]
-        ax.barh(range(len(top))[::-1], vals, color="#c44e52")
-        ax.set_yticks(range(len(top))[::-1])
-        ax.set_yticklabels(labels, fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no quantizable node", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("output relative L2 error, this node quantized alone")
-    ax.set_title("Quantization sensitivity (most sensitive first)")
-    ax.grid(axis="x", alpha=0.3)
-    fig.savefig(path, dpi=90, bbox_inches="tight")
-    plt.close(fig)
-
-
 def _pareto_plot(result: SearchResult, frame: pd.DataFrame, path: Path) -> None:
     import matplotlib
 
@@ -515,21 +490,6 @@ def _pareto_plot(result: SearchResult, frame: pd.DataFrame, path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
-
-
-def write_sensitivity_artifacts(sensitivity: pd.DataFrame, out_dir: str | Path) -> dict[str, str]:
-    """Write a sensitivity ranking (`sensitivity.node_sensitivity` output) as sensitivity.csv (every node) and
-    sensitivity.png (bar chart of the TOP_SENSITIVITY most sensitive nodes) into `out_dir` (created).
-
-    Returns:
-        {file name: path}.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"sensitivity.csv": out / "sensitivity.csv", "sensitivity.png": out / "sensitivity.png"}
-    sensitivity.to_csv(paths["sensitivity.csv"], index=False)
-    _bar_plot(sensitivity, paths["sensitivity.png"])
-    return {k: str(v) for k, v in paths.items()}
 
 
 def write_search_artifacts(result: SearchResult, out_dir: str | Path) -> dict[str, str]:

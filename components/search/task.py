@@ -25,22 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from tailguard.components.validate.task import GATES_TAG, STATUS_TAG, VARIANT_TAG
-from tailguard.taskio import task_entry, write_json
-from tailguard.tracking import closing_run
+from tailguard.core.taskio import task_entry, write_json
+from tailguard.core.tracking import closing_run
 
-SEARCH_OF_TAG = "tailguard.search_of"        # on trial runs and on the <V>-searched run: the searched variant V
-TRIAL_TAG = "tailguard.trial"                # on trial runs: the 0-based trial index
-TRIAL_RUN_TAG = "tailguard.trial_run_id"     # on the <V>-searched run: the run of the chosen trial
-SEARCH_TAG = "tailguard.search"              # on V's run: chosen trial name | none | not_needed | skipped | failed
-SEARCH_STOPPED_TAG = "tailguard.search_stopped_by"  # on V's run: space_exhausted | max_trials | max_minutes
-SEARCH_ARTIFACT_PATH = "search"              # artifact folder on V's run
-SEARCH_JSON = f"{SEARCH_ARTIFACT_PATH}/search.json"
-
-
-def searched_name(variant_name: str) -> str:
-    """Name of the candidate a search contributes: '<variant>-searched'."""
-    return f"{variant_name}-searched"
+# Tag names, the artifact folder and the candidate name: tailguard.core.contract (re-exported here).
+from tailguard.core.contract import (GATES_TAG, SEARCH_ARTIFACT_PATH, SEARCH_JSON, SEARCH_OF_TAG,  # noqa: F401
+                                     SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_RUN_TAG, TRIAL_TAG,
+                                     VARIANT_TAG, searched_name)
 
 
 def search_decision(variant: Any, validation: dict[str, Any]) -> tuple[str | None, str]:
@@ -109,7 +100,7 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
     import mlflow
 
     from tailguard.components.validate.task import flat_params, log_validated_model
-    from tailguard.errors import StepError
+    from tailguard.core.errors import StepError
 
     if trial.result is None or not trial.model_path or not Path(trial.model_path).is_file():
         raise StepError(f"chosen trial {trial.name} has no validated model file ({trial.model_path})",
@@ -144,7 +135,7 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
     """
     from tailguard.components.validate.logic import validate_variant
     from tailguard.components.validate.task import reference_runners, verdict
-    from tailguard.runtime import OrtRunner
+    from tailguard.core.runtime import OrtRunner
 
     dirs: dict[str, Path] = {}
     # as in the validate step: the FP32 reference timed interleaved with each trial (speed-ratio bounds)
@@ -194,13 +185,13 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
     """
     import mlflow
 
-    from tailguard.components.export.task import ONNX_FILE, REFERENCE_FILE
+    from tailguard.core.contract import ONNX_FILE, REFERENCE_FILE
     from tailguard.components.search.logic import run_search, write_search_artifacts
     from tailguard.components.validate.task import load_reference_outputs, parse_baselines
-    from tailguard.data import load_calibration, load_validation
-    from tailguard.errors import StepError
-    from tailguard.spec import spec_from_yaml
-    from tailguard.tracking import configure, experiment_name_for
+    from tailguard.core.data import load_calibration, load_validation
+    from tailguard.core.errors import StepError
+    from tailguard.core.spec import spec_from_yaml
+    from tailguard.core.tracking import configure, experiment_name_for
 
     spec = spec_from_yaml(spec_yaml)
     variant = next(v for v in spec.variants if v.name == variant_name)

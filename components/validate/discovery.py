@@ -30,7 +30,8 @@ A one-row test compares per-row values, so a quantile or extreme metric (`cosine
 `abs_error.max`, `kl_divergence.p99`) is replaced by the mean of the same per-row key (`cosine_similarity.mean`
 ...); `DiscoveryResult.tested_metric` and `method` say so. Direction: `tailguard.spec.higher_is_better`.
 
-Tests (one-sided, H1: the slice is worse than the rest):
+Tests (one-sided, H1: the slice is worse than the rest; computed by `tailguard.core.stats`: `fisher_exact_greater`,
+`mann_whitney_u_greater`, `benjamini_hochberg`):
 
 - 0/1 per-row values (bool arrays, or a PROPORTION_METRICS metric whose values are all 0/1): Fisher's exact
   test (Fisher 1935; Agresti, "Categorical Data Analysis", 3rd ed., 2013, sec. 3.5) on the 2x2 table
@@ -75,13 +76,13 @@ from typing import Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import stats
 
-from tailguard.errors import InputError
-from tailguard.spec import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec, higher_is_better
+from tailguard.core.errors import InputError
+from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec, higher_is_better
 
-from .parity import _source
-from .slices import NULL, slice_groups, value_label
+from tailguard.core.parity import _source
+from tailguard.core.slices import NULL, slice_groups, value_label
+from tailguard.core.stats import benjamini_hochberg, fisher_exact_greater, mann_whitney_u_greater, rank_with_ties
 
 MAX_PAIR_CANDIDATES = 5000  # pair candidates tested at most (the largest by support); see the module docstring
 PAIR_SEP = "&"  # joins the two columns (slice) and the two values (value) of a pair candidate
@@ -293,9 +294,7 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
         test_words = (f"one-sided Fisher's exact test (hypergeometric upper tail, Fisher 1935) of the share of "
                       f"rows {'without' if hib else 'with'} {_source(tested_metric)[0]} in the slice vs the rest")
     else:
-        weight = stats.rankdata(s)  # average ranks; +inf (non-finite) rows tie as the worst
-        _, tie_counts = np.unique(s, return_counts=True)
-        tie_term = float(np.sum(tie_counts.astype(np.float64) ** 3 - tie_counts))
+        weight, tie_term = rank_with_ties(s)  # average ranks; +inf (non-finite) rows tie as the worst
         test_words = (f"one-sided Mann-Whitney U test (normal approximation, tie and continuity corrected) of "
                       f"per-row {_source(tested_metric)[0]} in the slice vs the rest, non-finite rows ranked "
                       f"worst")
@@ -371,15 +370,11 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
     # one-sided p-values (H1: slice worse)
     n2 = rows - n1
     if binary:
-        p = stats.hypergeom.sf(np.round(w1) - 1, rows, total_bad, n1)
+        p = fisher_exact_greater(w1, n1, total_bad, rows)
     else:
-        u = w1 - n1 * (n1 + 1) / 2.0
-        sd = np.sqrt(n1 * n2 / 12.0 * ((rows + 1) - tie_term / (rows * (rows - 1.0))))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z = (u - n1 * n2 / 2.0 - 0.5) / sd
-        p = np.where(sd > 0, stats.norm.sf(z), 1.0)
+        p = mann_whitney_u_greater(w1, n1, rows, tie_term)
     p = np.clip(np.nan_to_num(p, nan=1.0), 0.0, 1.0)
-    q = stats.false_discovery_control(p, method="bh")
+    q = benjamini_hochberg(p)
 
     # reported means (metric units) and drop (> 0: slice worse), non-finite rows as the worst value
     fin_total, nf_total = float(s_fin.sum()), float(nf.sum())

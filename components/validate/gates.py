@@ -67,17 +67,19 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import numpy as np
 import pandas as pd
 
-from tailguard.errors import InputError
-from tailguard.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec, higher_is_better
+from tailguard.core.contract import insufficient_reason  # noqa: F401 (re-exported)
+from tailguard.core.errors import InputError
+from tailguard.core.metrics import higher_is_better, metric as catalogue_metric
+from tailguard.core.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
 
-from tailguard.spec import BUILD_METRICS, QUANTIZATION_COVERAGE_KEY
+from tailguard.core.spec import BUILD_METRICS, QUANTIZATION_COVERAGE_KEY
 
 from .intervals import method_words, metric_bound, paired_difference_bound
-from .parity import aggregate
+from tailguard.core.parity import aggregate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .discovery import DiscoveryResult
-    from .slices import SliceGroup
+    from tailguard.core.slices import SliceGroup
 
 GateStatus = Literal["passed", "failed", "insufficient_data", "not_applicable"]
 
@@ -166,8 +168,18 @@ def _static_threshold(gate: GateSpec) -> float | None:
         return float(gate.max)
     if gate.metric in ("accuracy", "reference_accuracy"):
         return None
-    ref = 1.0 if higher_is_better(gate.metric) else 0.0
+    ref = _self_score(gate.metric)
     return ref - gate.max_drop if higher_is_better(gate.metric) else ref + gate.max_drop  # type: ignore[operator]
+
+
+def _self_score(metric: str) -> float:
+    """The FP32 reference's score against itself, what `max_drop` counts from (metric catalogue `self_score`:
+    1 for agreement, overlap and cosine metrics, 0 for errors and KL)."""
+    score = catalogue_metric(metric).self_score
+    if score is None:  # the spec allows max_drop on parity metrics only, and accuracy is handled apart
+        raise InputError(f"max_drop on {metric!r}: the metric has no FP32 reference score to drop from",
+                         hint="give an absolute bound (min or max) for this metric")
+    return score
 
 
 def _ok(value: float | None, op: str, threshold: float | None) -> bool:
@@ -228,7 +240,7 @@ def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
                 out["reason"] = "reference_accuracy of these rows was not computed (needs labels)"
                 return out
         else:
-            ref = 1.0 if higher_is_better(gate.metric) else 0.0
+            ref = _self_score(gate.metric)
         out["reference_score"] = ref
         out["threshold"] = ref - gate.max_drop if op == ">=" else ref + gate.max_drop
     if gate.confidence is None:
@@ -262,7 +274,7 @@ def _method_suffix(gate: GateSpec, op: str, ctx: _Context) -> str:
     parts = []
     if gate.max_drop is not None:
         ref = ("reference_accuracy of the same rows" if gate.metric == "accuracy"
-               else f"{1.0 if higher_is_better(gate.metric) else 0.0:g}")
+               else f"{_self_score(gate.metric):g}")
         parts.append(f"threshold = reference score ({ref}) {'-' if op == '>=' else '+'} max_drop {gate.max_drop:g}")
     if gate.confidence is not None:
         if gate.max_drop is not None and gate.metric == "accuracy":
@@ -420,7 +432,7 @@ def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResu
 def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: dict[str, Any] | None,
                       missing_reason: str) -> GateResult:
     """A speed-ratio gate with `confidence`, decided on the bound of the interleaved ratio (module docstring)."""
-    from .latency import speed_ratio
+    from tailguard.core.latency import speed_ratio
 
     op, thr, bs = base["op"], base["threshold"], base["batch_size"]
     name = gate.metric.removeprefix("speedup_vs_")
@@ -457,7 +469,7 @@ def build_metrics(model_path: Any) -> dict[str, float]:
 
     Returns:
         {"quantized_mac_fraction": float in [0, 1]} from the model's metadata_props[QUANTIZATION_COVERAGE_KEY]
-        (written by components/quantize/logic.py; MACs per sample, formulas in components/quantize/macs.py);
+        (written by components/quantize/logic.py; MACs per sample, formulas in pipelines/core/macs.py);
         {} when the file has no such entry (fp32/fp16 variants, models built before it existed) or the value is
         not a number.
 
@@ -593,12 +605,3 @@ def insufficient_gates(results: list[GateResult]) -> list[GateResult]:
     """Gates where no group had enough support to be judged (status insufficient_data, not failed; the variant
     does not pass: `all_passed`)."""
     return [r for r in results if r.status == "insufficient_data"]
-
-
-def insufficient_reason(gate_keys: Sequence[str]) -> str:
-    """The verdict line of a variant held back by insufficient-data gates: 'not promoted: gate X had
-    insufficient data' ('' when `gate_keys` is empty)."""
-    keys = list(gate_keys)
-    if not keys:
-        return ""
-    return f"not promoted: gate{'s' if len(keys) > 1 else ''} {', '.join(keys)} had insufficient data"

@@ -49,17 +49,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tailguard.data import Dataset
-from tailguard.errors import InputError
-from tailguard.runtime import Runner, run_dataset
-from tailguard.spec import Spec
-from tailguard.taskio import json_default
+from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError
+from tailguard.core.runtime import Runner, run_dataset
+from tailguard.core.spec import Spec
+from tailguard.core.taskio import json_default
 
 from .gates import GateResult, all_passed, build_metrics, evaluate_gates
-from .latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
-from .parity import aggregate, non_finite_rows, per_sample_metrics
+from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
+from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
 from .report import higher_is_better, key_metric, write_report
-from .slices import per_slice_table, slice_groups
+from tailguard.core.slices import per_slice_table, slice_groups
 
 PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean", "throughput_per_s",
              "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32",

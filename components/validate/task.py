@@ -10,15 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from tailguard.taskio import task_entry, write_json
+from tailguard.core.taskio import task_entry, write_json
 
-VARIANT_TAG = "tailguard.variant"
-STATUS_TAG = "tailguard.status"      # ok | failed | skipped (the build/validation outcome)
-GATES_TAG = "tailguard.gates"        # passed | failed | not_evaluated
-MODEL_URI_TAG = "tailguard.model_uri"
-WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
-DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
-COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
+# Tag names and key formats: tailguard.core.contract (re-exported here for existing imports).
+from tailguard.core.contract import (COVERAGE_TAG, DISCOVERED_TAG, GATE_NAME_PREFIX, GATES_TAG,  # noqa: F401
+                                     MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag,
+                                     gate_tag)
 
 
 def discovered_summary(records: list[dict[str, Any]], top: int = 3) -> list[dict[str, Any]]:
@@ -41,25 +38,6 @@ def flat_params(variant: Any) -> dict[str, str]:
 
     walk("", variant.model_dump(mode="json"))
     return {k: v[:6000] for k, v in out.items()}
-
-
-def gate_tag(gate_key: str) -> str:
-    """MLflow tag key for a gate verdict: `gate.<key>` with characters MLflow refuses in keys spelled out
-    ('nn_top1_agreement>=0.9@per_slice:lexname' -> 'gate.nn_top1_agreement ge 0.9 per_slice lexname')."""
-    import re
-
-    k = gate_key.replace(">=", " ge ").replace("<=", " le ").replace("@", " ").replace(":", " ")
-    return "gate." + re.sub(r"[^A-Za-z0-9_\-. /]", "_", re.sub(r"\s+", " ", k).strip())
-
-
-GATE_NAME_PREFIX = "gate_name."  # gate_name.<same as gate_tag> = the gate key as the spec and docs spell it
-
-
-def gate_name_tag(gate_key: str) -> str:
-    """MLflow tag key whose VALUE is the gate's key as written in docs and reports (MLflow keys cannot hold
-    '>', '=', '@'): tag 'gate_name.top1_agreement ge 0.9 lb95 per_slice digit' holds
-    'top1_agreement>=0.9@lb95@per_slice:digit' (docs/spec.md, gate keys)."""
-    return GATE_NAME_PREFIX + gate_tag(gate_key)[len("gate."):]
 
 
 def _sha256(path: Path) -> str:
@@ -99,9 +77,9 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     """
     import mlflow
 
-    from tailguard.components.export.task import REFERENCE_FILE
-    from tailguard.spec import spec_from_yaml
-    from tailguard.tracking import closing_run, configure, experiment_name_for
+    from tailguard.core.contract import REFERENCE_FILE
+    from tailguard.core.spec import spec_from_yaml
+    from tailguard.core.tracking import closing_run, configure, experiment_name_for
 
     spec = spec_from_yaml(spec_yaml)
     variant = next(v for v in spec.variants if v.name == variant_name)
@@ -137,8 +115,8 @@ def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict
     """
     if not reference_model_dir:
         return None
-    from tailguard.components.export.task import ONNX_FILE
-    from tailguard.runtime import OrtRunner
+    from tailguard.core.contract import ONNX_FILE
+    from tailguard.core.runtime import OrtRunner
 
     return {"onnx_fp32": OrtRunner(Path(reference_model_dir) / ONNX_FILE,
                                    intra_op_num_threads=spec.benchmark.intra_op_num_threads)}
@@ -148,8 +126,8 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
               run_id: str, client: Any, metrics: Any, report_path: str | None,
               reference_model_dir: str | None = None) -> dict[str, Any]:
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.data import load_validation
-    from tailguard.runtime import OrtRunner
+    from tailguard.core.data import load_validation
+    from tailguard.core.runtime import OrtRunner
 
     model_file = variant_dir / build["artifact"]
     runner = OrtRunner(model_file, providers=[variant.execution_provider],
@@ -174,7 +152,7 @@ def log_coverage(client: Any, run_id: str, build: dict[str, Any]) -> None:
     """An INT8 build's quantization coverage on the variant's run, as tag COVERAGE_TAG (one line, or the reason
     it could not be counted). The metric quantized_mac_fraction comes with the validation's metrics (read from
     the model file: `gates.build_metrics`). Nothing for builds without coverage (fp32, fp16, skipped)."""
-    from tailguard.components.quantize.macs import coverage_line
+    from tailguard.core.macs import coverage_line
 
     cov = (build.get("details") or {}).get("quantization_coverage")
     if isinstance(cov, dict):

@@ -1,0 +1,307 @@
+"""Per-node quantization sensitivity: quantize ONE node at a time and measure how far the model output moves.
+
+Method ("one at a time" sensitivity):
+
+1. The graph is prepared exactly as the variant's build prepares it before quantizing
+   (`tailguard.components.quantize.logic`): `_optimize_graph` with the variant's `graph_optimization`, then
+   `_preprocess` (quant_pre_process) when `quantization.preprocess` is set. Node names therefore are the names
+   `quantization.exclude_nodes` must use (`_excluded_nodes` checks them against this very graph).
+2. The candidates are the nodes the variant's quantization would quantize and that carry weights or heavy
+   compute: op types in WEIGHTED_OP_TYPES that ONNX Runtime's quantizer registry for the variant's mode knows
+   (dynamic: `IntegerOpsRegistry` (+ Gemm, which quantize_dynamic rewrites as MatMul + Add); static QDQ:
+   `QDQRegistry`; static QOperator: `QLinearOpsRegistry`; onnxruntime/quantization/registry.py), allowed by
+   `quantization.op_types`, not already kept in float by the variant (`exclude_nodes`, `exclude_op_types`), and
+   named. Dynamic MatMuls count only with a constant B (quantize_dynamic's default MatMulConstBOnly=True);
+   Gathers only with a float initializer as data (an embedding table).
+3. For each candidate, the graph is quantized with the variant's settings (the same `_quantize_dynamic` /
+   `_quantize_static` helpers the build calls, so per_channel, reduce_range, weight/activation types,
+   calibration method and the DefaultTensorType option for contrib ops are identical) keeping EVERY OTHER node
+   in float (nodes_to_exclude = all other node names; equivalent to nodes_to_quantize=[node]). Static
+   variants calibrate on the sensitivity rows themselves (one quantize_static call per node).
+4. The single-node model and the unquantized prepared graph run on the same `samples` rows (length-sorted
+   batches, `tailguard.runtime.run_dataset` + `OrtRunner`); their first outputs y_q, y (rows, ...) give
+
+       output_rel_l2      = mean_i ||y_q,i - y_i||_2 / max(||y_i||_2, 1e-12)
+       output_cosine_drop = mean_i (1 - <y_q,i, y_i> / (max(||y_q,i||, 1e-12) max(||y_i||, 1e-12)))
+
+   (rows flattened to vectors; a non-finite output or a failed quantization scores +inf / 2).
+
+This is the model-output counterpart of ONNX Runtime's quantization debugger (onnxruntime/quantization/
+qdq_loss_debug.py: `collect_activations` + `compute_activation_error`, which compares every intermediate
+tensor of a QDQ model with its float twin). Measuring at the model output instead ranks nodes by what the
+parity gates see: an error that later layers absorb ranks low, one that is amplified ranks high; and it works
+for dynamic (QOperator) models, which have no QDQ pairs to compare. Single-node errors ignore interactions
+(two nodes that are harmless alone can hurt together); the search therefore validates every configuration
+with the real gates and uses this ranking only to choose which nodes to keep in float first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tailguard.core.data import Dataset
+from tailguard.core.errors import InputError
+
+# Op types whose quantization carries a weight or heavy arithmetic: the nodes worth keeping in float.
+WEIGHTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "Gather", "GatherElements",
+                     "EmbedLayerNormalization")
+NORM_EPS = 1e-12  # floor of the output norms (rows with an all-zero reference output)
+FAILED_COSINE_DROP = 2.0  # worst possible 1 - cos, scored for a node whose quantization failed
+SENSITIVITY_COLUMNS = ("rank", "node", "op_type", "output_rel_l2", "output_cosine_drop", "quantized", "seconds",
+                       "error")
+_UNNAMED = "_tailguard_unnamed_"
+
+
+def _registry_op_types(q: Any) -> set[str]:
+    from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
+
+    if q.mode == "dynamic":
+        return set(IntegerOpsRegistry) | {"Gemm"}
+    return set(QDQRegistry if q.format == "qdq" else QLinearOpsRegistry)
+
+
+def candidate_nodes(graph: Any, q: Any) -> list[tuple[str, str]]:
+    """Nodes of `graph` that quantization `q` would quantize and that carry weights (module docstring, step 2).
+
+    Args:
+        graph: onnx GraphProto of the prepared (optimized, preprocessed) model.
+        q: `tailguard.spec.QuantizationSpec` of the variant.
+
+    Returns:
+        [(node name, op type)] in graph order.
+    """
+    import onnx
+
+    inits = {t.name: t for t in graph.initializer}
+    constants = set(inits) | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    allowed = _registry_op_types(q) & set(WEIGHTED_OP_TYPES)
+    if q.op_types:
+        allowed &= set(q.op_types)
+    if q.mode == "dynamic":  # quantize_dynamic rewrites every Gemm as MatMul + Add first: it follows MatMul
+        allowed.discard("Gemm")
+        if "MatMul" in allowed:
+            allowed.add("Gemm")
+    kept_float = set(q.exclude_nodes)
+    out = []
+    for n in graph.node:
+        if not n.name or n.op_type not in allowed or n.name in kept_float or n.op_type in q.exclude_op_types:
+            continue
+        if q.mode == "dynamic" and n.op_type == "MatMul" and (len(n.input) < 2 or n.input[1] not in constants):
+            continue  # MatMulConstBOnly: quantize_dynamic leaves activation x activation MatMuls in float
+        if n.op_type in ("Gather", "GatherElements"):
+            t = inits.get(n.input[0])
+            if t is None or t.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                continue  # shape arithmetic, not an embedding table
+        out.append((n.name, n.op_type))
+    return out
+
+
+def _others_excluded(graph: Any, node: str) -> list[str]:
+    """nodes_to_exclude that leaves only `node` quantizable: every other node name, plus the "<gemm>_MatMul"
+    name quantize_dynamic gives a rewritten Gemm (onnxruntime/quantization/onnx_model.py)."""
+    names = [n.name for n in graph.node if n.name != node]
+    names += [f"{n.name}_MatMul" for n in graph.node if n.op_type == "Gemm" and n.name != node]
+    return sorted(set(names))
+
+
+def _name_unnamed(src: Path, dst: Path) -> Path:
+    """Give unnamed nodes a name so they can be kept in float during single-node trials (they are never
+    candidates: the build could not name them in exclude_nodes)."""
+    import onnx
+
+    proto = onnx.load(str(src))
+    unnamed = [n for n in proto.graph.node if not n.name]
+    if not unnamed:
+        return src
+    for i, n in enumerate(unnamed):
+        n.name = f"{_UNNAMED}{i}"
+    onnx.save_model(proto, str(dst))
+    return dst
+
+
+def _has_quantized_ops(path: Path) -> bool:
+    import onnx
+
+    from .logic import INTEGER_OP_TYPES, QDQ_OP_TYPES
+
+    return any(n.op_type in INTEGER_OP_TYPES or n.op_type in QDQ_OP_TYPES or n.op_type.startswith("QLinear")
+               for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def _run(path: Path, ds: Dataset, model: Any, provider: str, batch_size: int) -> np.ndarray:
+    from tailguard.core.runtime import OrtRunner, run_dataset
+
+    runner = OrtRunner(path, providers=[provider])
+    return run_dataset(runner, ds, model.inputs, batch_size=batch_size, pad_values=model.pad_values)[0]
+
+
+def output_errors(reference: np.ndarray, candidate: np.ndarray) -> tuple[float, float]:
+    """Mean relative L2 error and mean cosine drop of `candidate` vs `reference` (module docstring, step 4).
+
+    Args:
+        reference: (rows, ...) float, the FP32 output.
+        candidate: (rows, ...) float, the same shape.
+
+    Returns:
+        (output_rel_l2, output_cosine_drop); (+inf, 2.0) when the candidate holds NaN/inf.
+
+    Raises:
+        InputError: the shapes differ.
+    """
+    ref = np.asarray(reference, dtype=np.float64).reshape(len(reference), -1)
+    cand = np.asarray(candidate, dtype=np.float64).reshape(len(candidate), -1)
+    if ref.shape != cand.shape:
+        raise InputError(f"sensitivity: output shapes differ: reference {ref.shape}, quantized {cand.shape}")
+    if not np.all(np.isfinite(cand)):
+        return float("inf"), FAILED_COSINE_DROP
+    rn = np.maximum(np.linalg.norm(ref, axis=1), NORM_EPS)
+    cn = np.maximum(np.linalg.norm(cand, axis=1), NORM_EPS)
+    rel = np.linalg.norm(cand - ref, axis=1) / rn
+    cos = np.clip((ref * cand).sum(axis=1) / (rn * cn), -1.0, 1.0)
+    return float(rel.mean()), float((1.0 - cos).mean())
+
+
+def node_sensitivity(variant: Any, fp32_onnx: str | Path, data: Dataset, model: Any, *, samples: int,
+                     work_dir: str | Path, batch_size: int = 8) -> pd.DataFrame:
+    """Rank the variant's quantizable nodes by how much quantizing each ALONE changes the model output.
+
+    Method and formulas: module docstring. Static variants calibrate each single-node model on the same rows.
+
+    Args:
+        variant: `tailguard.spec.VariantSpec`, precision int8 on onnxruntime (its `quantization` is used).
+        fp32_onnx: the FP32 reference .onnx file.
+        data: rows to measure on (calibration rows); the first `samples` rows are used.
+        model: `tailguard.spec.ModelSpec` (inputs, pad values; the first output is compared).
+        samples: at most this many rows.
+        work_dir: scratch folder (created): the prepared graph and one quantized model at a time.
+        batch_size: rows per inference / calibration batch.
+
+    Returns:
+        DataFrame, one row per candidate node, ranked: rank (1 = most sensitive), node, op_type,
+        output_rel_l2 (float, unitless), output_cosine_drop (float in [0, 2]), quantized (bool: the single-node
+        model holds integer / QDQ ops; False means the quantizer left the node in float and both errors are 0),
+        seconds (quantize + run, s), error ("" or why quantizing that node failed; such nodes score +inf and
+        rank first: keeping them in float is the safe choice). Sorted by output_rel_l2 descending, ties by
+        node name. Empty (same columns) when the graph has no candidate.
+
+    Raises:
+        InputError: the variant is not an INT8 ONNX Runtime variant, `fp32_onnx` is missing, or `data` has
+            no rows.
+    """
+    import onnx
+
+    from .logic import (_excluded_nodes, _optimize_graph, _preprocess,
+                                                     _quantize_dynamic, _quantize_static)
+
+    q = variant.quantization
+    if variant.precision != "int8" or variant.backend != "onnxruntime" or q is None:
+        raise InputError(f"sensitivity: variant {variant.name} is not an INT8 ONNX Runtime variant")
+    fp32 = Path(fp32_onnx)
+    if not fp32.is_file():
+        raise InputError(f"sensitivity: FP32 ONNX file not found: {fp32}")
+    if data.n_rows == 0:
+        raise InputError(f"sensitivity: no rows to measure on ({data.uri})",
+                         hint="the calibration set (data.calibration) must hold rows")
+    rows = data.subset(np.arange(min(samples, data.n_rows)))
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    details: dict[str, Any] = {}
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        source = _optimize_graph(variant, fp32, work / "optimized.onnx", details)
+        if q.preprocess:
+            source = _preprocess(source, work / "preprocessed.onnx", details)
+    # the variant's own float nodes (exclude_nodes / exclude_op_types) are not candidates
+    own_float, _ = _excluded_nodes(source, q)
+    graph = onnx.load(str(source), load_external_data=False).graph
+    cands = [(n, t) for n, t in candidate_nodes(graph, q) if n not in set(own_float)]
+    named = _name_unnamed(source, work / "named.onnx")
+    graph = onnx.load(str(named), load_external_data=False).graph
+    provider = variant.execution_provider
+    reference = _run(named, rows, model, provider, batch_size)
+
+    records = []
+    for name, op_type in cands:
+        t0 = time.perf_counter()
+        dst = work / "single.onnx"
+        rec: dict[str, Any] = {"node": name, "op_type": op_type, "error": ""}
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                excluded = _others_excluded(graph, name)
+                if q.mode == "dynamic":
+                    _quantize_dynamic(q, named, dst, excluded, {})
+                else:
+                    tmp = work / "calibration"
+                    tmp.mkdir(exist_ok=True)
+                    _quantize_static(q, named, dst, excluded, rows, model, batch_size, tmp, {})
+            rec["quantized"] = _has_quantized_ops(dst)
+            rec["output_rel_l2"], rec["output_cosine_drop"] = output_errors(
+                reference, _run(dst, rows, model, provider, batch_size))
+        except InputError:
+            raise
+        except Exception as exc:  # ORT's quantizer raises anything; a node it cannot quantize alone is reported
+            rec.update(quantized=False, output_rel_l2=float("inf"), output_cosine_drop=FAILED_COSINE_DROP,
+                       error=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
+        rec["seconds"] = round(time.perf_counter() - t0, 4)
+        records.append(rec)
+        dst.unlink(missing_ok=True)
+    frame = pd.DataFrame.from_records(records, columns=[c for c in SENSITIVITY_COLUMNS if c != "rank"])
+    if frame.empty:
+        frame.insert(0, "rank", pd.Series(dtype=np.int64))
+        return frame
+    frame = frame.sort_values(["output_rel_l2", "node"], ascending=[False, True], kind="stable")
+    frame = frame.reset_index(drop=True)
+    frame.insert(0, "rank", np.arange(1, len(frame) + 1))
+    frame["quantized"] = frame["quantized"].astype(bool)
+    return frame
+
+
+# ---------------------------------------------------------------------------------------------- artifacts
+TOP_SENSITIVITY = 20  # nodes in search.json and in the sensitivity plot
+
+
+def _bar_plot(sens: pd.DataFrame, path: Path) -> None:
+    """Bar chart of the TOP_SENSITIVITY most sensitive nodes of `sens` (node_sensitivity's table) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = sens.head(TOP_SENSITIVITY)
+    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.32 * len(top) + 1.0)))
+    if len(top):
+        vals = np.nan_to_num(top["output_rel_l2"].to_numpy(dtype=float), posinf=np.nan)
+        finite_max = np.nanmax(vals) if np.isfinite(vals).any() else 1.0
+        vals = np.where(np.isnan(vals), finite_max, vals)
+        labels = [f"{n} ({t})" for n, t in zip(top["node"], top["op_type"])]
+        ax.barh(range(len(top))[::-1], vals, color="#c44e52")
+        ax.set_yticks(range(len(top))[::-1])
+        ax.set_yticklabels(labels, fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no quantizable node", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("output relative L2 error, this node quantized alone")
+    ax.set_title("Quantization sensitivity (most sensitive first)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_sensitivity_artifacts(sensitivity: pd.DataFrame, out_dir: str | Path) -> dict[str, str]:
+    """Write a sensitivity ranking (`sensitivity.node_sensitivity` output) as sensitivity.csv (every node) and
+    sensitivity.png (bar chart of the TOP_SENSITIVITY most sensitive nodes) into `out_dir` (created).
+
+    Returns:
+        {file name: path}.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"sensitivity.csv": out / "sensitivity.csv", "sensitivity.png": out / "sensitivity.png"}
+    sensitivity.to_csv(paths["sensitivity.csv"], index=False)
+    _bar_plot(sensitivity, paths["sensitivity.png"])
+    return {k: str(v) for k, v in paths.items()}

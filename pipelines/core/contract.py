@@ -1,0 +1,78 @@
+"""The contract between the steps: artifact file names, the `tailguard.*` MLflow tag names and the key formats that
+more than one unit reads or writes. One home so that no component imports another for a constant.
+
+The values are the public names in MLflow and on disk (docs/spec.md, docs/architecture.md): changing one
+changes what users and dashboards see. Tags a single module writes and nothing else reads may still be spelled
+where they are written; the ones listed here are those crossing a unit boundary.
+"""
+
+from __future__ import annotations
+
+import re
+
+# ------------------------------------------------------------------------------------------------ files
+ONNX_FILE = "model.onnx"                   # export's FP32 reference model, read by quantize, validate, search
+REFERENCE_FILE = "reference_outputs.npz"   # export's FP32 outputs on the validation rows, read by validate, search
+DATA_CHECK_FILE = "data_check.json"        # check_data's report
+RUN_REPORT_FILE = "report.html"            # the parent run's report artifact (register, `tailguard report`)
+SEARCH_ARTIFACT_PATH = "search"            # artifact folder of a search on the searched variant's run
+SEARCH_JSON = f"{SEARCH_ARTIFACT_PATH}/search.json"
+
+# ------------------------------------------------------------------------------------------------ parent-run tags
+PARENT_TAG = "tailguard.pipeline_run"      # on every run of a pipeline run: the parent run id (set by resolve)
+ALIAS_AT_START_TAG = "tailguard.alias_at_start"  # where the promotion alias pointed at the start ("" = nowhere)
+PROMOTION_TAG = "tailguard.promotion"      # promoted | superseded | not_promoted
+ALIAS_VERSION_TAG = "tailguard.alias_version"  # the version holding the alias when the tag was written
+SUPERSEDED_BY_TAG = "tailguard.superseded_by"  # parent run id of the run whose promotion replaced this one's
+REPORT_ERROR_TAG = "tailguard.report_error"  # why report.html could not be written
+KFP_RUN_TAG = "tailguard.kfp_run"          # the KFP pipeline job id of a parent run
+FAILURE_MESSAGE_TAG = "tailguard.failure_message"  # the first task error of a run, set by the failing task
+NOTE_TAG = "mlflow.note.content"           # a run's description in the MLflow UI (MLflow's own name)
+
+# ------------------------------------------------------------------------------------------------ variant-run tags
+VARIANT_TAG = "tailguard.variant"
+STATUS_TAG = "tailguard.status"            # ok | failed | skipped (the build/validation outcome)
+GATES_TAG = "tailguard.gates"              # passed | failed | not_evaluated
+MODEL_URI_TAG = "tailguard.model_uri"
+WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
+DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
+COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
+
+# ------------------------------------------------------------------------------------------------ search tags
+SEARCH_OF_TAG = "tailguard.search_of"      # on trial runs and on the <V>-searched run: the searched variant V
+TRIAL_TAG = "tailguard.trial"              # on trial runs: the 0-based trial index
+TRIAL_RUN_TAG = "tailguard.trial_run_id"   # on the <V>-searched run: the run of the chosen trial
+SEARCH_TAG = "tailguard.search"            # on V's run: chosen trial name | none | not_needed | skipped | failed
+SEARCH_STOPPED_TAG = "tailguard.search_stopped_by"  # on V's run: space_exhausted | max_trials | max_minutes
+
+# ------------------------------------------------------------------------------------------------ key formats
+GATE_TAG_PREFIX = "gate."        # gate.<key spelled for MLflow> = passed | failed | insufficient_data
+GATE_NAME_PREFIX = "gate_name."  # gate_name.<same as gate_tag> = the gate key as the spec and docs spell it
+
+
+def gate_tag(gate_key: str) -> str:
+    """MLflow tag key for a gate verdict: `gate.<key>` with characters MLflow refuses in keys spelled out
+    ('nn_top1_agreement>=0.9@per_slice:lexname' -> 'gate.nn_top1_agreement ge 0.9 per_slice lexname')."""
+    k = gate_key.replace(">=", " ge ").replace("<=", " le ").replace("@", " ").replace(":", " ")
+    return GATE_TAG_PREFIX + re.sub(r"[^A-Za-z0-9_\-. /]", "_", re.sub(r"\s+", " ", k).strip())
+
+
+def gate_name_tag(gate_key: str) -> str:
+    """MLflow tag key whose VALUE is the gate's key as written in docs and reports (MLflow keys cannot hold
+    '>', '=', '@'): tag 'gate_name.top1_agreement ge 0.9 lb95 per_slice digit' holds
+    'top1_agreement>=0.9@lb95@per_slice:digit' (docs/spec.md, gate keys)."""
+    return GATE_NAME_PREFIX + gate_tag(gate_key)[len(GATE_TAG_PREFIX):]
+
+
+def searched_name(variant_name: str) -> str:
+    """Name of the candidate a search contributes: '<variant>-searched'."""
+    return f"{variant_name}-searched"
+
+
+def insufficient_reason(gate_keys: list[str] | tuple[str, ...]) -> str:
+    """The verdict line of a variant held back by insufficient-data gates: 'not promoted: gate X had
+    insufficient data' ('' when `gate_keys` is empty)."""
+    keys = list(gate_keys)
+    if not keys:
+        return ""
+    return f"not promoted: gate{'s' if len(keys) > 1 else ''} {', '.join(keys)} had insufficient data"

@@ -1,0 +1,824 @@
+"""Resolve the FP32 reference: an MLflow registry version -> local files, a storage format, a torch module.
+
+Storage conventions (what `register_reference` writes and `resolve_reference` reads; components/resolve/README.md):
+
+| format         | registry version holds                                                  | loaded with |
+| -------------- | ----------------------------------------------------------------------- | ----------- |
+| `onnx`         | an MLflow `onnx` flavor model (`model.onnx`)                            | ONNX Runtime (later steps) |
+| `torch_export` | `model.pt2` (`torch.export.save`) + `tailguard-model.json`, or an MLflow `pytorch` flavor saved with `serialization_format="pt2"` (`data/model.pt2`) | `torch.export.load(...).module()` |
+| `state_dict`   | `model.safetensors` + `tailguard-model.json` (class_path, init_kwargs)  | `cls(**init_kwargs).load_state_dict(strict)` |
+| `pickle`       | an MLflow `pytorch` flavor saved with pickle (`data/model.pth`)         | `mlflow.pytorch.load_model`, only with `model.source.trusted: true` |
+
+Every version registered here carries the tags `tailguard.format` and `tailguard.sha256` (SHA-256 of the model
+file as stored); `resolve_reference` recomputes the digest after download and refuses a mismatch. Users register
+files with `tailguard register` / `tailguard.register_model` (pipelines/registration.py), which checks them and
+calls `register_reference`.
+
+A state dict's `class_path` module is imported from `sys.path`, then from the folders of $TAILGUARD_MODEL_PATH
+(`add_model_path`; the local runner sets it to the spec's folder and `--model-path`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from tailguard.core.errors import InputError, UntrustedModelError
+from tailguard.core.home import quiet_environment
+
+if TYPE_CHECKING:  # heavy imports stay inside the functions (KFP components import this module)
+    import onnx
+    import torch
+    from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
+
+    from tailguard.core.spec import ModelSpec, Spec
+
+FORMATS = ("onnx", "torch_export", "state_dict", "pickle")
+DESCRIPTOR_FILE = "tailguard-model.json"
+DESCRIPTOR_SCHEMA = "tailguard/model-descriptor/v1"
+REFERENCE_ARTIFACT = "reference"  # artifact folder (inside the registering run) that holds the reference
+TAG_FORMAT = "tailguard.format"
+TAG_SHA256 = "tailguard.sha256"
+STATE_DICT_FILE = "model.safetensors"
+EXPORTED_PROGRAM_FILE = "model.pt2"
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
+# Folders (os.pathsep-separated) searched for the module of a state dict's class_path after the installed packages.
+# The local runner sets it for its tasks (the spec's folder and `tailguard run --model-path`); a cluster image
+# installs the package that defines the class instead.
+MODEL_PATH_ENV = "TAILGUARD_MODEL_PATH"
+# Protobuf cannot serialize a message over 2 GiB; bigger ONNX models keep their weights in external data files.
+_ONNX_INLINE_LIMIT_BYTES = 1_800_000_000
+_MAX_LISTED = 20
+
+
+# ------------------------------------------------------------------------------------------ the record
+@dataclass
+class ResolvedModel:
+    """The FP32 reference, downloaded: what later steps need to load it. JSON-serializable (crosses KFP tasks).
+
+    Attributes:
+        registered_name: MLflow registered model name.
+        version: the resolved version number, as a string (e.g. "3").
+        run_id: MLflow run that produced the version, or None.
+        format: one of "onnx", "torch_export", "state_dict", "pickle".
+        local_dir: absolute folder holding the downloaded artifacts of the version.
+        source_uri: the version's `source` in the registry (where its artifacts live).
+        model_file: the model file, relative to `local_dir` (model.onnx, model.pt2, model.safetensors, ...).
+        onnx_path: absolute path of the ONNX file (format "onnx" only, else None).
+        class_path: "module:Class" of the torch module (format "state_dict"), else None.
+        init_kwargs: keyword arguments for `class_path`.
+        sha256: hex SHA-256 of the model file (64 chars).
+    """
+
+    registered_name: str
+    version: str
+    run_id: str | None
+    format: str
+    local_dir: str
+    source_uri: str
+    model_file: str
+    onnx_path: str | None = None
+    class_path: str | None = None
+    init_kwargs: dict[str, Any] = field(default_factory=dict)
+    sha256: str = ""
+
+    @property
+    def model_path(self) -> Path:
+        """Absolute path of the model file."""
+        return Path(self.local_dir) / self.model_file
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable form (see `from_dict`)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ResolvedModel":
+        """Inverse of `to_dict`; unknown keys are ignored.
+
+        Raises:
+            InputError: a required key is missing or the format is unknown.
+        """
+        names = {f.name for f in fields(cls)}
+        required = [f.name for f in fields(cls) if f.name not in ("onnx_path", "class_path", "init_kwargs", "sha256")]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise InputError(f"resolved model record is missing {missing}",
+                             hint="pass the `resolved` output of the resolve step unchanged")
+        if d["format"] not in FORMATS:
+            raise InputError(f"resolved model record: unknown format {d['format']!r}; known: {list(FORMATS)}")
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["version"] = str(kw["version"])
+        kw["init_kwargs"] = dict(kw.get("init_kwargs") or {})
+        return cls(**kw)
+
+    def with_local_dir(self, local_dir: str | Path) -> "ResolvedModel":
+        """The same record for a copy of `local_dir` elsewhere (e.g. a KFP artifact mounted at another path)."""
+        local_dir = str(Path(local_dir).resolve())
+        onnx_path = str(Path(local_dir) / self.model_file) if self.format == "onnx" else None
+        return replace(self, local_dir=local_dir, onnx_path=onnx_path)
+
+
+# ------------------------------------------------------------------------------------------- versions
+def resolve_version(client: "MlflowClient", name: str, version: str) -> "ModelVersion":
+    """Find a registry version: "latest" (highest version number), a version number, or "@alias".
+
+    Registry aliases are used, not the deprecated stages. "latest" ignores aliases and stages: it is the
+    highest version number of the registered model.
+
+    Args:
+        client: an MlflowClient pointing at the registry.
+        name: registered model name (spec `model.registered_name`).
+        version: "latest", "7", or "@production" (spec `model.version`, or the CLI / trigger override).
+
+    Returns:
+        The MLflow ModelVersion.
+
+    Raises:
+        InputError: no such registered model (hint: close names), no versions, no such version (hint: the
+            existing versions), no such alias (hint: the existing aliases), or a malformed `version`.
+    """
+    from mlflow.exceptions import MlflowException
+
+    version = str(version).strip()
+    if not (version == "latest" or re.fullmatch(r"[1-9]\d*", version) or re.fullmatch(r"@[A-Za-z0-9_\-]+", version)):
+        raise InputError(f"model.version: {version!r} is not 'latest', a positive version number, or '@alias'",
+                         hint="e.g. version: latest, version: 3, or version: '@production'")
+    try:
+        registered = client.get_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        known = [m.name for m in client.search_registered_models(max_results=1000)]
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.5)
+        listed = close or known[:_MAX_LISTED]
+        raise InputError(f"model.registered_name: no registered model {name!r} in the registry",
+                         hint=(f"did you mean one of {close}?" if close else
+                               f"registered models: {listed}" if listed else "the registry has no models yet; "
+                               "register the FP32 reference first (see components/resolve/README.md)")) from None
+    versions = sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version))
+    numbers = [str(v.version) for v in versions]
+    listed = numbers[-_MAX_LISTED:]
+    if version == "latest":
+        if not versions:
+            raise InputError(f"model.version: registered model {name!r} has no versions",
+                             hint="register a version of the FP32 reference first")
+        mv = versions[-1]
+    elif version.startswith("@"):
+        alias = version[1:]
+        aliases = dict(registered.aliases or {})
+        if alias not in aliases:
+            raise InputError(f"model.version: registered model {name!r} has no alias {alias!r}",
+                             hint=(f"existing aliases: {sorted(aliases)} (versions: {listed})" if aliases else
+                                   f"the model has no aliases; existing versions: {listed}"))
+        mv = client.get_model_version(name, str(aliases[alias]))
+    else:
+        if version not in numbers:
+            raise InputError(f"model.version: registered model {name!r} has no version {version}",
+                             hint=f"existing versions: {listed}" if listed else "the model has no versions yet")
+        mv = versions[numbers.index(version)]
+    status = str(getattr(mv, "status", "READY") or "READY")
+    if status != "READY":
+        raise InputError(f"model.version: version {mv.version} of {name!r} is {status}, not READY",
+                         hint="wait for the registration to finish, or pick another version")
+    return mv
+
+
+# ------------------------------------------------------------------------------------------ registering
+def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.ModelProto | None" = None,
+                       state_dict: Mapping[str, Any] | str | Path | None = None, class_path: str | None = None,
+                       init_kwargs: dict[str, Any] | None = None, exported_program: Any = None,
+                       pickled_module: Any = None, tags: dict[str, str] | None = None,
+                       description: str | None = None) -> "ModelVersion":
+    """Log an FP32 reference in the current MLflow tracking store and register it as a new version.
+
+    The caller has pointed MLflow at the store (`mlflow.set_tracking_uri`, e.g. `tailguard.tracking.configure`)
+    and chosen the experiment. The files are logged in a new run (nested if a run is active) and registered as a
+    new version of `registered_name` (created if needed). Exactly one model argument is given:
+
+    - `onnx_path` (an .onnx file, or an `onnx.ModelProto`): `mlflow.onnx.log_model` (flavor onnx); the weights
+      stay inline up to ~1.8 GB.
+    - `exported_program` (a `torch.export.ExportedProgram`, or a .pt2 file of one, copied unchanged after
+      `torch.export.load` has read it): `torch.export.save` -> `model.pt2` plus the
+      descriptor `tailguard-model.json`, logged as run artifacts. (`mlflow.pytorch.log_model(serialization_format=
+      "pt2")` exports an nn.Module itself and cannot take an already exported program; versions it produced are
+      still resolved as torch_export.)
+    - `state_dict` ({parameter name: tensor}, or a .safetensors / .pt / .pth file of one) with `class_path` and
+      `init_kwargs`: `model.safetensors` plus the descriptor (format, class_path, init_kwargs, file, sha256),
+      registered with `client.create_model_version(source=<artifact uri>, run_id=...)`.
+    - `pickled_module` (a torch.nn.Module): `mlflow.pytorch.log_model(serialization_format="pickle")`. Resolving
+      it needs `model.source.trusted: true`; it exists to exercise that refusal.
+
+    Pip requirements are pinned from the installed versions (no slow requirement inference).
+
+    Args:
+        registered_name: registered model to add a version to.
+        onnx_path: an .onnx file (external data files beside it are read in), or an onnx.ModelProto.
+        state_dict: tensors by parameter name, or a .safetensors / .pt / .pth file holding them.
+        class_path: "module:Class" of the torch.nn.Module the state dict loads into (state_dict only).
+        init_kwargs: JSON-serializable keyword arguments for `class_path` (state_dict only).
+        exported_program: a torch.export.ExportedProgram, or the path of a .pt2 file saved by torch.export.save.
+        pickled_module: a torch.nn.Module to pickle.
+        tags: extra version tags.
+        description: version description.
+
+    Returns:
+        The new ModelVersion, tagged `tailguard.format` and `tailguard.sha256` (SHA-256 of the stored model file).
+
+    Raises:
+        InputError: not exactly one model argument, a missing file, a state dict without an importable
+            class_path, or init_kwargs that are not JSON-serializable.
+    """
+    quiet_environment()
+    import mlflow
+
+    given = {k: v for k, v in (("onnx_path", onnx_path), ("state_dict", state_dict),
+                               ("exported_program", exported_program), ("pickled_module", pickled_module))
+             if v is not None}
+    if len(given) != 1:
+        raise InputError(f"register_reference: give exactly one of onnx_path, state_dict, exported_program, "
+                         f"pickled_module (got {sorted(given) or 'none'})")
+    if (class_path is not None or init_kwargs) and state_dict is None:
+        raise InputError("register_reference: class_path and init_kwargs go with state_dict only")
+    client = mlflow.MlflowClient()
+    user_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+    nested = mlflow.active_run() is not None
+    with tempfile.TemporaryDirectory(prefix="tailguard-register-") as tmp, \
+            mlflow.start_run(run_name=f"register-{registered_name}", nested=nested) as run:
+        run_id = run.info.run_id
+        mlflow.set_tag("tailguard.role", "reference")
+        if onnx_path is not None:
+            fmt, mv = "onnx", _register_onnx(client, registered_name, onnx_path, Path(tmp))
+        elif pickled_module is not None:
+            fmt, mv = "pickle", _register_pickle(client, registered_name, pickled_module, Path(tmp))
+        else:
+            folder = Path(tmp) / REFERENCE_ARTIFACT
+            folder.mkdir()
+            if state_dict is not None:
+                fmt = "state_dict"
+                _write_state_dict(state_dict, class_path, init_kwargs, folder)
+            else:
+                fmt = "torch_export"
+                _write_exported_program(exported_program, folder)
+            mlflow.log_artifacts(str(folder), artifact_path=REFERENCE_ARTIFACT)
+            _ensure_registered_model(client, registered_name)
+            digest = json.loads((folder / DESCRIPTOR_FILE).read_text())["sha256"]
+            mv = client.create_model_version(registered_name, source=mlflow.get_artifact_uri(REFERENCE_ARTIFACT),
+                                             run_id=run_id, tags={TAG_FORMAT: fmt, TAG_SHA256: digest})
+        for k, v in user_tags.items():
+            client.set_model_version_tag(registered_name, mv.version, k, v)
+        if description:
+            client.update_model_version(registered_name, mv.version, description=description)
+    return client.get_model_version(registered_name, mv.version)
+
+
+def _ensure_registered_model(client: "MlflowClient", name: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        client.create_registered_model(name)
+
+
+def _register_logged(client: "MlflowClient", name: str, info: Any, fmt: str, model_file: str,
+                     tmp: Path) -> "ModelVersion":
+    """Register a LoggedModel and tag it with the digest of the model file as stored."""
+    import mlflow
+
+    location = client.get_logged_model(info.model_id).artifact_location.rstrip("/")
+    stored = mlflow.artifacts.download_artifacts(artifact_uri=f"{location}/{model_file}", dst_path=str(tmp / "stored"))
+    digest = sha256_file(Path(stored))
+    _ensure_registered_model(client, name)
+    return client.create_model_version(name, source=info.model_uri, run_id=info.run_id, model_id=info.model_id,
+                                       tags={TAG_FORMAT: fmt, TAG_SHA256: digest})
+
+
+def _register_onnx(client: "MlflowClient", name: str, source: "str | Path | onnx.ModelProto",
+                   tmp: Path) -> "ModelVersion":
+    import mlflow
+    import onnx
+    import onnxruntime
+
+    if isinstance(source, onnx.ModelProto):
+        model = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise InputError(f"onnx_path: ONNX file not found: {path}")
+        try:
+            model = onnx.load(str(path))  # external data files beside it are read in
+        except Exception as exc:  # onnx raises DecodeError / OSError / ValueError for a bad file
+            raise InputError(f"onnx_path: {path} is not a loadable ONNX model: {exc}") from None
+    external = model.ByteSize() > _ONNX_INLINE_LIMIT_BYTES
+    info = mlflow.onnx.log_model(model, name=REFERENCE_ARTIFACT, save_as_external_data=external,
+                                 pip_requirements=[f"onnx=={onnx.__version__}",
+                                                   f"onnxruntime=={onnxruntime.__version__}"])
+    return _register_logged(client, name, info, "onnx", "model.onnx", tmp)
+
+
+def _register_pickle(client: "MlflowClient", name: str, module: Any, tmp: Path) -> "ModelVersion":
+    import mlflow
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise InputError(f"register_reference: pickled_module must be a torch.nn.Module, got {type(module).__name__}")
+    info = mlflow.pytorch.log_model(module, name=REFERENCE_ARTIFACT, serialization_format="pickle",
+                                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+    return _register_logged(client, name, info, "pickle", "data/model.pth", tmp)
+
+
+def _write_descriptor(folder: Path, **entries: Any) -> None:
+    desc = {"schema": DESCRIPTOR_SCHEMA, **entries}
+    (folder / DESCRIPTOR_FILE).write_text(json.dumps(desc, indent=2, sort_keys=True))
+
+
+def _write_state_dict(state_dict: Mapping[str, Any] | str | Path, class_path: str | None,
+                      init_kwargs: dict[str, Any] | None, folder: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    if not class_path:
+        raise InputError("register_reference: a state_dict needs class_path ('module:Class')",
+                         hint="the class the weights load into, e.g. tailguard.models:MeanPooledEncoder")
+    import_module_class(class_path, field="class_path")
+    init_kwargs = dict(init_kwargs or {})
+    try:
+        json.dumps(init_kwargs)
+    except TypeError as exc:
+        raise InputError(f"register_reference: init_kwargs must be JSON-serializable: {exc}") from None
+    tensors = read_state_dict(Path(state_dict), "state_dict") if isinstance(state_dict, (str, Path)) \
+        else dict(state_dict)
+    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise InputError(f"register_reference: state_dict values must be tensors; not tensors: {bad[:10]}")
+    # safetensors refuses shared storage (tied weights) and non-contiguous views: store independent copies.
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(folder / STATE_DICT_FILE))
+    _write_descriptor(folder, format="state_dict", file=STATE_DICT_FILE, class_path=class_path,
+                      init_kwargs=init_kwargs, sha256=sha256_file(folder / STATE_DICT_FILE),
+                      torch_version=torch.__version__)
+
+
+def _write_exported_program(ep: Any, folder: Path) -> None:
+    """Store an ExportedProgram (saved with torch.export.save), or copy a .pt2 file of one unchanged after checking
+    that torch.export.load reads it."""
+    import torch
+
+    target = folder / EXPORTED_PROGRAM_FILE
+    if isinstance(ep, (str, Path)):
+        load_exported_program(Path(ep), field="exported_program")
+        shutil.copyfile(ep, target)
+    elif isinstance(ep, torch.export.ExportedProgram):
+        torch.export.save(ep, str(target))
+    else:
+        raise InputError("exported_program: must be a torch.export.ExportedProgram or a .pt2 file of one, got "
+                         f"{type(ep).__name__}", hint="pass torch.export.export(model.eval(), example_args)")
+    _write_descriptor(folder, format="torch_export", file=EXPORTED_PROGRAM_FILE,
+                      sha256=sha256_file(target), torch_version=torch.__version__)
+
+
+def load_exported_program(path: Path, *, field: str) -> Any:
+    """`torch.export.load(path)`, with a missing or unreadable file as an InputError naming `field`.
+
+    Returns:
+        The torch.export.ExportedProgram.
+    """
+    import torch
+
+    if not path.is_file():
+        raise InputError(f"{field}: file not found: {path}")
+    try:
+        ep = torch.export.load(str(path))
+    except Exception as exc:  # torch raises several types for a bad archive
+        raise InputError(f"{field}: {path} is not a torch.export program (torch.export.save / .pt2): "
+                         f"{type(exc).__name__}: {exc}",
+                         hint="save it with torch.export.save(torch.export.export(model.eval(), args), path)"
+                         ) from None
+    if not isinstance(ep, torch.export.ExportedProgram):
+        raise InputError(f"{field}: {path} does not hold a torch.export.ExportedProgram")
+    return ep
+
+
+# ------------------------------------------------------------------------------------------- resolving
+def resolve_reference(spec: "Spec", *, tracking_uri: str, out_dir: Path, version: str | None = None) -> ResolvedModel:
+    """Resolve the spec's registry version, download its artifacts and detect (and vet) its format.
+
+    Args:
+        spec: the spec (`model.registered_name`, `model.version`, `model.source`, `mlflow.registry_uri`).
+        tracking_uri: MLflow tracking URI (also the registry URI unless `mlflow.registry_uri` is set).
+        out_dir: folder the artifacts are downloaded into (created).
+        version: overrides `model.version` ("latest", a number, "@alias"), e.g. from the trigger or the CLI.
+
+    Returns:
+        The ResolvedModel (paths under `out_dir`).
+
+    Raises:
+        InputError: unknown model / version / alias (see `resolve_version`), no model file of the format, a
+            format that contradicts `model.source.format`, a state dict without a class path, or a model file
+            whose SHA-256 differs from the one recorded at registration.
+        UntrustedModelError: the version holds a pickled PyTorch model and `model.source.trusted` is false.
+    """
+    quiet_environment()
+    import mlflow
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=spec.mlflow.registry_uri or tracking_uri)
+    name = spec.model.registered_name
+    mv = resolve_version(client, name, version or spec.model.version)
+    download_uri = client.get_model_version_download_uri(name, mv.version)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=download_uri, dst_path=str(out_dir),
+                                                     tracking_uri=tracking_uri)).resolve()
+    if local.is_file():
+        local = local.parent
+    src = spec.model.source
+    descriptor = _read_descriptor(local)
+    fmt, model_file = _detect_format(local, descriptor, src.format, src.weights_file, name, str(mv.version))
+    where = f"{name!r} version {mv.version}"
+    if fmt == "pickle" and not src.trusted:
+        raise UntrustedModelError(
+            f"model.source.trusted: {where} holds a pickled PyTorch model (mlflow.pytorch pickle flavor, "
+            f"{model_file}); unpickling runs arbitrary code stored in the artifact, so tailguard refuses it "
+            "unless model.source.trusted is true",
+            hint="re-register the reference as a state dict, a torch.export program or ONNX (`tailguard "
+                 "register NAME FILE`, components/resolve/README.md), or set model.source.trusted: true for a "
+                 "source you control")
+    class_path, init_kwargs = None, {}
+    if fmt == "state_dict":
+        class_path, init_kwargs = _class_and_kwargs(spec.model, descriptor)
+        if not class_path:
+            raise InputError(f"model.source.class_path: {where} holds a state dict ({model_file}) but no class "
+                             "path is known (none in the spec and no tailguard-model.json descriptor)",
+                             hint="set model.source.class_path: 'package.module:Class' (and init_kwargs)")
+    digest = sha256_file(local / model_file)
+    expected = {"registry tag tailguard.sha256": (mv.tags or {}).get(TAG_SHA256),
+                f"{DESCRIPTOR_FILE}": (descriptor or {}).get("sha256") if descriptor else None}
+    for what, want in expected.items():
+        if want and want != digest:
+            raise InputError(f"model.version: {where}: {model_file} has SHA-256 {digest}, but the {what} says "
+                             f"{want}; the artifact changed after registration",
+                             hint="re-register the reference, or check who rewrote the artifact store")
+    return ResolvedModel(registered_name=name, version=str(mv.version), run_id=mv.run_id or None, format=fmt,
+                         local_dir=str(local), source_uri=str(mv.source), model_file=model_file,
+                         onnx_path=str(local / model_file) if fmt == "onnx" else None, class_path=class_path,
+                         init_kwargs=init_kwargs, sha256=digest)
+
+
+def _read_descriptor(local: Path) -> dict[str, Any] | None:
+    path = local / DESCRIPTOR_FILE
+    if not path.is_file():
+        return None
+    try:
+        desc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"model.version: {path} is not valid JSON: {exc}") from None
+    if not isinstance(desc, dict) or desc.get("format") not in FORMATS or not desc.get("file"):
+        raise InputError(f"model.version: {path} needs 'format' (one of {list(FORMATS)}) and 'file'")
+    return desc
+
+
+def _read_mlmodel_flavors(local: Path) -> dict[str, Any]:
+    import yaml
+
+    path = local / "MLmodel"
+    if not path.is_file():
+        return {}
+    return dict((yaml.safe_load(path.read_text()) or {}).get("flavors") or {})
+
+
+def _files(local: Path, suffixes: tuple[str, ...]) -> list[str]:
+    return sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file() and p.suffix in suffixes)
+
+
+def _detect_format(local: Path, descriptor: dict[str, Any] | None, declared: str, weights_file: str | None,
+                   name: str, version: str) -> tuple[str, str]:
+    """(format, model file relative to `local`) from the descriptor, the MLmodel flavors, or the file names."""
+    where = f"{name!r} version {version}"
+    flavors = _read_mlmodel_flavors(local)
+    found: list[tuple[str, str]] = []  # (format, file) candidates, best first
+    if descriptor:
+        found.append((descriptor["format"], descriptor["file"]))
+    if "onnx" in flavors:
+        found.append(("onnx", str(flavors["onnx"].get("data") or "model.onnx")))
+    if "pytorch" in flavors:
+        data = str(flavors["pytorch"].get("model_data") or "data")
+        if (local / data / EXPORTED_PROGRAM_FILE).is_file():
+            found.append(("torch_export", f"{data}/{EXPORTED_PROGRAM_FILE}"))
+        elif (local / data / "model.pth").is_file():
+            found.append(("pickle", f"{data}/model.pth"))
+    if not flavors:
+        for fmt, suffixes in (("onnx", (".onnx",)), ("torch_export", (".pt2",)), ("state_dict", WEIGHT_SUFFIXES)):
+            files = _files(local, suffixes)
+            if len(files) == 1:
+                found.append((fmt, files[0]))
+
+    if weights_file:
+        if not (local / weights_file).is_file():
+            raise InputError(f"model.source.weights_file: {weights_file!r} is not in the artifacts of {where}",
+                             hint=f"files: {_files(local, ('.onnx', '.pt2') + WEIGHT_SUFFIXES)[:_MAX_LISTED]}")
+        if declared == "auto":
+            by_suffix = {".onnx": "onnx", ".pt2": "torch_export"}
+            fmt = by_suffix.get(Path(weights_file).suffix, "state_dict")
+        else:
+            fmt = declared
+        return fmt, weights_file
+    if declared == "auto":
+        if found:
+            return found[0]
+        raise InputError(f"model.source.format: cannot tell the storage format of {where}: no "
+                         f"{DESCRIPTOR_FILE}, no onnx/pytorch MLmodel flavor, and not exactly one model file",
+                         hint=f"set model.source.format (and weights_file); files: "
+                              f"{_files(local, ('.onnx', '.pt2') + WEIGHT_SUFFIXES)[:_MAX_LISTED]}")
+    for fmt, file in found:
+        if fmt == declared:
+            return fmt, file
+    if declared == "state_dict":
+        files = _files(local, WEIGHT_SUFFIXES)
+        if len(files) == 1:
+            return "state_dict", files[0]
+        raise InputError(f"model.source.weights_file: {where} has {len(files)} weight files {files[:_MAX_LISTED]}; "
+                         "cannot pick the state dict", hint="set model.source.weights_file to one of them")
+    detected = found[0][0] if found else "unknown"
+    raise InputError(f"model.source.format: the spec says {declared!r} but {where} holds {detected!r}",
+                     hint=f"set model.source.format: {detected if found else 'auto'} or pick another version")
+
+
+def _class_and_kwargs(model: "ModelSpec", descriptor: dict[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
+    """class path and init kwargs: the spec's class_path overrides the descriptor's (with the spec's kwargs);
+    otherwise the descriptor's kwargs updated by the spec's."""
+    src = model.source
+    if src.class_path:
+        return src.class_path, dict(src.init_kwargs)
+    desc = descriptor or {}
+    return desc.get("class_path"), {**dict(desc.get("init_kwargs") or {}), **dict(src.init_kwargs)}
+
+
+# --------------------------------------------------------------------------------------------- loading
+def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.nn.Module":
+    """Load the resolved reference as a torch module (CPU, eval mode where the module supports it).
+
+    - torch_export: `torch.export.load(file).module()` (a GraphModule; it has no train/eval switch: the program
+      was captured in the mode it was exported in).
+    - state_dict: import `class_path` ("module:Class"; `spec.source.class_path` overrides the record), build it
+      with `init_kwargs`, read the weights (safetensors, or `torch.load(weights_only=True)`), load them strictly.
+      Strictness is checked as `load_state_dict(strict=True)` does (any missing or unexpected key fails), but all
+      such keys are listed in the error.
+    - pickle: `mlflow.pytorch.load_model` of the downloaded folder, only when `spec.source.trusted` is true.
+
+    Args:
+        resolved: output of `resolve_reference`.
+        spec: the spec's `model` section.
+
+    Returns:
+        The torch.nn.Module; forward takes the model inputs in `spec.inputs` order.
+
+    Raises:
+        InputError: ONNX reference (no torch module), unknown class path (names model.source.class_path), bad
+            init kwargs, unreadable weights, or a state dict that does not fit the class (missing / unexpected
+            keys or shape mismatches listed).
+        UntrustedModelError: a pickle reference without `model.source.trusted: true`.
+    """
+    import torch
+
+    path = resolved.model_path
+    if resolved.format == "onnx":
+        raise InputError(f"model.source.format: {resolved.registered_name!r} version {resolved.version} is an ONNX "
+                         "model; there is no torch module to load", hint="use onnx_path with ONNX Runtime")
+    if not path.is_file():
+        raise InputError(f"reference model file not found: {path}",
+                         hint="pass the folder the resolve step downloaded into (ResolvedModel.with_local_dir)")
+    if resolved.format == "torch_export":
+        try:
+            return torch.export.load(str(path)).module()
+        except Exception as exc:  # torch raises several types for a bad archive
+            raise InputError(f"model.version: {path} is not a loadable torch.export program: {exc}") from None
+    if resolved.format == "pickle":
+        if not spec.source.trusted:
+            raise UntrustedModelError(
+                f"model.source.trusted: {resolved.registered_name!r} version {resolved.version} is a pickled "
+                "PyTorch model; unpickling runs arbitrary code, so it loads only with model.source.trusted: true",
+                hint="re-register it as a state dict / torch.export / ONNX, or trust a source you control")
+        import mlflow.pytorch
+        from mlflow.exceptions import MlflowException
+
+        add_model_path()  # unpickling imports the module's classes
+        try:
+            module = mlflow.pytorch.load_model(resolved.local_dir)
+        except MlflowException as exc:
+            raise InputError(f"model.version: cannot load the pickled model in {resolved.local_dir}: "
+                             f"{exc.message}") from None
+        return module.eval()
+    class_path = spec.source.class_path or resolved.class_path
+    if not class_path:
+        raise InputError("model.source.class_path: a state-dict reference needs a class path",
+                         hint="set model.source.class_path: 'package.module:Class'")
+    init_kwargs = dict(spec.source.init_kwargs) if spec.source.class_path else dict(resolved.init_kwargs)
+    weights = read_state_dict(path, "model.source.weights_file")
+    return build_state_dict_module(class_path, init_kwargs, weights, weights_name=path.name)
+
+
+def _short(keys: list[str], n: int = 20) -> str:
+    return str(list(keys[:n])) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+
+
+def read_state_dict(path: Path, field_name: str) -> dict[str, Any]:
+    """Read {parameter name: tensor} from a .safetensors file, or a torch.save file with `weights_only=True` (no
+    code runs: a pickled whole module is refused).
+
+    Returns:
+        {name: tensor} on the CPU.
+
+    Raises:
+        InputError: the file is missing, unreadable, a pickled module, or not a flat {name: tensor} mapping
+            (names `field_name`).
+    """
+    import torch
+
+    if not path.is_file():
+        raise InputError(f"{field_name}: state dict file not found: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            sd = load_file(str(path), device="cpu")
+        else:
+            sd = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors / torch.load (weights_only refusal) raise various types
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+        first = ("it holds pickled Python objects (e.g. a whole module saved with torch.save(model)), which are "
+                 "not unpickled" if "Weights only load failed" in text else
+                 (text.splitlines() or [type(exc).__name__])[0])
+        raise InputError(f"{field_name}: {path} is not a plain state dict (safetensors, or torch.save of tensors "
+                         f"loadable with weights_only=True): {first}",
+                         hint="save the weights with torch.save(model.state_dict(), path) or "
+                              "safetensors.torch.save_file; a pickled whole module is not loaded") from None
+    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        nested = [k for k, v in sd.items() if isinstance(v, Mapping)] if isinstance(sd, Mapping) else []
+        raise InputError(f"{field_name}: {path} does not hold a {{name: tensor}} state dict",
+                         hint=(f"it looks like a checkpoint; save its {nested[0]!r} entry alone" if nested else
+                               "save model.state_dict()"))
+    return dict(sd)
+
+
+def model_search_path(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """Folders searched for a model class's module after the installed packages: `extra`, then $TAILGUARD_MODEL_PATH.
+
+    Args:
+        extra: folders given by the caller (e.g. `tailguard register --model-path`), searched first.
+
+    Returns:
+        Absolute folders, in search order, without duplicates (missing folders are kept: the caller reports them).
+    """
+    entries = [*extra, *(e for e in os.environ.get(MODEL_PATH_ENV, "").split(os.pathsep) if e)]
+    out: list[Path] = []
+    for e in entries:
+        p = Path(e).expanduser().resolve()
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def add_model_path(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """Append the folders of `model_search_path(extra)` to `sys.path` (after the installed packages).
+
+    Appending, not prepending: a module in the user's folder never shadows an installed or standard-library module
+    (a `types.py` beside the spec must not break `import types`); a module that exists only there is found.
+
+    Returns:
+        The folders searched (`model_search_path(extra)`).
+    """
+    folders = model_search_path(extra)
+    added = False
+    for folder in folders:
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+            added = True
+    if added:
+        importlib.invalidate_caches()
+    return folders
+
+
+def import_module_class(class_path: str, *, field: str = "model.source.class_path",
+                        search_path: Iterable[str | Path] = ()) -> type:
+    """Import "package.module:Class" and check that it is a torch.nn.Module subclass.
+
+    The module is looked up on `sys.path` (installed packages, and the current directory where Python puts it
+    there), then in `search_path` and the folders of $TAILGUARD_MODEL_PATH (see `add_model_path`).
+
+    Args:
+        class_path: "package.module:Class".
+        field: the spec field or argument named in errors.
+        search_path: extra folders to search for the module.
+
+    Raises:
+        InputError: malformed path, module not importable (the folders searched are listed), no such class, or not
+            an nn.Module (names `field`).
+    """
+    import torch
+
+    mod_name, sep, cls_name = class_path.partition(":")
+    if not sep or not mod_name or not cls_name:
+        raise InputError(f"{field}: {class_path!r} is not 'package.module:Class'")
+    folders = add_model_path(search_path)
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as exc:
+        searched = ", ".join(str(f) for f in folders) or "none"
+        raise InputError(f"{field}: cannot import module {mod_name!r} of {class_path!r}: {exc} (installed packages "
+                         f"and the current directory searched, then the model path: {searched})",
+                         hint="put the module beside the spec file or pass --model-path DIR (tailguard run / "
+                              "register), or install the package that defines the class (on a cluster: in the "
+                              "step's image)") from None
+    except Exception as exc:  # the module was found but running it failed (SyntaxError, NameError, ...)
+        raise InputError(f"{field}: importing module {mod_name!r} of {class_path!r} failed: "
+                         f"{type(exc).__name__}: {exc}", hint="fix the module so that `import` runs") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        known = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)]
+        close = difflib.get_close_matches(cls_name, known, n=3)
+        raise InputError(f"{field}: module {mod_name!r} has no class {cls_name!r}",
+                         hint=f"did you mean {close}?" if close else f"nn.Module classes there: {known[:_MAX_LISTED]}")
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise InputError(f"{field}: {class_path!r} is not a torch.nn.Module subclass")
+    return cls
+
+
+def build_state_dict_module(class_path: str, init_kwargs: Mapping[str, Any], weights: Mapping[str, Any], *,
+                            weights_name: str, class_field: str = "model.source.class_path",
+                            kwargs_field: str = "model.source.init_kwargs",
+                            search_path: Iterable[str | Path] = ()) -> "torch.nn.Module":
+    """Import `class_path`, build it with `init_kwargs` and load `weights` strictly (every bad key listed).
+
+    Args:
+        class_path: "package.module:Class" of a torch.nn.Module.
+        init_kwargs: keyword arguments of the class.
+        weights: {parameter name: tensor}.
+        weights_name: the weights' file name, for messages.
+        class_field / kwargs_field: the spec fields or arguments named in errors.
+        search_path: extra folders for the class's module (see `import_module_class`).
+
+    Returns:
+        The module in eval mode.
+
+    Raises:
+        InputError: the class cannot be imported, `cls(**init_kwargs)` fails (names `kwargs_field`), or the weights
+            do not fit (missing / unexpected keys or shape mismatches; names `class_field`).
+    """
+    cls = import_module_class(class_path, field=class_field, search_path=search_path)
+    init_kwargs = dict(init_kwargs)
+    try:
+        module = cls(**init_kwargs)
+    except TypeError as exc:
+        raise InputError(f"{kwargs_field}: {class_path}(**{init_kwargs}) failed: {exc}",
+                         hint=f"fix {kwargs_field} to match the class's __init__") from None
+    try:
+        result = module.load_state_dict(dict(weights), strict=False)
+    except RuntimeError as exc:  # shape mismatches raise even with strict=False
+        raise InputError(f"{class_field}: the state dict {weights_name} does not fit {class_path}: {exc}",
+                         hint=f"check {class_field} and {kwargs_field} (layer sizes) against the weights") from None
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(
+            f"{class_field}: the state dict {weights_name} does not fit {class_path}: "
+            f"missing keys {_short(result.missing_keys)}, unexpected keys {_short(result.unexpected_keys)}",
+            hint=f"check {class_field} and {kwargs_field} against the weights")
+    return module.eval()
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- in later tasks
+def alias_version(client: Any, model_name: str, alias: str) -> str | None:
+    """The version `alias` of `model_name` points to, or None (no such model or alias)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(model_name, alias).version)
+    except MlflowException:
+        return None
+
+
+def load_resolved(resolved_json: str, reference_dir: str) -> ResolvedModel:
+    """The ResolvedModel of `main`'s JSON with its paths rebased onto this task's view of the artifact folder."""
+    d = json.loads(resolved_json)
+    sub = d.pop("artifact_subdir", ".")
+    return ResolvedModel.from_dict(d).with_local_dir(str(Path(reference_dir) / sub))

@@ -1,0 +1,174 @@
+"""Inference runners (the one seam every step runs models through) and the GPU availability seam.
+
+A runner maps a feed {input name: (batch, ...) array} to the list of output arrays, in
+`model.outputs` order. ONNX Runtime and torch are CPU-importable; TensorRT, CUDA and
+onnxruntime-gpu are imported lazily in `tensorrt_unavailable_reason` / `require_tensorrt`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import numpy as np
+
+from tailguard.core.errors import InputError, MissingDependencyError
+
+if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build task that reads no rows must not load it
+    from tailguard.core.data import Dataset
+
+
+class Runner(Protocol):
+    """Anything that runs a batch: feeds -> outputs (list of arrays, model.outputs order)."""
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+
+
+def default_threads(requested: int = 0) -> int:
+    """Threads for intra-op parallelism: `requested`, else the number of usable cores."""
+    if requested:
+        return requested
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class OrtRunner:
+    """An ONNX Runtime InferenceSession.
+
+    Args:
+        path: .onnx file (external data beside it is found by ORT).
+        providers: execution providers, in preference order (default CPU).
+        intra_op_num_threads: 0 = all cores.
+        graph_optimization: ORT GraphOptimizationLevel name: disabled|basic|extended|all.
+
+    Raises:
+        InputError: the file is missing or not a loadable ONNX model (names the file).
+    """
+
+    def __init__(self, path: str | Path, *, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 intra_op_num_threads: int = 0, graph_optimization: str = "all") -> None:
+        import onnxruntime as ort
+
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"ONNX file not found: {path}")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = default_threads(intra_op_num_threads)
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = {
+            "disabled": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[graph_optimization]
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=list(providers))
+        except Exception as exc:  # ORT raises Fail/InvalidGraph/InvalidProtobuf/...; all mean the same to a user
+            raise InputError(f"cannot load ONNX model {path}: {str(exc).splitlines()[0][:300]}",
+                             hint="the file is corrupt or not an ONNX model; rebuild or re-register it") from None
+        self.path = path
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run one batch; feeds not used by the graph are ignored."""
+        return self.session.run(self.output_names, {k: feeds[k] for k in self.input_names})
+
+
+class TorchRunner:
+    """A torch.nn.Module (or an ExportedProgram's module) run in eval mode under torch.inference_mode.
+
+    Args:
+        module: the model; called with keyword arguments named like `input_names`.
+        input_names: forward() argument names (model.inputs order).
+        intra_op_num_threads: 0 = leave torch's setting.
+    """
+
+    def __init__(self, module: Any, input_names: Sequence[str], *, intra_op_num_threads: int = 0) -> None:
+        import torch
+
+        self.torch = torch
+        if intra_op_num_threads:
+            torch.set_num_threads(intra_op_num_threads)
+        if hasattr(module, "eval"):
+            module.eval()
+        self.module = module
+        self.input_names = list(input_names)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run one batch; returns outputs as float/int numpy arrays."""
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.module(**{k: torch.from_numpy(np.ascontiguousarray(feeds[k])) for k in self.input_names})
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        elif isinstance(out, dict):
+            out = tuple(out.values())
+        return [o.detach().cpu().numpy() for o in out]
+
+
+def run_dataset(runner: Runner, ds: Dataset, input_specs: Sequence, *, batch_size: int,
+                pad_values: dict[str, float] | None = None) -> list[np.ndarray]:
+    """Run every row of `ds` (length-sorted batches) and return outputs in the original row order.
+
+    Returns:
+        One array per model output, shape (n_rows, ...) (the per-row output shape must not depend on
+        the padded length; sequence outputs should be pooled in the model).
+    """
+    outs: list[np.ndarray] | None = None
+    from tailguard.core.data import iter_batches  # lazy: pandas only where a dataset is run
+
+    for idx, feeds in iter_batches(ds, input_specs, batch_size, pad_values=pad_values):
+        res = runner.run(feeds)
+        if outs is None:
+            outs = [np.empty((ds.n_rows, *r.shape[1:]), dtype=r.dtype) for r in res]
+        for o, r in zip(outs, res):
+            if r.shape[1:] != o.shape[1:]:
+                raise InputError(f"output shape {r.shape} varies with the padded length; pool sequence outputs "
+                                 f"in the model (expected (batch, {', '.join(map(str, o.shape[1:]))}))")
+            o[idx] = r
+    return outs or []
+
+
+# ---------------------------------------------------------------------------------------------- GPU seam
+def gpu_unavailable_reason() -> str | None:
+    """None when an NVIDIA GPU is visible, else why not (no import of CUDA libraries)."""
+    if shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
+        return "no NVIDIA GPU on this node (no /dev/nvidia0, no nvidia-smi)"
+    return None
+
+
+def tensorrt_unavailable_reason() -> str | None:
+    """None when TensorRT can build engines here, else the reason (GPU missing or package missing)."""
+    reason = gpu_unavailable_reason()
+    if reason:
+        return reason
+    if importlib.util.find_spec("tensorrt") is None:
+        return "TensorRT is not installed (pip install 'tailguard[tensorrt]')"
+    return None
+
+
+def require_tensorrt() -> Any:
+    """Import and return the tensorrt module.
+
+    Raises:
+        MissingDependencyError: TensorRT is not installed (names the `tensorrt` extra).
+    """
+    try:
+        return importlib.import_module("tensorrt")
+    except ImportError:
+        raise MissingDependencyError("tensorrt", "tensorrt") from None
+
+
+def ort_providers_unavailable_reason(provider: str) -> str | None:
+    """None when ONNX Runtime offers `provider` here, else the reason."""
+    import onnxruntime as ort
+
+    if provider in ort.get_available_providers():
+        return None
+    if provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+        gpu = gpu_unavailable_reason()
+        return f"{gpu + '; ' if gpu else ''}{provider} needs onnxruntime-gpu (pip install 'tailguard[gpu]')"
+    return f"execution provider {provider} is not available; have {ort.get_available_providers()}"

@@ -1,0 +1,262 @@
+"""The layers of tailguard (docs/architecture.md, Layers), checked on the source with `ast`.
+
+Units: core (`tailguard.core.*` and the old-path shims such as `tailguard.spec`), each component
+(`tailguard.components.<name>`; `tailguard.components.images` is shared), monitoring (`tailguard.monitoring.*`) and
+the application (every other `tailguard.*` module: builder, runner, cli, demo, ...). Every import statement counts,
+at module level and inside functions, `import x` and `from x import y`, relative ones resolved. Imports by string
+(`importlib.import_module(...)`, the step registry's module names) are not import statements and do not count.
+
+Rules:
+- core imports no other unit;
+- a component imports core, `components.images` and nothing of another component, except search (the orchestrator),
+  which may import the public names (no leading underscore) of quantize and validate; no cycle among components;
+- monitoring imports core only;
+- the application may import everything, with no import cycle between its modules.
+Also: pyproject.toml's packages list equals the package folders.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE_SHIMS = {"spec", "errors", "data", "runtime", "tracking", "taskio", "home", "steps", "cache"}
+SHARED_COMPONENT_MODULES = {"tailguard.components", "tailguard.components.images"}
+ORCHESTRATOR = "search"
+ORCHESTRATED = {"quantize", "validate"}
+
+
+def package_dirs() -> dict[str, Path]:
+    """pyproject's `[tool.setuptools.package-dir]`: import package name -> folder (tailguard -> pipelines/...)."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {name: ROOT / folder for name, folder in cfg["tool"]["setuptools"]["package-dir"].items()}
+
+
+def modules() -> dict[str, Path]:
+    """Every tailguard module in the source tree: dotted name -> file (packages by their __init__.py)."""
+    roots = package_dirs()
+    out: dict[str, Path] = {}
+    for pkg, folder in roots.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("").parts
+            # a folder inside this one that pyproject maps to its own package name is walked from that name
+            if any(f != folder and folder in f.parents and f in path.parents for f in roots.values()):
+                continue
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join((pkg, *rel))] = path
+    return out
+
+
+def unit(module: str) -> str | None:
+    """The layer unit of a tailguard module, or None for a module outside tailguard (and the bare package roots)."""
+    parts = module.split(".")
+    if parts[0] != "tailguard" or module in {"tailguard"}:
+        return None
+    if parts[1] == "core" or (len(parts) == 2 and parts[1] in CORE_SHIMS):
+        return "core"
+    if parts[1] == "components":
+        if module in SHARED_COMPONENT_MODULES:
+            return "components.images"
+        return f"components.{parts[2]}"
+    if parts[1] == "monitoring":
+        return "monitoring"
+    return "application"
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target: the importing module, its file and line, the imported module and, for
+    `from m import name`, the name."""
+
+    source: str
+    path: Path
+    line: int
+    target: str
+    name: str | None
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
+    """Every import statement in the file (module and function level), relative imports resolved; `from pkg import
+    sub` counts as an import of `pkg.sub` when that is a module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [Import(module, path, node.lineno, a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.append(Import(module, path, node.lineno, sub, None) if sub in known
+                           else Import(module, path, node.lineno, target, a.name))
+    return [i for i in out if i.target.split(".")[0] == "tailguard"]
+
+
+def graph() -> list[Import]:
+    """All tailguard -> tailguard imports in the source tree."""
+    mods = modules()
+    known = set(mods)
+    return [i for m, p in sorted(mods.items()) for i in imports_of(m, p, known)]
+
+
+def violation(imp: Import) -> str | None:
+    """Why an import breaks the layer rules, or None when it is allowed."""
+    src, dst = unit(imp.source), unit(imp.target)
+    if src is None or dst is None or src == dst or src == "application":
+        return None
+    if dst == "core":
+        return None
+    if src == "core":
+        return f"core imports {dst}"
+    if src == "monitoring":
+        return f"monitoring imports {dst}"
+    if src.startswith("components.") and dst == "components.images":
+        return None
+    if src == f"components.{ORCHESTRATOR}" and dst.split(".")[1] in ORCHESTRATED:
+        if imp.name is not None and imp.name.startswith("_"):
+            return f"{src} imports the private name {imp.name} of {dst}"
+        if imp.name is None and imp.target.rsplit(".", 1)[-1].startswith("_"):
+            return f"{src} imports the private module {imp.target}"
+        return None
+    return f"{src} imports {dst}"
+
+
+def fmt(imp: Import) -> str:
+    """file:line: source -> target[.name]."""
+    what = imp.target + (f" ({imp.name})" if imp.name else "")
+    return f"{imp.path.relative_to(ROOT)}:{imp.line}: {imp.source} -> {what}"
+
+
+def component_cycles(edges: list[Import]) -> list[list[str]]:
+    """Cycles in the component -> component graph (strongly connected components of size > 1)."""
+    pairs = [(unit(e.source), unit(e.target)) for e in edges]
+    return cycles([(s, d) for s, d in pairs if s and d and s != d and s.startswith("components.")
+                   and d.startswith("components.")])
+
+
+def application_cycles(edges: list[Import]) -> list[list[str]]:
+    """Cycles among the application's modules (cli <-> demo was one): module -> module, strongly connected
+    components of size > 1."""
+    return cycles([(e.source, e.target) for e in edges if e.source != e.target
+                   and unit(e.source) == unit(e.target) == "application"])
+
+
+def cycles(pairs: list[tuple[str, str]]) -> list[list[str]]:
+    """Strongly connected components of size > 1 of the directed graph `pairs` (Tarjan 1972), each sorted."""
+    adj: dict[str, set[str]] = {}
+    for s, d in pairs:
+        adj.setdefault(s, set()).add(d)
+        adj.setdefault(d, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(adj[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(adj):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_layout_has_no_upward_import_when_scanning_every_module():
+    edges = graph()
+    assert len(edges) > 100, "the scan found too few imports: is the package-dir mapping read right?"
+    bad = [f"{fmt(e)}: {why}" for e in edges if (why := violation(e))]
+    print("\n".join(bad))
+    assert not bad, "layer violations (docs/architecture.md, Layers):\n" + "\n".join(bad)
+
+
+def test_layout_has_no_component_cycle_when_scanning_every_module():
+    edges = graph()
+    cycles = component_cycles(edges)
+    lines = []
+    for comp in cycles:
+        lines.append(" <-> ".join(comp))
+        lines += ["  " + fmt(e) for e in edges
+                  if unit(e.source) in comp and unit(e.target) in comp and unit(e.source) != unit(e.target)]
+    print("\n".join(lines))
+    assert not cycles, "import cycles among components:\n" + "\n".join(lines)
+
+
+def test_layout_has_no_cycle_between_application_modules_when_scanning_every_module():
+    edges = graph()
+    found = application_cycles(edges)
+    lines = []
+    for comp in found:
+        lines.append(" <-> ".join(comp))
+        lines += ["  " + fmt(e) for e in edges if e.source in comp and e.target in comp and e.source != e.target]
+    print("\n".join(lines))
+    assert not found, "import cycles among application modules:\n" + "\n".join(lines)
+
+
+def test_layout_packages_list_equals_the_package_folders():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(cfg["tool"]["setuptools"]["packages"])
+    found = {m for m, p in modules().items() if p.name == "__init__.py"}
+    missing, extra = sorted(found - listed), sorted(listed - found)
+    assert not missing and not extra, (f"pyproject.toml [tool.setuptools] packages: add {missing}, "
+                                       f"remove {extra}")
+
+
+@pytest.mark.parametrize("src,dst,name,expected", [
+    ("tailguard.core.spec", "tailguard.components.validate.report", "x", "core imports components.validate"),
+    ("tailguard.monitoring.config", "tailguard.runner", None, "monitoring imports application"),
+    ("tailguard.components.register.logic", "tailguard.components.search.logic", "TAG",
+     "components.register imports components.search"),
+    ("tailguard.components.search.sensitivity", "tailguard.components.quantize.logic", "_private",
+     "components.search imports the private name _private of components.quantize"),
+    ("tailguard.components.search.logic", "tailguard.components.validate.logic", "evaluate", None),
+    ("tailguard.components.export.task", "tailguard.components.images", "CPU_IMAGE", None),
+    ("tailguard.cli", "tailguard.components.search.logic", "x", None),
+    ("tailguard.spec", "tailguard.core.spec", "x", None),
+])
+def test_layout_violation_flags_upward_imports_when_given_synthetic_edges(src, dst, name, expected):
+    assert violation(Import(src, ROOT / "x.py", 1, dst, name)) == expected
+
+
+def test_layout_component_cycles_finds_a_cycle_when_two_components_import_each_other():
+    mk = lambda s, d: Import(s, ROOT / "x.py", 1, d, "x")  # noqa: E731
+    edges = [mk("tailguard.components.export.logic", "tailguard.components.quantize.logic"),
+             mk("tailguard.components.quantize.logic", "tailguard.components.export.task")]
+    assert component_cycles(edges) == [["components.export", "components.quantize"]]
+
+
+def test_layout_application_cycles_finds_a_cycle_when_cli_and_demo_import_each_other():
+    mk = lambda s, d: Import(s, ROOT / "x.py", 1, d, "x")  # noqa: E731
+    edges = [mk("tailguard.cli", "tailguard.demo"), mk("tailguard.demo", "tailguard.cli"),
+             mk("tailguard.demo", "tailguard.terminal")]
+    assert application_cycles(edges) == [["tailguard.cli", "tailguard.demo"]]
