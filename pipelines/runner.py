@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from tailguard.cache import ENV_CACHE
+from tailguard.core.cache import ENV_CACHE
 from tailguard.components.register.logic import RunSummary
-from tailguard.components.resolve.logic import MODEL_PATH_ENV
+from tailguard.core.reference import MODEL_PATH_ENV
 from tailguard.components.validate.gates import insufficient_reason
-from tailguard.errors import RunInterrupted, StepError, TailguardError, error_from_dict
-from tailguard.home import ENV_HOME, home, quiet_environment
-from tailguard.spec import Spec, dump_spec, load_spec
-from tailguard.taskio import find_error_records
-from tailguard.tracking import configure, experiment_name_for, tracking_uri_for
+from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
+from tailguard.core.home import ENV_HOME, home, quiet_environment
+from tailguard.core.spec import Spec, dump_spec, load_spec
+from tailguard.core.taskio import find_error_records
+from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXEC = re.compile(r"Executing task '?([\w\-]+)'?")
@@ -186,8 +186,112 @@ def run_local(spec: Spec, *, model_version: str | None = None,
         if model_path:
             _restore_env(MODEL_PATH_ENV, inherited_model_path)
     summary = RunSummary.from_dict(json.loads(task.output))
+    summary.tasks = task_timings(log_path.read_text(errors="replace"))
     (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
     return LocalRun(pipeline_run, log_path, summary)
+
+
+# ---------------------------------------------------------------------------------- per-task timings
+_STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) - ")
+_TIMING_MARKER = "TAILGUARD_TASK_TIMING "  # tailguard.core.taskio.TIMING_MARKER
+_NUMBERED = re.compile(r"-variant(-\d+)?$")  # kfp's names of a per-variant task: build-variant, build-variant-2
+
+
+def _stamp_s(line: str) -> float | None:
+    m = _STAMP.match(line)
+    if not m:
+        return None
+    h, mi, sec, ms = map(int, m.groups())
+    return h * 3600 + mi * 60 + sec + ms / 1000.0
+
+
+def task_timings(log_text: str) -> dict[str, Any]:
+    """Per-task timings of a local run from its pipeline.log (kfp.local runs the tasks one at a time).
+
+    For each task: `wall_s` = its "finished with status" minus its "Executing task" log timestamp (kfp.local's own
+    HH:MM:SS.mmm stamps, a midnight wrap handled); `body_s` and `imports_s` from the TAILGUARD_TASK_TIMING line
+    the task body prints (tailguard.core.taskio.task_entry): seconds inside the task's main function, and the
+    part of those inside its outermost import statements; `overhead_s` = wall_s - body_s: process start,
+    interpreter and kfp executor start-up, the component module's imports, the executor's input/output files;
+    `cached`: true / false for the steps served by the local cache (export, builds), None for the others.
+
+    Returns:
+        {"tasks": [{task, variant, status, cached, wall_s, body_s, imports_s, overhead_s}, ...] in run order
+         (variant: the build / validate / search task's variant, from its timing line; else None),
+         "total_s": first task start to the pipeline's end (seconds; None without tasks),
+         "startup_s": the sum of overhead_s + imports_s over the tasks with a timing line,
+         "startup_share": startup_s / the sum of those tasks' wall_s (0..1; None when unknown)}.
+        Seconds are rounded to 3 decimals; body_s is capped at wall_s (the two clocks differ by the log's
+        millisecond stamps) and imports_s at body_s. A task without a timing line (it failed before its body ran) has
+        body_s, imports_s and overhead_s None.
+    """
+    tasks: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    first = last = None
+    offset, previous = 0.0, None
+    for raw in log_text.splitlines():
+        line = _ANSI.sub("", raw)
+        t = _stamp_s(line)
+        if t is not None:
+            if previous is not None and t + offset < previous - 43200:  # past midnight
+                offset += 86400.0
+            t += offset
+            previous = t
+        if t is not None and (m := _EXEC.search(line)):
+            current = {"task": m.group(1), "variant": None, "status": "running", "cached": None, "start": t,
+                       "end": None, "body_s": None, "imports_s": None}
+            tasks.append(current)
+            first = t if first is None else first
+        elif t is not None and (m := _DONE.search(line)):
+            for task in reversed(tasks):
+                if task["task"] == m.group(1) and task["end"] is None:
+                    task["end"], task["status"] = t, m.group(2).lower()
+                    break
+            last = t
+        elif t is not None and "Pipeline" in line and "finished with status" in line:
+            last = t
+        elif current is not None and (i := line.find(_TIMING_MARKER)) >= 0:
+            try:
+                rec = json.loads(line[i + len(_TIMING_MARKER):])
+            except ValueError:
+                continue
+            current.update(body_s=rec.get("body_s"), imports_s=rec.get("imports_s"), cached=rec.get("cached"),
+                           variant=rec.get("variant"))
+    rows, startup, timed_wall = [], 0.0, 0.0
+    for task in tasks:
+        wall = None if task["end"] is None else round(task["end"] - task["start"], 3)
+        body = None if task["body_s"] is None else round(min(task["body_s"], wall if wall is not None else 1e18), 3)
+        imports = None if task["imports_s"] is None else round(min(task["imports_s"], body or 0.0), 3)
+        overhead = None if wall is None or body is None else round(wall - body, 3)
+        if overhead is not None:
+            startup += overhead + (imports or 0.0)
+            timed_wall += wall
+        rows.append({"task": task["task"], "variant": task["variant"], "status": task["status"],
+                     "cached": task["cached"], "wall_s": wall,
+                     "body_s": body, "imports_s": imports, "overhead_s": overhead})
+    return {"tasks": rows, "total_s": None if first is None or last is None else round(last - first, 3),
+            "startup_s": round(startup, 3) if timed_wall else None,
+            "startup_share": round(startup / timed_wall, 3) if timed_wall else None}
+
+
+def timings_line(timings: dict[str, Any] | None) -> str:
+    """One line on a run's tasks (from `task_timings`), for the end of `tailguard run`'s summary, e.g.
+    "tasks 42.7 s, start-up + imports 70%: check-data 0.9 s, export 0.5 s cached, build ort-fp32 0.3 s cached, ...".
+    Empty when there are no timings."""
+    if not timings or not timings.get("tasks"):
+        return ""
+    parts = []
+    for t in timings["tasks"]:
+        wall = "?" if t.get("wall_s") is None else f"{t['wall_s']:.1f} s"
+        state = " cached" if t.get("cached") else (" ran" if t.get("cached") is False else "")
+        bad = f" {t['status']}" if t.get("status") not in ("success", None) else ""
+        name = (_NUMBERED.sub("", t["task"]) + f" {t['variant']}") if t.get("variant") else t["task"]
+        parts.append(f"{name} {wall}{state}{bad}")
+    total = timings.get("total_s")
+    share = timings.get("startup_share")
+    head = "tasks" + (f" {total:.1f} s" if total is not None else "") + (
+        f", start-up + imports {share:.0%}" if share is not None else "")
+    return f"{head}: " + ", ".join(parts)
 
 
 def _restore_env(key: str, value: str | None) -> None:
@@ -225,7 +329,7 @@ def _stop_children(timeout_s: float = 5.0) -> None:
 
 def _fail_run(client: Any, experiment_id: str, run_id: str, note: str, failure: str) -> None:
     """Mark a parent run and its still-running children FAILED (tracking.fail_parent_run)."""
-    from tailguard.tracking import fail_parent_run
+    from tailguard.core.tracking import fail_parent_run
 
     fail_parent_run(client, experiment_id, run_id, note, failure)
 
@@ -315,7 +419,7 @@ def launch_run(spec_path: str, model_name: str, version: str) -> str:
     Raises:
         SpecError: the spec is invalid. InputError: the spec's model is not `model_name`.
     """
-    from tailguard.errors import InputError
+    from tailguard.core.errors import InputError
 
     spec = load_spec(spec_path)
     if spec.model.registered_name != model_name:

@@ -1,5 +1,6 @@
 """Data check: one Great Expectations (GX Core 1.x) suite per dataset, run on the calibration and validation
-Parquet files before anything is built.
+Parquet files before anything is built. Datasets without `data.expectations` run the built-in checks in pandas
+with GX's semantics (`_evaluate_builtin`), so a spec without expectations never imports great_expectations.
 
 Built-in expectations (per dataset, see components/check_data/README.md):
     - the table has at least `min_rows` rows;
@@ -31,14 +32,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import pandas as pd
 
-from tailguard.data import cell_array, describe_row_shape, read_parquet, row_shape, shape_problem, shape_text
-from tailguard.errors import DataCheckError, FieldError, SpecError
-from tailguard.home import quiet_environment
+from tailguard.core.data import cell_array, describe_row_shape, read_parquet, row_shape, shape_problem, shape_text
+from tailguard.core.errors import DataCheckError, FieldError, SpecError
+from tailguard.core.home import quiet_environment
 
 if TYPE_CHECKING:
-    from tailguard.spec import DatasetSpec, Spec
+    from tailguard.core.spec import DatasetSpec, Spec
 
-REPORT_FILE = "data_check.json"
+from tailguard.core.contract import DATA_CHECK_FILE as REPORT_FILE  # noqa: E402
 DATASETS = ("calibration", "validation")
 _PARTIAL = 10  # unexpected values kept per expectation in the report
 _INDEX_KEY = "tailguard_index"
@@ -115,7 +116,8 @@ class CheckReport:
     Attributes:
         success: every expectation of every dataset held.
         datasets: one report per dataset, calibration first.
-        gx_version: great_expectations version used.
+        gx_version: great_expectations version used ("" when every dataset ran the built-in checks only,
+            without GX).
     """
 
     success: bool
@@ -254,55 +256,74 @@ def add_derived_columns(df: pd.DataFrame, inputs: list[Any]) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------ suite building
 @dataclass
 class _Planned:
-    expectation: Any
+    expectation: Any  # the GX object; None for a built-in evaluated without GX (`_evaluate_builtin`)
     column: str | None
     origin: str
     description: str
     spec_index: int | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    etype: str = ""
+
+
+# The expectation types the built-in checks use, with their GX class names. They are evaluated by
+# `_evaluate_builtin` (pandas, the same results GX reports) unless the dataset also has `data.expectations`.
+_ROW_COUNT, _EXISTS, _NOT_NULL = ("expect_table_row_count_to_be_between", "expect_column_to_exist",
+                                  "expect_column_values_to_not_be_null")
+_IN_SET, _BETWEEN = "expect_column_values_to_be_in_set", "expect_column_values_to_be_between"
+BUILTIN_GX_CLASSES = {_ROW_COUNT: "ExpectTableRowCountToBeBetween", _EXISTS: "ExpectColumnToExist",
+                      _NOT_NULL: "ExpectColumnValuesToNotBeNull", _IN_SET: "ExpectColumnValuesToBeInSet",
+                      _BETWEEN: "ExpectColumnValuesToBeBetween"}
 
 
 def _builtin_plan(spec: "Spec", name: str, ds: "DatasetSpec", columns: set[str]) -> list[_Planned]:
-    import great_expectations as gx
-
-    E = gx.expectations
+    """The built-in expectations of one dataset, as (type, kwargs) without GX objects (`_with_gx` adds them)."""
     plan: list[_Planned] = []
 
-    def add(cls: type, shown: str | None, description: str, /, **kwargs: Any) -> None:
-        plan.append(_Planned(cls(**kwargs), shown, "builtin", description, kwargs=kwargs))
+    def add(etype: str, shown: str | None, description: str, /, **kwargs: Any) -> None:
+        plan.append(_Planned(None, shown, "builtin", description, kwargs=kwargs, etype=etype))
 
-    add(E.ExpectTableRowCountToBeBetween, None, f"at least data.{name}.min_rows = {ds.min_rows} rows",
+    add(_ROW_COUNT, None, f"at least data.{name}.min_rows = {ds.min_rows} rows",
         min_value=ds.min_rows)
     for s in spec.model.inputs:
-        add(E.ExpectColumnToExist, s.name, f"model input column {s.name!r} exists", column=s.name)
+        add(_EXISTS, s.name, f"model input column {s.name!r} exists", column=s.name)
         if s.name not in columns:
             continue
-        add(E.ExpectColumnValuesToNotBeNull, s.name, f"model input {s.name!r} has no null rows", column=s.name)
-        add(E.ExpectColumnValuesToBeInSet, s.name,
+        add(_NOT_NULL, s.name, f"model input {s.name!r} has no null rows", column=s.name)
+        add(_IN_SET, s.name,
             f"every element of model input {s.name!r} is numeric and finite (no NaN/Inf; derived column)",
             column=finite_column(s.name), value_set=[True])
-        add(E.ExpectColumnValuesToBeInSet, s.name,
+        add(_IN_SET, s.name,
             f"every row of model input {s.name!r} has shape {describe_row_shape(s)} after the batch axis "
             f"(model.inputs shape {shape_text(s.shape)}; named axes any length; derived column)",
             column=shape_column(s.name), value_set=[SHAPE_OK])
         if s.value_range is not None:
             lo, hi = s.value_range
             for side in ("min", "max"):
-                add(E.ExpectColumnValuesToBeBetween, s.name,
+                add(_BETWEEN, s.name,
                     f"per-row {side}imum of model input {s.name!r} within model.inputs value_range [{lo:g}, {hi:g}]",
                     column=f"__{s.name}_{side}", min_value=lo, max_value=hi)
     if ds.label_column:
         col = ds.label_column
-        add(E.ExpectColumnToExist, col, f"label column data.{name}.label_column = {col!r} exists", column=col)
+        add(_EXISTS, col, f"label column data.{name}.label_column = {col!r} exists", column=col)
         if col in columns:
-            add(E.ExpectColumnValuesToNotBeNull, col, f"label column {col!r} has no null rows", column=col)
+            add(_NOT_NULL, col, f"label column {col!r} has no null rows", column=col)
     if name == "validation":
         for sl in spec.slices:
-            add(E.ExpectColumnToExist, sl.column, f"column {sl.column!r} of slice {sl.name!r} exists",
+            add(_EXISTS, sl.column, f"column {sl.column!r} of slice {sl.name!r} exists",
                 column=sl.column)
     stratify = getattr(ds, "stratify_by", None)
     if stratify:
-        add(E.ExpectColumnToExist, stratify, f"data.{name}.stratify_by column {stratify!r} exists", column=stratify)
+        add(_EXISTS, stratify, f"data.{name}.stratify_by column {stratify!r} exists", column=stratify)
+    return plan
+
+
+def _with_gx(plan: list[_Planned]) -> list[_Planned]:
+    """Give every built-in of `plan` its GX expectation object (for a suite that GX runs)."""
+    import great_expectations as gx
+
+    for p in plan:
+        if p.expectation is None:
+            p.expectation = getattr(gx.expectations, BUILTIN_GX_CLASSES[p.etype])(**p.kwargs)
     return plan
 
 
@@ -313,8 +334,78 @@ def _spec_plan(spec: "Spec", name: str, built: list[Any]) -> list[_Planned]:
             # a fresh object per suite: GX expectations carry suite-specific state (id, meta)
             plan.append(_Planned(type(obj)(**exp.kwargs), exp.kwargs.get("column"), "spec",
                                  f"data.expectations.{i} ({exp.type} {exp.kwargs})", spec_index=i,
-                                 kwargs=dict(exp.kwargs)))
+                                 kwargs=dict(exp.kwargs), etype=exp.type))
     return plan
+
+
+def uses_gx(spec: "Spec", name: str) -> bool:
+    """Whether dataset `name`'s suite needs Great Expectations: some `data.expectations` entry names it. The
+    built-in checks alone run in pandas (`_evaluate_builtin`), so a spec without expectations never imports GX
+    (5-6 s of a task's start-up)."""
+    return any(name in exp.datasets for exp in spec.data.expectations)
+
+
+def _evaluate_builtin(p: _Planned, df: pd.DataFrame) -> tuple[bool, dict[str, Any]]:
+    """Evaluate one built-in expectation on `df` (with its derived columns) as GX Core 1.x does with its default
+    result format: (success, observed) with the keys `_observed` keeps from a GX result.
+
+    Semantics (GX's): row count: min_value <= rows <= max_value, observed_value = rows; column_to_exist: the
+    column is present; not_be_null: unexpected = null cells, unexpected_percent over all rows; in_set / between
+    (inclusive bounds): null cells are skipped (missing_count) and unexpected_percent is over the non-null rows
+    (None when there are none). partial_unexpected_list / unexpected_rows: the first 10 in row order (rows are
+    index labels: positions for a file read from Parquet).
+    """
+    kw = p.kwargs
+    if p.etype == _ROW_COUNT:
+        n, lo, hi = len(df), kw.get("min_value"), kw.get("max_value")
+        return (lo is None or n >= lo) and (hi is None or n <= hi), {"observed_value": n}
+    col = kw["column"]
+    if p.etype == _EXISTS:
+        return col in df.columns, {}
+    if col not in df.columns:
+        return False, {"exception": f"column {col!r} not found"}
+    values = df[col]
+    null = values.isna().to_numpy(dtype=bool)
+    if p.etype == _NOT_NULL:
+        bad, denom, extra = null, len(values), {}
+    else:
+        present = values[~null]
+        if p.etype == _IN_SET:
+            ok = present.isin(list(kw["value_set"])).to_numpy(dtype=bool)
+        elif p.etype == _BETWEEN:
+            v = present.to_numpy(dtype=np.float64)
+            lo, hi = kw.get("min_value"), kw.get("max_value")
+            ok = np.ones(len(v), dtype=bool)
+            if lo is not None:
+                ok &= v >= lo
+            if hi is not None:
+                ok &= v <= hi
+        else:  # pragma: no cover - BUILTIN_GX_CLASSES lists every type _builtin_plan uses
+            raise ValueError(f"no built-in evaluation for {p.etype}")
+        bad = np.zeros(len(values), dtype=bool)
+        bad[np.flatnonzero(~null)[~ok]] = True
+        denom, extra = int((~null).sum()), {"missing_count": int(null.sum())}
+    count = int(bad.sum())
+    observed: dict[str, Any] = {"element_count": int(len(values)), "unexpected_count": count,
+                                "unexpected_percent": (count / denom * 100.0) if denom else None, **extra,
+                                "partial_unexpected_list": _jsonable(values[bad].iloc[:_PARTIAL].tolist())}
+    if count:
+        observed["unexpected_rows"] = _jsonable(values.index[bad][:_PARTIAL].tolist())
+    return count == 0, observed
+
+
+def _check_native(spec: "Spec", name: str) -> DatasetReport:
+    """The built-in suite of dataset `name` without Great Expectations (`_evaluate_builtin`)."""
+    ds: DatasetSpec = getattr(spec.data, name)
+    df = read_parquet(ds.uri, field=f"data.{name}.uri")
+    derived = add_derived_columns(df, spec.model.inputs)
+    results = []
+    for p in _builtin_plan(spec, name, ds, set(df.columns)):
+        success, observed = _evaluate_builtin(p, derived)
+        results.append(ExpectationResult(p.etype, _jsonable(p.kwargs), bool(success), p.column, p.origin,
+                                         p.description, observed, p.spec_index))
+    return DatasetReport(name=name, uri=ds.uri, n_rows=int(len(df)), success=all(r.success for r in results),
+                         results=results)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -375,7 +466,7 @@ def _check_one(ctx: Any, spec: "Spec", name: str, built: list[Any]) -> DatasetRe
 
     ds: DatasetSpec = getattr(spec.data, name)
     df = read_parquet(ds.uri, field=f"data.{name}.uri")
-    plan = _builtin_plan(spec, name, ds, set(df.columns)) + _spec_plan(spec, name, built)
+    plan = _with_gx(_builtin_plan(spec, name, ds, set(df.columns))) + _spec_plan(spec, name, built)
     suite = gx.ExpectationSuite(name=f"tailguard-{spec.metadata.name}-{name}")
     for i, p in enumerate(plan):
         p.expectation.meta = {**(p.expectation.meta or {}), _INDEX_KEY: i}
@@ -403,8 +494,10 @@ def _check_one(ctx: Any, spec: "Spec", name: str, built: list[Any]) -> DatasetRe
 def check_datasets(spec: "Spec", *, raise_on_failure: bool = True) -> CheckReport:
     """Run the built-in and declared expectations on `data.calibration` and `data.validation`.
 
-    The files are checked whole (before `max_samples` subsampling). One ephemeral GX context, one pandas data
-    source and dataframe asset per dataset, one suite per dataset.
+    The files are checked whole (before `max_samples` subsampling). A dataset that some `data.expectations`
+    entry names runs as one GX suite (one ephemeral GX context, one pandas data source and dataframe asset per
+    dataset); a dataset with the built-in checks only is evaluated in pandas with GX's semantics
+    (`_evaluate_builtin`), without importing great_expectations (`report.gx_version` is "" when no suite ran).
 
     Args:
         spec: the spec (model.inputs, data, slices).
@@ -420,13 +513,17 @@ def check_datasets(spec: "Spec", *, raise_on_failure: bool = True) -> CheckRepor
             the message has one line per failure; the report is attached as `err.report`.
     """
     quiet_environment()
-    import great_expectations as gx
+    gx_version = ""
+    if spec.data.expectations:  # GX validates the declared expectations before any data is read
+        import great_expectations as gx
 
-    built = build_spec_expectations(spec)
-    ctx = _new_context()
-    datasets = [_check_one(ctx, spec, name, built) for name in DATASETS]
+        gx_version = str(getattr(gx, "__version__", ""))
+    built = build_spec_expectations(spec) if spec.data.expectations else []
+    ctx = _new_context() if any(uses_gx(spec, name) for name in DATASETS) else None
+    datasets = [_check_one(ctx, spec, name, built) if uses_gx(spec, name) else _check_native(spec, name)
+                for name in DATASETS]
     report = CheckReport(success=all(d.success for d in datasets), datasets=datasets,
-                         gx_version=str(getattr(gx, "__version__", "")))
+                         gx_version=gx_version if ctx is not None else "")
     if not report.success and raise_on_failure:
         failures = report.failures()
         lines = "\n".join(f"  - {f['message']}" for f in failures)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tailguard.taskio import task_entry
+from tailguard.core.taskio import task_entry
 
 
 @task_entry("check-data")
@@ -16,8 +16,8 @@ def main(*, spec_yaml: str, report_dir: str) -> str:
         DataCheckError: an expectation failed (exit 1). InputError: a data file is missing (exit 2).
     """
     from tailguard.components.check_data.logic import check_datasets, write_report
-    from tailguard.errors import DataCheckError
-    from tailguard.spec import spec_from_yaml
+    from tailguard.core.errors import DataCheckError
+    from tailguard.core.spec import spec_from_yaml
 
     spec = spec_from_yaml(spec_yaml)
     Path(report_dir).mkdir(parents=True, exist_ok=True)
