@@ -5,4 +5,3 @@ module level, and KFP component modules may import only the standard library and
 """
 
 CPU_IMAGE = "ghcr.io/tailguard/tailguard:0.1.0"
-GPU_IMAGE = "ghcr.io/tailguard/tailguard-gpu:0.1.0"

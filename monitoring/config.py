@@ -31,7 +31,7 @@ PAIR_SEPARATOR = "&"
 # Tracked per-row metrics by default: every one the task's parity computes for a single pair (catalogue order).
 DEFAULT_METRICS: dict[str, tuple[str, ...]] = {t: monitor_metrics(t) for t in TASKS}
 # Default alert thresholds. 0.97 top-1 agreement matches the per-slice gate of the example spec
-# (shared/DESIGN.md); 0.98 cosine is the usual "near-lossless" bar for INT8 sentence embeddings.
+# (the project's design brief); 0.98 cosine is the usual "near-lossless" bar for INT8 sentence embeddings.
 DEFAULT_THRESHOLDS: dict[str, dict[str, MonitorThreshold]] = {
     "classification": {"top1_agree": MonitorThreshold(min=0.97)},
     "embedding": {"cosine_similarity": MonitorThreshold(min=0.98)},

@@ -1,4 +1,4 @@
-"""The `tailguard` command line (typer + rich). Exit codes are a contract (../shared/DESIGN.md):
+"""The `tailguard` command line (typer + rich). Exit codes are a contract (README.md, docs/architecture.md):
 0 ok / promoted, 1 runtime error, 2 bad spec / bad input / usage, 3 no variant passed the gates,
 4 monitor alert(s) fired. A user error never ends in a traceback.
 """

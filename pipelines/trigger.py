@@ -135,13 +135,10 @@ class TriggerConfig(BaseModel):
 
 
 def _field_errors(exc: ValidationError) -> list[FieldError]:
-    out = []
-    for e in exc.errors(include_url=False):
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling)"
-        out.append(FieldError(".".join(str(x) for x in e["loc"]), msg, e.get("input")))
-    return out
+    """The spec's field_errors, with the trigger config's wording for an unknown field."""
+    from tailguard.core.spec import field_errors
+
+    return field_errors(exc, unknown="unknown field (check the spelling)")
 
 
 def sign(secret: str, delivery_id: str, timestamp: str, body: bytes | str) -> str:

@@ -1,4 +1,4 @@
-"""The CLI contract: exit codes and messages without tracebacks (DESIGN.md)."""
+"""The CLI contract: exit codes and messages without tracebacks (README.md: 0 ok, 1 runtime, 2 bad input, 3 no passing variant)."""
 
 import json
 

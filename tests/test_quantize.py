@@ -428,3 +428,16 @@ def test_quantization_preset_builds_a_valid_spec_when_overridden():
     assert all(quantization_preset(name).mode in ("static", "dynamic") for name in QUANTIZATION_PRESETS)
     with pytest.raises(SpecError, match="cpu-vnni"):
         quantization_preset("no-such-preset")
+
+
+def test_spec_fills_quantization_from_the_preset_when_quantization_names_one():
+    from tailguard.core.spec import QuantizationSpec
+
+    q = QuantizationSpec.model_validate({"preset": "cpu-avx2", "per_channel": False})
+    assert q.preset == "cpu-avx2" and q.mode == "static" and q.reduce_range is True  # from the preset
+    assert q.per_channel is False  # the section's own field wins
+    assert QuantizationSpec.model_validate({"preset": "cpu-dynamic"}).mode == "dynamic"
+    with pytest.raises(Exception, match="unknown preset 'cpu-avx3'; known: cpu-arm, cpu-avx2"):
+        QuantizationSpec.model_validate({"preset": "cpu-avx3"})
+    with pytest.raises(Exception, match="mode"):  # no preset and no mode: still required
+        QuantizationSpec.model_validate({"per_channel": True})

@@ -22,7 +22,7 @@ import numpy as np
 from tailguard.core.errors import ExportMismatchError, InputError, StepError
 from tailguard.core.runtime import OrtRunner, Runner
 
-TWO_GB = 2 * 1024**3  # protobuf's hard limit for one serialized ModelProto
+from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
 
 # ------------------------------------------------------------------------------------------------ export

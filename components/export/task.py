@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES
 from tailguard.core.taskio import task_entry, write_json
 
 from tailguard.core.contract import ONNX_FILE, REFERENCE_FILE  # noqa: F401 (file names shared with validate, search)
@@ -20,7 +21,7 @@ def _copy_onnx(src: Path, out_dir: Path) -> Path:
 
     model = onnx.load(str(src), load_external_data=True)
     dst = out_dir / ONNX_FILE
-    if model.ByteSize() < 2_000_000_000:
+    if model.ByteSize() < ONNX_INLINE_LIMIT_BYTES:
         onnx.save(model, str(dst))
     else:
         onnx.save(model, str(dst), save_as_external_data=True, location=ONNX_FILE + ".data")

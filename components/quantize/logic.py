@@ -56,7 +56,7 @@ from tailguard.core.errors import InputError
 from tailguard.core.spec import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.steps import StepResult, get_step, register_step
 
-TWO_GB = 2 * 1024**3  # protobuf's limit for one serialized ModelProto
+from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
 STEP_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt"}
 
@@ -155,7 +155,7 @@ def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *
 
 def _build_tensorrt_engine(variant: Any, fp32_onnx: Path, out_dir: Path, calibration: Dataset | None,
                            model: Any) -> StepResult:
-    """The GPU seam: the real engine build (tensorrt imported here, lazily) is a later issue; until then the
+    """The GPU seam: the real engine build (tensorrt imported here, lazily) is not implemented (no GPU has been lent to this project: the TensorRT issue); until then the
     variant is skipped visibly even on a GPU node."""
     return StepResult("skipped", reason=(f"TensorRT variant {variant.name}: building TensorRT engines is not "
                                          "implemented in this tailguard version (GPU and TensorRT are present)"),

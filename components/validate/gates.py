@@ -600,8 +600,3 @@ def all_passed(results: list[GateResult]) -> bool:
     """
     return not any(r.status in ("failed", "insufficient_data") for r in results)
 
-
-def insufficient_gates(results: list[GateResult]) -> list[GateResult]:
-    """Gates where no group had enough support to be judged (status insufficient_data, not failed; the variant
-    does not pass: `all_passed`)."""
-    return [r for r in results if r.status == "insufficient_data"]

@@ -12,7 +12,7 @@ evaluates the spec's gates and writes these files into `out_dir`:
     report.html        the self-contained report (report.py)
     result.json        `ValidationResult.to_dict()` (Python's json: non-finite floats as Infinity / NaN)
 
-MLflow metric names (`ValidationResult.mlflow_metrics`, DESIGN.md "MLflow conventions"):
+MLflow metric names (`ValidationResult.mlflow_metrics`, docs/architecture.md "MLflow names"):
 
     <parity metric>                   overall, e.g. top1_agreement, cosine_similarity.p01, abs_error.max
     peak_rss_mb, model_size_mb        overall resources (MiB), when measured

@@ -41,14 +41,10 @@ def flat_params(variant: Any) -> dict[str, str]:
 
 
 def _sha256(path: Path) -> str:
-    """sha256 of a file, hex."""
-    import hashlib
+    """sha256 of a file, hex (tailguard.core.cache.file_sha256)."""
+    from tailguard.core.cache import file_sha256
 
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 def parse_baselines(baselines_json: str) -> dict[str, Any]:

@@ -76,3 +76,8 @@ def insufficient_reason(gate_keys: list[str] | tuple[str, ...]) -> str:
     if not keys:
         return ""
     return f"not promoted: gate{'s' if len(keys) > 1 else ''} {', '.join(keys)} had insufficient data"
+
+
+# protobuf's hard limit for one serialized ModelProto is 2 GiB: a model at or above it is saved with external data
+# (weights in a side file); below it, as one self-contained .onnx file (what ONNX Runtime's tools handle best).
+ONNX_INLINE_LIMIT_BYTES = 2 * 1024**3

@@ -1,4 +1,4 @@
-"""One error family for tailguard, each error carrying the CLI exit code of ../shared/DESIGN.md.
+"""One error family for tailguard, each error carrying its CLI exit code (0 ok, 1 runtime, 2 bad input, 3 no passing variant).
 
 Exit codes (a contract): 0 ok/promoted, 1 runtime error (includes a failed data check),
 2 bad spec / bad input / usage, 3 ran but no variant passed the gates, 4 monitor alert(s) fired.
@@ -21,7 +21,7 @@ class TailguardError(Exception):
     """Base of every error tailguard raises on purpose.
 
     Attributes:
-        exit_code: the CLI exit code this error maps to (DESIGN.md).
+        exit_code: the CLI exit code this error maps to (EXIT_* above).
         hint: one line telling the user how to fix it, or "".
     """
 
@@ -147,12 +147,6 @@ class StepError(TailguardError):
 class RunInterrupted(TailguardError):
     """A local run was stopped by SIGINT / SIGTERM (exit 1): its parent MLflow run is marked FAILED with the
     reason in its description."""
-
-
-class NoPassingVariantError(TailguardError):
-    """The run finished but no variant passed every gate: no alias moved (exit 3)."""
-
-    exit_code = EXIT_NO_PASSING_VARIANT
 
 
 class MissingDependencyError(ImportError, TailguardError):

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from tailguard.core.cache import file_sha256
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.home import quiet_environment
 
@@ -58,7 +59,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 # installs the package that defines the class instead.
 MODEL_PATH_ENV = "TAILGUARD_MODEL_PATH"
 # Protobuf cannot serialize a message over 2 GiB; bigger ONNX models keep their weights in external data files.
-_ONNX_INLINE_LIMIT_BYTES = 1_800_000_000
+from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as _ONNX_INLINE_LIMIT_BYTES  # noqa: E402
 _MAX_LISTED = 20
 
 
@@ -797,13 +798,7 @@ def build_state_dict_module(class_path: str, init_kwargs: Mapping[str, Any], wei
     return module.eval()
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+sha256_file = file_sha256  # one sha256 helper: tailguard.core.cache.file_sha256
 
 
 # ---------------------------------------------------------------------------------------------- in later tasks

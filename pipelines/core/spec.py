@@ -327,6 +327,22 @@ class QuantizationSpec(_Model):
     exclude_nodes: list[str] = Field(default_factory=list, description="Node names kept in float.")
     exclude_op_types: list[str] = Field(default_factory=list, description="Op types kept in float (every node).")
     preprocess: bool = Field(True, description="Run quant_pre_process (shape inference, auto_merge) first.")
+    preset: str | None = Field(None, description=(
+        "A named preset whose fields fill in what this section does not set: cpu-vnni, cpu-avx2 (7-bit weights for "
+        "CPUs without VNNI), cpu-arm, transformer-static (MatMul/Gemm only), cpu-dynamic, tensorrt-int8 "
+        "(symmetric int8, per-channel, percentile). Each preset's reasons: components/quantize/presets.py."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        from tailguard.core.presets import QUANTIZATION_PRESETS
+
+        name = data["preset"]
+        if name not in QUANTIZATION_PRESETS:
+            raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(sorted(QUANTIZATION_PRESETS))}")
+        return {**QUANTIZATION_PRESETS[name], **data}
 
 
 class SearchSpace(_Model):
@@ -606,7 +622,7 @@ class SecretRef(_Model):
 
 
 class KubeflowSpec(_Model):
-    """Cluster settings for `tailguard compile` / `submit` (filled in by the Kubeflow issue)."""
+    """Cluster settings for `tailguard compile` / `submit` (images, GPU node pool, secrets)."""
 
     image: str | None = Field(None, description="Default component image (CPU steps).")
     gpu_image: str | None = Field(None, description="Image for GPU steps (TensorRT base).")
@@ -969,12 +985,16 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after")))
 
 
-def _field_errors(exc: ValidationError) -> list[FieldError]:
+def field_errors(exc: ValidationError, *,
+                 unknown: str = "unknown field (check the spelling; see `tailguard spec schema`)") -> list[FieldError]:
+    """One FieldError per pydantic error of `exc` (dotted field path, message, offending input); cross-field
+    problems ("<path>: <problem>" lines) become one FieldError each. `unknown` is the message for an unknown
+    field. Used by the spec and by the trigger's config."""
     out: list[FieldError] = []
     for e in exc.errors(include_url=False):
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; see `tailguard spec schema`)"
+            msg = unknown
         loc = _loc(e["loc"])
         if e["type"] == "value_error" and not loc and re.match(r"^[A-Za-z_][\w.]*: ", msg):
             # cross-field (Spec._cross_field): "<field path>: <problem>" lines, one FieldError each
@@ -984,6 +1004,9 @@ def _field_errors(exc: ValidationError) -> list[FieldError]:
             continue
         out.append(FieldError(loc, msg, e.get("input")))
     return out
+
+
+_field_errors = field_errors
 
 
 CROSS_FIELD_SEP = "\n"  # between the problems Spec._cross_field reports in one ValueError
