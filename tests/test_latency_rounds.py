@@ -7,10 +7,8 @@ the real benchmark on a tiny ONNX model is checked for structure only.
 """
 
 import numpy as np
-import onnx
 import pandas as pd
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.validate.gates import evaluate_gates
 from tailguard.core.latency import (MIN_SAMPLES, add_speed_ratios, interleaved_benchmark,
@@ -210,16 +208,7 @@ def test_spec_rejects_confidence_when_metric_is_not_an_interleaved_ratio(metric)
 
 
 # ------------------------------------------------------------------------- real benchmark, structure only
-def _linear_onnx(path, w):
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
-        [numpy_helper.from_array(w.astype(np.float32), "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, path)
-    return path
+from tests.test_report import _linear_onnx  # noqa: E402  y = x @ w, (batch, 4) -> (batch, 3)
 
 
 def test_validate_variant_logs_interleaved_ratio_and_bounds_when_given_the_reference_runner(tmp_path):
