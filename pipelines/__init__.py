@@ -11,12 +11,12 @@ __all__ = ["RegisteredModel", "register_model", "register_reference"]
 
 # The public API, imported on first use (PEP 562) so that `import tailguard` stays light for KFP tasks.
 _LAZY = {"register_model": "tailguard.registration", "RegisteredModel": "tailguard.registration",
-         "register_reference": "tailguard.components.resolve.logic"}
+         "register_reference": "tailguard.registration"}
 
 
 def __getattr__(name: str):
     """`tailguard.register_model` (a model file -> a registry version, see tailguard.registration),
-    `tailguard.RegisteredModel` and `tailguard.register_reference` (in-memory models, pipelines/core/reference.py)."""
+    `tailguard.RegisteredModel` and `tailguard.register_reference` (in-memory models; same module)."""
     if name in _LAZY:
         import importlib
 

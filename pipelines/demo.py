@@ -47,7 +47,7 @@ def register_demo_model(tracking_uri: str) -> str:
     Returns:
         The new version number (str).
     """
-    from tailguard.core.reference import register_reference
+    from tailguard.registration import register_reference
     from tailguard.models import load_minilm, minilm_init_kwargs
     from tailguard.core.tracking import configure
 

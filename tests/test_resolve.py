@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tailguard.core.reference import (DESCRIPTOR_FILE, TAG_FORMAT, TAG_SHA256, ResolvedModel,
-                                                load_torch_reference, register_reference, resolve_reference,
-                                                resolve_version)
+from tailguard.core.reference import (DESCRIPTOR_FILE, TAG_FORMAT, TAG_SHA256, ResolvedModel, load_torch_reference,
+                                      resolve_reference, resolve_version)
+from tailguard.registration import register_reference
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.spec import parse_spec
 from tests._resolve_models import N_IN, OtherClassifier, make_tiny

@@ -29,7 +29,7 @@ def env(tmp_path_factory):
     make_rows(40, 1).to_parquet(root / "calibration.parquet")
     old = os.environ.get("TAILGUARD_HOME")
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.core.reference import register_reference
+    from tailguard.registration import register_reference
     from tailguard.core.home import default_tracking_uri
     from tailguard.models import MeanPooledEncoder
     from tailguard.core.tracking import configure

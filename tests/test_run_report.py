@@ -165,7 +165,7 @@ def test_run_logs_report_html_and_a_two_line_description_on_the_parent_run_when_
     make_rows(40, 1).to_parquet(tmp_path / "calibration.parquet")
     # the run must use the home store: drop a tracking URI another module's fixture left in os.environ
     env = {**{k: v for k, v in os.environ.items() if k not in MLFLOW_URI_VARS}, "TAILGUARD_HOME": str(home)}
-    code = ("import torch; from tailguard.components.resolve.logic import register_reference; "
+    code = ("import torch; from tailguard.registration import register_reference; "
             "from tailguard.home import default_tracking_uri; from tailguard.models import MeanPooledEncoder; "
             "from tailguard.tracking import configure; configure(default_tracking_uri(), 'registration'); "
             f"torch.manual_seed(0); kw = {TINY_KWARGS!r}; "

@@ -73,7 +73,7 @@ def env(tmp_path_factory):
     # restore all three afterwards, or later modules' subprocesses would use this module's store
     saved = {k: os.environ.get(k) for k in ("TAILGUARD_HOME", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.core.reference import register_reference
+    from tailguard.registration import register_reference
     from tailguard.core.home import default_tracking_uri
     from tailguard.core.tracking import configure
 

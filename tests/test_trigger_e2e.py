@@ -99,7 +99,7 @@ def test_trigger_promotes_optimized_version_when_real_mlflow_server_registers_a_
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tailguard.core.reference import register_reference
+    from tailguard.registration import register_reference
     from tailguard.models import MeanPooledEncoder
     from tailguard.core.tracking import configure
 

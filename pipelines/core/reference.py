@@ -1,6 +1,7 @@
 """Resolve the FP32 reference: an MLflow registry version -> local files, a storage format, a torch module.
 
-Storage conventions (what `register_reference` writes and `resolve_reference` reads; components/resolve/README.md):
+Storage conventions (what `tailguard.registration.register_reference` writes and `resolve_reference` reads;
+components/resolve/README.md):
 
 | format         | registry version holds                                                  | loaded with |
 | -------------- | ----------------------------------------------------------------------- | ----------- |
@@ -12,7 +13,7 @@ Storage conventions (what `register_reference` writes and `resolve_reference` re
 Every version registered here carries the tags `tailguard.format` and `tailguard.sha256` (SHA-256 of the model
 file as stored); `resolve_reference` recomputes the digest after download and refuses a mismatch. Users register
 files with `tailguard register` / `tailguard.register_model` (pipelines/registration.py), which checks them and
-calls `register_reference`.
+calls `register_reference` (same module: registering is the application's job; this kernel module only reads).
 
 A state dict's `class_path` module is imported from `sys.path`, then from the folders of $TAILGUARD_MODEL_PATH
 (`add_model_path`; the local runner sets it to the spec's folder and `--model-path`).
@@ -26,9 +27,7 @@ import importlib
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -193,201 +192,6 @@ def resolve_version(client: "MlflowClient", name: str, version: str) -> "ModelVe
         raise InputError(f"model.version: version {mv.version} of {name!r} is {status}, not READY",
                          hint="wait for the registration to finish, or pick another version")
     return mv
-
-
-# ------------------------------------------------------------------------------------------ registering
-def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.ModelProto | None" = None,
-                       state_dict: Mapping[str, Any] | str | Path | None = None, class_path: str | None = None,
-                       init_kwargs: dict[str, Any] | None = None, exported_program: Any = None,
-                       pickled_module: Any = None, tags: dict[str, str] | None = None,
-                       description: str | None = None) -> "ModelVersion":
-    """Log an FP32 reference in the current MLflow tracking store and register it as a new version.
-
-    The caller has pointed MLflow at the store (`mlflow.set_tracking_uri`, e.g. `tailguard.tracking.configure`)
-    and chosen the experiment. The files are logged in a new run (nested if a run is active) and registered as a
-    new version of `registered_name` (created if needed). Exactly one model argument is given:
-
-    - `onnx_path` (an .onnx file, or an `onnx.ModelProto`): `mlflow.onnx.log_model` (flavor onnx); the weights
-      stay inline up to ~1.8 GB.
-    - `exported_program` (a `torch.export.ExportedProgram`, or a .pt2 file of one, copied unchanged after
-      `torch.export.load` has read it): `torch.export.save` -> `model.pt2` plus the
-      descriptor `tailguard-model.json`, logged as run artifacts. (`mlflow.pytorch.log_model(serialization_format=
-      "pt2")` exports an nn.Module itself and cannot take an already exported program; versions it produced are
-      still resolved as torch_export.)
-    - `state_dict` ({parameter name: tensor}, or a .safetensors / .pt / .pth file of one) with `class_path` and
-      `init_kwargs`: `model.safetensors` plus the descriptor (format, class_path, init_kwargs, file, sha256),
-      registered with `client.create_model_version(source=<artifact uri>, run_id=...)`.
-    - `pickled_module` (a torch.nn.Module): `mlflow.pytorch.log_model(serialization_format="pickle")`. Resolving
-      it needs `model.source.trusted: true`; it exists to exercise that refusal.
-
-    Pip requirements are pinned from the installed versions (no slow requirement inference).
-
-    Args:
-        registered_name: registered model to add a version to.
-        onnx_path: an .onnx file (external data files beside it are read in), or an onnx.ModelProto.
-        state_dict: tensors by parameter name, or a .safetensors / .pt / .pth file holding them.
-        class_path: "module:Class" of the torch.nn.Module the state dict loads into (state_dict only).
-        init_kwargs: JSON-serializable keyword arguments for `class_path` (state_dict only).
-        exported_program: a torch.export.ExportedProgram, or the path of a .pt2 file saved by torch.export.save.
-        pickled_module: a torch.nn.Module to pickle.
-        tags: extra version tags.
-        description: version description.
-
-    Returns:
-        The new ModelVersion, tagged `tailguard.format` and `tailguard.sha256` (SHA-256 of the stored model file).
-
-    Raises:
-        InputError: not exactly one model argument, a missing file, a state dict without an importable
-            class_path, or init_kwargs that are not JSON-serializable.
-    """
-    quiet_environment()
-    import mlflow
-
-    given = {k: v for k, v in (("onnx_path", onnx_path), ("state_dict", state_dict),
-                               ("exported_program", exported_program), ("pickled_module", pickled_module))
-             if v is not None}
-    if len(given) != 1:
-        raise InputError(f"register_reference: give exactly one of onnx_path, state_dict, exported_program, "
-                         f"pickled_module (got {sorted(given) or 'none'})")
-    if (class_path is not None or init_kwargs) and state_dict is None:
-        raise InputError("register_reference: class_path and init_kwargs go with state_dict only")
-    client = mlflow.MlflowClient()
-    user_tags = {str(k): str(v) for k, v in (tags or {}).items()}
-    nested = mlflow.active_run() is not None
-    with tempfile.TemporaryDirectory(prefix="tailguard-register-") as tmp, \
-            mlflow.start_run(run_name=f"register-{registered_name}", nested=nested) as run:
-        run_id = run.info.run_id
-        mlflow.set_tag("tailguard.role", "reference")
-        if onnx_path is not None:
-            fmt, mv = "onnx", _register_onnx(client, registered_name, onnx_path, Path(tmp))
-        elif pickled_module is not None:
-            fmt, mv = "pickle", _register_pickle(client, registered_name, pickled_module, Path(tmp))
-        else:
-            folder = Path(tmp) / REFERENCE_ARTIFACT
-            folder.mkdir()
-            if state_dict is not None:
-                fmt = "state_dict"
-                _write_state_dict(state_dict, class_path, init_kwargs, folder)
-            else:
-                fmt = "torch_export"
-                _write_exported_program(exported_program, folder)
-            mlflow.log_artifacts(str(folder), artifact_path=REFERENCE_ARTIFACT)
-            _ensure_registered_model(client, registered_name)
-            digest = json.loads((folder / DESCRIPTOR_FILE).read_text())["sha256"]
-            mv = client.create_model_version(registered_name, source=mlflow.get_artifact_uri(REFERENCE_ARTIFACT),
-                                             run_id=run_id, tags={TAG_FORMAT: fmt, TAG_SHA256: digest})
-        for k, v in user_tags.items():
-            client.set_model_version_tag(registered_name, mv.version, k, v)
-        if description:
-            client.update_model_version(registered_name, mv.version, description=description)
-    return client.get_model_version(registered_name, mv.version)
-
-
-def _ensure_registered_model(client: "MlflowClient", name: str) -> None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_registered_model(name)
-    except MlflowException as exc:
-        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
-            raise
-        client.create_registered_model(name)
-
-
-def _register_logged(client: "MlflowClient", name: str, info: Any, fmt: str, model_file: str,
-                     tmp: Path) -> "ModelVersion":
-    """Register a LoggedModel and tag it with the digest of the model file as stored."""
-    import mlflow
-
-    location = client.get_logged_model(info.model_id).artifact_location.rstrip("/")
-    stored = mlflow.artifacts.download_artifacts(artifact_uri=f"{location}/{model_file}", dst_path=str(tmp / "stored"))
-    digest = sha256_file(Path(stored))
-    _ensure_registered_model(client, name)
-    return client.create_model_version(name, source=info.model_uri, run_id=info.run_id, model_id=info.model_id,
-                                       tags={TAG_FORMAT: fmt, TAG_SHA256: digest})
-
-
-def _register_onnx(client: "MlflowClient", name: str, source: "str | Path | onnx.ModelProto",
-                   tmp: Path) -> "ModelVersion":
-    import mlflow
-    import onnx
-    import onnxruntime
-
-    if isinstance(source, onnx.ModelProto):
-        model = source
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise InputError(f"onnx_path: ONNX file not found: {path}")
-        try:
-            model = onnx.load(str(path))  # external data files beside it are read in
-        except Exception as exc:  # onnx raises DecodeError / OSError / ValueError for a bad file
-            raise InputError(f"onnx_path: {path} is not a loadable ONNX model: {exc}") from None
-    external = model.ByteSize() > _ONNX_INLINE_LIMIT_BYTES
-    info = mlflow.onnx.log_model(model, name=REFERENCE_ARTIFACT, save_as_external_data=external,
-                                 pip_requirements=[f"onnx=={onnx.__version__}",
-                                                   f"onnxruntime=={onnxruntime.__version__}"])
-    return _register_logged(client, name, info, "onnx", "model.onnx", tmp)
-
-
-def _register_pickle(client: "MlflowClient", name: str, module: Any, tmp: Path) -> "ModelVersion":
-    import mlflow
-    import torch
-
-    if not isinstance(module, torch.nn.Module):
-        raise InputError(f"register_reference: pickled_module must be a torch.nn.Module, got {type(module).__name__}")
-    info = mlflow.pytorch.log_model(module, name=REFERENCE_ARTIFACT, serialization_format="pickle",
-                                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
-    return _register_logged(client, name, info, "pickle", "data/model.pth", tmp)
-
-
-def _write_descriptor(folder: Path, **entries: Any) -> None:
-    desc = {"schema": DESCRIPTOR_SCHEMA, **entries}
-    (folder / DESCRIPTOR_FILE).write_text(json.dumps(desc, indent=2, sort_keys=True))
-
-
-def _write_state_dict(state_dict: Mapping[str, Any] | str | Path, class_path: str | None,
-                      init_kwargs: dict[str, Any] | None, folder: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    if not class_path:
-        raise InputError("register_reference: a state_dict needs class_path ('module:Class')",
-                         hint="the class the weights load into, e.g. tailguard.models:MeanPooledEncoder")
-    import_module_class(class_path, field="class_path")
-    init_kwargs = dict(init_kwargs or {})
-    try:
-        json.dumps(init_kwargs)
-    except TypeError as exc:
-        raise InputError(f"register_reference: init_kwargs must be JSON-serializable: {exc}") from None
-    tensors = read_state_dict(Path(state_dict), "state_dict") if isinstance(state_dict, (str, Path)) \
-        else dict(state_dict)
-    bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise InputError(f"register_reference: state_dict values must be tensors; not tensors: {bad[:10]}")
-    # safetensors refuses shared storage (tied weights) and non-contiguous views: store independent copies.
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(folder / STATE_DICT_FILE))
-    _write_descriptor(folder, format="state_dict", file=STATE_DICT_FILE, class_path=class_path,
-                      init_kwargs=init_kwargs, sha256=sha256_file(folder / STATE_DICT_FILE),
-                      torch_version=torch.__version__)
-
-
-def _write_exported_program(ep: Any, folder: Path) -> None:
-    """Store an ExportedProgram (saved with torch.export.save), or copy a .pt2 file of one unchanged after checking
-    that torch.export.load reads it."""
-    import torch
-
-    target = folder / EXPORTED_PROGRAM_FILE
-    if isinstance(ep, (str, Path)):
-        load_exported_program(Path(ep), field="exported_program")
-        shutil.copyfile(ep, target)
-    elif isinstance(ep, torch.export.ExportedProgram):
-        torch.export.save(ep, str(target))
-    else:
-        raise InputError("exported_program: must be a torch.export.ExportedProgram or a .pt2 file of one, got "
-                         f"{type(ep).__name__}", hint="pass torch.export.export(model.eval(), example_args)")
-    _write_descriptor(folder, format="torch_export", file=EXPORTED_PROGRAM_FILE,
-                      sha256=sha256_file(target), torch_version=torch.__version__)
 
 
 def load_exported_program(path: Path, *, field: str) -> Any:
