@@ -21,14 +21,15 @@ What it does:
   Rounds interleave the trees (round 0: current then baseline; round 1: baseline then current; ...), so load
   drifts on a shared machine hit both alike. Wall seconds are the CLI process' (start to exit); per-task seconds
   come from the kfp.local timestamps in `$TAILGUARD_HOME/runs/<run>/pipeline.log` (`tailguard.runner.task_timings`;
-  the baseline's tasks print no body timing, so only its wall seconds per task are known).
+  the baseline's tasks print no body timing, so only its wall seconds per task are known). Tasks are named as the
+  current tree names them (build-<variant>; an older tree's build-variant-2 is renamed by `task_names`).
 
 JSON: header (command, machine, packages), config, `runs` (every run: tree, round, kind, wall_s, exit code, tasks),
 `summary` (per tree and kind: median and min wall seconds, median per-task wall seconds), `ratios` (baseline /
 current medians, > 1: faster than the baseline), `targets` (first run < 60 s, re-run < 30 s, the re-run rebuilds
-nothing: export and every build `cached: true`) and `importtime`: per tree (current, the baseline and the commits
-of --importtime) one more first run with PYTHONPROFILEIMPORTTIME=1, each task's top-level import seconds and its
-heaviest imports (`task_imports`).
+nothing: export, reference-pass and every build `cached: true`) and `importtime`: per tree (current, the baseline
+and the commits of --importtime) one more first run with PYTHONPROFILEIMPORTTIME=1, each task's top-level import
+seconds and its heaviest imports (`task_imports`).
 """
 
 from __future__ import annotations
@@ -171,7 +172,10 @@ REGISTER = """
 import sys
 from tailguard.core.home import default_tracking_uri
 from tailguard.core.tracking import configure
-from tailguard.core.reference import register_reference
+try:
+    from tailguard.registration import register_reference
+except ImportError:  # an older tree (the baseline commit): it lived in tailguard.core.reference
+    from tailguard.core.reference import register_reference
 configure(default_tracking_uri(), "registration")
 print(register_reference(sys.argv[1], onnx_path=sys.argv[2]).version)
 """
@@ -194,7 +198,11 @@ def run_once(tree: Path, home: Path, spec: Path, cwd: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     new = sorted(set((home / "runs").glob("*")) - before, key=lambda p: p.stat().st_mtime)
     log = new[-1] / "pipeline.log" if new else None
-    timings = task_timings(log.read_text(errors="replace")) if log and log.exists() else {"tasks": []}
+    text = log.read_text(errors="replace") if log and log.exists() else ""
+    timings = task_timings(text) if text else {"tasks": []}
+    names = task_names(text)
+    for t in timings["tasks"]:
+        t["task"] = names.get(t["task"], t["task"])
     out = {"wall_s": round(wall, 3), "exit_code": proc.returncode, **timings,
            "cli_tail": [line.rstrip() for line in proc.stdout.splitlines()[-6:]]}
     if proc.returncode not in (0, 3):
@@ -204,13 +212,31 @@ def run_once(tree: Path, home: Path, spec: Path, cwd: Path) -> dict[str, Any]:
 
 _IMPORT_LINE = "import time:"
 _VARIANT = re.compile(r'"variant_name":\s*"([^"]+)"')
+_OLD_NAME = re.compile(r"^(build|validate|search)-variant(-\d+)?$")  # before tasks were named per variant
+
+
+def task_names(log_text: str) -> dict[str, str]:
+    """{old task name: build-<variant> / validate-<variant> / search-<variant>} for a log of a tree older than the
+    per-variant task names (KFP's build-variant, build-variant-2, ...; the variant from the executor input's
+    variant_name), so both trees' tasks have the same names. Empty for a current tree's log."""
+    from tailguard.runner import _ANSI, _EXEC
+
+    out: dict[str, str] = {}
+    current = None
+    for raw in log_text.splitlines():
+        line = _ANSI.sub("", raw)
+        if m := _EXEC.search(line):
+            current = m.group(1) if _OLD_NAME.match(m.group(1)) else None
+        elif current is not None and current not in out and (v := _VARIANT.search(line)):
+            out[current] = f"{_OLD_NAME.match(current).group(1)}-{v.group(1)}"
+    return out
 
 
 def task_imports(log_text: str, top: int = 5) -> dict[str, dict[str, Any]]:
     """Per task of a run made with PYTHONPROFILEIMPORTTIME=1: the seconds of its top-level imports (the
     cumulative column of the `import time:` lines with no indentation, summed over the task's section of the
-    log; a module is imported once per process, so the sum is the process' import time), its `top` heaviest
-    top-level imports {name: seconds} and, for build / validate tasks, the `variant` it ran."""
+    log; a module is imported once per process, so the sum is the process' import time) and its `top` heaviest
+    top-level imports {name: seconds}; tasks by their current names (`task_names`)."""
     from tailguard.runner import _ANSI, _DONE, _EXEC
 
     out: dict[str, dict[str, Any]] = {}
@@ -223,8 +249,6 @@ def task_imports(log_text: str, top: int = 5) -> dict[str, dict[str, Any]]:
         if _DONE.search(line):
             current = None
             continue
-        if current is not None and "variant" not in current and (v := _VARIANT.search(line)):
-            current["variant"] = v.group(1)  # the executor input's variant_name: task numbering differs by tree
         i = line.find(_IMPORT_LINE)
         if current is None or i < 0:
             continue
@@ -239,7 +263,8 @@ def task_imports(log_text: str, top: int = 5) -> dict[str, dict[str, Any]]:
     for rec in out.values():
         rec["imports_s"] = round(rec["imports_s"], 3)
         rec["top"] = {k: round(v, 3) for k, v in sorted(rec["top"].items(), key=lambda kv: -kv[1])[:top]}
-    return out
+    names = task_names(log_text)
+    return {names.get(task, task): rec for task, rec in out.items()}
 
 
 def importtime_run(tree: Path, home: Path, spec: Path, onnx: Path, cwd: Path) -> dict[str, Any]:
@@ -332,9 +357,9 @@ def main() -> None:
     summary = summarize(runs)
     cur, base = summary.get("current", {}), summary.get("baseline", {})
     reruns = [r for r in runs if r["tree"] == "current" and r["kind"] == "rerun"]
-    pure = ("export", "build-variant")
-    rebuilt = [t["task"] for r in reruns for t in r.get("tasks") or []
-               if t["task"].startswith(pure) and t.get("cached") is not True]
+    rebuilt = [t["task"] for r in reruns for t in r.get("tasks") or []  # the pure tasks (builder.is_pure)
+               if (t["task"] in ("export", "reference-pass") or t["task"].startswith("build-"))
+               and t.get("cached") is not True]
     report = {
         **report_header("pipeline", threads=0, packages=("kfp", "mlflow", "onnxruntime", "onnx", "torch",
                                                           "great_expectations", "pandas")),

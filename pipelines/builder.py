@@ -6,14 +6,20 @@ node-pool settings):
     check-data -> resolve -> export -> reference-pass
                                     \\-> build-<variant> -> validate-<variant>   (one pair per variant)
                                                          -> search-<variant>   (variants with `search:` only)
-    register-and-promote  (after every validate and search task; reads the nested MLflow runs)
+    register-and-promote  (after every validate and search task; logs reference-pass's baselines to the parent
+                           run, reads the nested MLflow runs)
     finalize-run  (cluster form: the exit handler around every task after check-data; marks the parent run
                    FAILED with the first task error when the pipeline fails or is cancelled)
 
 State that crosses tasks: model files as KFP artifacts; metrics and decisions in MLflow (the parent
-run id is a task output). Caching: on the cluster KFP's execution cache is on for the pure tasks only (export
-and build-<variant>: they write artifacts, never MLflow; `tailguard compile --no-cache` turns it off); every
-MLflow-writing task stays uncached. Local runs use tailguard's own cache instead (tailguard.cache).
+run id is a task output). reference-pass's baselines and calibration coverage travel as its outputs and are
+logged to the parent run by register-and-promote. Caching: on the cluster KFP's execution cache is on for the
+pure tasks only (export, reference-pass and build-<variant>: they write artifacts, never MLflow;
+`tailguard compile --no-cache` turns it off); every MLflow-writing task stays uncached. Local runs use
+tailguard's own cache instead (tailguard.cache).
+
+Task names: each task's KFP name is the name above (`build-<variant>`, not KFP's `build-variant-2`), the same in
+the compiled IR and in kfp.local's logs (`named`).
 """
 
 # no `from __future__ import annotations`: KFP reads the pipeline function's annotations as types
@@ -31,16 +37,43 @@ def _image_for(spec: Spec, gpu: bool) -> "str | None":
 
 
 # Tasks that are pure functions of their inputs (no MLflow writes): KFP may serve them from its cache.
-# reference-pass is not among them: it logs the FP32 baselines and calibration coverage to the parent run.
 def is_pure(name: str) -> bool:
-    """Whether the task named `name` (display name) is pure: "export" or "build-<variant>"."""
-    return name == "export" or name.startswith("build-")
+    """Whether the task named `name` is pure: "export", "reference-pass" or "build-<variant>"."""
+    return name in ("export", "reference-pass") or name.startswith("build-")
+
+
+def named(component: Any, name: str) -> Any:
+    """A copy of the KFP `component` whose spec name is `name`, so that the task it makes is named `name`.
+
+    KFP names a task after its component's spec name, made unique with -2, -3, ...
+    (kfp.dsl.pipeline_context.Pipeline.add_task): one component called once per variant gives build-variant,
+    build-variant-2. A copy per task named build-<variant> gives the task that name in the compiled IR and in
+    kfp.local's runs alike (kfp.local runs the compiled spec), so logs, per-task timings and the IR agree.
+    The copy shares the original's function and container; only the spec's name differs.
+
+    Args:
+        component: a `@dsl.component` (kfp.dsl.base_component.BaseComponent).
+        name: the task name, a DNS-1123 label (variant names are, spec.VariantSpec.name).
+
+    Raises:
+        ValueError: `name` is not a DNS-1123 label (KFP would rename it).
+    """
+    import copy
+    import dataclasses
+
+    clone = copy.copy(component)
+    clone.component_spec = dataclasses.replace(component.component_spec, name=name)
+    if clone.component_spec.name != name:
+        raise ValueError(f"task name {name!r} is not a DNS-1123 label (KFP would name it "
+                         f"{clone.component_spec.name!r})")
+    clone.name = name
+    return clone
 
 
 def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: bool, cache: bool = True) -> Any:
-    """Display name, caching (on the cluster, for pure tasks unless `cache` is False; off locally: kfp.local has
-    no cache, tailguard.cache serves local runs), and (for the cluster) image, GPU resources, node pool and
-    secrets."""
+    """Display name (= the task name, `named`), caching (on the cluster, for pure tasks unless `cache` is False;
+    off locally: kfp.local has no cache, tailguard.cache serves local runs), and (for the cluster) image, GPU
+    resources, node pool and secrets."""
     task.set_display_name(name)
     task.set_caching_options(cluster and cache and is_pure(name))
     if not cluster:
@@ -76,7 +109,8 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
             marks the parent MLflow run FAILED, with the first task error as its description, when the pipeline
             fails or is cancelled. Default: on for the cluster, off locally (the local runner closes the run and
             needs the pipeline's output, which KFP cannot compile beside an exit handler).
-        cache: with `cluster`, turn KFP's execution cache on for the pure tasks (export, build-<variant>); False
+        cache: with `cluster`, turn KFP's execution cache on for the pure tasks (export, reference-pass,
+            build-<variant>); False
             (`tailguard compile --no-cache`) leaves it off for every task.
 
     Returns:
@@ -87,9 +121,10 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     from kfp import dsl
 
     from tailguard.components.check_data.component import check_data
-    from tailguard.components.export.component import export, reference_pass
+    from tailguard.components.export.component import export
     from tailguard.components.finalize.component import finalize_run
     from tailguard.components.quantize.component import build_variant
+    from tailguard.components.reference.component import reference_pass
     from tailguard.components.register.component import register_and_promote
     from tailguard.components.resolve.component import resolve
     from tailguard.components.search.component import search_variant
@@ -99,42 +134,42 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     if exit_handler is None:
         exit_handler = cluster
 
-    def cfg(task: Any, name: str, gpu: bool = False) -> Any:
-        return _configure_task(task, spec, name=name, gpu=gpu, cluster=cluster, cache=cache)
+    def task(component: Any, name: str, gpu: bool = False, **inputs: Any) -> Any:
+        """The task `name` of `component` with `inputs`, configured (`named`, `_configure_task`)."""
+        return _configure_task(named(component, name)(**inputs), spec, name=name, gpu=gpu, cluster=cluster,
+                               cache=cache)
 
     def steps(chk: Any, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run: str) -> Any:
         """Every task after check-data `chk` but the exit handler; returns register-and-promote's task."""
-        res = cfg(resolve(spec_yaml=spec_yaml, tracking_uri=tracking_uri, model_version=model_version,
-                          pipeline_run=pipeline_run, kfp_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "resolve").after(chk)
-        exp = cfg(export(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
-                         reference=res.outputs["reference"]), "export")
-        ref = cfg(reference_pass(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
-                                 parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri,
-                                 reference=res.outputs["reference"], onnx_model=exp.outputs["onnx_model"]),
-                  "reference-pass")
+        res = task(resolve, "resolve", spec_yaml=spec_yaml, tracking_uri=tracking_uri, model_version=model_version,
+                   pipeline_run=pipeline_run, kfp_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER).after(chk)
+        parent_run_id = res.outputs["parent_run_id"]
+        exp = task(export, "export", spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
+                   reference=res.outputs["reference"])
+        ref = task(reference_pass, "reference-pass", spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
+                   reference=res.outputs["reference"], onnx_model=exp.outputs["onnx_model"])
         validations, searches = [], []
         for v in variants:
-            build = cfg(build_variant(spec_yaml=spec_yaml, variant_name=v.name,
-                                      onnx_model=exp.outputs["onnx_model"]), f"build-{v.name}", v.needs_gpu)
-            val = cfg(validate_variant(spec_yaml=spec_yaml, variant_name=v.name, build=build.outputs["Output"],
-                                       baselines=ref.outputs["Output"], parent_run_id=res.outputs["parent_run_id"],
-                                       tracking_uri=tracking_uri, variant_model=build.outputs["variant_model"],
-                                       reference_outputs=ref.outputs["outputs"],
-                                       reference_model=exp.outputs["onnx_model"]),
-                      f"validate-{v.name}", v.needs_gpu)
+            build = task(build_variant, f"build-{v.name}", v.needs_gpu, spec_yaml=spec_yaml, variant_name=v.name,
+                         onnx_model=exp.outputs["onnx_model"])
+            val = task(validate_variant, f"validate-{v.name}", v.needs_gpu, spec_yaml=spec_yaml,
+                       variant_name=v.name, build=build.outputs["Output"], baselines=ref.outputs["Output"],
+                       parent_run_id=parent_run_id, tracking_uri=tracking_uri,
+                       variant_model=build.outputs["variant_model"], reference_outputs=ref.outputs["outputs"],
+                       reference_model=exp.outputs["onnx_model"])
             validations.append(val)
             if v.search is not None:
                 # after its validation (it reads the verdict and logs under the variant's run); runs where the
                 # variant runs (same image and node pool: the trials are timed on that hardware)
-                searches.append(cfg(search_variant(spec_yaml=spec_yaml, variant_name=v.name,
-                                                   validation=val.outputs["Output"], baselines=ref.outputs["Output"],
-                                                   parent_run_id=res.outputs["parent_run_id"],
-                                                   tracking_uri=tracking_uri, onnx_model=exp.outputs["onnx_model"],
-                                                   reference_outputs=ref.outputs["outputs"]),
-                                    f"search-{v.name}", v.needs_gpu))
-        return cfg(register_and_promote(spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
-                                        parent_run_id=res.outputs["parent_run_id"], tracking_uri=tracking_uri),
-                   "register-and-promote").after(*validations, *searches)
+                searches.append(task(search_variant, f"search-{v.name}", v.needs_gpu, spec_yaml=spec_yaml,
+                                     variant_name=v.name, validation=val.outputs["Output"],
+                                     baselines=ref.outputs["Output"], parent_run_id=parent_run_id,
+                                     tracking_uri=tracking_uri, onnx_model=exp.outputs["onnx_model"],
+                                     reference_outputs=ref.outputs["outputs"]))
+        return task(register_and_promote, "register-and-promote", spec_yaml=spec_yaml,
+                    resolved=res.outputs["resolved"], parent_run_id=parent_run_id, tracking_uri=tracking_uri,
+                    baselines=ref.outputs["Output"],
+                    reference_outputs=ref.outputs["outputs"]).after(*validations, *searches)
 
     name = spec.metadata.name
     description = (f"tailguard: optimize and validate {spec.model.registered_name} ({len(variants)} variants), "
@@ -143,7 +178,7 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
         @dsl.pipeline(name=name, description=description)
         def tailguard_pipeline(spec_yaml: str, tracking_uri: str, model_version: str = "",
                                pipeline_run: str = "") -> str:
-            chk = cfg(check_data(spec_yaml=spec_yaml), "check-data")
+            chk = task(check_data, "check-data", spec_yaml=spec_yaml)
             return steps(chk, spec_yaml, tracking_uri, model_version, pipeline_run).outputs["Output"]
 
         return tailguard_pipeline
@@ -153,9 +188,9 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
                                              pipeline_run: str = ""):
         # KFP cannot compile a pipeline output beside an ExitHandler: this form returns nothing (the summary is
         # summary.json on the parent MLflow run). check-data opens no MLflow run, so it stays outside.
-        chk = cfg(check_data(spec_yaml=spec_yaml), "check-data")
-        fin = cfg(finalize_run(spec_yaml=spec_yaml, tracking_uri=tracking_uri,
-                               kfp_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "finalize-run")
+        chk = task(check_data, "check-data", spec_yaml=spec_yaml)
+        fin = task(finalize_run, "finalize-run", spec_yaml=spec_yaml, tracking_uri=tracking_uri,
+                   kfp_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
         with dsl.ExitHandler(fin, name="close-parent-run"):
             steps(chk, spec_yaml, tracking_uri, model_version, pipeline_run)
 

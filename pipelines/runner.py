@@ -194,7 +194,6 @@ def run_local(spec: Spec, *, model_version: str | None = None,
 # ---------------------------------------------------------------------------------- per-task timings
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) - ")
 _TIMING_MARKER = "TAILGUARD_TASK_TIMING "  # tailguard.core.taskio.TIMING_MARKER
-_NUMBERED = re.compile(r"-variant(-\d+)?$")  # kfp's names of a per-variant task: build-variant, build-variant-2
 
 
 def _stamp_s(line: str) -> float | None:
@@ -213,7 +212,8 @@ def task_timings(log_text: str) -> dict[str, Any]:
     the task body prints (tailguard.core.taskio.task_entry): seconds inside the task's main function, and the
     part of those inside its outermost import statements; `overhead_s` = wall_s - body_s: process start,
     interpreter and kfp executor start-up, the component module's imports, the executor's input/output files;
-    `cached`: true / false for the steps served by the local cache (export, builds), None for the others.
+    `cached`: true / false for the steps served by the local cache (export, reference-pass, builds), None for
+    the others. `task` is the pipeline's task name (build-<variant>, as in the compiled IR: builder.named).
 
     Returns:
         {"tasks": [{task, variant, status, cached, wall_s, body_s, imports_s, overhead_s}, ...] in run order
@@ -276,7 +276,8 @@ def task_timings(log_text: str) -> dict[str, Any]:
 
 def timings_line(timings: dict[str, Any] | None) -> str:
     """One line on a run's tasks (from `task_timings`), for the end of `tailguard run`'s summary, e.g.
-    "tasks 42.7 s, start-up + imports 70%: check-data 0.9 s, export 0.5 s cached, build ort-fp32 0.3 s cached, ...".
+    "tasks 42.7 s, start-up + imports 70%: check-data 0.9 s, export 0.5 s cached, build-ort-fp32 0.3 s cached, ...".
+    Task names are the pipeline's (builder.named: build-<variant>, the same as in the compiled IR).
     Empty when there are no timings."""
     if not timings or not timings.get("tasks"):
         return ""
@@ -285,8 +286,7 @@ def timings_line(timings: dict[str, Any] | None) -> str:
         wall = "?" if t.get("wall_s") is None else f"{t['wall_s']:.1f} s"
         state = " cached" if t.get("cached") else (" ran" if t.get("cached") is False else "")
         bad = f" {t['status']}" if t.get("status") not in ("success", None) else ""
-        name = (_NUMBERED.sub("", t["task"]) + f" {t['variant']}") if t.get("variant") else t["task"]
-        parts.append(f"{name} {wall}{state}{bad}")
+        parts.append(f"{t['task']} {wall}{state}{bad}")
     total = timings.get("total_s")
     share = timings.get("startup_share")
     head = "tasks" + (f" {total:.1f} s" if total is not None else "") + (

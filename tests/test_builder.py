@@ -77,3 +77,51 @@ def test_compiled_yaml_contains_no_secret_value_when_secrets_are_in_the_compilin
     assert "MLFLOW_TRACKING_TOKEN" in text  # the env var is wired from the secret reference...
     for v in secret_values.values():
         assert v not in text  # ...but no secret value ever reaches the IR
+
+
+def _dag_tasks(ir: dict) -> dict:
+    """Every container task of the IR by task name (the exit handler's sub-DAG flattened), with its spec."""
+    tasks = dict(ir["root"]["dag"]["tasks"])
+    for t in list(tasks.values()):
+        tasks.update(ir["components"].get(t["componentRef"]["name"], {}).get("dag", {}).get("tasks", {}))
+    return {name: t for name, t in tasks.items() if "dag" not in ir["components"][t["componentRef"]["name"]]}
+
+
+def test_compiled_pipeline_caches_exactly_export_builds_and_reference_pass_when_cache_is_on_or_off(tmp_path):
+    spec = load_spec(TINY)
+    compile_pipeline(spec, str(tmp_path / "on.yaml"))
+    compile_pipeline(spec, str(tmp_path / "off.yaml"), cache=False)
+
+    def cached(path):
+        return {name for name, t in _dag_tasks(load_ir(path)).items() if t.get("cachingOptions", {}).get("enableCache")}
+
+    assert cached(tmp_path / "on.yaml") == {"export", "reference-pass"} | {f"build-{v.name}" for v in spec.variants}
+    assert cached(tmp_path / "off.yaml") == set()
+
+
+def test_task_names_are_the_same_locally_and_compiled_when_one_component_serves_every_variant(tmp_path):
+    from kfp import compiler
+
+    spec = load_spec(TINY)
+    compiler.Compiler().compile(build_pipeline(spec, cluster=False), package_path=str(tmp_path / "local.yaml"))
+    compile_pipeline(spec, str(tmp_path / "cluster.yaml"))
+    local = _dag_tasks(load_ir(tmp_path / "local.yaml"))
+    cluster = _dag_tasks(load_ir(tmp_path / "cluster.yaml"))
+
+    per_variant = {f"{step}-{v.name}" for v in spec.variants for step in ("build", "validate")}
+    per_variant |= {f"search-{v.name}" for v in spec.variants if v.search is not None}
+    expected = {"check-data", "resolve", "export", "reference-pass", "register-and-promote"} | per_variant
+    assert set(local) == expected and set(cluster) == expected | {"finalize-run"}
+    assert all(t["taskInfo"]["name"] == name for name, t in {**local, **cluster}.items())  # display = KFP name
+
+
+def test_named_refuses_a_task_name_kfp_would_rename_when_it_is_not_a_dns_label():
+    import pytest
+
+    from tailguard.builder import named
+    from tailguard.components.check_data.component import check_data
+
+    assert named(check_data, "check-data-2").component_spec.name == "check-data-2"
+    assert check_data.component_spec.name == "check-data"  # the original is untouched
+    with pytest.raises(ValueError, match="DNS-1123"):
+        named(check_data, "Build_Int8")

@@ -5,6 +5,8 @@ task body (ONNX Runtime dynamic INT8 quantization), a cache under tmp_path.
 
 Seams (named): `tailguard.components.quantize.task._build` is wrapped by a counter that calls the real build, to
 count builds; `tailguard.cache._copy_file` is replaced by one that fails on the second file, to interrupt a store.
+The reference-pass tests run the real task (ONNX Runtime, real timings) and, once, two real `tailguard run`s
+(kfp.local, a SQLite MLflow store under tmp_path).
 """
 
 import json
@@ -251,8 +253,8 @@ def test_compiled_pipeline_caches_only_the_pure_tasks_when_compiled_for_the_clus
     compile_pipeline(spec, str(tmp_path / "off.yaml"), cache=False)
 
     on = _caching(tmp_path / "on.yaml")
-    assert {n for n, c in on.items() if c} == {"export"} | {f"build-{v.name}" for v in spec.variants}
-    assert "reference-pass" in on and "resolve" in on  # MLflow writers are present and uncached
+    assert {n for n, c in on.items() if c} == {"export", "reference-pass"} | {f"build-{v.name}" for v in spec.variants}
+    assert "resolve" in on and "register-and-promote" in on  # MLflow writers are present and uncached
     assert not any(_caching(tmp_path / "off.yaml").values())
 
 
@@ -271,7 +273,7 @@ def test_int8_build_task_never_imports_torch_or_mlflow_when_run_in_its_own_proce
 
 
 def test_reference_parts_refuse_to_cache_when_the_model_class_source_cannot_be_found(tmp_path):
-    from tailguard.components.export.task import reference_parts
+    from tailguard.core.cache import reference_parts
     from tailguard.core.reference import ResolvedModel
     from tailguard.core.spec import spec_from_yaml
 
@@ -286,3 +288,142 @@ def test_reference_parts_refuse_to_cache_when_the_model_class_source_cannot_be_f
     known = parts("tailguard.models:MeanPooledEncoder")
     assert known is not None and len(known["class_source"]) == 64
     assert parts("no_such_module_for_tailguard_tests:Model") is None
+
+
+# ------------------------------------------------------------------------------------------- reference-pass
+def write_rows(path: Path, n: int, seed: int) -> Path:
+    """Parquet rows: x float32[65] (the MLP's input), label int (0..9), group str ("a" / "b", every 5th "rare")."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    pd.DataFrame({"x": [rng.normal(size=65).astype(np.float32) for _ in range(n)],
+                  "label": rng.integers(0, 10, n), "group": ["rare" if i % 5 == 0 else "ab"[i % 2] for i in range(n)]}
+                 ).to_parquet(path)
+    return path
+
+
+def sliced_spec(root: Path, *, gate_min: float) -> dict:
+    """The MLP spec with data under `root`, a slice over `group`, a small benchmark and one FP32 variant."""
+    doc = yaml.safe_load(spec_yaml(gate_min=gate_min))
+    doc["data"] = {"calibration": {"uri": str(root / "calibration.parquet")},
+                   "validation": {"uri": str(root / "validation.parquet"), "batch_size": 16}}
+    doc["slices"] = [{"name": "group", "column": "group"}]
+    doc["variants"] = [{"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"}]
+    doc["benchmark"] = {"batch_sizes": [1, 4], "warmup": 1, "iterations": 5, "max_seconds": 1}
+    return doc
+
+
+def reference_pass(env, doc: dict, out: str) -> dict:
+    from tailguard.core.cache import file_sha256
+    from tailguard.components.reference import task as reference_task
+
+    resolved = {"registered_name": "mlp", "version": "1", "run_id": None, "format": "onnx",
+                "local_dir": str(env["onnx"]), "source_uri": "models:/mlp/1", "model_file": "model.onnx",
+                "sha256": file_sha256(env["onnx"] / "model.onnx"), "artifact_subdir": "."}
+    return json.loads(reference_task.main(spec_yaml=yaml.safe_dump(doc), resolved_json=json.dumps(resolved),
+                                          reference_dir=str(env["onnx"]), onnx_dir=str(env["onnx"]),
+                                          out_dir=str(env["root"] / out)))
+
+
+def test_reference_pass_serves_outputs_timings_and_coverage_from_the_cache_until_the_benchmark_changes(env):
+    write_rows(env["root"] / "validation.parquet", 40, 0)
+    write_rows(env["root"] / "calibration.parquet", 20, 1)
+    first = reference_pass(env, sliced_spec(env["root"], gate_min=0.9), "ref1")
+    second = reference_pass(env, sliced_spec(env["root"], gate_min=0.5), "ref2")  # a gate is not an input
+    changed = sliced_spec(env["root"], gate_min=0.5)
+    changed["benchmark"]["batch_sizes"] = [2]
+    third = reference_pass(env, changed, "ref3")
+
+    assert (first["cached"], second["cached"], third["cached"]) == (False, True, False)
+    assert second["onnx_fp32"] == first["onnx_fp32"]  # the timings of the first run
+    assert first["torch"] is None and set(third["onnx_fp32"]) == {"2"} and first["rows"] == 40  # JSON: str keys
+    names = {"reference_outputs.npz", "baselines.json", "calibration_coverage.csv", "calibration_coverage.json"}
+    for out in ("ref1", "ref2"):
+        assert {p.name for p in (env["root"] / out).iterdir()} == names
+    assert ((env["root"] / "ref2" / "calibration_coverage.csv").read_text()
+            == (env["root"] / "ref1" / "calibration_coverage.csv").read_text())
+    coverage = json.loads((env["root"] / "ref1" / "calibration_coverage.json").read_text())
+    assert set(coverage) == {"calibration.groups_missing", "calibration.min_coverage_ratio"}
+    assert coverage["calibration.groups_missing"] == 0.0
+    assert np.load(env["root"] / "ref2" / "reference_outputs.npz")["logits"].shape == (40, 10)
+
+
+def test_reference_pass_imports_no_mlflow_when_run_in_its_own_process(env):
+    write_rows(env["root"] / "validation.parquet", 20, 0)
+    write_rows(env["root"] / "calibration.parquet", 10, 1)
+    code = (
+        "import sys\n"
+        "from tests.test_cache import reference_pass\n"
+        "from pathlib import Path\n"
+        f"root = Path({str(env['root'])!r})\n"
+        "from tests.test_cache import sliced_spec\n"
+        "r = reference_pass({'root': root, 'onnx': root / 'fp32'}, sliced_spec(root, gate_min=0.9), 'out')\n"
+        "print('mlflow' in sys.modules, r['cached'])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1], env={**os.environ, cache.ENV_CACHE: "0"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-2:] == ["False", "False"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_local_rerun_with_one_gate_changed_serves_reference_pass_from_the_cache_and_logs_its_baselines(env):
+    from tailguard.core.home import default_tracking_uri
+    from tailguard.core.tracking import configure
+
+    try:
+        from tailguard.registration import register_reference
+    except ImportError:  # before register_reference moved out of core.reference
+        from tailguard.core.reference import register_reference
+    import mlflow
+
+    root = env["root"]
+    write_rows(root / "validation.parquet", 40, 0)
+    write_rows(root / "calibration.parquet", 20, 1)
+    configure(default_tracking_uri(), "registration")
+    register_reference("mlp", onnx_path=env["onnx"] / "model.onnx")
+    runs = []
+    for i, gate_min in enumerate((0.9, 0.5)):
+        doc = sliced_spec(root, gate_min=gate_min)
+        doc["data"]["validation"]["label_column"] = "label"
+        (root / f"spec{i}.yaml").write_text(yaml.safe_dump(doc))
+        r = subprocess.run([sys.executable, "-m", "tailguard.cli", "run", str(root / f"spec{i}.yaml"),
+                            "--summary-json", str(root / f"summary{i}.json")], capture_output=True, text=True,
+                           timeout=600, cwd=root, env={**os.environ})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs.append(json.loads((root / f"summary{i}.json").read_text()))
+
+    cached = [{t["task"]: t["cached"] for t in s["tasks"]["tasks"]} for s in runs]
+    assert cached[0]["reference-pass"] is False and cached[1]["reference-pass"] is True
+    assert cached[1]["export"] is True and cached[1]["build-ort-fp32"] is True
+    client = mlflow.MlflowClient(default_tracking_uri())
+    parents = [client.get_run(s["parent_run_id"]) for s in runs]
+    for parent in parents:
+        assert {f"baseline.onnx_fp32.bs{bs}.latency_ms.{p}" for bs in (1, 4) for p in ("p50", "p95", "p99")} <= set(
+            parent.data.metrics)
+        assert parent.data.metrics["calibration.groups_missing"] == 0.0
+        assert "calibration.min_coverage_ratio" in parent.data.metrics
+        assert "calibration_coverage.csv" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    key = "baseline.onnx_fp32.bs1.latency_ms.p50"  # the cached timing, logged again
+    assert parents[1].data.metrics[key] == parents[0].data.metrics[key]
+
+
+def test_register_logs_the_reference_pass_baselines_and_coverage_on_the_parent_run_when_given_its_outputs(env):
+    import mlflow
+
+    from tailguard.components.register.task import log_reference
+
+    write_rows(env["root"] / "validation.parquet", 30, 0)
+    write_rows(env["root"] / "calibration.parquet", 12, 1)
+    baselines = reference_pass(env, sliced_spec(env["root"], gate_min=0.9), "ref")
+    client = mlflow.MlflowClient(f"sqlite:///{env['root'] / 'mlflow.db'}")
+    experiment = client.create_experiment("parent", artifact_location=(env["root"] / "artifacts").as_uri())
+    parent = client.create_run(experiment).info.run_id
+
+    log_reference(client, parent, json.dumps(baselines), str(env["root"] / "ref"))
+
+    metrics = client.get_run(parent).data.metrics
+    expected = {f"baseline.onnx_fp32.bs{bs}.latency_ms.{p}" for bs in (1, 4) for p in ("p50", "p95", "p99")}
+    assert set(metrics) == expected | {"calibration.groups_missing", "calibration.min_coverage_ratio"}
+    assert metrics["baseline.onnx_fp32.bs4.latency_ms.p99"] == baselines["onnx_fp32"]["4"]["latency_ms.p99"]
+    assert [a.path for a in client.list_artifacts(parent)] == ["calibration_coverage.csv"]

@@ -232,3 +232,35 @@ def test_validate_variant_logs_interleaved_ratio_and_bounds_when_given_the_refer
     assert {"speedup_vs_onnx_fp32", "speedup_vs_onnx_fp32.lb95", "bs1.speedup_vs_onnx_fp32.ub95"} <= set(flat)
     (g,) = res.gates
     assert g.decided_on == "bound" and g.bound is not None and g.detail["rounds"] == row["n_iterations"]
+
+
+def test_reference_pass_times_torch_and_onnx_fp32_interleaved_when_the_reference_is_torch(tmp_path):
+    import torch
+
+    from tailguard.components.reference.logic import time_baselines
+    from tailguard.core.runtime import TorchRunner
+
+    class Linear(torch.nn.Module):  # TorchRunner calls forward with the input names as keywords
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    module = Linear().eval()
+    path = tmp_path / "linear.onnx"
+    torch.onnx.export(module, (torch.zeros(1, 4),), str(path), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, dynamo=False)
+    spec = type("S", (), {})()
+    spec.model = type("M", (), {"inputs": SPECS, "pad_values": None})()
+    spec.benchmark = BenchmarkSpec(batch_sizes=[1, 4], warmup=1, iterations=7, max_seconds=60)
+    out = time_baselines(OrtRunner(path), TorchRunner(module, ["x"]), _dataset(), spec)
+    assert out["rows"] == 40 and set(out["torch"]) == set(out["onnx_fp32"]) == {1, 4}
+    for bs in (1, 4):
+        torch_row, onnx_row = out["torch"][bs], out["onnx_fp32"][bs]
+        # one loop of paired rounds: the same number of samples, and the method says so
+        assert len(torch_row["samples_ms"]) == len(onnx_row["samples_ms"]) == 7
+        assert "interleaved with onnx_fp32, torch" in onnx_row["method"] == torch_row["method"]
+    alone = time_baselines(OrtRunner(path), None, _dataset(), spec)
+    assert alone["torch"] is None and "interleaved" not in alone["onnx_fp32"][1]["method"]

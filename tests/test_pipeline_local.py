@@ -79,7 +79,7 @@ def env(tmp_path_factory):
     environ = {**os.environ, "TAILGUARD_HOME": str(home)}
     old = os.environ.get("TAILGUARD_HOME")
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.core.reference import register_reference
+    from tailguard.registration import register_reference
     from tailguard.core.home import default_tracking_uri
     from tailguard.models import MeanPooledEncoder
     from tailguard.core.tracking import configure
@@ -138,6 +138,11 @@ def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates
     artifacts = {a.path for a in client.list_artifacts(fp32.info.run_id)}
     assert {"report.html", "slices.csv", "worst_samples.csv", "discovered.csv"} <= artifacts
     assert "sensitivity" not in artifacts  # FP32: nothing to quantize
+    # the logged variant pins its requirements (given explicitly: MLflow's inference subprocess is skipped)
+    logged = Path(mlflow.artifacts.download_artifacts(fp32.data.tags["tailguard.model_uri"],
+                                                      dst_path=str(env["root"] / "logged")))
+    reqs = logged / "requirements.txt"
+    assert {line.split("==")[0] for line in reqs.read_text().split()} >= {"onnx", "onnxruntime"}
     int8 = next(c for c in children if c.data.tags["tailguard.variant"] == "ort-int8-dynamic")
     sens = {a.path for a in client.list_artifacts(int8.info.run_id, "sensitivity")}
     assert sens == {"sensitivity/sensitivity.csv", "sensitivity/sensitivity.png"}

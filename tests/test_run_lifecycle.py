@@ -149,6 +149,9 @@ def _promote_worker(uri, parent_run_id, version, barrier, results):
 
 def _candidates(tmp_path, specs):
     """A store with one parent run + validation run + registered version per (label, p50 ms, source version)."""
+    from tailguard.core.contract import VARIANT_RESULT_FILE
+    from tailguard.core.results import VariantResult
+
     from tailguard.core.tracking import configure
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -160,6 +163,11 @@ def _candidates(tmp_path, specs):
         parent = client.create_run(exp_id, tags={"tailguard.pipeline_run": label})
         child = client.create_run(exp_id, tags={"mlflow.parentRunId": parent.info.run_id})
         client.log_metric(child.info.run_id, "bs1.latency_ms.p50", p50)
+        # what promote compares: the validate step's variant_result.json (passed, p50 at batch size 1)
+        client.log_dict(child.info.run_id, VariantResult(label, "onnxruntime", "fp32", "ok", passed=True,
+                                                         run_id=child.info.run_id,
+                                                         perf={1: {"latency_ms.p50": p50}}).to_dict(),
+                        VARIANT_RESULT_FILE)
         mv = client.create_model_version("m-optimized", str(tmp_path / label), run_id=child.info.run_id,
                                          tags={"tailguard.source_version": str(source), "tailguard.gates": "passed",
                                                "tailguard.run_id": child.info.run_id})
@@ -213,6 +221,25 @@ def test_promote_keeps_the_faster_holder_when_the_alias_moved_during_the_run(pri
     # a run that decided after the alias moved (expected = the holder) replaces it, as runs one after another do
     r = promote(client, parent_run_id=c["slow"][0], version=c["slow"][1], expected=c["faster"][1], **kw)
     assert (r.outcome, r.alias_version) == ("promoted", c["slow"][1])
+
+
+def test_promote_keeps_the_holder_when_its_variant_result_says_not_passed_although_its_tag_says_passed(private_home):
+    """The re-decision reads the holder's variant_result.json, not the version's tailguard.gates tag: a holder
+    whose file says not passed has no passing latency to compare, so it keeps the alias (it is never beaten on a
+    tag)."""
+    from tailguard.components.register.logic import promote
+    from tailguard.core.contract import VARIANT_RESULT_FILE
+    from tailguard.core.results import VariantResult
+
+    uri, client, c = _candidates(private_home, [("fast", 3.0, 1), ("faster", 1.0, 1)])
+    kw = dict(model_name="m-optimized", alias="production", batch_size=1, tracking_uri=uri)
+    assert promote(client, parent_run_id=c["fast"][0], version=c["fast"][1], expected=None, **kw).outcome == "promoted"
+    holder_run = client.get_model_version("m-optimized", c["fast"][1]).tags["tailguard.run_id"]
+    client.log_dict(holder_run, VariantResult("fast", "onnxruntime", "fp32", "ok", passed=False, run_id=holder_run,
+                                              perf={1: {"latency_ms.p50": 3.0}}).to_dict(), VARIANT_RESULT_FILE)
+    r = promote(client, parent_run_id=c["faster"][0], version=c["faster"][1], expected=None, **kw)
+    assert (r.outcome, r.alias_version) == ("superseded", c["fast"][1])
+    assert "no passing latency" in r.reason
 
 
 def _init_worker(uri, barrier, results):

@@ -148,8 +148,18 @@ def test_run_promotes_the_searched_variant_and_logs_trials_when_a_trial_passes_t
     assert searched.data.tags["mlflow.parentRunId"] == summary["parent_run_id"]
     assert searched.data.tags["tailguard.search_of"] == V
     assert searched.data.tags["tailguard.trial_run_id"] in {t.info.run_id for t in trial_runs}
-    assert {"report.html", "slices.csv", "result.json"} <= {a.path for a in client.list_artifacts(
-        searched.info.run_id)}
+    assert {"report.html", "slices.csv", "result.json", "variant_result.json"} <= {
+        a.path for a in client.list_artifacts(searched.info.run_id)}
+    # what register read: the chosen trial's typed result, and the logged result.json carrying the same verdict
+    from tailguard.core.results import VariantResult
+
+    dl = env["root"] / "downloaded"
+    dl.mkdir(exist_ok=True)
+    got = VariantResult.read(client.download_artifacts(searched.info.run_id, "variant_result.json", str(dl)))
+    assert (got.variant, got.search_of, got.trial_run_id, got.passed) == (
+        f"{V}-searched", V, searched.data.tags["tailguard.trial_run_id"], True)
+    logged = json.loads(Path(client.download_artifacts(searched.info.run_id, "result.json", str(dl))).read_text())
+    assert logged["passed"] is True and logged["variant"] == V
     [version] = client.search_model_versions(f"name = 'planted-mlp-optimized' and "
                                              f"version_number = {rows[f'{V}-searched']['version']}")
     assert version.tags["tailguard.search_of"] == V and len(version.tags["tailguard.sha256"]) == 64
@@ -195,6 +205,38 @@ def test_search_decision_runs_a_passing_variant_when_search_is_always(tmp_path):
 
     v = _spec_obj(tmp_path, when="always").variants[0]
     assert search_decision(v, {"status": "ok", "passed": True}) == (None, "")
+
+
+def _timed_spec(tmp_path, gates, promotion_bs=None):
+    from tailguard.core.spec import load_spec
+
+    path = write_spec(tmp_path, gates=[COSINE_GATE, *gates])
+    doc = yaml.safe_load(path.read_text())
+    doc["benchmark"]["batch_sizes"] = [1, 8, 32]
+    if promotion_bs:
+        doc["promotion"]["batch_size"] = promotion_bs
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return load_spec(path, resolve_paths=False)
+
+
+def test_search_trials_are_timed_at_the_promotion_and_gate_batch_sizes_only_when_others_are_declared(tmp_path):
+    from tailguard.components.search.task import decision_batch_sizes, decision_spec
+
+    spec = _timed_spec(tmp_path, [{"metric": "latency_ms.p99", "max": 50, "batch_size": 32}], promotion_bs=8)
+    assert decision_batch_sizes(spec) == [8, 32]
+    trial = decision_spec(spec)
+    assert trial.benchmark.batch_sizes == [8, 32] and spec.benchmark.batch_sizes == [1, 8, 32]
+    assert trial.gates == spec.gates and trial.benchmark.max_seconds == spec.benchmark.max_seconds
+    # no batched gate: the first batch size ('fastest' is judged there); a parity gate adds none
+    assert decision_batch_sizes(_timed_spec(tmp_path, [])) == [1]
+
+
+def test_search_trials_keep_the_spec_when_every_batch_size_is_read(tmp_path):
+    from tailguard.components.search.task import decision_spec
+
+    spec = _timed_spec(tmp_path, [{"metric": "latency_ms.p99", "max": 50, "batch_size": 8},
+                                  {"metric": "throughput_per_s", "min": 1, "batch_size": 32}])
+    assert decision_spec(spec) is spec
 
 
 def test_build_pipeline_adds_a_search_task_after_validate_and_before_register_when_a_variant_searches(tmp_path):

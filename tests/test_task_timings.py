@@ -81,11 +81,14 @@ def timed_task(step: str, cached: bool) -> str:
 
 @dsl.pipeline(name="timings-test")
 def two_tasks() -> None:
-    first = timed_task(step="export", cached=True)
-    timed_task(step="build-variant", cached=False).after(first)
+    from tailguard.builder import named
+
+    # one component, two tasks: named (as the builder does) keeps KFP from calling the second timed-task-2
+    first = named(timed_task, "export")(step="export", cached=True)
+    named(timed_task, "build-int8")(step="build", cached=False).after(first)
 
 
-def test_task_timings_reads_wall_body_and_cached_per_task_when_kfp_local_ran_the_pipeline(tmp_path):
+def test_task_timings_reads_wall_body_cached_and_task_names_when_kfp_local_ran_the_pipeline(tmp_path):
     from kfp import local
 
     from tailguard.runner import _redirect
@@ -97,7 +100,7 @@ def test_task_timings_reads_wall_body_and_cached_per_task_when_kfp_local_ran_the
         two_tasks()
     t = task_timings(log.read_text())
     assert [(r["task"], r["status"], r["cached"]) for r in t["tasks"]] == [
-        ("timed-task", "success", True), ("timed-task-2", "success", False)]
+        ("export", "success", True), ("build-int8", "success", False)]
     for r in t["tasks"]:
         assert r["wall_s"] >= r["body_s"] >= r["imports_s"] >= 0.0
         assert r["overhead_s"] == pytest.approx(r["wall_s"] - r["body_s"], abs=2e-3)
@@ -129,14 +132,14 @@ def test_task_timings_crosses_midnight_and_leaves_body_unknown_when_a_task_print
 
 def test_timings_line_shows_cached_and_ran_per_task_when_timings_are_known():
     line = timings_line({"tasks": [{"task": "export", "status": "success", "cached": True, "wall_s": 0.41},
-                                   {"task": "build-variant-2", "variant": "int8", "status": "success",
+                                   {"task": "build-int8", "variant": "int8", "status": "success",
                                     "cached": False, "wall_s": 1.26},
-                                   {"task": "validate-variant", "variant": "fp32", "status": "success",
+                                   {"task": "validate-fp32", "variant": "fp32", "status": "success",
                                     "cached": None, "wall_s": 8.0},
                                    {"task": "register-and-promote", "status": "failure", "wall_s": None}],
                          "total_s": 9.9, "startup_s": 6.0, "startup_share": 0.6})
-    assert line == ("tasks 9.9 s, start-up + imports 60%: export 0.4 s cached, build int8 1.3 s ran, "
-                    "validate fp32 8.0 s, register-and-promote ? failure")
+    assert line == ("tasks 9.9 s, start-up + imports 60%: export 0.4 s cached, build-int8 1.3 s ran, "
+                    "validate-fp32 8.0 s, register-and-promote ? failure")
     assert timings_line(None) == "" and timings_line({"tasks": []}) == ""
 
 

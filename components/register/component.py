@@ -1,13 +1,16 @@
 """KFP component: register every built variant and promote the selected passing one by alias."""
 
 from kfp import dsl
+from kfp.dsl import Dataset, Input
 
 from tailguard.components.images import CPU_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def register_and_promote(spec_yaml: str, resolved: str, parent_run_id: str, tracking_uri: str) -> str:
-    """Read the variants' nested runs, register each built variant, set the alias on the selected one.
+def register_and_promote(spec_yaml: str, resolved: str, parent_run_id: str, tracking_uri: str, baselines: str,
+                         reference_outputs: Input[Dataset]) -> str:
+    """Log reference-pass's baselines and calibration coverage to the parent run, read the variants' nested runs,
+    register each built variant, set the alias on the selected one.
 
     Returns:
         JSON run summary (per variant: status, speedups, latency, worst slice, gates; promoted version).
@@ -15,4 +18,4 @@ def register_and_promote(spec_yaml: str, resolved: str, parent_run_id: str, trac
     from tailguard.components.register.task import main
 
     return main(spec_yaml=spec_yaml, resolved_json=resolved, parent_run_id=parent_run_id,
-                tracking_uri=tracking_uri)
+                tracking_uri=tracking_uri, baselines_json=baselines, reference_dir=reference_outputs.path)

@@ -8,20 +8,24 @@ A variant V with a `search` section whose search chose a trial contributes one m
 (the chosen trial's run, a direct child of the parent run tagged tailguard.search_of = V): registered like the
 others (backend, precision and execution provider of V; tags tailguard.search_of and tailguard.trial_run_id)
 and competing in `select_fastest_passing`.
+
+Each row and the promotion decision come from the candidate's variant_result.json (`tailguard.core.results.
+VariantResult`, written by the validate or search step on the candidate's run), not from its tags or metric
+names: `passed` is the one the validate step decided. A run without a readable file (its task died mid-way)
+is a failed row that is not registered, never a passing one.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, DISCOVERED_TAG, GATE_NAME_PREFIX,
-                                     GATES_TAG, MODEL_URI_TAG, NOTE_TAG, PROMOTION_TAG, REPORT_ERROR_TAG,
-                                     SEARCH_OF_TAG, STATUS_TAG, SUPERSEDED_BY_TAG, TRIAL_RUN_TAG, VARIANT_TAG,
-                                     WORST_SLICE_TAG, insufficient_reason, searched_name)
+from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, GATE_NAME_PREFIX, NOTE_TAG,
+                                     PROMOTION_TAG, REPORT_ERROR_TAG, SEARCH_OF_TAG, SUPERSEDED_BY_TAG,
+                                     TRIAL_RUN_TAG, VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
 from tailguard.core.reference import alias_version
+from tailguard.core.results import ResultFormatError, VariantResult
 
 
 @dataclass
@@ -40,8 +44,8 @@ class VariantSummary:
         discovered: the worst significant slices worst-slice discovery found (up to 3: slice, value, support,
             metric, value_in_slice, value_rest, q_value); [] when none was significant or discovery was off.
         gates: {gate key: status}.
-        quantized_mac_fraction: INT8 variants: share of the MACs computed in INT8 (metric of the variant's run;
-            pipelines/core/macs.py), else None.
+        quantized_mac_fraction: INT8 variants: share of the MACs computed in INT8 (from the variant's
+            variant_result.json; pipelines/core/macs.py), else None.
         warnings: what the summary must flag although no gate asked (`coverage_warnings`: an INT8 variant that
             quantized under LOW_QUANTIZED_MAC_FRACTION of its MACs, or whose coverage was not recorded).
     """
@@ -123,15 +127,28 @@ class RunSummary:
         return any(v.passed for v in self.variants)
 
 
-def _metric(run: Any, key: str) -> float | None:
-    v = run.data.metrics.get(key)
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+def read_variant_result(client: Any, run_id: str) -> VariantResult | str:
+    """The VariantResult the validate (or search) step logged to run `run_id` (artifact VARIANT_RESULT_FILE).
 
+    Returns:
+        The result, or, when there is none to trust, the reason in words (the file is missing: the task stopped
+        before writing it; or unreadable: another schema version, bad JSON) -- the caller marks the row failed.
+    """
+    import tempfile
 
-def _worst_slice(run: Any) -> dict[str, Any] | None:
-    """The validate step's worst slice group (key parity metric, groups with enough support), from its tag."""
-    raw = run.data.tags.get(WORST_SLICE_TAG)
-    return json.loads(raw) if raw else None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        names = {a.path for a in client.list_artifacts(run_id)}
+        if VARIANT_RESULT_FILE not in names:
+            return (f"no {VARIANT_RESULT_FILE} on run {run_id}: its validation did not finish (the task stopped "
+                    "before writing its result)")
+        with tempfile.TemporaryDirectory() as tmp:
+            return VariantResult.read(client.download_artifacts(run_id, VARIANT_RESULT_FILE, tmp))
+    except ResultFormatError as exc:
+        return f"unreadable {VARIANT_RESULT_FILE} on run {run_id}: {exc.message}"
+    except (MlflowException, OSError) as exc:
+        return f"cannot download {VARIANT_RESULT_FILE} from run {run_id}: {exc}"
 
 
 def _search_json(client: Any, run_id: str) -> dict[str, Any] | None:
@@ -152,12 +169,6 @@ def _search_json(client: Any, run_id: str) -> dict[str, Any] | None:
     except (MlflowException, OSError, ValueError):  # unreadable: the summary goes on without this search
         return None
     return d if isinstance(d, dict) else None
-
-
-def _discovered(run: Any) -> list[dict[str, Any]]:
-    """The validate step's worst significant discovered slices, from its tag ([] when none or not run)."""
-    raw = run.data.tags.get(DISCOVERED_TAG)
-    return json.loads(raw) if raw else []
 
 
 LOW_QUANTIZED_MAC_FRACTION = 0.5  # an INT8 variant computing less than this share of its MACs in INT8 is flagged
@@ -236,36 +247,33 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     spec_sha = client.get_run(parent_run_id).data.tags.get("tailguard.spec_sha256", "")
 
     def add_row(name: str, v: Any, run: Any) -> None:
-        tags = run.data.tags
-        gates = gate_statuses(tags)
-        insufficient = [k for k, val in gates.items() if val == "insufficient_data"]
-        reason = tags.get("tailguard.reason", "")
-        if insufficient and "insufficient data" not in reason:
-            # not judged is not passed (gates.all_passed), whatever the run's tailguard.gates tag says
-            reason = "; ".join(p for p in (reason, insufficient_reason(insufficient)) if p)
+        run_id = run.info.run_id
+        r = read_variant_result(client, run_id)
+        if isinstance(r, VariantResult) and r.variant != name:
+            r = f"{VARIANT_RESULT_FILE} on run {run_id} is the result of {r.variant!r}, not of {name!r}"
+        if isinstance(r, str):  # no result to trust: failed, not registered (a died task never passes)
+            summary.variants.append(VariantSummary(name, v.backend, v.precision, "failed", reason=r, run_id=run_id))
+            return
         row = VariantSummary(
-            variant=name, backend=v.backend, precision=v.precision, status=tags.get(STATUS_TAG, "failed"),
-            reason=reason, passed=tags.get(GATES_TAG) == "passed" and not insufficient,
-            run_id=run.info.run_id,
-            p50_ms=_metric(run, f"bs{bs}.latency_ms.p50"), p99_ms=_metric(run, f"bs{bs}.latency_ms.p99"),
-            speedup_vs_torch=_metric(run, f"bs{bs}.speedup_vs_torch"),
-            speedup_vs_onnx_fp32=_metric(run, f"bs{bs}.speedup_vs_onnx_fp32"),
-            worst_slice=_worst_slice(run), discovered=_discovered(run), gates=gates,
-            quantized_mac_fraction=_metric(run, "quantized_mac_fraction"))
+            variant=name, backend=v.backend, precision=v.precision, status=r.status, reason=r.reason,
+            passed=r.passed, run_id=run_id,
+            p50_ms=r.perf_value(bs, "latency_ms.p50"), p99_ms=r.perf_value(bs, "latency_ms.p99"),
+            speedup_vs_torch=r.perf_value(bs, "speedup_vs_torch"),
+            speedup_vs_onnx_fp32=r.perf_value(bs, "speedup_vs_onnx_fp32"),
+            worst_slice=r.worst_slice, discovered=list(r.discovered), gates=r.gate_statuses(),
+            quantized_mac_fraction=r.quantized_mac_fraction)
         row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction)
-        model_uri = tags.get(MODEL_URI_TAG)
-        if row.status == "ok" and model_uri:
-            extra = {SEARCH_OF_TAG: tags[SEARCH_OF_TAG], TRIAL_RUN_TAG: tags.get(TRIAL_RUN_TAG, "")} \
-                if tags.get(SEARCH_OF_TAG) else {}
-            mv = mlflow.register_model(model_uri, spec.optimized_model_name, tags={
+        if row.status == "ok" and r.model_uri:
+            extra = {SEARCH_OF_TAG: r.search_of, TRIAL_RUN_TAG: r.trial_run_id or ""} if r.search_of else {}
+            mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags={
                 "tailguard.variant": name, "tailguard.backend": v.backend, "tailguard.precision": v.precision,
                 "tailguard.execution_provider": v.execution_provider,
                 "tailguard.source_model": spec.model.registered_name,
                 "tailguard.source_version": str(source_version),
                 "tailguard.source_sha256": source_sha256 or "",
                 "tailguard.gates": "passed" if row.passed else "failed",
-                "tailguard.sha256": tags.get("tailguard.sha256", ""),
-                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run.info.run_id, **extra})
+                "tailguard.sha256": r.sha256 or "",
+                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run_id, **extra})
             row.version = str(mv.version)
         summary.variants.append(row)
 
@@ -321,9 +329,10 @@ def _holder_wins(client: Any, model_name: str, holder: str, *, version: str, bat
     it against this run's `version`, by the rule a single run applies plus source recency.
 
     A newer source model version (tag tailguard.source_version) wins; for the same source version the faster
-    passing variant wins (p50 at `batch_size` from each version's validation run, select_fastest_passing; ties: the
-    holder). A holder that cannot be judged (no source version or no latency recorded, e.g. promoted by hand) keeps
-    the alias: an unknown promotion is not overwritten.
+    passing variant wins (`passed` and p50 at `batch_size` from the variant_result.json of each version's
+    validation run, select_fastest_passing; ties: the holder). A holder that cannot be judged (no source version,
+    no result file or no latency recorded, e.g. promoted by hand) keeps the alias: an unknown promotion is not
+    overwritten.
     """
     mine, theirs = client.get_model_version(model_name, version), client.get_model_version(model_name, holder)
     src_mine = _version_int(mine.tags.get("tailguard.source_version"))
@@ -337,9 +346,8 @@ def _holder_wins(client: Any, model_name: str, holder: str, *, version: str, bat
 
     def p50(mv: Any) -> float | None:
         run_id = mv.tags.get("tailguard.run_id")
-        if not run_id or mv.tags.get("tailguard.gates") != "passed":
-            return None
-        return _metric(client.get_run(run_id), f"bs{batch_size}.latency_ms.p50")
+        r = read_variant_result(client, run_id) if run_id else None
+        return r.perf_value(batch_size, "latency_ms.p50") if isinstance(r, VariantResult) and r.passed else None
 
     p_mine, p_theirs = p50(mine), p50(theirs)
     if p_theirs is None:

@@ -3,13 +3,51 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
+from tailguard.core.contract import COVERAGE_CSV, COVERAGE_JSON, baseline_metrics
 from tailguard.core.taskio import task_entry
 
 
+
+def log_reference(client: Any, parent_run_id: str, baselines_json: str, reference_dir: str | None) -> None:
+    """Log what reference-pass measured to the parent run: metrics
+    `baseline.<torch|onnx_fp32>.bs<N>.latency_ms.<p50|p95|p99>` (ms, from its `baselines` JSON) and, when it wrote
+    them (declared slices), the artifact calibration_coverage.csv and the metrics calibration.groups_missing /
+    calibration.min_coverage_ratio (from calibration_coverage.json).
+
+    Args:
+        client: an `mlflow.MlflowClient`.
+        parent_run_id: the pipeline run's parent MLflow run.
+        baselines_json: reference-pass's output: {"torch": {batch size: perf} | null, "onnx_fp32": {...}, ...}.
+        reference_dir: reference-pass's output folder, or None.
+    """
+    import time
+
+    from mlflow.entities import Metric
+
+    baselines = json.loads(baselines_json) if baselines_json else {}
+    values = baseline_metrics(baselines)
+    folder = Path(reference_dir) if reference_dir else None
+    if folder is not None and (folder / COVERAGE_JSON).is_file():
+        values.update({k: float(v) for k, v in json.loads((folder / COVERAGE_JSON).read_text()).items()})
+    if folder is not None and (folder / COVERAGE_CSV).is_file():
+        client.log_artifact(parent_run_id, str(folder / COVERAGE_CSV))
+    now = int(time.time() * 1000)
+    if values:
+        client.log_batch(parent_run_id, metrics=[Metric(k, v, now, 0) for k, v in values.items()])
+
+
 @task_entry("register-and-promote")
-def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri: str) -> str:
-    """Register the variants, promote the fastest passing one, log summary.json and close the parent run.
+def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri: str, baselines_json: str = "",
+         reference_dir: str | None = None) -> str:
+    """Log the FP32 baselines and calibration coverage (`log_reference`), register the variants, promote the
+    fastest passing one, log summary.json and close the parent run.
+
+    Args:
+        baselines_json: reference-pass's output ("" = none logged).
+        reference_dir: reference-pass's output folder (calibration_coverage.csv / .json), or None.
 
     Returns:
         The RunSummary as JSON. No passing variant is not an error here: the summary says so and the CLI
@@ -25,6 +63,8 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     resolved = json.loads(resolved_json)
     configure(tracking_uri)
     client = mlflow.MlflowClient()
+    # before the registration: the report and summary read the baseline.* metrics from the parent run
+    log_reference(client, parent_run_id, baselines_json, reference_dir)
     parent = client.get_run(parent_run_id)
     summary = register_and_promote(spec, parent_run_id=parent_run_id, experiment_id=parent.info.experiment_id,
                                    source_version=str(resolved["version"]), source_sha256=resolved.get("sha256"))

@@ -92,7 +92,8 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any
 def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, variant: Any, trial: Any,
                            trial_run_id: str, work_dir: Path) -> str:
     """Log the chosen trial as candidate '<V>-searched', a direct child of the parent run, exactly as the
-    validate step logs a variant (components/validate/task.py `log_validated_model`). Returns the run id.
+    validate step logs a variant (components/validate/task.py `log_validated_model`), variant_result.json
+    included (search_of = V, trial_run_id = `trial_run_id`: what the register step reads). Returns the run id.
 
     Raises:
         StepError: the chosen trial has no model file or no validation result.
@@ -101,6 +102,7 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
 
     from tailguard.components.validate.task import flat_params, log_validated_model
     from tailguard.core.errors import StepError
+    from tailguard.core.results import VariantResult
 
     if trial.result is None or not trial.model_path or not Path(trial.model_path).is_file():
         raise StepError(f"chosen trial {trial.name} has no validated model file ({trial.model_path})",
@@ -114,9 +116,34 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
         client.log_batch(run_id, params=[mlflow.entities.Param(k, v)
                                          for k, v in flat_params(trial.variant).items()])
         client.log_dict(run_id, dict(trial.config), "search_config.json")
+        identity = VariantResult(variant=name, backend=variant.backend, precision=variant.precision, status="ok",
+                                 run_id=run_id, search_of=variant.name, trial_run_id=trial_run_id or None)
         log_validated_model(client, run_id, trial.result, work_dir=work_dir, model_file=Path(trial.model_path),
-                            execution_provider=trial.variant.execution_provider)
+                            execution_provider=trial.variant.execution_provider, identity=identity)
     return run_id
+
+
+def decision_batch_sizes(spec: Any) -> list[int]:
+    """The benchmark batch sizes a search decision reads, in spec order: the promotion batch size ('fastest' is
+    judged there: `logic._p50`) and the batch size of every batched gate (latency, throughput, cost, speedup:
+    `Spec.gate_batch_size`)."""
+    from tailguard.core.spec import BATCHED_METRICS
+
+    wanted = {spec.promotion.batch_size or spec.benchmark.batch_sizes[0]}
+    wanted |= {spec.gate_batch_size(g) for g in spec.gates if g.metric in BATCHED_METRICS}
+    return [bs for bs in spec.benchmark.batch_sizes if bs in wanted]
+
+
+def decision_spec(spec: Any) -> Any:
+    """`spec` with benchmark.batch_sizes cut to `decision_batch_sizes`: what each search trial is timed at.
+
+    Timing is most of a trial's cost (every batch size up to benchmark.max_seconds, the FP32 reference
+    interleaved), and a batch size no gate and no promotion reads cannot change which trial is chosen. The
+    chosen trial's run therefore has perf rows at these batch sizes only (docs/spec.md, `search`)."""
+    sizes = decision_batch_sizes(spec)
+    if sizes == list(spec.benchmark.batch_sizes):
+        return spec
+    return spec.model_copy(update={"benchmark": spec.benchmark.model_copy(update={"batch_sizes": sizes})})
 
 
 def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validation: Any, baselines: dict[str, Any],
@@ -125,7 +152,8 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
     """The `evaluate(trial_variant, model_path)` run_search calls, mirroring the validate step.
 
     Each trial runs on its own execution provider with spec.benchmark.intra_op_num_threads, over the same
-    validation rows and FP32 reference outputs as the validate step, against the same latency baselines. Gates
+    validation rows and FP32 reference outputs as the validate step, against the same latency baselines, timed
+    at the batch sizes the decision reads only (`decision_spec`). Gates
     are matched with the SPEC variant's name (`variant.name`), so gates that list variants judge a trial of V
     by V's gates; files go to work_root/<trial name>/. As in the validate step, a trial with non-finite outputs
     fails whatever its gates say (`ValidationResult.passed` is set to False).
@@ -140,6 +168,7 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
     dirs: dict[str, Path] = {}
     # as in the validate step: the FP32 reference timed interleaved with each trial (speed-ratio bounds)
     baseline_runners = reference_runners(spec, reference_model_dir)
+    trial_spec = decision_spec(spec)
 
     def evaluate(trial_variant: Any, model_path: Path) -> Any:
         runner = OrtRunner(model_path, providers=[trial_variant.execution_provider],
@@ -148,7 +177,7 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
         if d.exists():
             shutil.rmtree(d)
         dirs[trial_variant.name] = d
-        result = validate_variant(spec, variant.name, runner, reference_outputs, validation, d,
+        result = validate_variant(trial_spec, variant.name, runner, reference_outputs, validation, d,
                                   reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
                                   model_path=model_path, baseline_runners=baseline_runners)
         result.passed = verdict(result)[0]  # the validate step's verdict: non-finite outputs fail too

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from tailguard.core.contract import VALIDATION_RESULT_FILE, VARIANT_RESULT_FILE
+from tailguard.core.results import StepResult, VariantResult
 from tailguard.core.taskio import task_entry, write_json
 
 # Tag names and key formats: tailguard.core.contract (re-exported here for existing imports).
@@ -68,8 +70,12 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     reference-pass timing (another process, another time) and has no bound. torch eager is timed in
     reference-pass only (speedup_vs_torch has no bound).
 
+    Every outcome (ok, failed or skipped build, validation that raised) leaves variant_result.json
+    (`VariantResult`, the register step's input) on the run; a validation that raised leaves a failed one and
+    re-raises.
+
     Returns:
-        JSON {variant, status, reason, passed, run_id, model_uri, overall, perf, gates, worst_slice}.
+        JSON {variant, status, reason, passed, run_id, model_uri, build, overall, perf, gates, worst_slice}.
     """
     import mlflow
 
@@ -80,6 +86,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     spec = spec_from_yaml(spec_yaml)
     variant = next(v for v in spec.variants if v.name == variant_name)
     build = json.loads(build_json)
+    step = StepResult.from_dict(build, source=f"build output of variant {variant_name!r}")
     exp_id = configure(tracking_uri, experiment_name_for(spec))
     client = mlflow.MlflowClient()
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
@@ -88,18 +95,43 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     run = client.create_run(exp_id, run_name=variant.name, tags=tags)
     run_id = run.info.run_id
     client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in flat_params(variant).items()])
-    summary: dict[str, Any] = {"variant": variant.name, "status": build["status"], "reason": build.get("reason", ""),
+    summary: dict[str, Any] = {"variant": variant.name, "status": step.status, "reason": step.reason,
                                "passed": False, "run_id": run_id, "model_uri": None, "build": build}
+    identity = VariantResult(variant=variant.name, backend=variant.backend, precision=variant.precision,
+                             status=step.status, reason=step.reason, run_id=run_id)
     with closing_run(client, run_id):
         client.log_dict(run_id, build, "build.json")
         log_coverage(client, run_id, build)
-        if build["status"] != "ok":
-            client.set_tag(run_id, "tailguard.reason", build.get("reason", "")[:5000])
+        if step.status != "ok":
+            client.set_tag(run_id, "tailguard.reason", step.reason[:5000])
+            log_variant_result(client, run_id, identity)
             return json.dumps(summary, default=str)
-        summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
-                                 Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path,
-                                 reference_model_dir))
+        try:
+            summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
+                                     Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path,
+                                     reference_model_dir, identity=identity))
+        except Exception as exc:
+            _log_failed_result(client, run_id, identity, f"validation raised {type(exc).__name__}: {exc}")
+            raise
         return json.dumps(summary, default=str)
+
+
+def log_variant_result(client: Any, run_id: str, result: VariantResult) -> None:
+    """Log `result` to run `run_id` as the artifact VARIANT_RESULT_FILE (JSON; inf/NaN as Python's json writes
+    them). Written last for a validated candidate: its presence says the validation finished."""
+    client.log_dict(run_id, result.to_dict(), VARIANT_RESULT_FILE)
+
+
+def _log_failed_result(client: Any, run_id: str, identity: VariantResult, reason: str) -> None:
+    """Best effort: a failed variant_result.json for a validation that raised (register treats a run without
+    the file as failed anyway, so a store error here must not hide the original exception)."""
+    import dataclasses
+
+    try:
+        log_variant_result(client, run_id, dataclasses.replace(identity, status="failed", passed=False,
+                                                               reason=reason[:5000]))
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict[str, Any] | None:
@@ -120,7 +152,7 @@ def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict
 
 def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
               run_id: str, client: Any, metrics: Any, report_path: str | None,
-              reference_model_dir: str | None = None) -> dict[str, Any]:
+              reference_model_dir: str | None = None, *, identity: VariantResult | None = None) -> dict[str, Any]:
     from tailguard.components.validate.logic import validate_variant
     from tailguard.core.data import load_validation
     from tailguard.core.runtime import OrtRunner
@@ -139,7 +171,7 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
             shutil.copytree(variant_dir / "sensitivity", work / "sensitivity")
         return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
                                    execution_provider=variant.execution_provider, metrics=metrics,
-                                   report_path=report_path)
+                                   report_path=report_path, identity=identity)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -215,15 +247,38 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
     return passed, reason
 
 
+def onnx_pip_requirements(execution_provider: str) -> list[str]:
+    """The pip requirements saved with a logged ONNX variant: onnx and the ONNX Runtime distribution installed
+    here, pinned (onnxruntime-gpu when it is installed or the execution provider is CUDA/TensorRT).
+
+    Passing them to `mlflow.onnx.log_model` skips MLflow's requirement inference, which starts a subprocess
+    that imports the flavor (seconds per logged model)."""
+    from importlib import metadata
+
+    import onnx
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    gpu = version("onnxruntime-gpu")
+    wants_gpu = execution_provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+    ort = ("onnxruntime-gpu", gpu) if gpu or wants_gpu else ("onnxruntime", version("onnxruntime"))
+    return [f"onnx=={onnx.__version__}", f"{ort[0]}=={ort[1]}" if ort[1] else ort[0]]
+
+
 def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path, model_file: Path,
-                        execution_provider: str, metrics: Any = None, report_path: str | None = None
-                        ) -> dict[str, Any]:
+                        execution_provider: str, metrics: Any = None, report_path: str | None = None,
+                        identity: VariantResult | None = None) -> dict[str, Any]:
     """Log a validated model to its run the way the register step reads it.
 
-    Logs `log_validation`'s metrics and tags, every file of `work_dir` as an artifact (slices.csv, report.html,
-    result.json, ...), the model's sha256 (tag tailguard.sha256) and the model itself (mlflow.onnx.log_model
-    under "model", its URI in tag tailguard.model_uri). Used by the validate step and by the search step for
-    the chosen trial.
+    Logs `log_validation`'s metrics and tags, result.json (`result.to_dict()`, written first so the logged copy
+    is the final one), every file of `work_dir` as an artifact (slices.csv, report.html, result.json, ...), the
+    model's sha256 (tag tailguard.sha256), the model itself (mlflow.onnx.log_model under "model", its URI in
+    tag tailguard.model_uri) and, last, variant_result.json (`variant_result`: what register reads). Used by
+    the validate step and by the search step for the chosen trial.
 
     Args:
         client: an MlflowClient.
@@ -234,6 +289,8 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         execution_provider: the ONNX Runtime EP the model is meant for (saved with the MLflow model).
         metrics: optional KFP Output[Metrics].
         report_path: optional path the report.html is copied to (a KFP Output[HTML]).
+        identity: the candidate's name, backend, precision and search fields for variant_result.json (its
+            verdict fields are filled here); None: named `result.variant`, backend and precision unknown ("").
 
     Returns:
         {passed, reason, model_uri, overall, perf, gates, worst_slice} for the task's output JSON.
@@ -242,6 +299,8 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
     import onnx
 
     passed, reason = log_validation(client, run_id, result, metrics=metrics)
+    d = result.to_dict()
+    write_json(Path(work_dir) / VALIDATION_RESULT_FILE, d)  # before the upload below, so it is the one logged
     for f in sorted(Path(work_dir).iterdir()):
         if f.is_dir():
             client.log_artifacts(run_id, str(f), artifact_path=f.name)
@@ -250,13 +309,44 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
     if report_path and (Path(work_dir) / "report.html").exists():
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(work_dir) / "report.html", report_path)
-    client.set_tag(run_id, "tailguard.sha256", _sha256(Path(model_file)))
+    sha = _sha256(Path(model_file))
+    client.set_tag(run_id, "tailguard.sha256", sha)
     with mlflow.start_run(run_id=run_id):
+        # explicit requirements: without them MLflow infers them in a subprocess that imports the flavor
+        # (measured 3.5 of the validate task's 9 s on the tiny MLP)
         info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
-                                     save_as_external_data=False, onnx_execution_providers=[execution_provider])
+                                     save_as_external_data=False, onnx_execution_providers=[execution_provider],
+                                     pip_requirements=onnx_pip_requirements(execution_provider))
     client.set_tag(run_id, MODEL_URI_TAG, info.model_uri)
-    d = result.to_dict()
-    write_json(Path(work_dir) / "result.json", d)
+    identity = identity or VariantResult(variant=result.variant, backend="", precision="", status="ok")
+    log_variant_result(client, run_id, variant_result(identity, result, passed=passed, reason=reason,
+                                                      run_id=run_id, model_uri=info.model_uri, sha256=sha))
     return {"passed": passed, "reason": reason, "model_uri": info.model_uri,
             "overall": d.get("overall"), "perf": d.get("perf"), "gates": d.get("gates"),
             "worst_slice": d.get("worst_slice")}
+
+
+def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason: str, run_id: str,
+                   model_uri: str | None, sha256: str | None) -> VariantResult:
+    """The VariantResult of a validated candidate: `identity`'s name, backend, precision and search fields, the
+    verdict (`passed`, `reason`, as `verdict` decided them), and from the ValidationResult `result` the scalar
+    perf at each benchmark batch size (raw timings left out), the overall metrics, each gate's
+    {gate, status, metric, observed, threshold}, the worst slice, the top discovered slices
+    (`discovered_summary`) and quantized_mac_fraction."""
+    import dataclasses
+    import numbers
+
+    def scalars(row: dict[str, Any]) -> dict[str, float]:
+        return {k: float(v) for k, v in (row or {}).items()
+                if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+
+    frac = result.overall.get("quantized_mac_fraction")
+    return dataclasses.replace(
+        identity, status="ok", passed=bool(passed), reason=reason, run_id=run_id, model_uri=model_uri,
+        sha256=sha256, perf={int(bs): scalars(row) for bs, row in result.perf.items()},
+        overall=scalars(result.overall),
+        gates=[{"gate": g.gate, "status": g.status, "metric": g.metric, "observed": g.observed,
+                "threshold": g.threshold} for g in result.gates],
+        worst_slice=result.worst_slice,
+        discovered=discovered_summary(result.discovered) if result.discovery is not None else [],
+        quantized_mac_fraction=None if frac is None or np.isnan(float(frac)) else float(frac))

@@ -1,4 +1,4 @@
-"""A local, content-addressed cache for the pure steps (export, build-<variant>, the reference outputs).
+"""A local, content-addressed cache for the pure steps (export, build-<variant>, reference-pass).
 
 A pure step's output is a function of its inputs only: the model bytes, the spec sections the step reads, the
 data files it reads and the code and library versions that run it. `cache_key` hashes exactly those; an entry
@@ -149,11 +149,77 @@ def cache_key(step: str, parts: Mapping[str, Any]) -> str:
     """The key of a step's output: hex SHA-256 of canonical JSON of (FORMAT, step, parts, `versions()`).
 
     Args:
-        step: the step's name ("export", "build", "reference-outputs").
+        step: the step's name ("export", "build", "reference-pass").
         parts: what the step reads, JSON-serializable: model/data SHA-256s, spec sections (model_dump(mode="json")).
     """
     doc = {"format": FORMAT, "step": step, "parts": parts, "versions": versions()}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# Key parts shared by several steps (export, reference-pass): kept here, in the kernel, because a component
+# imports no other component (docs/architecture.md, Layers).
+def reference_parts(resolved: Any, spec: Any) -> dict[str, Any] | None:
+    """What identifies the FP32 reference, for cache keys: its format, files and their bytes, the torch class it
+    loads with (and the source file of that class's module), and the model section (exported shapes, export
+    settings, pad values).
+
+    Args:
+        resolved: the resolved reference (`tailguard.core.reference.ResolvedModel`).
+        spec: the validated spec.
+
+    Returns:
+        The parts, or None (no caching) when the reference names a class whose module's source file cannot be
+        found: an edit of that class could not be seen. Modules the class's module imports are not hashed.
+    """
+    parts: dict[str, Any] = {
+        "format": resolved.format, "model_file": resolved.model_file, "sha256": resolved.sha256,
+        "files": dir_sha256(resolved.local_dir), "class_path": resolved.class_path,
+        "init_kwargs": resolved.init_kwargs,
+        "model": spec.model.model_dump(mode="json", exclude={"version", "registered_name"}),
+    }
+    if resolved.class_path:
+        import importlib.util
+
+        from tailguard.core import reference as resolve_logic
+
+        if hasattr(resolve_logic, "add_model_path"):  # the folders a model class is imported from
+            resolve_logic.add_model_path()
+        try:
+            found = importlib.util.find_spec(resolved.class_path.split(":")[0])
+        except (ImportError, ValueError):
+            found = None
+        if found is None or not found.origin or not Path(found.origin).is_file():
+            return None
+        parts["class_source"] = file_sha256(found.origin)
+    return parts
+
+
+def dataset_parts(section: Any) -> dict[str, Any] | None:
+    """A data section (`data.validation`, `data.calibration`) without its URI, plus the file's SHA-256; None for
+    a remote file (the step reading it is not cached)."""
+    digest = data_sha256(section.uri)
+    if digest is None:
+        return None
+    return {**section.model_dump(mode="json", exclude={"uri"}), "sha256": digest}
+
+
+@functools.lru_cache(maxsize=1)
+def machine_parts() -> dict[str, Any]:
+    """The machine, for the keys of steps whose results hold timings (reference-pass's baselines): the CPU model
+    (/proc/cpuinfo's "model name", else `platform.processor()`), the logical CPU count, the OS and the
+    architecture. A cached timing is served only on a machine that reads the same."""
+    import platform
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu or platform.processor(), "cpus": os.cpu_count(), "system": platform.system(),
+            "machine": platform.machine()}
 
 
 # ---------------------------------------------------------------------------------------------- entries

@@ -9,6 +9,7 @@ where they are written; the ones listed here are those crossing a unit boundary.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 # ------------------------------------------------------------------------------------------------ files
 ONNX_FILE = "model.onnx"                   # export's FP32 reference model, read by quantize, validate, search
@@ -17,6 +18,11 @@ DATA_CHECK_FILE = "data_check.json"        # check_data's report
 RUN_REPORT_FILE = "report.html"            # the parent run's report artifact (register, `tailguard report`)
 SEARCH_ARTIFACT_PATH = "search"            # artifact folder of a search on the searched variant's run
 SEARCH_JSON = f"{SEARCH_ARTIFACT_PATH}/search.json"
+VARIANT_RESULT_FILE = "variant_result.json"  # results.VariantResult, on each candidate's run; read by register
+VALIDATION_RESULT_FILE = "result.json"     # validate's full ValidationResult.to_dict(), on each validated run
+COVERAGE_CSV = "calibration_coverage.csv"  # reference-pass's calibration coverage table, on the parent run
+COVERAGE_JSON = "calibration_coverage.json"  # {"calibration.groups_missing": .., "calibration.min_coverage_ratio": ..}
+BASELINES_FILE = "baselines.json"          # reference-pass's latency baselines (its output folder)
 
 # ------------------------------------------------------------------------------------------------ parent-run tags
 PARENT_TAG = "tailguard.pipeline_run"      # on every run of a pipeline run: the parent run id (set by resolve)
@@ -81,3 +87,20 @@ def insufficient_reason(gate_keys: list[str] | tuple[str, ...]) -> str:
 # protobuf's hard limit for one serialized ModelProto is 2 GiB: a model at or above it is saved with external data
 # (weights in a side file); below it, as one self-contained .onnx file (what ONNX Runtime's tools handle best).
 ONNX_INLINE_LIMIT_BYTES = 2 * 1024**3
+
+
+BASELINE_NAMES = ("torch", "onnx_fp32")
+BASELINE_PERCENTILES = ("p50", "p95", "p99")
+
+
+def baseline_metrics(baselines: Any) -> dict[str, float]:
+    """The parent run's baseline metrics from reference-pass's baselines: {"baseline.<torch|onnx_fp32>.bs<N>.
+    latency_ms.<p50|p95|p99>": ms}.
+
+    Args:
+        baselines: {"torch": {batch size: benchmark entry} | None, "onnx_fp32": {...}, ...} (batch-size keys int,
+            or str when parsed back from JSON).
+    """
+    return {f"baseline.{name}.bs{bs}.latency_ms.{p}": float(perf[f"latency_ms.{p}"])
+            for name in BASELINE_NAMES for bs, perf in (baselines.get(name) or {}).items()
+            for p in BASELINE_PERCENTILES}

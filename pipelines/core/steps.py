@@ -9,12 +9,10 @@ this node (TensorRT without a GPU) is skipped visibly, never dropped.
 from __future__ import annotations
 
 import importlib
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Literal
+from typing import Callable
 
 from tailguard.core.errors import TailguardError
-
-Status = Literal["ok", "failed", "skipped"]
+from tailguard.core.results import Status, StepResult  # noqa: F401 - re-exported: the step contract
 
 # Modules whose import registers steps; `load_all()` imports them so the registry is complete.
 STEP_MODULES = (
@@ -22,27 +20,6 @@ STEP_MODULES = (
 )
 
 _REGISTRY: dict[str, Callable[..., "StepResult"]] = {}
-
-
-@dataclass
-class StepResult:
-    """Outcome of one step for one variant.
-
-    Attributes:
-        status: ok | failed | skipped.
-        reason: why it failed or was skipped ("" when ok).
-        artifact: path of the produced model file, if any.
-        details: JSON-serializable facts about the build (node counts, timings in s, sizes in bytes).
-    """
-
-    status: Status
-    reason: str = ""
-    artifact: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serializable form."""
-        return asdict(self)
 
 
 class UnknownStepError(TailguardError):
