@@ -405,8 +405,14 @@ def trigger_serve(config: Path = typer.Option(..., "--config", help="Trigger con
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. The process' objects are frozen for the garbage collector before it exits
+    (`tailguard.core.taskio.freeze_for_exit`: the interpreter's final collection skips them)."""
+    from tailguard.core.taskio import freeze_for_exit
+
+    try:
+        app()
+    finally:
+        freeze_for_exit()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,30 @@ def test_task_entry_prints_body_import_seconds_and_cached_when_the_task_returns(
     assert builtins.__import__ is before  # the import clock is removed after the body
 
 
+def test_task_entry_freezes_the_gc_heap_for_a_fast_exit_when_the_body_returned_and_not_when_it_raised():
+    import gc
+
+    from tailguard.core.errors import InputError
+
+    @task_entry("export")
+    def ok() -> str:
+        return "{}"
+
+    @task_entry("export")
+    def bad() -> str:
+        raise InputError("bad file")
+
+    gc.unfreeze()
+    try:
+        with pytest.raises(InputError):
+            bad()
+        assert gc.get_freeze_count() == 0  # a failed body exits the normal way
+        ok()
+        assert gc.get_freeze_count() > 0  # the interpreter's final collection skips what the task made
+    finally:
+        gc.unfreeze()
+
+
 def test_task_entry_prints_a_timing_line_with_ok_false_when_the_task_raises(capsys):
     from tailguard.core.errors import InputError
 

@@ -41,6 +41,7 @@ def task_entry(step: str) -> Callable[[F], F]:
                 with clock:
                     result = fn(*args, **kwargs)
                 ok = True
+                freeze_for_exit()
                 return result
             except TailguardError as err:
                 print(ERROR_MARKER + dumps_error(err), file=sys.stderr, flush=True)
@@ -58,6 +59,20 @@ def task_entry(step: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return deco
+
+
+def freeze_for_exit() -> None:
+    """Move every object alive now into the garbage collector's permanent generation (`gc.freeze`).
+
+    A task process ends soon after its body returns (the KFP executor writes its outputs and exits). At exit the
+    interpreter's final collection traverses every tracked object; after mlflow, sqlalchemy and pandas are
+    imported that took 0.7-0.8 s per process here (a create_run + exit script: wall 3.3 s, 2.6 s with
+    `gc.freeze()` before exit, 3 runs each). Frozen objects are still freed by reference counting; only the
+    cycle collector skips them, so nothing the task wrote is lost (files and MLflow writes are closed by then).
+    Called by `task_entry` after a body returned; a failed body exits the normal way."""
+    import gc
+
+    gc.freeze()
 
 
 # ------------------------------------------------------------------ task timings (the run summary's `tasks`)
