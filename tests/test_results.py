@@ -17,6 +17,7 @@ from tailguard.core.contract import VARIANT_RESULT_FILE
 from tailguard.core.results import (STEP_RESULT_SCHEMA, VARIANT_RESULT_SCHEMA, ResultFormatError, StepResult,
                                     VariantResult)
 from tailguard.core.spec import parse_spec
+from tests.test_gates import _tiny_onnx  # the identity ONNX model of the promotion tests
 
 
 def _result(**kw) -> VariantResult:
@@ -94,17 +95,6 @@ def _spec():
                       "quantization": {"mode": "dynamic"}}],
         "gates": [{"metric": "top1_agreement", "min": 0.9}], "benchmark": {"batch_sizes": [1]},
         "promotion": {"enabled": True}})
-
-
-def _tiny_onnx(path):
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path
 
 
 @pytest.fixture
