@@ -76,7 +76,8 @@ clean:
 
 golden: $(VENV)
 	for s in minilm:examples/minilm/spec.yaml tiny:tests/data/tiny_spec.yaml; do \
-	  $(BIN)/tailguard compile $${s#*:} -o tests/golden/$${s%%:*}.pipeline.yaml; done
+	  $(BIN)/tailguard compile $${s#*:} -o tests/golden/$${s%%:*}.pipeline.yaml && \
+	  sed -i 's|$(CURDIR)|@REPO@|g' tests/golden/$${s%%:*}.pipeline.yaml; done
 
 # The cluster copy of the example spec: identical but for s3:// data URIs (tests/test_manifests.py checks it).
 manifests-spec:

@@ -3,9 +3,9 @@
 DAG (variants unrolled from the spec, so each gets its own task names and, for GPU backends, its own
 node-pool settings):
 
-    check-data -> resolve -> export -> reference-pass
-                                    \\-> build-<variant> -> validate-<variant>   (one pair per variant)
-                                                         -> search-<variant>   (variants with `search:` only)
+    check-data -> resolve -> fetch-reference -> export -> reference-pass
+                                                      \\-> build-<variant> -> validate-<variant>  (one pair per variant)
+                                                                        -> search-<variant>  (with `search:` only)
     register-and-promote  (after every validate and search task; logs reference-pass's baselines to the parent
                            run, reads the nested MLflow runs)
     finalize-run  (cluster form: the exit handler around every task after check-data; marks the parent run
@@ -13,10 +13,20 @@ node-pool settings):
 
 State that crosses tasks: model files as KFP artifacts; metrics and decisions in MLflow (the parent
 run id is a task output). reference-pass's baselines and calibration coverage travel as its outputs and are
-logged to the parent run by register-and-promote. Caching: on the cluster KFP's execution cache is on for the
-pure tasks only (export, reference-pass and build-<variant>: they write artifacts, never MLflow;
-`tailguard compile --no-cache` turns it off); every MLflow-writing task stays uncached. Local runs use
-tailguard's own cache instead (tailguard.cache).
+logged to the parent run by register-and-promote.
+
+Caching: on the cluster KFP's execution cache is on for the pure tasks only (fetch-reference, export,
+reference-pass and build-<variant>: they write artifacts, never MLflow; `tailguard compile --no-cache` turns it
+off); every MLflow-writing task stays uncached. KFP keys a task on its input parameter values, its input
+artifacts (their producers' outputs) and its component, so two things keep a gate change from invalidating the
+pure tasks:
+  - they receive `step_spec_yaml(spec)` (build-<variant>: `step_spec_yaml(spec, variant)`), a compile-time
+    constant in which what the task does not read (gates, promotion, monitoring, cost, labels, the other
+    variants, ...) has fixed canonical values, not the `spec_yaml` parameter; the MLflow-writing tasks keep it;
+  - fetch-reference, not resolve, produces the `reference` artifact they read: resolve opens the parent MLflow
+    run, is uncached and makes a new artifact every run, while fetch-reference's inputs are the concrete
+    version and SHA-256 resolve found, so it hits and hands on its cached artifact.
+Local runs use tailguard's own cache instead (tailguard.cache).
 
 Task names: each task's KFP name is the name above (`build-<variant>`, not KFP's `build-variant-2`), the same in
 the compiled IR and in kfp.local's logs (`named`).
@@ -38,8 +48,58 @@ def _image_for(spec: Spec, gpu: bool) -> "str | None":
 
 # Tasks that are pure functions of their inputs (no MLflow writes): KFP may serve them from its cache.
 def is_pure(name: str) -> bool:
-    """Whether the task named `name` is pure: "export", "reference-pass" or "build-<variant>"."""
-    return name in ("export", "reference-pass") or name.startswith("build-")
+    """Whether the task named `name` is pure: "fetch-reference", "export", "reference-pass" or "build-<variant>"."""
+    return name in ("fetch-reference", "export", "reference-pass") or name.startswith("build-")
+
+
+# The one variant of the step spec of export and reference-pass, which read no variant (a spec needs one).
+CANONICAL_VARIANT: dict[str, str] = {"name": "fp32", "backend": "onnxruntime", "precision": "fp32"}
+
+
+def step_spec_yaml(spec: Spec, variant: "str | None" = None) -> str:
+    """The spec as a pure task sees it, YAML (`dump_spec`): export and reference-pass (`variant` None) or
+    build-<variant> (`variant` its name).
+
+    The sections they read stay as they are: model (but `model.version`), data (but `data.expectations`),
+    slices, benchmark, `analysis.sensitivity`, `metadata.name`, and for a build its own variant (its `search`
+    only by its presence: the build's sensitivity ranking is skipped for a variant with a search). What none of
+    them reads gets a fixed canonical value, so that changing it leaves their inputs, and so KFP's cache key,
+    unchanged: `gates` [] with `promotion` {enabled: false} (valid without a parity gate), `monitoring` and
+    `cost` None, `metadata.labels` {}, `mlflow`, `kubeflow`, the rest of `analysis`, the variant's `search`
+    settings and `data.expectations` at their defaults, `model.version` "latest" (the concrete version reaches
+    them as fetch-reference's artifact), and `variants`: only the build's own variant, or for export and
+    reference-pass one canonical FP32 variant (CANONICAL_VARIANT). Checked against the spec fields the task and
+    logic modules of components/export, components/reference and components/quantize read.
+
+    Args:
+        spec: a validated spec.
+        variant: a variant name of `spec`, or None.
+
+    Returns:
+        YAML text that `spec_from_yaml` accepts; the same for two specs that differ only in what the task does
+        not read.
+
+    Raises:
+        KeyError: `variant` is not a variant of `spec`.
+    """
+    from tailguard.core.spec import dump_spec, parse_spec
+
+    doc = spec.model_dump(mode="json", exclude_none=False)
+    doc["metadata"] = {"name": spec.metadata.name, "labels": {}}
+    doc["model"]["version"] = "latest"
+    doc["data"]["expectations"] = []
+    doc["analysis"] = {"sensitivity": doc["analysis"]["sensitivity"]}
+    if variant is None:
+        doc["variants"] = [dict(CANONICAL_VARIANT)]
+    else:
+        mine = [v for v in doc["variants"] if v["name"] == variant]
+        if not mine:
+            raise KeyError(f"variant {variant!r} is not in the spec; variants: {[v.name for v in spec.variants]}")
+        if mine[0].get("search") is not None:
+            mine[0]["search"] = {}
+        doc["variants"] = mine
+    doc.update(gates=[], promotion={"enabled": False}, monitoring=None, cost=None, mlflow={}, kubeflow={})
+    return dump_spec(parse_spec(doc))
 
 
 def named(component: Any, name: str) -> Any:
@@ -109,8 +169,8 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
             marks the parent MLflow run FAILED, with the first task error as its description, when the pipeline
             fails or is cancelled. Default: on for the cluster, off locally (the local runner closes the run and
             needs the pipeline's output, which KFP cannot compile beside an exit handler).
-        cache: with `cluster`, turn KFP's execution cache on for the pure tasks (export, reference-pass,
-            build-<variant>); False
+        cache: with `cluster`, turn KFP's execution cache on for the pure tasks (fetch-reference, export,
+            reference-pass, build-<variant>); False
             (`tailguard compile --no-cache`) leaves it off for every task.
 
     Returns:
@@ -126,11 +186,15 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     from tailguard.components.quantize.component import build_variant
     from tailguard.components.reference.component import reference_pass
     from tailguard.components.register.component import register_and_promote
-    from tailguard.components.resolve.component import resolve
+    from tailguard.components.resolve.component import fetch_reference, resolve
     from tailguard.components.search.component import search_variant
     from tailguard.components.validate.component import validate_variant
 
     variants: list[VariantSpec] = list(spec.variants)
+    # compile-time constants of the pure tasks (see the module docstring, Caching); each build gets its own
+    pure_spec = step_spec_yaml(spec)
+    model_json = spec.model.model_copy(update={"version": "latest"}).model_dump_json()
+    registry_uri = spec.mlflow.registry_uri or ""
     if exit_handler is None:
         exit_handler = cluster
 
@@ -144,13 +208,18 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
         res = task(resolve, "resolve", spec_yaml=spec_yaml, tracking_uri=tracking_uri, model_version=model_version,
                    pipeline_run=pipeline_run, kfp_run=dsl.PIPELINE_JOB_ID_PLACEHOLDER).after(chk)
         parent_run_id = res.outputs["parent_run_id"]
-        exp = task(export, "export", spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
-                   reference=res.outputs["reference"])
-        ref = task(reference_pass, "reference-pass", spec_yaml=spec_yaml, resolved=res.outputs["resolved"],
-                   reference=res.outputs["reference"], onnx_model=exp.outputs["onnx_model"])
+        # resolve keeps its own download (the parent run's tags need the format and SHA-256); fetch-reference
+        # downloads the same version again as a pure, cacheable task whose artifact export and reference-pass read
+        fetch = task(fetch_reference, "fetch-reference", tracking_uri=tracking_uri, model_json=model_json,
+                     version=res.outputs["version"], sha256=res.outputs["sha256"], registry_uri=registry_uri)
+        exp = task(export, "export", spec_yaml=pure_spec, resolved=fetch.outputs["resolved"],
+                   reference=fetch.outputs["reference"])
+        ref = task(reference_pass, "reference-pass", spec_yaml=pure_spec, resolved=fetch.outputs["resolved"],
+                   reference=fetch.outputs["reference"], onnx_model=exp.outputs["onnx_model"])
         validations, searches = [], []
         for v in variants:
-            build = task(build_variant, f"build-{v.name}", v.needs_gpu, spec_yaml=spec_yaml, variant_name=v.name,
+            build = task(build_variant, f"build-{v.name}", v.needs_gpu, spec_yaml=step_spec_yaml(spec, v.name),
+                         variant_name=v.name,
                          onnx_model=exp.outputs["onnx_model"])
             val = task(validate_variant, f"validate-{v.name}", v.needs_gpu, spec_yaml=spec_yaml,
                        variant_name=v.name, build=build.outputs["Output"], baselines=ref.outputs["Output"],

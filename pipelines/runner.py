@@ -86,9 +86,9 @@ def _redirect(log_path: Path, on_event: Callable[[str, str], None] | None) -> It
 
 
 def task_count(spec: Spec) -> int:
-    """Number of tasks in the spec's pipeline: 4 fixed + 2 per variant + 1 per variant with a search +
-    register-and-promote."""
-    return 5 + 2 * len(spec.variants) + sum(v.search is not None for v in spec.variants)
+    """Number of tasks in the spec's pipeline: 5 fixed (check-data, resolve, fetch-reference, export,
+    reference-pass) + 2 per variant + 1 per variant with a search + register-and-promote."""
+    return 6 + 2 * len(spec.variants) + sum(v.search is not None for v in spec.variants)
 
 
 def run_local(spec: Spec, *, model_version: str | None = None,

@@ -4,6 +4,7 @@ import yaml
 
 from tailguard.builder import build_pipeline, compile_pipeline
 from tailguard.core.spec import load_spec
+from tailguard.runner import task_count
 
 from tests.test_spec import TINY
 
@@ -60,7 +61,8 @@ def test_build_pipeline_unrolls_two_tasks_per_variant_when_built(tmp_path):
     compiler.Compiler().compile(build_pipeline(spec, cluster=False), package_path=str(out))
     ir = load_ir(out)
     tasks = ir["root"]["dag"]["tasks"]
-    assert len(tasks) == 5 + 2 * len(spec.variants)
+    assert len(tasks) == 6 + 2 * len(spec.variants)  # check-data, resolve, fetch-reference, export,
+    # reference-pass, register-and-promote
     assert not k8s_config(ir)
     names = {t["taskInfo"]["name"] for t in tasks.values()}
     assert {"build-ort-fp32", "validate-trt-fp16", "register-and-promote"} <= names
@@ -87,7 +89,7 @@ def _dag_tasks(ir: dict) -> dict:
     return {name: t for name, t in tasks.items() if "dag" not in ir["components"][t["componentRef"]["name"]]}
 
 
-def test_compiled_pipeline_caches_exactly_export_builds_and_reference_pass_when_cache_is_on_or_off(tmp_path):
+def test_compiled_pipeline_caches_exactly_fetch_export_builds_and_reference_pass_when_cache_is_on_or_off(tmp_path):
     spec = load_spec(TINY)
     compile_pipeline(spec, str(tmp_path / "on.yaml"))
     compile_pipeline(spec, str(tmp_path / "off.yaml"), cache=False)
@@ -95,7 +97,8 @@ def test_compiled_pipeline_caches_exactly_export_builds_and_reference_pass_when_
     def cached(path):
         return {name for name, t in _dag_tasks(load_ir(path)).items() if t.get("cachingOptions", {}).get("enableCache")}
 
-    assert cached(tmp_path / "on.yaml") == {"export", "reference-pass"} | {f"build-{v.name}" for v in spec.variants}
+    assert cached(tmp_path / "on.yaml") == ({"fetch-reference", "export", "reference-pass"}
+                                          | {f"build-{v.name}" for v in spec.variants})
     assert cached(tmp_path / "off.yaml") == set()
 
 
@@ -110,8 +113,10 @@ def test_task_names_are_the_same_locally_and_compiled_when_one_component_serves_
 
     per_variant = {f"{step}-{v.name}" for v in spec.variants for step in ("build", "validate")}
     per_variant |= {f"search-{v.name}" for v in spec.variants if v.search is not None}
-    expected = {"check-data", "resolve", "export", "reference-pass", "register-and-promote"} | per_variant
+    expected = {"check-data", "resolve", "fetch-reference", "export", "reference-pass",
+                "register-and-promote"} | per_variant
     assert set(local) == expected and set(cluster) == expected | {"finalize-run"}
+    assert len(local) == task_count(spec)  # the progress bar's total
     assert all(t["taskInfo"]["name"] == name for name, t in {**local, **cluster}.items())  # display = KFP name
 
 

@@ -253,7 +253,8 @@ def test_compiled_pipeline_caches_only_the_pure_tasks_when_compiled_for_the_clus
     compile_pipeline(spec, str(tmp_path / "off.yaml"), cache=False)
 
     on = _caching(tmp_path / "on.yaml")
-    assert {n for n, c in on.items() if c} == {"export", "reference-pass"} | {f"build-{v.name}" for v in spec.variants}
+    assert {n for n, c in on.items() if c} == ({"fetch-reference", "export", "reference-pass"}
+                                              | {f"build-{v.name}" for v in spec.variants})
     assert "resolve" in on and "register-and-promote" in on  # MLflow writers are present and uncached
     assert not any(_caching(tmp_path / "off.yaml").values())
 
@@ -396,6 +397,7 @@ def test_local_rerun_with_one_gate_changed_serves_reference_pass_from_the_cache_
     cached = [{t["task"]: t["cached"] for t in s["tasks"]["tasks"]} for s in runs]
     assert cached[0]["reference-pass"] is False and cached[1]["reference-pass"] is True
     assert cached[1]["export"] is True and cached[1]["build-ort-fp32"] is True
+    assert cached[0]["fetch-reference"] is False and cached[1]["fetch-reference"] is True
     client = mlflow.MlflowClient(default_tracking_uri())
     parents = [client.get_run(s["parent_run_id"]) for s in runs]
     for parent in parents:
