@@ -2,123 +2,475 @@
 
 A Kubernetes Service spreads the mirrored traffic over N replicas at random, so each replica sees about 1/N of
 every slice: alone, each would need N times the traffic to detect a drift. The detector's evidence is additive
-across replicas: a slice's betting CUSUM multiplies one e-value factor per sampled row (monitoring/stats.py), and a
-product over a set of rows does not depend on the order or the replica that computed each factor. So every
-replica exports, per (slice, metric), the running sums of its rows' log factors for each bet (the "walks", alarm
-and recovery side) and its row count (`GET /v1/evidence`); one combiner (`tailguard monitor serve --peer URL ...`)
-polls them, adds each replica's increments since the last poll, and runs the CUSUM recursion on the merged
-increments, clipping at zero only between polls (fewer candidate change points: the false-alarm bound still
-holds, monitoring/stats.py). The combiner's own traffic is merged the same way.
+across replicas: a slice's betting CUSUM multiplies one e-value factor per sampled request (monitoring/stats.py),
+and a product over a set of requests does not depend on the order or the replica that computed each factor. So
+every replica exports, per (slice, metric), the running sums of its requests' log factors for each bet (the
+"walks", alarm and recovery side) and its row and sampled-request counts (`GET /v1/evidence`); one combiner
+(`tailguard monitor serve --peer URL ...`) polls them, adds each replica's increments since the last poll, and
+runs the CUSUM recursion on the merged increments, clipping at zero only between polls (fewer candidate change
+points: the false-alarm bound still holds, monitoring/stats.py). The combiner's own traffic is merged the same way
+(source "self").
+
+Accounting is per **epoch**, not per URL. An epoch identifies one monitor process's evidence (a fresh UUID at
+start), so the walks of an epoch are one cumulative record whatever URL served them: the combiner keeps, per
+epoch, its cursor and the walks it merged last, and merges each epoch's increments exactly once. Hence:
+
+* a `--peer` URL that load-balances (a Service name, round-robin DNS) and answers from different pods on
+  different polls merges each pod's increments once (no double counting); the change back to an epoch it showed
+  before is counted (`epoch_flip`: such a URL may miss a pod for long, and only lists of single pods are a
+  supported layout);
+* an epoch already read under another source (one pod listed under two URLs, or the combiner's own URL in its
+  `--peer` list: its epoch is the one of source "self") is refused from the second source (`duplicate_epoch`);
+* a replica that restarts shows a new epoch, merged from zero once; its old epoch, not seen again for
+  RETIRE_AFTER_POLLS successful polls of its source, is retired (state freed; if it ever comes back it is refused,
+  `retired_epoch`, never merged twice). A restart is told from a load balancer by the old epoch coming back;
+* a peer whose role is not "replica", or whose detector settings differ (`settings_hash`: h, G, B, bets,
+  thresholds, alpha, horizon, min_support and the spec's monitoring section), is refused.
+
+Peers' documents are checked whole before any of it is merged: types, counts (non-negative, not decreasing,
+requests <= rows), one walk entry per bet, finite values, and each increment within what the bets allow for the
+new sampled requests (`Betting`: n log1p(-lambda_j span) <= increment_j <= n log1p(lambda_j cap)). A failure is
+counted per (peer, reason) (`PeerError`; the service exports `tailguard_monitor_peer_errors_total`), shown in
+/readyz, and that peer's document is not merged; the other peers are unaffected. The HTTP fetch caps the body size
+and the total read time.
 
 Family accounting: the replicas run with `--evidence-only` (they measure, export parity gauges for their share
 and never alert), so the alerts of a deployment are the combiner's, and its alpha covers the horizon counted in
-sampled requests of all replicas together. A replica that restarts (new epoch) or evicts a slice (new
-incarnation) starts its walks again from zero; the combiner notices and counts only what is new.
+sampled requests of all replicas together.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
+import math
 import threading
-from dataclasses import dataclass, field
+import time
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Callable, Mapping
+from enum import StrEnum
+from typing import Any, Callable, Mapping, Sequence
 
-from tailguard.monitoring.stats import Evaluation, SliceStatistics
+from tailguard.monitoring.stats import DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring.combine")
 
 Fetch = Callable[[str, int], Mapping[str, Any]]  # (peer, since) -> evidence document
+OnError = Callable[[str, str], None]  # (source, PeerError value) -> None
+
+MAX_EVIDENCE_BYTES = 128 * 2**20  # a body past this is refused (about 250k (slice, metric) walks)
+FETCH_TIMEOUT_S = 5.0  # connect / per-read timeout of one poll
+FETCH_DEADLINE_S = 60.0  # total time to read one body (a slow drip ends here, give or take one read timeout)
+RETIRE_AFTER_POLLS = 20  # an epoch its source has not shown for this many accepted documents is retired
+MAX_RETIRED_EPOCHS = 100_000  # retired epoch ids remembered (about 10 MB); the oldest are forgotten past it
+MAX_EPOCH_CHARS = 128
+MAX_COUNT = 2**62  # a row / request count or cursor above this is not a real one
+REPLICA = "replica"
+COMBINER = "combiner"
+
+
+class PeerError(StrEnum):
+    """Why a source's evidence was not (or not only) merged: the `reason` label of
+    `tailguard_monitor_peer_errors_total` and the keys of /readyz `peers[source].errors_by_reason`."""
+
+    FETCH_FAILED = "fetch_failed"  # connection refused, timeout, HTTP status >= 400
+    BODY_TOO_LARGE = "body_too_large"  # body over MAX_EVIDENCE_BYTES (or the declared Content-Length)
+    READ_TIMEOUT = "read_timeout"  # body not read within FETCH_DEADLINE_S (slow drip)
+    INVALID_JSON = "invalid_json"
+    BAD_DOCUMENT = "bad_document"  # wrong types, missing fields, walks of the wrong length, unknown metrics
+    BAD_EPOCH = "bad_epoch"  # epoch missing, not a string, empty or too long
+    WRONG_ROLE = "wrong_role"  # a peer that is not an --evidence-only replica
+    SETTINGS_MISMATCH = "settings_mismatch"  # detector settings differ from the combiner's
+    DUPLICATE_EPOCH = "duplicate_epoch"  # an epoch already read under another source
+    RETIRED_EPOCH = "retired_epoch"  # an epoch retired earlier came back
+    EPOCH_FLIP = "epoch_flip"  # the source went back to an epoch it showed before (merged: per-epoch accounting)
+    NON_FINITE = "non_finite"  # NaN or infinity in a walk
+    IMPOSSIBLE_INCREMENT = "impossible_increment"  # a walk moved more than its bets allow
+    BAD_COUNT = "bad_count"  # negative or decreasing counts or cursor, requests > rows
+
+
+class PeerDocumentError(Exception):
+    """A source's evidence refused (raised by a Fetch or by the document check).
+
+    Args:
+        reason: the counted reason.
+        message: what was wrong, for /readyz `last_error` and the log.
+    """
+
+    def __init__(self, reason: PeerError, message: str) -> None:
+        super().__init__(message)
+        self.reason = PeerError(reason)
+        self.message = message
+
+
+def settings_hash(stats: SliceStatistics, monitoring: Mapping[str, Any] | None = None) -> str:
+    """The detector settings a combiner and its peers must share, as a sha256 hex digest.
+
+    Covers the model name, the detector, h, G (slice keys per request), B (thresholded metrics), N_BETS and every
+    bet (lambdas, span, cap of both sides), the resolved thresholds, alpha, horizon, min_support, the tracked
+    metrics, and the spec's monitoring section, serialized as canonical JSON (sorted keys, no spaces).
+
+    Args:
+        stats: the process's SliceStatistics (its role-specific flags are not part of the hash).
+        monitoring: the spec's monitoring section as JSON-ready data (`MonitoringSpec.model_dump(mode="json")`).
+
+    Returns:
+        64 hex characters.
+    """
+    doc = {"model": stats.model, "detector": DETECTOR, "h": stats.h, "G": stats.streams_per_request,
+           "B": sorted(stats.bounds), "n_bets": N_BETS, "alpha": stats.alpha, "horizon": stats.horizon,
+           "min_support": stats.min_support, "metrics": list(stats.metrics),
+           "thresholds": {m: asdict(b) for m, b in sorted(stats.bounds.items())},
+           "bets": {m: [asdict(a), asdict(r) if r is not None else None] for m, (a, r) in sorted(stats.bets.items())},
+           "monitoring": dict(monitoring or {})}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
-class _PeerState:
-    epoch: str = ""
-    cursor: int = 0
-    # (slice, metric) -> (incarnation, rows, alarm walk, recovery walk) last merged
-    last: dict[tuple[str, str], tuple[int, int, list[float], list[float]]] = field(default_factory=dict)
-    errors: int = 0
+class _SliceMark:
+    """What was merged last of one slice of one epoch: its incarnation, counts, and per metric the walks."""
+
+    incarnation: int
+    rows: int
+    requests: int
+    walks: dict[str, tuple[tuple[float, ...], tuple[float, ...]]]
+
+
+@dataclass
+class _EpochState:
+    """Accounting of one epoch (one process's cumulative evidence), owned by the source that first showed it."""
+
+    source: str
+    cursor: int = 0  # next `since` for this epoch (advanced only by a document complete since the last one)
+    version: int = -1  # highest document version read
+    seen: int = 0  # the source's accepted-document number when this epoch was last shown
+    last: dict[str, _SliceMark] = field(default_factory=dict)
+
+
+@dataclass
+class _SourceState:
+    local: bool  # the combiner's own evidence (expects role "combiner")
+    ok: bool = False  # its last poll was merged
+    epoch: str = ""  # epoch of the last accepted document
+    accepted: int = 0
+    new_epochs: int = 0
+    errors: Counter = field(default_factory=Counter)
     last_error: str = ""
+    last_error_reason: str = ""
+
+
+@dataclass
+class _Update:
+    key: str
+    mark: _SliceMark
+    rows: int
+    requests: int
+    walks: dict[str, tuple[list[float], list[float]]]
 
 
 class Combiner:
-    """Merges evidence documents (MonitorCore.evidence) from several sources into one SliceStatistics.
+    """Merges evidence documents (MonitorCore.evidence) from several sources into one SliceStatistics, once per
+    epoch (module docstring).
 
     Args:
         stats: the combined statistics (source "combined"); its alerts are the deployment's.
-        fetch: gets a source's evidence document since a cursor; raises on failure (counted, retried next poll).
-        sources: source names (peer base URLs, or "self").
-        lock: held while merging (the service's worker lock), not while fetching.
+        fetch: gets a source's evidence document since a cursor; raises on failure (PeerDocumentError with its
+            reason, anything else counts as fetch_failed; retried next poll).
+        sources: source names (peer base URLs, and `local`).
+        lock: held while merging (the service's worker lock), not while fetching or checking.
+        settings: the combiner's `settings_hash`; a document with other settings is refused.
+        local: the source that is the combiner's own evidence (role "combiner"); every other must be "replica".
+        on_error: called with (source, reason) for every counted error (the service's Prometheus counter).
     """
 
-    def __init__(self, stats: SliceStatistics, fetch: Fetch, sources: list[str], lock: Any = None) -> None:
+    def __init__(self, stats: SliceStatistics, fetch: Fetch, sources: Sequence[str], lock: Any = None, *,
+                 settings: str, local: str | None = None, on_error: OnError | None = None) -> None:
         self.stats = stats
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.fetch = fetch
-        self.peers = {s: _PeerState() for s in sources}
+        self.settings = settings
+        self.on_error = on_error
+        self.sources = {s: _SourceState(local=s == local) for s in dict.fromkeys(sources)}
+        self.epochs: dict[str, _EpochState] = {}
+        self.retired: OrderedDict[str, str] = OrderedDict()  # epoch -> the source it was read from
         self.polls = 0
 
+    # ------------------------------------------------------------------------------------------ polling
     def poll(self, now: datetime | None = None) -> Evaluation:
-        """Fetch every source once and merge what is new.
+        """Fetch every source once, check each document whole, and merge what is new.
+
+        Args:
+            now: time stamp for alert records (default now).
 
         Returns:
             Alerts fired and cleared by the merge.
         """
         ev = Evaluation()
-        for name, st in self.peers.items():
-            try:
-                doc = self.fetch(name, st.cursor)
-            except Exception as exc:  # a peer down must not stop the others: count, log, retry next poll
-                st.errors += 1
-                st.last_error = str(exc)[:200]
-                log.warning("evidence from %s not read: %s", name, st.last_error)
-                continue
-            with self.lock:
-                part = self.merge(st, doc, now)
+        for name in self.sources:
+            part = self._poll_one(name, now)
             ev.fired += part.fired
             ev.cleared += part.cleared
         self.polls += 1
         return ev
 
-    def merge(self, st: _PeerState, doc: Mapping[str, Any], now: datetime | None) -> Evaluation:
-        """Merge one evidence document from a source with state `st`."""
+    def _poll_one(self, name: str, now: datetime | None) -> Evaluation:
+        src = self.sources[name]
+        owned = [e for e in self.epochs.values() if e.source == name]
+        since = min((e.cursor for e in owned), default=0)  # complete for every epoch this source may answer from
+        try:
+            try:
+                doc = self.fetch(name, since)
+            except PeerDocumentError:
+                raise
+            except Exception as exc:  # a peer down must not stop the others: count, retry next poll
+                raise PeerDocumentError(PeerError.FETCH_FAILED, f"{type(exc).__name__}: {exc}") from None
+            try:
+                epoch, version, updates = self._check(name, doc)
+            except PeerDocumentError:
+                raise
+            except Exception as exc:  # a check this module did not foresee: still this document's fault
+                raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{type(exc).__name__}: {exc}") from None
+        except PeerDocumentError as exc:
+            self._error(name, exc.reason, exc.message)
+            return Evaluation()
+        es = self.epochs.get(epoch)
+        if es is None:
+            es = self.epochs[epoch] = _EpochState(name)
+            src.new_epochs += 1
+            if src.epoch:
+                log.info("source %s shows a new epoch %s (was %s): a restart, or another process behind it",
+                         name, epoch, src.epoch)
+        elif src.epoch and src.epoch != epoch:
+            self._error(name, PeerError.EPOCH_FLIP, f"epoch went back from {src.epoch} to {epoch}: the URL reaches "
+                        "more than one live process (merged once per epoch; list each pod instead)")
         ev = Evaluation()
-        if doc.get("epoch") != st.epoch:  # first poll or the replica restarted: its walks start from zero
-            st.epoch, st.cursor, st.last = str(doc.get("epoch")), 0, {}
-        for key, entry in doc.get("slices", {}).items():
-            inc, rows_now = int(entry["incarnation"]), int(entry["rows"])
-            walks, rows = {}, 0
-            for metric, w in entry["metrics"].items():
-                prev = st.last.get((key, metric))
-                if prev is None or prev[0] != inc:  # new slice, or evicted and re-created on the replica
-                    prev = (inc, 0, [0.0] * len(w["alarm"]), [0.0] * len(w["recovery"]))
-                rows = rows_now - prev[1]
-                walks[metric] = ([a - b for a, b in zip(w["alarm"], prev[2])],
-                                 [a - b for a, b in zip(w["recovery"], prev[3])])
-                st.last[(key, metric)] = (inc, rows_now, list(w["alarm"]), list(w["recovery"]))
-            part = self.stats.merge(key, walks, rows, now=now)
-            ev.fired += part.fired
-            ev.cleared += part.cleared
-        st.cursor = int(doc.get("version", st.cursor))
+        with self.lock:
+            for u in updates:
+                part = self.stats.merge(u.key, u.walks, u.rows, u.requests, now=now)
+                es.last[u.key] = u.mark  # per slice, right after its merge: state says exactly what was merged
+                ev.fired += part.fired
+                ev.cleared += part.cleared
+        if since <= es.cursor:  # the document holds every slice updated since this epoch's cursor
+            es.cursor = max(es.cursor, version)
+        es.version = max(es.version, version)
+        src.accepted += 1
+        src.ok = True
+        src.epoch = epoch
+        es.seen = src.accepted
+        self._retire(name, src)
         return ev
 
+    def _retire(self, name: str, src: _SourceState) -> None:
+        for epoch in [e for e, s in self.epochs.items()
+                      if s.source == name and src.accepted - s.seen >= RETIRE_AFTER_POLLS]:
+            del self.epochs[epoch]
+            self.retired[epoch] = name
+            log.info("epoch %s of %s retired (not shown for %d polls)", epoch, name, RETIRE_AFTER_POLLS)
+        while len(self.retired) > MAX_RETIRED_EPOCHS:
+            self.retired.popitem(last=False)
+
+    def _error(self, name: str, reason: PeerError, message: str) -> None:
+        src = self.sources[name]
+        src.ok = src.ok and reason is PeerError.EPOCH_FLIP  # a flip is still merged
+        src.errors[reason.value] += 1
+        src.last_error, src.last_error_reason = message[:300], reason.value
+        log.warning("evidence from %s: %s (%s)", name, src.last_error, reason.value)
+        if self.on_error is not None:
+            self.on_error(name, reason.value)
+
+    # ------------------------------------------------------------------------------------------ checks
+    def _check(self, name: str, doc: Any) -> tuple[str, int, list[_Update]]:
+        """The whole document checked against this source's and epoch's state; nothing is changed.
+
+        Returns:
+            (epoch, version, the per-slice increments to merge).
+
+        Raises:
+            PeerDocumentError: the first thing wrong (its reason is counted).
+        """
+        if not isinstance(doc, Mapping):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"evidence is a {type(doc).__name__}, not an object")
+        epoch = doc.get("epoch")
+        if not isinstance(epoch, str) or not 0 < len(epoch) <= MAX_EPOCH_CHARS:
+            raise PeerDocumentError(PeerError.BAD_EPOCH, f"epoch must be a non-empty string of at most "
+                                    f"{MAX_EPOCH_CHARS} characters, got {_show(epoch)}")
+        if epoch in self.retired:
+            raise PeerDocumentError(PeerError.RETIRED_EPOCH, f"epoch {epoch} was retired (not shown for "
+                                    f"{RETIRE_AFTER_POLLS} polls) and came back: not merged again")
+        es = self.epochs.get(epoch)
+        if es is not None and es.source != name:
+            raise PeerDocumentError(PeerError.DUPLICATE_EPOCH, f"epoch {epoch} is already read from {es.source}: "
+                                    "one process listed twice (two URLs, or the combiner's own URL as a --peer)")
+        src = self.sources[name]
+        want = COMBINER if src.local else REPLICA
+        if doc.get("role") != want:
+            raise PeerDocumentError(PeerError.WRONG_ROLE, f"role {_show(doc.get('role'))}, expected {want!r} "
+                                    "(start peers with --evidence-only)")
+        if doc.get("settings") != self.settings:
+            raise PeerDocumentError(PeerError.SETTINGS_MISMATCH, f"detector settings {_show(doc.get('settings'))} "
+                                    f"differ from the combiner's {self.settings[:12]}...: every process must load "
+                                    "the same spec (thresholds, alpha, horizon, slices, monitoring section)")
+        version = _count(doc.get("version"), "version")
+        if es is not None and version < es.version:
+            raise PeerDocumentError(PeerError.BAD_COUNT, f"version went back from {es.version} to {version}")
+        slices = doc.get("slices")
+        if not isinstance(slices, Mapping):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, "slices must be an object")
+        last = es.last if es is not None else {}
+        return epoch, version, [self._increment(key, entry, last.get(key), version) for key, entry in slices.items()]
+
+    def _increment(self, key: Any, entry: Any, prev: _SliceMark | None, version: int) -> _Update:
+        if not isinstance(key, str) or not isinstance(entry, Mapping):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {_show(key)}: not a key and an object")
+        inc = _count(entry.get("incarnation"), f"slice {key!r} incarnation")
+        rows = _count(entry.get("rows"), f"slice {key!r} rows")
+        requests = _count(entry.get("requests"), f"slice {key!r} requests")
+        if inc > version:
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {key!r}: incarnation {inc} after version "
+                                    f"{version}")
+        if requests > rows:
+            raise PeerDocumentError(PeerError.BAD_COUNT, f"slice {key!r}: {requests} requests but {rows} rows")
+        if prev is not None and inc < prev.incarnation:
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {key!r}: incarnation went back from "
+                                    f"{prev.incarnation} to {inc}")
+        if prev is None or prev.incarnation != inc:  # new slice, or evicted and re-created: walks start at zero
+            prev = _SliceMark(inc, 0, 0, {})
+        d_rows, d_req = rows - prev.rows, requests - prev.requests
+        if d_rows < 0 or d_req < 0:
+            raise PeerDocumentError(PeerError.BAD_COUNT, f"slice {key!r}: counts went back (rows {prev.rows} -> "
+                                    f"{rows}, requests {prev.requests} -> {requests})")
+        if d_rows < d_req or (d_req == 0 and d_rows):
+            raise PeerDocumentError(PeerError.BAD_COUNT, f"slice {key!r}: {d_rows} new rows for {d_req} new "
+                                    "requests (every request has at least one row)")
+        metrics = entry.get("metrics")
+        if not isinstance(metrics, Mapping) or set(metrics) != set(self.stats.bets):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {key!r}: metrics "
+                                    f"{sorted(map(str, metrics)) if isinstance(metrics, Mapping) else _show(metrics)}"
+                                    f", expected {sorted(self.stats.bets)}")
+        walks, marks = {}, {}
+        for m, (alarm_bet, rec_bet) in self.stats.bets.items():
+            w = metrics[m]
+            if not isinstance(w, Mapping):
+                raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {key!r} metric {m!r}: not an object")
+            old = prev.walks.get(m)
+            alarm = _walk(w.get("alarm"), N_BETS, f"slice {key!r} metric {m!r} alarm")
+            rec = w.get("recovery")
+            # no recovery test: [] (or N_BETS unused walks, as stats.py keeps them), ignored
+            recovery = _walk(rec, N_BETS if rec_bet is not None or (isinstance(rec, list) and rec) else 0,
+                             f"slice {key!r} metric {m!r} recovery")
+            a_inc = _within(alarm_bet, alarm, old[0] if old else None, d_req, f"slice {key!r} metric {m!r} alarm")
+            r_inc = (_within(rec_bet, recovery, old[1] if old else None, d_req, f"slice {key!r} metric {m!r} recovery")
+                     if rec_bet is not None else [])
+            walks[m] = (a_inc, r_inc)
+            marks[m] = (alarm, recovery)
+        return _Update(key, _SliceMark(inc, rows, requests, marks), d_rows, d_req, walks)
+
+    # ------------------------------------------------------------------------------------------ reports
     def status(self) -> dict[str, Any]:
-        """Per source: epoch, cursor, failed polls and the last error (served in /readyz)."""
-        return {n: {"epoch": s.epoch, "cursor": s.cursor, "errors": s.errors, "last_error": s.last_error}
-                for n, s in self.peers.items()}
+        """Per source (served in /readyz `peers`): whether its last poll was merged (`ok`), its current epoch and
+        cursor, documents accepted, epochs first seen from it, errors (total and by PeerError reason) and the last
+        one, and the live epochs it owns with their cursors."""
+        out: dict[str, Any] = {}
+        for name, s in self.sources.items():
+            owned = {e: {"cursor": st.cursor, "slices": len(st.last)} for e, st in self.epochs.items()
+                     if st.source == name}
+            cur = self.epochs.get(s.epoch)
+            out[name] = {"ok": s.ok, "epoch": s.epoch, "cursor": cur.cursor if cur is not None else 0,
+                         "accepted": s.accepted, "new_epochs": s.new_epochs, "epochs": owned,
+                         "errors": sum(s.errors.values()), "errors_by_reason": dict(s.errors),
+                         "last_error": s.last_error, "last_error_reason": s.last_error_reason}
+        return out
 
 
-def http_fetch(timeout_s: float = 5.0) -> Fetch:
-    """A Fetch over HTTP: GET {peer}/v1/evidence?since=N (httpx)."""
+def _show(v: Any) -> str:
+    return repr(v)[:80]
+
+
+def _count(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{what} must be an integer, got {_show(v)}")
+    if not 0 <= v <= MAX_COUNT:
+        raise PeerDocumentError(PeerError.BAD_COUNT, f"{what} must be in [0, 2^62], got {_show(v)}")
+    return v
+
+
+def _walk(v: Any, n: int, what: str) -> tuple[float, ...]:
+    if not isinstance(v, list) or len(v) != n:
+        raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{what}: expected a list of {n} numbers (one per bet), got "
+                                f"{_show(v) if not isinstance(v, list) else f'{len(v)} entries'}")
+    out = []
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{what}: {_show(x)} is not a number")
+        try:
+            f = float(x)
+        except OverflowError:  # an integer past the float range
+            f = math.inf
+        if not math.isfinite(f):
+            raise PeerDocumentError(PeerError.NON_FINITE, f"{what}: {_show(x)} is not finite")
+        out.append(f)
+    return tuple(out)
+
+
+def _within(bet: Betting, now: tuple[float, ...], before: tuple[float, ...] | None, n: int, what: str
+            ) -> list[float]:
+    """Increments now - before per bet, each checked against what `n` new sampled requests can add: every
+    request adds log1p(lambda_j r ybar) with r in (0, 1] and ybar in [-span, cap] (monitoring/stats.py Betting),
+    so n log1p(-lambda_j span) <= increment_j <= n log1p(lambda_j cap), up to float rounding of the sums."""
+    before = before or (0.0,) * len(now)
+    inc = []
+    for j, lam in enumerate(bet.lambdas):
+        d = now[j] - before[j]
+        lo, hi = n * math.log1p(-lam * bet.span), n * math.log1p(lam * bet.cap)
+        tol = 1e-7 * (abs(now[j]) + abs(before[j])) + 1e-9
+        if not lo - tol <= d <= hi + tol:
+            raise PeerDocumentError(PeerError.IMPOSSIBLE_INCREMENT, f"{what} bet {j}: increment {d:.6g} outside "
+                                    f"[{lo:.6g}, {hi:.6g}] allowed for {n} new sampled requests")
+        inc.append(d)
+    return inc
+
+
+def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDENCE_BYTES,
+               deadline_s: float = FETCH_DEADLINE_S) -> Fetch:
+    """A Fetch over HTTP: GET {peer}/v1/evidence?since=N (httpx, streamed), with bounded size and time.
+
+    Args:
+        timeout_s: connect and per-read timeout (s).
+        max_bytes: largest body read (bytes, after content decoding); past it: body_too_large.
+        deadline_s: total time to read one body (s); past it: read_timeout. Checked between reads, so a stalled
+            peer ends within deadline_s + timeout_s.
+
+    Returns:
+        fetch(peer, since) -> the parsed document; raises PeerDocumentError (body_too_large, read_timeout,
+        invalid_json) or httpx errors (counted as fetch_failed).
+    """
     import httpx
 
     client = httpx.Client(timeout=timeout_s)
 
     def fetch(peer: str, since: int) -> Mapping[str, Any]:
-        r = client.get(peer.rstrip("/") + "/v1/evidence", params={"since": since})
-        r.raise_for_status()
-        return r.json()
+        end = time.monotonic() + deadline_s
+        with client.stream("GET", peer.rstrip("/") + "/v1/evidence", params={"since": since}) as r:
+            r.raise_for_status()
+            declared = r.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > max_bytes:
+                raise PeerDocumentError(PeerError.BODY_TOO_LARGE, f"Content-Length {declared} over {max_bytes} bytes")
+            body = bytearray()
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise PeerDocumentError(PeerError.BODY_TOO_LARGE, f"body over {max_bytes} bytes")
+                if time.monotonic() > end:
+                    raise PeerDocumentError(PeerError.READ_TIMEOUT, f"body not read within {deadline_s} s "
+                                            f"({len(body)} bytes so far)")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise PeerDocumentError(PeerError.INVALID_JSON, f"not JSON: {str(exc)[:120]}") from None
 
     return fetch
 
@@ -139,7 +491,8 @@ class PollLoop:
     def stop(self) -> None:
         """Stop polling (returns after the current poll)."""
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(5)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

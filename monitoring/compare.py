@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from tailguard.core import parity
+from tailguard.monitoring.config import CANDIDATE_ERROR, HIGHER_IS_BETTER, METRIC_RANGE, Bound
 
 
 def reference_non_finite(reference: np.ndarray) -> np.ndarray:
@@ -33,7 +34,8 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
         metrics: per-row metric names (keys of `parity.per_sample_metrics`).
 
     Returns:
-        {metric: (rows,) float64} plus "non_finite": (rows,) bool (candidate rows scored worst-case by parity).
+        {metric: (rows,) float64} plus "non_finite": (rows,) bool (candidate rows scored worst-case by parity);
+        candidate_error_rate is 0 on every row (the candidate answered).
 
     Raises:
         InputError: shapes differ or do not suit the task (from parity).
@@ -43,6 +45,38 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
     if task == "embedding":  # nearest-neighbour metrics are not monitored; give parity a trivial index
         kwargs = {"reference_index": ref, "exclude_self": False}
     per = parity.per_sample_metrics(task, ref, np.asarray(candidate), **kwargs)
+    per[CANDIDATE_ERROR] = np.zeros(ref.shape[0])  # the candidate answered every row compared here
     out = {m: np.asarray(per[m], dtype=np.float64) for m in metrics}
     out["non_finite"] = np.asarray(per["non_finite"], dtype=bool)
+    return out
+
+
+def failure_rows(rows: int, metrics: Sequence[str], bounds: dict[str, Bound]) -> dict[str, np.ndarray]:
+    """Per-row values for `rows` sampled rows the candidate failed on (it raised, timed out, or answered a shape
+    other than the reference's): a failure is the worst disagreement there is, so it counts as such.
+
+    candidate_error_rate is 1; a higher-is-better metric (top1_agree, cosine_similarity) takes its range's bad end
+    (0 agreement, cosine -1); a lower-is-better metric takes its truncate_at when the threshold declares one, else
+    it has no value for these rows (NaN: excluded from that metric, whose scale has no worst value; the failure
+    is still counted by candidate_error_rate and the agreement metrics).
+
+    Args:
+        rows: rows of the failed request.
+        metrics: tracked per-row metrics.
+        bounds: resolved thresholds (for truncate_at).
+
+    Returns:
+        {metric: (rows,) float64}.
+    """
+    out: dict[str, np.ndarray] = {}
+    for m in metrics:
+        if m == CANDIDATE_ERROR:
+            value = 1.0
+        elif HIGHER_IS_BETTER.get(m, False):
+            value = METRIC_RANGE[m][0]
+        elif m in bounds and bounds[m].truncate_at is not None:
+            value = float(bounds[m].truncate_at)  # type: ignore[arg-type]
+        else:
+            value = np.nan
+        out[m] = np.full(rows, value, dtype=np.float64)
     return out

@@ -32,6 +32,10 @@ PAIR_SEPARATOR = "&"
 DEFAULT_METRICS: dict[str, tuple[str, ...]] = {t: monitor_metrics(t) for t in TASKS}
 # Default alert thresholds. 0.97 top-1 agreement matches the per-slice gate of the example spec
 # (the project's design brief); 0.98 cosine is the usual "near-lossless" bar for INT8 sentence embeddings.
+# A candidate that fails on a sampled row (raises, times out, answers a wrong shape) scores 1 on this per-row
+# metric; it is tracked for every task and alerts at any failure (max 0) unless monitoring.thresholds sets it.
+CANDIDATE_ERROR = "candidate_error_rate"
+CANDIDATE_ERROR_THRESHOLD = MonitorThreshold(max=0.0)
 DEFAULT_THRESHOLDS: dict[str, dict[str, MonitorThreshold]] = {
     "classification": {"top1_agree": MonitorThreshold(min=0.97)},
     "embedding": {"cosine_similarity": MonitorThreshold(min=0.98)},
@@ -49,12 +53,15 @@ class Bound:
         value: threshold in the metric's units.
         higher_is_better: True: bad when mean < value; False: bad when mean > value.
         source: how it was given ("min", "max" or "baseline-max_drop"), for the alert record.
+        truncate_at: lower-is-better metrics without an upper end: row values above it count as it, in the alarm
+            and the recovery test alike (monitoring.thresholds.<m>.truncate_at); None: not truncated.
     """
 
     metric: str
     value: float
     higher_is_better: bool
     source: str
+    truncate_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -202,11 +209,14 @@ def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
     task = spec.model.task
     errors: list[FieldError] = mon.task_problems(task)  # the checks `spec check` runs (tailguard.core.spec)
     metrics = tuple(mon.metrics) if mon.metrics else DEFAULT_METRICS[task]
-    thresholds = mon.thresholds if mon.thresholds is not None else DEFAULT_THRESHOLDS[task]
+    if CANDIDATE_ERROR not in metrics:  # failures always count (docs/monitor.md, Failures)
+        metrics = (*metrics, CANDIDATE_ERROR)
+    thresholds = dict(mon.thresholds if mon.thresholds is not None else DEFAULT_THRESHOLDS[task])
+    thresholds.setdefault(CANDIDATE_ERROR, CANDIDATE_ERROR_THRESHOLD)
     bounds: dict[str, Bound] = {}
     for m, t in thresholds.items():
         path = f"monitoring.thresholds.{m}"
-        if mon.thresholds is None:  # the task's default thresholds: not in the spec, so checked here
+        if mon.thresholds is None or m not in mon.thresholds:  # defaults: not in the spec, so checked here
             if m not in metrics:
                 errors.append(FieldError(path, f"the default threshold on {m!r} needs it tracked; tracked metrics: "
                                                f"{list(metrics)} (add {m!r} to monitoring.metrics, or set "
@@ -218,11 +228,11 @@ def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
         hib = HIGHER_IS_BETTER[m]
         if t.baseline is not None:
             value = t.baseline - t.max_drop if hib else t.baseline + t.max_drop  # type: ignore[operator]
-            bounds[m] = Bound(m, float(value), hib, "baseline-max_drop")
+            bounds[m] = Bound(m, float(value), hib, "baseline-max_drop", t.truncate_at)
         elif t.min is not None:
             bounds[m] = Bound(m, float(t.min), True, "min")
         else:
-            bounds[m] = Bound(m, float(t.max), False, "max")  # type: ignore[arg-type]
+            bounds[m] = Bound(m, float(t.max), False, "max", t.truncate_at)  # type: ignore[arg-type]
     declared = {s.name: s for s in spec.slices}
     rules: list[SliceRule] = []
     names = mon.slice_columns if mon.slice_columns is not None else list(declared)

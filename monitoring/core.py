@@ -5,6 +5,7 @@ gauges, sampled-pair records (worker side)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -14,7 +15,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from tailguard.monitoring.compare import compare_rows, reference_non_finite
+from tailguard.core.errors import InputError
+from tailguard.monitoring.combine import settings_hash
+from tailguard.monitoring.compare import compare_rows, failure_rows, reference_non_finite
 from tailguard.monitoring.config import ALL_SLICE, MonitorConfig
 from tailguard.monitoring.metrics import MonitorMetrics, SliceExport, SliceRow
 from tailguard.monitoring.sampler import Decision, LongTailSampler
@@ -62,6 +65,7 @@ class MonitorCore:
         self.combined = (SliceStatistics(cfg.model_name, cfg.metrics, cfg.bounds, source="combined", **shared)
                          if role == "combiner" else None)
         self.compared_rows = 0
+        self.compared_requests = 0
         self.labels_cut = 0
         if metrics is not None:
             metrics.attach(self.export)
@@ -78,66 +82,92 @@ class MonitorCore:
         return keys, self.sampler.decide(keys)
 
     # ------------------------------------------------------------------------------------------ worker
-    def observe(self, keys: list[str], decision: Decision, reference: np.ndarray, candidate: np.ndarray, *,
+    def observe(self, keys: list[str], decision: Decision, reference: np.ndarray, candidate: np.ndarray | None, *,
                 request_index: int | None = None, request_id: str = "", meta: Mapping[str, Any] | None = None,
-                feeds: Mapping[str, np.ndarray] | None = None, now: datetime | None = None) -> Evaluation:
-        """Compare one sampled request's outputs row by row and update statistics and alerts.
+                feeds: Mapping[str, np.ndarray] | None = None, now: datetime | None = None,
+                failure: str | None = None) -> Evaluation:
+        """Compare one sampled request's outputs row by row and update statistics and alerts (one bet per slice
+        and metric on the request: monitoring/stats.py).
 
-        Rows whose reference output is non-finite are dropped (`dropped_total{reason="non_finite"}`); a
-        non-finite candidate row stays in, scored worst-case by parity.
+        Rows whose reference output is non-finite are excluded (`dropped_total{reason="non_finite"}`, and each
+        slice's `reference_failures`); a non-finite candidate row stays in, scored worst-case by parity. A
+        candidate that failed (`failure` given, or `candidate` None, or an output shape other than the
+        reference's) counts as the worst disagreement on every row (compare.failure_rows; candidate_error_rate 1).
 
         Args:
             keys: the request's slice keys (from `admit`).
             decision: its sampling decision (the weight is used).
             reference: (batch, ...) reference output.
-            candidate: (batch, ...) candidate output.
+            candidate: (batch, ...) candidate output, or None when the candidate failed.
             request_index: sequence number for alert records.
             request_id: OIP request id (for sampled-pair records).
             meta: slice metadata (for sampled-pair records).
             feeds: model inputs (for sampled-pair records).
             now: time stamp of fired alerts (default now).
+            failure: the candidate's failure reason ("candidate_error", "candidate_timeout", "candidate_shape"),
+                or None.
 
         Returns:
             The alerts fired/cleared.
-
-        Raises:
-            InputError: output shapes differ or do not suit the task.
         """
-        bad_ref = reference_non_finite(reference)
-        if bad_ref.any() and self.metrics is not None:
-            self.metrics.dropped.labels("non_finite").inc(int(bad_ref.sum()))
-        values = compare_rows(self.cfg.task, reference, candidate, self.cfg.metrics)
-        total = Evaluation()
-        for i in range(reference.shape[0]):
-            if bad_ref[i]:
-                continue
-            row = {m: float(values[m][i]) for m in self.cfg.metrics}
-            ev = self.observe_values(keys, decision, row, request_index=request_index, now=now)
-            total.fired += ev.fired
-            total.cleared += ev.cleared
-            if self.on_sample is not None:
-                rec = {"request_id": request_id, "row": i, "request_index": request_index, "weight": decision.weight,
-                       "slices": list(keys), "meta": dict(meta or {}),
+        ref = np.asarray(reference)
+        rows = int(ref.shape[0]) if ref.ndim else 1
+        if failure is None and (candidate is None or np.shape(candidate) != ref.shape):
+            failure = "candidate_error" if candidate is None else "candidate_shape"
+        if failure is None:
+            try:
+                values = compare_rows(self.cfg.task, ref, candidate, self.cfg.metrics)  # type: ignore[arg-type]
+            except InputError:  # an output the task cannot score (e.g. not 2-D logits): the candidate's fault
+                failure = "candidate_shape"
+        bad_ref = reference_non_finite(ref)
+        n_bad = int(bad_ref.sum())
+        if n_bad:
+            if self.metrics is not None:
+                self.metrics.dropped.labels("non_finite").inc(n_bad)
+            self.stats.reference_failed(keys, n_bad)
+        if failure is not None:
+            if self.metrics is not None:
+                self.metrics.candidate_failures.labels(failure).inc()
+            values = failure_rows(rows, self.cfg.metrics, self.cfg.bounds)
+            values["non_finite"] = np.zeros(rows, dtype=bool)
+        keep = ~bad_ref
+        if not keep.any():
+            return Evaluation()
+        row_values = {m: values[m][keep] for m in self.cfg.metrics}
+        ev = self.observe_values(keys, decision, row_values, request_index=request_index, now=now)
+        if self.on_sample is not None:
+            for i in np.flatnonzero(keep):
+                rec = {"request_id": request_id, "row": int(i), "request_index": request_index,
+                       "weight": decision.weight, "slices": list(keys), "meta": dict(meta or {}),
                        "inputs": {k: np.asarray(v)[i] for k, v in (feeds or {}).items()},
-                       "reference": np.asarray(reference[i]), "candidate": np.asarray(candidate[i]),
-                       "metrics": row, "non_finite_candidate": bool(values["non_finite"][i])}
+                       "reference": np.asarray(ref[i]),
+                       "candidate": np.asarray(candidate[i]) if failure is None else None,  # type: ignore[index]
+                       "metrics": {m: float(values[m][i]) for m in self.cfg.metrics},
+                       "non_finite_candidate": bool(values["non_finite"][i]), "candidate_failure": failure}
                 self.on_sample(rec)
-        return total
+        return ev
 
-    def observe_values(self, keys: list[str], decision: Decision, row: Mapping[str, float], *,
+    def reference_failed(self, keys: list[str], rows: int) -> None:
+        """A sampled request the reference could not judge (error, timeout): excluded from the evidence (not the
+        candidate's fault), counted in each of its slices (`reference_failures` in /v1/slices)."""
+        self.stats.reference_failed(keys, rows)
+
+    def observe_values(self, keys: list[str], decision: Decision, row: Mapping[str, Any], *,
                        request_index: int | None = None, now: datetime | None = None) -> Evaluation:
-        """Add one row's per-row metric values to its slices' statistics and detectors; log alerts.
+        """Add one sampled request's per-row metric values to its slices' statistics and detectors; log alerts.
 
         Args:
             keys: slice keys (from `admit`).
             decision: the request's sampling decision (weight 1/p and per-key ratios pi_k / p).
-            row: {metric: value} for every tracked metric.
+            row: {metric: (rows,) values, or a float for a one-row request} for every tracked metric.
             request_index: sequence number for alert records.
             now: time stamp for alert records.
         """
         ev = self.stats.update(keys, row, decision.weight, decision.ratios or None, request_index=request_index,
                                now=now)
-        self.compared_rows += 1
+        first = next(iter(row.values()), 0.0)
+        self.compared_rows += int(np.size(first))
+        self.compared_requests += 1
         self.report(ev)
         return ev
 
@@ -174,10 +204,16 @@ class MonitorCore:
         return self.combined if self.combined is not None else self.stats
 
     def evidence(self, since: int = 0) -> dict[str, Any]:
-        """This process's evidence since cursor `since` (GET /v1/evidence; monitoring/combine.py)."""
+        """This process's evidence since cursor `since` (GET /v1/evidence; monitoring/combine.py), with its epoch,
+        role and detector `settings` hash (a combiner refuses peers whose settings differ from its own)."""
         doc = self.stats.evidence(since)
-        doc.update(epoch=self.epoch, model=self.cfg.model_name, role=self.role)
+        doc.update(epoch=self.epoch, model=self.cfg.model_name, role=self.role, settings=self.settings)
         return doc
+
+    @functools.cached_property
+    def settings(self) -> str:
+        """sha256 of the detector settings and the spec's monitoring section (combine.settings_hash)."""
+        return settings_hash(self.stats, self.cfg.mon.model_dump(mode="json"))
 
     # ---------------------------------------------------------------------------------------- reports
     def alerts(self) -> list[dict[str, Any]]:
@@ -207,6 +243,7 @@ class MonitorCore:
         mon = self.cfg.mon
         return {"model": self.cfg.model_name, "task": self.cfg.task, "requests": self.sampler.total,
                 "sampled": self.sampler.sampled_total, "compared_rows": self.compared_rows,
+                "compared_requests": self.compared_requests,
                 "sample_rate": mon.sample_rate, "window_size": mon.window_size, "min_support": mon.min_support,
                 "alpha": mon.alpha, "horizon": mon.horizon, "detector": st.method,
                 "alarm_threshold": round(st.h, 6), "keys_per_request": self.cfg.keys_per_request, "role": self.role,

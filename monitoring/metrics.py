@@ -22,6 +22,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_invalid_requests_total",
     "tailguard_monitor_sampled_total",
     "tailguard_monitor_dropped_total",
+    "tailguard_monitor_candidate_failures_total",
     "tailguard_monitor_queue_depth",
     "tailguard_monitor_inference_seconds",
     "tailguard_monitor_ingest_seconds",
@@ -36,13 +37,17 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_models_ready",
     "tailguard_monitor_s3_uploads_total",
     "tailguard_monitor_spool_bytes",
+    "tailguard_monitor_peer_errors_total",
 )
 DROP_REASONS = ("queue_full", "reference_error", "reference_timeout", "non_finite", "reference_missing",
-                "candidate_error", "unmatched", "join_overflow", "sink_full", "sink_error")
+                "candidate_missing", "internal_error", "unmatched", "join_overflow", "sink_full", "sink_error")
+# A candidate failure is not a drop: it is compared, as the worst disagreement (candidate_error_rate = 1 on its
+# rows, agreement 0; monitoring/compare.py failure_rows), and counted here by what happened.
+CANDIDATE_FAILURES = ("candidate_error", "candidate_timeout", "candidate_shape")
 # unmatched / join_overflow: a KServe payload-logger half (request or response CloudEvent) that never met its
 # partner within monitoring.logger_join_ttl_s, or was evicted from a full join buffer (monitoring/join.py).
 UPLOAD_STATUSES = ("ok", "spooled", "retried_ok", "dropped")
-ENDPOINTS = ("infer", "pairs", "logger")
+ENDPOINTS = ("infer", "pairs", "logger", "grpc")
 ROLES = ("reference", "candidate")
 # Ingest is sub-millisecond; inference spans ms to seconds.
 INGEST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -127,8 +132,9 @@ class MonitorMetrics:
         registry: registry to register on (default: a new CollectorRegistry).
 
     Attributes: requests, invalid_requests, dropped, queue_depth, inference_seconds, ingest_seconds, alerts,
-        models_ready, s3_uploads, spool_bytes (named like METRIC_NAMES without the `tailguard_monitor_` prefix and
-        `_total` suffix). The per-slice families come from a SliceCollector registered with `attach`.
+        models_ready, s3_uploads, spool_bytes, peer_errors (named like METRIC_NAMES without the
+        `tailguard_monitor_` prefix and `_total` suffix). The per-slice families come from a SliceCollector
+        registered with `attach`.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -140,6 +146,9 @@ class MonitorMetrics:
                                         ["reason"], registry=r)
         self.dropped = Counter(p + "dropped", "Sampled requests not compared, unjoined payload-logger halves, or "
                                               "sampled rows the S3 writer lost, by reason.", ["reason"], registry=r)
+        self.candidate_failures = Counter(p + "candidate_failures", "Sampled requests the candidate failed on "
+                                          "(raised, timed out, wrong output shape): compared as disagreement.",
+                                          ["reason"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Sampled requests waiting for the shadow.", registry=r)
         self.inference_seconds = Histogram(p + "inference_seconds", "Shadow inference time per request (s).",
                                            ["model", "role"], buckets=INFERENCE_BUCKETS, registry=r)
@@ -149,9 +158,15 @@ class MonitorMetrics:
         self.models_ready = Gauge(p + "models_ready", "1 when the model is loaded.", ["role"], registry=r)
         self.s3_uploads = Counter(p + "s3_uploads", "Sampled-pair batches by outcome.", ["status"], registry=r)
         self.spool_bytes = Gauge(p + "spool_bytes", "Bytes in the local spool waiting for S3.", registry=r)
+        # the combiner's peers (one per --peer, bounded) x combine.PeerError reasons
+        self.peer_errors = Counter(p + "peer_errors", "Evidence documents from a peer not merged (or, "
+                                   "epoch_flip, merged but served by several processes), by reason "
+                                   "(monitoring/combine.py PeerError).", ["peer", "reason"], registry=r)
         self.slices: SliceCollector | None = None
         for reason in DROP_REASONS:  # export zeros so rate() and absent() work from the start
             self.dropped.labels(reason)
+        for reason in CANDIDATE_FAILURES:
+            self.candidate_failures.labels(reason)
         for status in UPLOAD_STATUSES:
             self.s3_uploads.labels(status)
         for role in ROLES:

@@ -5,20 +5,34 @@ which the least recently updated slice without an active alert is evicted and co
 every metric with a threshold (monitoring/config.py `Bound`), a one-sided **betting CUSUM** watches for the
 slice's traffic mean crossing the threshold.
 
+The request is the unit of evidence. Rows of one request share a source, the slice keys, the sampling draw and
+usually content: they are not independent, and betting on each row as if it were lets one bad request add as
+much evidence as many independent ones (a fully disagreeing 32-row request: ~91 nats, far above h). So the
+detector bets once per (sampled request, slice, metric), on the request's mean excess.
+
 Detector. Write the per-row excess over the threshold on the bad side as
 
     y = threshold - x   (higher-is-better metrics: agreement, cosine)      y = x - threshold   (lower-is-better)
 
-so that H0 "the slice is fine" is E[y] <= 0. The metric is bounded on its good side (agreement, cosine <= 1;
-KL and errors >= 0), so y >= -span with span = |good bound - threshold|, and for any bet 0 <= lam < 1/span the
-factor 1 + lam * y is non-negative with E_H0[1 + lam y] <= 1: an e-value (testing by betting: Waudby-Smith &
-Ramdas 2024, JRSS-B 86:1, "Estimating means of bounded random variables by betting"). For a 0/1 metric with
+and a request's excess as the mean over its n rows, ybar = (1/n) sum_i y_i. H0 "the slice is fine" is: given the
+past and the request's size n, E[ybar] <= 0, i.e. among requests of every size the mean over their rows is on
+the good side. That is the per-row mean the validation gates measure (within one size class the request mean
+and the row mean are the same number; across sizes H0 implies the traffic's row mean is on the good side). It
+differs from "the traffic's row mean is fine" only when requests of one size are worse than the threshold and
+requests of another size better: then the worse size class is reported, which is a real defect of its own.
+The metric is bounded on its good side (agreement, cosine <= 1; KL and errors >= 0), so y and ybar are >= -span
+with span = |good bound - threshold|, and for any bet 0 <= lam < 1/span the factor 1 + lam * ybar is
+non-negative with E_H0[1 + lam ybar] <= 1: an e-value (testing by betting: Waudby-Smith & Ramdas 2024, JRSS-B
+86:1, "Estimating means of bounded random variables by betting"). For one-row requests of a 0/1 metric with
 lam = (q1/q0 - 1)/threshold this factor *is* the likelihood ratio of disagreement rate q1 against q0 = 1 -
 threshold, so the detector below is Page's Bernoulli CUSUM (Page 1954; Reynolds & Stoumbos 1999, JQT 31:87).
 The post-change value is unknown, so K = 10 bets lam_j = 2^-j / span (j = 1..10) run side by side:
 
-    S_j <- max(0, S_j + log(1 + lam_j * r * y))          (one CUSUM per bet, updated on each sampled row)
+    S_j <- max(0, S_j + log(1 + lam_j * r * ybar))       (one CUSUM per bet, updated once per sampled request)
     alarm when  log( mean_j exp(S_j) ) >= h              (the mixture e-detector)
+
+The excess of each row is clipped to [-span, cap] before the mean (cap: the distance from the threshold to the
+range's bad end, or to `truncate_at`; clipping above only lowers an e-value, and no row is below -span).
 
 `r = pi_slice / p` (<= 1) weights a row sampled with probability p by the probability pi_slice the slice's
 own frequency gives (monitoring/sampler.py): E[sampled * r * y] = pi_slice * E_traffic[y], so the factor stays an
@@ -37,12 +51,19 @@ with a threshold). With h = log(horizon x G x B / alpha), Ville's inequality giv
 and an average run length to a false alarm of at least horizon / alpha sampled requests, whatever the number of
 slices (the family is counted by the updates a request makes, not by the slices that exist). H0 here is
 "every slice's traffic mean is on the good side of its threshold or on it": the guarantee holds at the
-threshold itself, the hardest case. Assumptions: given the past, the sampling draw does not depend on the row's
-metric value (it depends on slice frequencies only), and rows of a slice are compared in arrival order.
+threshold itself, the hardest case. Assumptions: sampled requests are independent of each other given the past (the rows
+*within* a request need not be), the sampling draw does not depend on the request's metric values (it depends on
+slice frequencies only), and requests of a slice are compared in arrival order. `horizon` counts sampled requests,
+whatever their number of rows.
 
-After an alarm the alert stays active while a recovery CUSUM (the same bets on the good side, -y; lower-is-better
-metrics truncated at 2 x threshold) looks for evidence that the slice is back; when it crosses h the alert
-clears and the alarm detector restarts from zero. The estimated change point is where the winning CUSUM last
+Recovery. After an alarm the alert stays active while a recovery CUSUM (the same bets on the good side, -ybar)
+looks for evidence that the slice is back; when it crosses h the alert clears and the alarm detector restarts
+from zero. The recovery bets need the excess bounded on the *bad* side (-y >= -(distance to the bad end)): a
+metric with a finite bad end (agreement 0, cosine -1) has it; a lower-is-better metric without an upper end
+(kl_divergence, abs_error, rel_error) has it only with a declared `truncate_at` c, and then both tests are about
+the truncated mean E[min(x, c)] (the alarm's evidence for it is also evidence for the untruncated mean, which is
+larger; the recovery certifies the truncated mean only, as documented). Without `truncate_at` such a metric gets
+no evidence-based clearing: its alert stays active until the monitor restarts (`clears: "never"` in the record). The estimated change point is where the winning CUSUM last
 left zero (the CUSUM maximum-likelihood change-point estimate, Page 1954).
 
 For display, each slice also keeps an exponentially weighted Hajek mean (span `window_size` rows, weights 1/p)
@@ -58,6 +79,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 from scipy import stats
 
 from tailguard.monitoring.config import ALL_SLICE, METRIC_RANGE, Bound
@@ -81,11 +103,12 @@ class AlertRecord:
         detector: "betting_cusum".
         statistic: the detector's log e-value when it fired (>= alarm_threshold).
         alarm_threshold: h = log(horizon x G x B / alpha).
-        change_point_request_index: request index of the first row of the excursion that fired (the estimated
-            change point), or None when unknown.
-        change_point_sample: the slice's sampled-row number (1-based) at the estimated change point.
-        samples_since_change: the slice's sampled rows from the change point to the alarm (the detection delay).
-        samples_seen: the slice's sampled rows so far.
+        change_point_request_index: request index of the first request of the excursion that fired (the
+            estimated change point), or None when unknown.
+        change_point_sample: the slice's sampled-request number (1-based) at the estimated change point (a
+            "sample" is a sampled request, the unit of evidence).
+        samples_since_change: the slice's sampled requests from the change point to the alarm (detection delay).
+        samples_seen: the slice's sampled requests so far.
         effective_samples: Kish effective sample size of the display estimate.
         requests_seen: requests carrying this slice key so far (sampled or not).
         method: detector and family control, "betting_cusum+stream_alpha".
@@ -96,6 +119,9 @@ class AlertRecord:
         cleared_at: ISO-8601 UTC time it cleared, or None while active.
         threshold_source: "min", "max" or "baseline-max_drop".
         source: "local" or "combined" (evidence merged from replicas, monitoring/combine.py).
+        rows_seen: the slice's sampled rows so far.
+        clears: "on_recovery" (a recovery detector clears it on evidence) or "never" (a metric without a finite
+            bad end and no truncate_at: it stays active until the monitor restarts).
     """
 
     model: str
@@ -121,6 +147,8 @@ class AlertRecord:
     cleared_at: str | None = None
     threshold_source: str = ""
     source: str = "local"
+    rows_seen: int = 0
+    clears: str = "on_recovery"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (floats rounded to 6 significant digits; inf as the string 'inf')."""
@@ -165,7 +193,8 @@ class Betting:
     Attributes:
         sign: +1 for the alarm side (y = excess on the bad side), -1 for recovery (bets on the good side).
         lambdas: (N_BETS,) bets, each < 1 / span.
-        cap: the row excess is clipped to [-span, cap] (cap only ever lowers an e-value; span keeps it >= 0).
+        cap: the row excess is clipped to [-span, cap] (cap only ever lowers an e-value; span keeps it >= 0): the
+            distance from the threshold to the other end of the range (or truncate_at), Y_CAP when unbounded.
         span: the largest loss per unit bet (the excess's bound on the side bet against).
     """
 
@@ -175,15 +204,16 @@ class Betting:
     cap: float = Y_CAP
 
 
-def bettings(bound: Bound) -> tuple[Betting, Betting]:
-    """(alarm, recovery) bets for a threshold, from the metric's range (config.METRIC_RANGE).
+def bettings(bound: Bound) -> tuple[Betting, Betting | None]:
+    """(alarm, recovery) bets for a threshold, from the metric's range (config.METRIC_RANGE) and truncate_at.
 
     Args:
         bound: the resolved threshold.
 
     Returns:
         The alarm bets (excess y >= -(distance from the threshold to the good end of the range)) and the recovery
-        bets (-y >= -(distance to the bad end), the bad end taken as 2 x threshold for unbounded error metrics).
+        bets (-y >= -(distance to the bad end: the range's, or truncate_at)), or None for recovery when the bad
+        side is unbounded and not truncated (no evidence-based clearing: module docstring, Recovery).
     """
     lo, hi = METRIC_RANGE.get(bound.metric, (-math.inf, math.inf))
     t = bound.value
@@ -191,26 +221,40 @@ def bettings(bound: Bound) -> tuple[Betting, Betting]:
         good, bad = hi, lo
     else:
         good, bad = lo, hi
+        if bound.truncate_at is not None:
+            bad = min(bad, bound.truncate_at)
     span_alarm = abs(good - t) if math.isfinite(good) else abs(t) or 1.0
+    to_bad = abs(bad - t) if math.isfinite(bad) else Y_CAP
+    alarm = _betting(1.0, span_alarm, to_bad)
     if not math.isfinite(bad):
-        bad = 2.0 * t if t > 0 else t + 1.0
-    span_rec = abs(t - bad)
-    return _betting(1.0, span_alarm), _betting(-1.0, span_rec)
+        return alarm, None
+    return alarm, _betting(-1.0, to_bad, span_alarm if math.isfinite(good) else Y_CAP)
 
 
-def _betting(sign: float, span: float) -> Betting:
+def _betting(sign: float, span: float, cap: float = Y_CAP) -> Betting:
     span = max(span, 1e-9)  # a threshold at the range's end: every excess is >= 0 under H0, any bet is valid
-    return Betting(sign, tuple(2.0 ** -j / span for j in range(1, N_BETS + 1)), span)
+    return Betting(sign, tuple(2.0 ** -j / span for j in range(1, N_BETS + 1)), span, cap)
 
 
-def _clip(bet: Betting, excess: float) -> float:
-    """The excess on the side `bet` bets on, clipped to [-span, cap] (keeps every factor >= 0)."""
-    return min(max(bet.sign * excess, -bet.span), bet.cap)
+def request_excess(bet: Betting, excess: Any) -> float:
+    """A request's excess on the side `bet` bets on: the mean over its rows of each row's excess clipped to
+    [-span, cap] (every factor 1 + lam * r * ybar stays >= 0).
+
+    Args:
+        bet: the bets (its sign picks the side).
+        excess: (rows,) float64 per-row excess on the alarm side (y), NaN-free; a float for one row.
+
+    Returns:
+        ybar in [-span, cap].
+    """
+    if isinstance(excess, float):
+        return min(max(bet.sign * excess, -bet.span), bet.cap)
+    return float(np.clip(bet.sign * excess, -bet.span, bet.cap).mean())
 
 
-def _add_walk(walk: list[float], bet: Betting, excess: float, r: float) -> None:
-    """Accumulate one row's log factors per bet into an unclipped walk (a replica's recovery-side evidence)."""
-    y = _clip(bet, excess)
+def _add_walk(walk: list[float], bet: Betting, y: float, r: float) -> None:
+    """Accumulate one request's log factors per bet (y already from `request_excess`) into an unclipped walk (a
+    replica's recovery-side evidence)."""
     for j, lam in enumerate(bet.lambdas):
         walk[j] += math.log1p(lam * r * y)
 
@@ -220,8 +264,8 @@ class Cusum:
 
     Attributes:
         s: (N_BETS,) current CUSUM statistics (log scale, >= 0).
-        start: (N_BETS,) the slice row number where each CUSUM last left zero.
-        start_request: (N_BETS,) the request index of that row.
+        start: (N_BETS,) the slice's sampled-request number where each CUSUM last left zero.
+        start_request: (N_BETS,) the request index of that request.
         walk: (N_BETS,) unclipped sum of the log factors since start (replicas export it, monitoring/combine.py).
     """
 
@@ -233,9 +277,9 @@ class Cusum:
         self.start_request: list[int | None] = [None] * N_BETS
         self.walk = [0.0] * N_BETS
 
-    def update(self, bet: Betting, excess: float, r: float, row: int, request_index: int | None) -> None:
-        """Add one row: excess y on the bad side (already in the alarm's sign), weight ratio r in (0, 1]."""
-        y = _clip(bet, excess)
+    def update(self, bet: Betting, y: float, r: float, row: int, request_index: int | None) -> None:
+        """Add one sampled request: its excess y from `request_excess` (in the bet's sign, clipped), weight ratio
+        r in (0, 1], `row` the slice's sampled-request number."""
         s, walk = self.s, self.walk
         for j, lam in enumerate(bet.lambdas):
             inc = math.log1p(lam * r * y)
@@ -283,7 +327,7 @@ class Cusum:
 
 class Stream:
     """Detector state of one (slice, metric) with a threshold: the alarm CUSUM, the recovery CUSUM, alert state,
-    and (replicas only) the recovery-side walk of every row, for the combiner."""
+    and (replicas only) the recovery-side walk of every sampled request, for the combiner."""
 
     __slots__ = ("alarm", "recovery", "active", "alerts", "record", "rec_walk")
 
@@ -301,13 +345,19 @@ class SliceState:
 
     Attributes:
         rows: sampled rows compared in this slice.
+        requests: sampled requests compared in this slice (the detectors' clock).
         sw, sww: exponentially weighted sums of the rows' weights w = 1/p and of w^2.
+        swm: {metric: exponentially weighted sum of w over the rows that have a value of the metric} (a
+            candidate failure leaves metrics other than agreement and candidate_error_rate without one).
         swx: {metric: exponentially weighted sum of w x}.
         ninf: {metric: decayed count of infinite values (non-finite candidate rows)}.
+        reference_failures: sampled rows of this slice the reference could not judge (error, timeout, NaN):
+            excluded from the evidence (not the candidate's fault), counted and shown.
         streams: {metric: Stream} for metrics with a threshold.
     """
 
-    __slots__ = ("rows", "sw", "sww", "swx", "ninf", "streams", "last_request", "incarnation", "version", "peak")
+    __slots__ = ("rows", "requests", "sw", "sww", "swm", "swx", "ninf", "streams", "last_request", "incarnation",
+                 "version", "peak", "reference_failures")
 
     def __init__(self, metrics: Sequence[str], bounded: Iterable[str], incarnation: int = 0,
                  export_walks: bool = False) -> None:
@@ -315,8 +365,11 @@ class SliceState:
         self.version = incarnation
         self.peak = 0.0  # largest alarm CUSUM over the slice's metrics after its last update (ranking for export)
         self.rows = 0
+        self.requests = 0
+        self.reference_failures = 0
         self.sw = 0.0
         self.sww = 0.0
+        self.swm = dict.fromkeys(metrics, 0.0)
         self.swx = dict.fromkeys(metrics, 0.0)
         self.ninf = dict.fromkeys(metrics, 0.0)
         self.streams = {m: Stream(export_walks) for m in bounded}
@@ -324,11 +377,11 @@ class SliceState:
 
     def mean(self, metric: str) -> float:
         """Display estimate: exponentially weighted Hajek mean (+inf while a recent row was infinite)."""
-        if self.sw <= 0:
+        if self.swm[metric] <= 0:
             return math.nan
         if self.ninf[metric] > 1e-3:  # parity scores a non-finite candidate row +inf (lower-is-better metrics)
             return math.inf
-        return self.swx[metric] / self.sw
+        return self.swx[metric] / self.swm[metric]
 
     @property
     def n_eff(self) -> float:
@@ -431,15 +484,21 @@ class SliceStatistics:
         self.alerting_keys.discard(k)
         self.evicted += 1
 
-    def update(self, keys: Sequence[str], values: Mapping[str, float], weight: float,
+    def update(self, keys: Sequence[str], values: Mapping[str, Any], weight: float,
                ratios: Sequence[float] | None = None, request_index: int | None = None,
                now: datetime | None = None) -> Evaluation:
-        """Add one sampled row to each of its slices; update detectors and alert state.
+        """Add one sampled request (all its rows) to each of its slices; update detectors and alert state.
+
+        The display estimate takes every row; each detector takes one bet on the request's mean excess (module
+        docstring: the request is the unit of evidence).
 
         Args:
-            keys: the row's slice keys (including "all").
-            values: {metric: per-row value} for every tracked metric (NaN rows must be dropped before).
-            weight: sampling weight w = 1/p of the row.
+            keys: the request's slice keys (including "all").
+            values: {metric: (rows,) float64 per-row values} for every tracked metric (a float for a one-row
+                request). NaN marks a row without a value of that metric (a candidate failure leaves metrics other
+                than agreement and candidate_error_rate without one); rows whose reference was non-finite must be
+                dropped before.
+            weight: sampling weight w = 1/p of the request (each of its rows).
             ratios: per key, pi_slice / p in (0, 1] (sampler.Decision.ratios); None = all 1 (uniform sampling).
             request_index: sequence number recorded in alerts (and as change points).
             now: time stamp for fired/cleared records (default: now, UTC).
@@ -448,44 +507,99 @@ class SliceStatistics:
             The alerts fired and cleared by this update.
         """
         ev = Evaluation()
+        n, display, excess = self._prepare(values)
+        if n == 0:
+            return ev
         d = self.decay
+        dn = d ** n
+        g_all = display[""][0]
         self.version += 1
         for i, k in enumerate(keys):
             s = self.state(k)
             s.version = self.version
-            s.rows += 1
+            s.rows += n
+            s.requests += 1
             s.last_request = request_index
-            s.sw = d * s.sw + weight
-            s.sww = d * s.sww + weight * weight
+            s.sw = dn * s.sw + weight * g_all
+            s.sww = dn * s.sww + weight * weight * g_all
             for m in self.metrics:
-                x = values[m]
-                finite = math.isfinite(x)
-                s.swx[m] = d * s.swx[m] + (weight * x if finite else 0.0)
-                s.ninf[m] = d * s.ninf[m] + (0.0 if finite else 1.0)
+                gm, gx, ginf = display[m]
+                s.swm[m] = dn * s.swm[m] + weight * gm
+                s.swx[m] = dn * s.swx[m] + weight * gx
+                s.ninf[m] = dn * s.ninf[m] + ginf
             r = ratios[i] if ratios is not None else 1.0
-            for m, stream in s.streams.items():
-                b = self.bounds[m]
-                x = values[m]
-                y = (b.value - x) if b.higher_is_better else (x - b.value)
-                self._step(k, m, s, stream, y, r, request_index, now, ev)
+            for m, (ay, ry) in excess.items():
+                stream = s.streams.get(m)
+                if stream is not None:
+                    self._step(k, m, s, stream, ay, ry, r, request_index, now, ev)
             s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
         return ev
 
-    def _step(self, key: str, metric: str, s: SliceState, stream: Stream, y: float, r: float,
+    def _prepare(self, values: Mapping[str, Any]
+                 ) -> tuple[int, dict[str, tuple[float, float, float]], dict[str, tuple[float, float | None]]]:
+        """One request's rows reduced once for all its slices: (rows, {metric: (sum of decay weights over rows
+        with a value, decayed sum of finite values, decayed count of infinite values)} with key "" holding the
+        decay weight sum over all rows, {bounded metric: (alarm excess, recovery excess or None)})."""
+        arrays = {m: np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics}
+        n = max((a.shape[0] for a in arrays.values()), default=0)
+        if n == 0:
+            return 0, {}, {}
+        d = self.decay
+        geo = d ** np.arange(n - 1, -1, -1, dtype=np.float64) if n > 1 else None
+        display: dict[str, tuple[float, float, float]] = {"": (float(geo.sum()) if geo is not None else 1.0,
+                                                               0.0, 0.0)}
+        excess: dict[str, tuple[float, float | None]] = {}
+        for m, a in arrays.items():
+            if a.shape[0] != n:
+                raise ValueError(f"metric {m!r} has {a.shape[0]} rows, the request {n}")
+            valid = ~np.isnan(a)
+            finite = np.isfinite(a)
+            if geo is None:
+                x = float(a[0])
+                display[m] = ((1.0, x, 0.0) if finite[0] else (1.0, 0.0, 1.0)) if valid[0] else (0.0, 0.0, 0.0)
+            else:
+                display[m] = (float(geo[valid].sum()), float((geo[finite] * a[finite]).sum()),
+                              float(geo[valid & ~finite].sum()))
+            b = self.bounds.get(m)
+            if b is None or not valid.any():
+                continue
+            x = a[valid] if not valid.all() else a
+            if b.higher_is_better:
+                y = b.value - x
+            else:
+                y = (np.minimum(x, b.truncate_at) if b.truncate_at is not None else x) - b.value
+            y = float(y[0]) if y.shape[0] == 1 else y
+            alarm_bet, rec_bet = self.bets[m]
+            excess[m] = (request_excess(alarm_bet, y), request_excess(rec_bet, y) if rec_bet is not None else None)
+        return n, display, excess
+
+    def _step(self, key: str, metric: str, s: SliceState, stream: Stream, ay: float, ry: float | None, r: float,
               request_index: int | None, now: datetime | None, ev: Evaluation) -> None:
         alarm_bet, rec_bet = self.bets[metric]
-        row = s.rows
-        if stream.rec_walk is not None:
-            _add_walk(stream.rec_walk, rec_bet, y, r)
-        if stream.active and stream.recovery is not None:
-            stream.recovery.update(rec_bet, y, r, row, request_index)
-            stream.alarm.update(alarm_bet, y, r, row, request_index)  # keeps the walk (replicas) current
-            if stream.recovery.crossed(self.h):
-                self._clear(stream, row, now, ev)
+        sample = s.requests
+        if stream.rec_walk is not None and rec_bet is not None and ry is not None:
+            _add_walk(stream.rec_walk, rec_bet, ry, r)
+        if stream.active:
+            stream.alarm.update(alarm_bet, ay, r, sample, request_index)  # keeps the walk (replicas) current
+            if stream.recovery is not None and rec_bet is not None and ry is not None:
+                stream.recovery.update(rec_bet, ry, r, sample, request_index)
+                if stream.recovery.crossed(self.h):
+                    self._clear(stream, sample, now, ev)
             return
-        stream.alarm.update(alarm_bet, y, r, row, request_index)
-        if self.alerting and row >= self.min_support and stream.alarm.crossed(self.h):
+        stream.alarm.update(alarm_bet, ay, r, sample, request_index)
+        if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
             self._fire(key, metric, s, stream, request_index, now, ev)
+
+    def reference_failed(self, keys: Sequence[str], rows: int) -> None:
+        """Count `rows` sampled rows of a request whose reference could not judge them (error, timeout, NaN
+        output) in each of its slices: excluded from the evidence, shown in slices.json (`reference_failures`)."""
+        if rows <= 0:
+            return
+        self.version += 1
+        for k in keys:
+            s = self.state(k)
+            s.version = self.version
+            s.reference_failures += rows
 
     def _fire(self, key: str, metric: str, s: SliceState, stream: Stream, request_index: int | None,
               now: datetime | None, ev: Evaluation) -> None:
@@ -496,17 +610,18 @@ class SliceStatistics:
                           direction="min" if b.higher_is_better else "max", detector=DETECTOR,
                           statistic=c.statistic(), alarm_threshold=self.h,
                           change_point_request_index=c.start_request[j], change_point_sample=c.start[j],
-                          samples_since_change=s.rows - c.start[j] + 1, samples_seen=s.rows,
+                          samples_since_change=s.requests - c.start[j] + 1, samples_seen=s.requests,
                           effective_samples=s.n_eff, requests_seen=int(self.requests_seen.get(key, 0)),
                           method=self.method, alpha=self.alpha, horizon=self.horizon,
                           fired_at=(now or datetime.now(timezone.utc)).isoformat(), request_index=request_index,
-                          threshold_source=b.source, source=self.source)
+                          threshold_source=b.source, source=self.source, rows_seen=s.rows,
+                          clears="on_recovery" if self.bets[metric][1] is not None else "never")
         stream.active = True
         self.alerting_keys.add(key)
         stream.alerts += 1
         stream.record = rec
-        stream.recovery = Cusum()
-        c.reset(s.rows)
+        stream.recovery = Cusum() if self.bets[metric][1] is not None else None
+        c.reset(s.requests)
         self.history.append(rec)
         ev.fired.append(rec)
 
@@ -524,37 +639,42 @@ class SliceStatistics:
                 self.alerting_keys.discard(rec.slice)
 
     def merge(self, key: str, walks: Mapping[str, tuple[Sequence[float], Sequence[float]]], rows: int,
-              now: datetime | None = None) -> Evaluation:
-        """Add a replica's evidence for one slice: `rows` new rows and, per metric, the summed log factors per bet
-        on the alarm and the recovery side (monitoring/combine.py). The CUSUMs clip at zero between merges only.
+              requests: int | None = None, now: datetime | None = None) -> Evaluation:
+        """Add a replica's evidence for one slice: `requests` new sampled requests (`rows` rows) and, per metric,
+        the summed log factors per bet on the alarm and the recovery side (monitoring/combine.py). The CUSUMs clip
+        at zero between merges only.
 
         Args:
             key: slice key.
             walks: {metric: (alarm increments (N_BETS,), recovery increments (N_BETS,) or empty)}.
             rows: rows the increments cover.
+            requests: sampled requests the increments cover (None: as many as rows, one-row requests).
             now: time stamp for alert records.
 
         Returns:
             Alerts fired or cleared (the combiner's).
         """
         ev = Evaluation()
-        if rows <= 0:
+        requests = rows if requests is None else requests
+        if rows <= 0 or requests <= 0:
             return ev
         s = self.state(key)
         self.version += 1
         s.version = self.version
         s.rows += rows
+        s.requests += requests
         for metric, (alarm, recovery) in walks.items():
             stream = s.streams.get(metric)
             if stream is None:
                 continue
-            if stream.active and stream.recovery is not None:
-                stream.recovery.add_batch(recovery, s.rows)
-                stream.alarm.add_batch(alarm, s.rows)
-                if stream.recovery.crossed(self.h):
-                    self._clear(stream, s.rows, now, ev)
+            if stream.active:
+                stream.alarm.add_batch(alarm, s.requests)
+                if stream.recovery is not None and len(recovery):
+                    stream.recovery.add_batch(recovery, s.requests)
+                    if stream.recovery.crossed(self.h):
+                        self._clear(stream, s.requests, now, ev)
                 continue
-            stream.alarm.add_batch(alarm, s.rows)
+            stream.alarm.add_batch(alarm, s.requests)
             if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
                 self._fire(key, metric, s, stream, None, now, ev)
         s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
@@ -564,16 +684,18 @@ class SliceStatistics:
         """The walks of every slice updated after version `since` (what a combiner merges; needs export_walks).
 
         Returns:
-            {"version": the current version (the next cursor), "slices": {key: {"incarnation", "rows",
-            "metrics": {metric: {"alarm": [N_BETS walks], "recovery": [N_BETS walks]}}}}}.
+            {"version": the current version (the next cursor), "slices": {key: {"incarnation", "rows", "requests",
+            "metrics": {metric: {"alarm": [N_BETS walks], "recovery": [N_BETS walks, or [] when the metric has no
+            recovery test]}}}}}.
         """
         out: dict[str, Any] = {}
         for key, s in self.slices.items():
             if s.version <= since:
                 continue
-            out[key] = {"incarnation": s.incarnation, "rows": s.rows,
+            out[key] = {"incarnation": s.incarnation, "rows": s.rows, "requests": s.requests,
                         "metrics": {m: {"alarm": list(st.alarm.walk),
-                                        "recovery": list(st.rec_walk) if st.rec_walk is not None else []}
+                                        "recovery": (list(st.rec_walk) if st.rec_walk is not None
+                                                     and self.bets[m][1] is not None else [])}
                                     for m, st in s.streams.items()}}
         return {"version": self.version, "slices": out}
 
@@ -607,10 +729,12 @@ class SliceStatistics:
                              statistic=_json_float(stat), alarm_threshold=_json_float(self.h),
                              evidence=_json_float(stat / self.h), alert_active=stream.active,
                              alerts_fired=stream.alerts, detector=DETECTOR,
+                             clears="on_recovery" if self.bets[m][1] is not None else "never",
                              status=("alert" if stream.active else "ok" if s.rows >= self.min_support
                                      else "insufficient_data"))
             ms[m] = entry
-        return {"samples_total": s.rows, "effective_samples": _json_float(s.n_eff),
+        return {"samples_total": s.rows, "sampled_requests": s.requests,
+                "reference_failures": s.reference_failures, "effective_samples": _json_float(s.n_eff),
                 "weight_sum": _json_float(s.sw), "evidence": _json_float(s.evidence(self.h)), "metrics": ms}
 
     def slice_summary(self, keys: Iterable[str] | None = None) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tailguard.monitoring import testing as T
-from tailguard.monitoring.combine import Combiner
+from tailguard.monitoring.combine import Combiner, settings_hash
 from tailguard.monitoring.config import Bound
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.stats import SliceStatistics
@@ -31,6 +31,13 @@ def _stats(**kw):
     return SliceStatistics("m", ["top1_agree"], TOP1, **{**args, **kw})
 
 
+SETTINGS = settings_hash(_stats())
+
+
+def _doc(stats, since, epoch):  # a replica's /v1/evidence document
+    return {**stats.evidence(since), "epoch": epoch, "role": "replica", "settings": SETTINGS}
+
+
 def test_combined_cusum_equals_single_process_cusum_when_merged_after_every_row():
     rng = np.random.default_rng(0)
     rows = (rng.random(3000) < np.where(np.arange(3000) < 1000, 1.0, 0.9)).astype(float)
@@ -38,13 +45,13 @@ def test_combined_cusum_equals_single_process_cusum_when_merged_after_every_row(
     replicas = [_stats(export_walks=True, alerting=False) for _ in range(2)]
     combined = _stats(source="combined")
     docs = {}
-    comb = Combiner(combined, lambda name, since: docs[name], ["r0", "r1"])
+    comb = Combiner(combined, lambda name, since: docs[name], ["r0", "r1"], settings=SETTINGS)
     fired_single, fired_comb = [], []
     for i, v in enumerate(rows):
         fired_single += single.update(["all"], {"top1_agree": v}, 1.0).fired
         r = replicas[i % 2]
         assert r.update(["all"], {"top1_agree": v}, 1.0).fired == []  # replicas never alert
-        docs[f"r{i % 2}"] = {**r.evidence(0), "epoch": f"e{i % 2}"}
+        docs[f"r{i % 2}"] = _doc(r, 0, f"e{i % 2}")
         fired_comb += comb.poll().fired
     assert fired_single and fired_comb
     assert fired_comb[0].samples_seen == fired_single[0].samples_seen  # same row, same decision
@@ -56,17 +63,20 @@ def test_combined_cusum_equals_single_process_cusum_when_merged_after_every_row(
 def test_combiner_counts_only_new_rows_when_replica_restarts():
     rep, combined = _stats(export_walks=True, alerting=False), _stats(source="combined")
     doc = {}
-    comb = Combiner(combined, lambda name, since: doc["d"], ["r"])
+    comb = Combiner(combined, lambda name, since: doc["d"], ["r"], settings=SETTINGS)
     for _ in range(50):
         rep.update(["all"], {"top1_agree": 1.0}, 1.0)
-    doc["d"] = {**rep.evidence(0), "epoch": "first"}
+    doc["d"] = _doc(rep, 0, "first")
     comb.poll()
     rep2 = _stats(export_walks=True, alerting=False)  # the replica restarted: walks start again from zero
     for _ in range(20):
         rep2.update(["all"], {"top1_agree": 1.0}, 1.0)
-    doc["d"] = {**rep2.evidence(0), "epoch": "second"}
+    doc["d"] = _doc(rep2, 0, "second")
     comb.poll()
     assert combined.slices["all"].rows == 70
+    comb.poll()  # the restarted replica's walk is merged from zero once, not again
+    assert combined.slices["all"].rows == combined.slices["all"].requests == 70
+    assert comb.status()["r"]["new_epochs"] == 2 and comb.status()["r"]["errors"] == 0
 
 
 def test_combiner_keeps_polling_others_and_counts_error_when_peer_fails():
@@ -76,11 +86,12 @@ def test_combiner_keeps_polling_others_and_counts_error_when_peer_fails():
     def fetch(name, since):
         if name == "down":
             raise ConnectionError("refused")
-        return {**rep.evidence(since), "epoch": "e"}
+        return _doc(rep, since, "e")
 
-    comb = Combiner(combined, fetch, ["down", "up"])
+    comb = Combiner(combined, fetch, ["down", "up"], settings=SETTINGS)
     comb.poll()
     assert comb.status()["down"]["errors"] == 1 and "refused" in comb.status()["down"]["last_error"]
+    assert comb.status()["down"]["errors_by_reason"] == {"fetch_failed": 1}
     assert combined.slices["all"].rows == 1
 
 
@@ -171,5 +182,6 @@ def test_combiner_counts_each_row_once_when_several_metrics_have_thresholds():
                                source="combined")
     for _ in range(25):
         rep.update(["all"], {"top1_agree": 1.0, "kl_divergence": 0.01}, 1.0)
-    Combiner(combined, lambda name, since: {**rep.evidence(since), "epoch": "e"}, ["r"]).poll()
+    doc = {**rep.evidence(0), "epoch": "e", "role": "replica", "settings": settings_hash(rep)}
+    Combiner(combined, lambda name, since: doc, ["r"], settings=settings_hash(combined)).poll()
     assert combined.slices["all"].rows == 25

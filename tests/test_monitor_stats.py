@@ -80,7 +80,9 @@ def test_bets_stay_admissible_when_excess_reaches_the_metric_range_end():
     assert all(1 + lam * -(0.97 - 0.0) > 0 for lam in recovery.lambdas)
     alarm_kl, recovery_kl = bettings(Bound("kl_divergence", 0.05, False, "max"))
     assert all(1 + lam * (0.0 - 0.05) > 0 for lam in alarm_kl.lambdas)  # KL >= 0 bounds the good side
-    assert recovery_kl.span == pytest.approx(0.05)  # bad end taken as 2 x threshold for unbounded metrics
+    assert recovery_kl is None  # unbounded bad side, no truncate_at: no evidence-based clearing
+    _, recovery_cut = bettings(Bound("kl_divergence", 0.05, False, "max", truncate_at=0.5))
+    assert recovery_cut.span == pytest.approx(0.45)  # the declared truncation is the bad end
 
 
 def test_bernoulli_bet_equals_likelihood_ratio_when_metric_is_binary():

@@ -181,6 +181,10 @@ ROW_METRICS: tuple[RowMetric, ...] = (
               "nn_top1_agree, or the FP32 top-1/top-2 gap is within analysis.embedding.margin_tolerance"),
     RowMetric("non_finite", "lower", True, _F01, "0/1", TASKS, False, False,
               "the variant's (or the reference's) output row holds NaN or +-inf (scored worst case)"),
+    # monitor only (parity never computes it): 1 for a sampled row the candidate failed on (it raised, timed out
+    # or answered a wrong shape), else 0; a slice's mean is the candidate's error rate there (docs/monitor.md)
+    RowMetric("candidate_error_rate", "lower", True, _F01, "0/1", TASKS, True, False,
+              "the candidate failed on the row (error, timeout, wrong output shape); shadow monitor only"),
 )
 
 
