@@ -13,6 +13,16 @@ tensor layout). A pairs body (``POST /v2/models/{name}/pairs``) is ``{"request":
 (``POST /v2/models/{name}/logger``) takes the request and the response as two CloudEvents and joins them by
 ``ce-id`` (monitoring/join.py) before the same checks.
 
+Binary tensor data extension (KServe v2 / Triton `binary_tensor_data`): with an `Inference-Header-Content-Length:
+n` header the first n bytes are the JSON, and each tensor whose `parameters.binary_data_size` is set has no `data`:
+its bytes follow the JSON, in tensor order (little-endian; BOOL one byte; BF16 widened to float32, numpy has no
+bfloat16; BYTES elements each a 4-byte little-endian length and the bytes). `split_binary` reads the JSON part
+with `load_json` (the same limits), `attach_binary` checks every size against shape x datatype before anything is
+allocated and that the sections are exactly the rest of the body. Refusals (400): `bad_header_length` (not a
+number, or past the body), `binary_size_mismatch` (size not shape x element size, or both data and a size),
+`truncated_binary` (sections past the body), `trailing_binary` (bytes after the last section), `bad_bytes_prefix`.
+The request parameter `binary_data_output` is protocol, not slice metadata: it is dropped.
+
 Limits (each refusal is a 4xx with a reason, counted in ``tailguard_monitor_invalid_requests_total{reason}``;
 nothing a client sends can cause a 5xx):
 
@@ -39,17 +49,29 @@ from typing import Any, Sequence
 
 import numpy as np
 
-# OIP datatype <-> spec dtype (numpy)
-OIP_TO_NUMPY: dict[str, Any] = {"BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16,
-                                "INT32": np.int32, "INT64": np.int64, "FP16": np.float16, "FP32": np.float32,
-                                "FP64": np.float64}
+# OIP datatype -> numpy dtype of the decoded array. BF16 has no numpy dtype: its 16 bits are widened to float32
+# (exact: bfloat16 is the upper half of a float32).
+OIP_TO_NUMPY: dict[str, Any] = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+                                "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+                                "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+                                "BF16": np.float32}
+# Bytes per element on the wire (binary extension, gRPC raw contents); BYTES elements are length-prefixed instead.
+OIP_ITEMSIZE: dict[str, int] = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2,
+                                "UINT32": 4, "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8}
+BYTES_PREFIX = 4  # a BYTES element on the wire: 4-byte little-endian unsigned length, then that many bytes
 SPEC_TO_OIP: dict[str, str] = {"int64": "INT64", "int32": "INT32", "float32": "FP32", "float16": "FP16",
                                "bool": "BOOL"}
-NUMPY_TO_OIP: dict[str, str] = {np.dtype(v).name: k for k, v in OIP_TO_NUMPY.items()}
+NUMPY_TO_OIP: dict[str, str] = {np.dtype(v).name: k for k, v in OIP_TO_NUMPY.items() if k != "BF16"}
+# The binary tensor data extension's header: bytes of JSON at the start of the body; the binary sections follow.
+BINARY_HEADER = "inference-header-content-length"
+# Request parameters of the protocol itself, never slice metadata (tritonclient sends binary_data_output in every
+# request that names no outputs).
+PROTOCOL_PARAMETERS = frozenset({"binary_data_output"})
 INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_input", "unknown_input",
                    "bad_datatype", "bad_shape", "bad_data", "batch_mismatch", "bad_parameters", "missing_output",
                    "body_too_large", "missing_ce_id", "unknown_ce_type", "structured_mode", "too_deep",
-                   "batch_too_large", "non_finite_input")
+                   "batch_too_large", "non_finite_input", "unknown_model", "bad_header_length",
+                   "binary_size_mismatch", "truncated_binary", "trailing_binary", "bad_bytes_prefix")
 # Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec.py MonitoringSpec).
 MAX_BODY_BYTES = 8 * 2**20
 MAX_BATCH_ROWS = 1024
@@ -129,6 +151,169 @@ def load_json(body: bytes | str, *, max_bytes: int = MAX_BODY_BYTES, what: str =
         raise OipError("invalid_json", f"{what} is not JSON: {str(exc)[:120]}", status=400) from None
 
 
+def header_length(value: Any, body_len: int) -> int:
+    """The JSON length of a binary-extension body, from its `Inference-Header-Content-Length` header value.
+
+    Args:
+        value: the header's value (text).
+        body_len: bytes in the whole body.
+
+    Returns:
+        Bytes of JSON at the start of the body (0 <= n <= body_len).
+
+    Raises:
+        OipError: bad_header_length (400): not a non-negative decimal integer, or past the end of the body.
+    """
+    text = str(value).strip()
+    if not re.fullmatch(r"[0-9]{1,19}", text):
+        raise OipError("bad_header_length", f"Inference-Header-Content-Length {utf8_text(text[:40])!r} is not a "
+                                            "byte count; send the length of the JSON part of the body", status=400)
+    n = int(text)
+    if n > body_len:
+        raise OipError("bad_header_length", f"Inference-Header-Content-Length says {n} bytes of JSON, the body has "
+                                            f"{body_len} bytes in all", status=400)
+    return n
+
+
+def split_binary(body: bytes, header: Any, *, max_bytes: int = MAX_BODY_BYTES, what: str = "body"
+                 ) -> tuple[Any, memoryview]:
+    """Split a binary-extension body into its decoded JSON part and the binary sections after it.
+
+    Args:
+        body: the raw body: `header` bytes of JSON, then the tensors' binary sections.
+        header: the `Inference-Header-Content-Length` value.
+        max_bytes: larger bodies are refused.
+        what: name of the body in messages.
+
+    Returns:
+        (decoded JSON, memoryview of the bytes after it): the JSON read by `load_json` (size, depth, parser).
+
+    Raises:
+        OipError: bad_header_length, and load_json's reasons for the JSON part.
+    """
+    if len(body) > max_bytes:
+        raise OipError("body_too_large", f"{what} over {max_bytes} bytes", status=413)
+    n = header_length(header, len(body))
+    view = memoryview(body)
+    return load_json(bytes(view[:n]), max_bytes=max_bytes, what=f"{what} (JSON part)"), view[n:]
+
+
+def _binary_shape(t: dict, where: str) -> tuple[str, list[int], str]:
+    name = utf8_text(str(t.get("name", "")))[:200]
+    shape, dt = t.get("shape"), t.get("datatype")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise OipError("bad_shape", f"{where} {name!r}: shape must be a list of non-negative ints, got "
+                                    f"{utf8_text(repr(shape))[:120]}")
+    if dt != "BYTES" and dt not in OIP_ITEMSIZE:
+        raise OipError("bad_datatype", f"{where} {name!r}: datatype {utf8_text(repr(dt))[:60]} is not an OIP "
+                                       f"datatype; use one of {sorted(OIP_ITEMSIZE) + ['BYTES']}")
+    return name, shape, str(dt)
+
+
+def decode_binary(section: memoryview, name: str, shape: list[int], datatype: str, where: str) -> np.ndarray:
+    """Decode one tensor's binary section (binary extension or gRPC raw contents), row-major, little-endian.
+
+    The section's size is checked against shape x element size before anything is allocated (shape products are
+    Python ints: no overflow). BOOL is one byte per element (non-zero is true); BF16 is widened to float32; BYTES
+    elements are each a 4-byte little-endian length and that many bytes (Open Inference Protocol, binary tensor
+    data extension; Triton docs/protocol/extension_binary_data.md).
+
+    Args:
+        section: the tensor's bytes.
+        name, shape, datatype: the tensor's (datatype one of OIP_ITEMSIZE or BYTES).
+        where: what the tensor is, for messages ("input", "response output").
+
+    Returns:
+        Flat array of prod(shape) values: numeric datatypes as OIP_TO_NUMPY's dtype (a copy, aligned and
+        writable), BYTES as an object array of bytes.
+
+    Raises:
+        OipError: binary_size_mismatch (400) when the section's size does not fit the shape and datatype,
+            bad_bytes_prefix (400) when a BYTES length prefix runs past the section or the elements do not fill it.
+    """
+    n = math.prod(shape)
+    size = len(section)
+    if datatype == "BYTES":
+        if n * BYTES_PREFIX > size:
+            raise OipError("binary_size_mismatch", f"{where} {name!r}: {size} bytes cannot hold {n} BYTES elements "
+                                                   f"(each needs a {BYTES_PREFIX}-byte length prefix)", status=400)
+        out = np.empty(n, dtype=object)
+        pos = 0
+        for k in range(n):
+            if pos + BYTES_PREFIX > size:
+                raise OipError("bad_bytes_prefix", f"{where} {name!r}: BYTES element {k} has no length prefix "
+                                                   f"(section ends at byte {size})", status=400)
+            length = int.from_bytes(section[pos:pos + BYTES_PREFIX], "little")
+            pos += BYTES_PREFIX
+            if pos + length > size:
+                raise OipError("bad_bytes_prefix", f"{where} {name!r}: BYTES element {k} says {length} bytes, "
+                                                   f"{size - pos} are left in its section", status=400)
+            out[k] = bytes(section[pos:pos + length])
+            pos += length
+        if pos != size:
+            raise OipError("bad_bytes_prefix", f"{where} {name!r}: {size - pos} bytes left after the {n} BYTES "
+                                               "elements of the shape", status=400)
+        return out
+    itemsize = OIP_ITEMSIZE[datatype]
+    if n * itemsize != size:
+        raise OipError("binary_size_mismatch", f"{where} {name!r}: shape {shape} x {datatype} needs {n * itemsize} "
+                                               f"bytes, the binary section has {size}", status=400)
+    if datatype == "BF16":
+        return (np.frombuffer(section, "<u2").astype("<u4") << 16).view("<f4").astype(np.float32)
+    if datatype == "BOOL":
+        return np.frombuffer(section, np.uint8) != 0
+    wire = np.dtype(OIP_TO_NUMPY[datatype]).newbyteorder("<")
+    return np.frombuffer(section, wire).astype(OIP_TO_NUMPY[datatype], copy=True)
+
+
+def attach_binary(tensor_lists: Sequence[Any], tail: memoryview, where: Sequence[str]) -> None:
+    """Give every tensor that declares `parameters.binary_data_size` its binary section, as its `data`.
+
+    Sections follow the JSON part in the order the tensors appear, list after list (a request: its inputs; a
+    pairs body: the request's inputs, then the response's outputs). Each must fit its shape and datatype, and
+    together they must be the whole rest of the body.
+
+    Args:
+        tensor_lists: lists of tensor objects (anything else is skipped: the JSON checks refuse it afterwards).
+        tail: the bytes after the JSON part.
+        where: a name per list, for messages.
+
+    Raises:
+        OipError: binary_size_mismatch (a size that is not a non-negative int, a tensor with both `data` and a
+            binary section, or a size other than shape x element size), truncated_binary (sections past the end
+            of the body), trailing_binary (bytes after the last section), bad_bytes_prefix, bad_shape,
+            bad_datatype; all before anything is allocated for the tensor.
+    """
+    offset = 0
+    for tensors, label in zip(tensor_lists, where):
+        if not isinstance(tensors, list):
+            continue
+        for t in tensors:
+            params = t.get("parameters") if isinstance(t, dict) else None
+            if not isinstance(params, dict) or "binary_data_size" not in params:
+                continue
+            name, shape, dt = _binary_shape(t, label)
+            size = params["binary_data_size"]
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise OipError("binary_size_mismatch", f"{label} {name!r}: binary_data_size must be a "
+                                                       f"non-negative int, got {utf8_text(repr(size))[:60]}",
+                               status=400)
+            if "data" in t:
+                raise OipError("binary_size_mismatch", f"{label} {name!r}: has both 'data' and binary_data_size; "
+                                                       "send one of them", status=400)
+            if offset + size > len(tail):
+                raise OipError("truncated_binary", f"{label} {name!r}: binary section of {size} bytes at offset "
+                                                   f"{offset} runs past the body ({len(tail)} bytes after the "
+                                                   "JSON part)", status=400)
+            t["data"] = decode_binary(tail[offset:offset + size], name, shape, dt, label)
+            offset += size
+    if offset != len(tail):
+        raise OipError("trailing_binary", f"{len(tail) - offset} bytes after the last binary section (the JSON part "
+                                          f"declares {offset} bytes of binary_data_size, the body carries "
+                                          f"{len(tail)}): check Inference-Header-Content-Length", status=400)
+
+
 @dataclass
 class InferRequest:
     """A parsed request.
@@ -183,14 +368,17 @@ def _array(name: str, shape: list[int], datatype: str, data: Any, where: str, *,
 
 
 def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes: int = MAX_BODY_BYTES,
-                  max_batch_rows: int = MAX_BATCH_ROWS) -> InferRequest:
+                  max_batch_rows: int = MAX_BATCH_ROWS, header: Any = None) -> InferRequest:
     """Parse and check an OIP inference request against the spec's inputs.
 
     Args:
-        body: raw JSON bytes/text, or an already-decoded dict (one `load_json` returned: its depth is checked).
+        body: raw JSON bytes/text, or an already-decoded dict (one `load_json` returned: its depth is checked;
+            tensors' `data` may be arrays, as `attach_binary` or the gRPC ingest made them).
         input_specs: the spec's model.inputs (name, dtype, shape).
         max_bytes: larger bodies are refused (reason body_too_large).
         max_batch_rows: requests with more rows are refused (reason batch_too_large).
+        header: the `Inference-Header-Content-Length` value of a binary-extension body (raw bytes only): the
+            JSON part is read with `load_json`, the inputs' binary sections with `attach_binary`.
 
     Returns:
         The InferRequest.
@@ -199,9 +387,14 @@ def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes:
         OipError: malformed or too deeply nested JSON (400), a body or batch over the limits (413), or a body
             that does not match the inputs (422): a missing or unknown input, a datatype other than the spec's,
             a rank or fixed dimension that differs, inputs with different batch sizes, NaN/Inf input values,
-            non-scalar parameters or too many of them. Nothing else.
+            non-scalar parameters or too many of them; binary sections that do not fit (400: attach_binary's
+            reasons, bad_header_length). Nothing else.
     """
-    if not isinstance(body, dict):
+    if header is not None and isinstance(body, (bytes, bytearray)):
+        body, tail = split_binary(bytes(body), header, max_bytes=max_bytes, what="request body")
+        if isinstance(body, dict):
+            attach_binary([body.get("inputs")], tail, ["input"])
+    elif not isinstance(body, dict):
         body = load_json(body, max_bytes=max_bytes, what="request body")
     if not isinstance(body, dict):
         raise OipError("not_an_object", "body must be a JSON object with 'inputs'", status=400)
@@ -247,6 +440,7 @@ def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes:
         raise OipError("bad_parameters", "'parameters' must be an object of scalar slice metadata")
     if len(params) > MAX_PARAMETERS:
         raise OipError("bad_parameters", f"{len(params)} parameters; at most {MAX_PARAMETERS}")
+    params = {k: v for k, v in params.items() if k not in PROTOCOL_PARAMETERS}
     for k, v in params.items():
         if v is not None and not isinstance(v, (str, int, float, bool)):
             raise OipError("bad_parameters", f"parameter {k!r} must be a scalar (str, number, bool), got "

@@ -8,13 +8,18 @@ which is the row's `timestamp` column when the file has one, else the replay's s
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pandas as pd
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from tailguard.core.data import Dataset, load_dataset
 from tailguard.core.errors import EXIT_ALERT, EXIT_OK, InputError, StepError, TailguardError
@@ -48,6 +53,35 @@ def _run(runner: Runner, ds: Dataset, cfg: MonitorConfig, role: str) -> np.ndarr
     return outs[_output_index(runner, cfg.output.name)]
 
 
+def _run_candidate(runner: Runner, ds: Dataset, cfg: MonitorConfig, shape: tuple[int, ...]
+                   ) -> tuple[np.ndarray, list[str | None]]:
+    """The candidate's outputs on the sampled rows and, per row, its failure reason or None. A batched run that
+    fails is retried row by row, so a candidate that fails on some inputs fails those rows only (they are compared
+    as the worst disagreement, docs/monitor.md "Failures count"); rows it answered keep their outputs."""
+    n = shape[0]
+    try:
+        out = _run(runner, ds, cfg, "candidate")
+    except StepError:
+        out = None
+    if out is not None and out.shape == shape:
+        return out, [None] * n
+    if out is not None:  # answered, but not the reference's shape: every row is a shape failure
+        return np.zeros(shape, dtype=np.float32), ["candidate_shape"] * n
+    rows, failed = np.zeros(shape, dtype=np.float32), []
+    for j in range(n):
+        try:
+            one = _run(runner, ds.subset(np.array([j])), cfg, "candidate")
+        except StepError:
+            failed.append("candidate_error")
+            continue
+        if one.shape != (1, *shape[1:]):
+            failed.append("candidate_shape")
+            continue
+        rows[j] = one[0]
+        failed.append(None)
+    return rows, failed
+
+
 def _timestamps(frame: pd.DataFrame, start: datetime) -> list[datetime]:
     if TIMESTAMP_COLUMN in frame.columns:
         ts = pd.to_datetime(frame[TIMESTAMP_COLUMN], utc=True, errors="coerce")
@@ -78,7 +112,8 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
     Raises:
         SpecError: no monitoring section or an invalid one (exit 2).
         InputError: missing/unreadable files, a missing input or slice column (exit 2).
-        StepError: a model failed at run time (exit 1).
+        StepError: the reference model failed at run time (exit 1); a candidate that fails on some rows is
+            compared as the worst disagreement on those rows (docs/monitor.md "Failures count").
     """
     cfg = resolve_config(spec, source=source)
     ds = load_dataset(str(requests), cfg.inputs, field="requests")
@@ -103,16 +138,21 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
     if idx.size:
         sub = ds.subset(idx)
         ref_out = _run(ref_runner, sub, cfg, "reference")
-        cand_out = _run(cand_runner, sub, cfg, "candidate")
+        cand_out, failed = _run_candidate(cand_runner, sub, cfg, ref_out.shape)
         if perturb is not None:
             cand_out = perturb(cand_out.copy(), idx, ds.frame)
         bad_ref = reference_non_finite(ref_out)
         values = compare_rows(cfg.task, ref_out, cand_out, cfg.metrics)
         snaps = DriftSnapshots(cfg, background=False) if cfg.mon.evidently_workspace else None
         for j, i in enumerate(idx):
-            if bad_ref[j]:
-                continue
             keys, d = admitted[i]
+            if failed[j] is not None:  # the candidate failed on this row: compared as the worst disagreement
+                core.observe(keys, d, ref_out[j:j + 1], None, request_index=int(i), now=stamps[i],
+                             failure=failed[j])
+                continue
+            if bad_ref[j]:
+                core.reference_failed(keys, 1)
+                continue
             row = {m: float(values[m][j]) for m in cfg.metrics}
             core.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
             if snaps is not None:
@@ -130,8 +170,15 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
 
 
 def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Path, requests: str | Path,
-               out_dir: str | Path, *, seed: int = 0) -> int:
+               out_dir: str | Path, *, seed: int = 0, console: Console | None = None,
+               err_console: Console | None = None) -> int:
     """`tailguard monitor replay`: load the spec, replay, write DIR/alerts.json and DIR/slices.json.
+
+    With consoles given (the CLI's), it prints a warning on `err_console` when reference and candidate are the same
+    file (`same_file_warning`; not with monitoring.noise_floor, which ignores the candidate), then on `console` one
+    line per alert in firing order (`alert_line`), the alerts table (`alerts_table`) and where the files are.
+    The monitor's own "alert fired" log records (logger tailguard.monitoring) are held back meanwhile, so no
+    alert is printed twice. alerts.json / slices.json are the same with or without consoles.
 
     Args:
         spec_path: spec YAML.
@@ -140,6 +187,8 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
         requests: Parquet file of logged requests.
         out_dir: output folder.
         seed: sampler seed.
+        console: where the alert lines and the table go (None: print nothing).
+        err_console: where the same-file warning goes (None: `console`'s, else nothing).
 
     Returns:
         0 when no alert fired, 4 when any did.
@@ -151,4 +200,120 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
         if not Path(p).is_file():
             raise InputError(f"{label}: file not found: {p}", hint=f"pass an existing file to {label}")
     spec = load_spec(spec_path)
-    return int(replay(spec, reference, candidate, requests, out_dir, seed=seed, source=str(spec_path))["exit_code"])
+    warn_to = err_console or console
+    if warn_to is not None and not (spec.monitoring is not None and spec.monitoring.noise_floor):
+        if (warning := same_file_warning(reference, candidate)) is not None:
+            warn_to.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
+    with _alert_logs_held_back():
+        result = replay(spec, reference, candidate, requests, out_dir, seed=seed, source=str(spec_path))
+    if console is not None:
+        print_replay(result, console)
+    return int(result["exit_code"])
+
+
+# ---------------------------------------------------------------------------------------------- printing
+_ALERT_LOGGER = "tailguard.monitoring"  # MonitorCore logs "alert fired: {json}" / "alert cleared: {json}" there
+
+
+class _DropAlertRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("alert fired", "alert cleared"))
+
+
+@contextlib.contextmanager
+def _alert_logs_held_back() -> Iterator[None]:
+    """Drop the monitor core's per-alert log records while the block runs (replay prints each alert itself)."""
+    logger, flt = logging.getLogger(_ALERT_LOGGER), _DropAlertRecords()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
+
+
+def same_file_warning(reference: str | Path, candidate: str | Path | None) -> str | None:
+    """The warning for a monitor whose reference and candidate are the same file (equal sha256), else None.
+
+    A monitor comparing a model file with itself agrees on every row and can never alert: it proves nothing
+    about the promoted variant (e.g. when `ort-fp32` is both promoted and used as the FP32 reference).
+
+    Args:
+        reference: the reference model file.
+        candidate: the candidate model file, or None (a pairs-only monitor: nothing to compare).
+
+    Returns:
+        One sentence naming both files and the digest, or None when they differ, the candidate is None or
+        either file cannot be read (the caller reports missing files).
+    """
+    if candidate is None:
+        return None
+    from tailguard.core.cache import file_sha256
+
+    try:
+        same = Path(reference).resolve() == Path(candidate).resolve() or \
+            file_sha256(reference) == file_sha256(candidate)
+        digest = file_sha256(reference) if same else ""
+    except OSError:
+        return None
+    if not same:
+        return None
+    return (f"--reference {reference} and --candidate {candidate} are the same model file "
+            f"(sha256 {digest[:12]}...): "
+            "the monitor compares it with itself, agrees on every row and cannot alert. Pass the promoted variant "
+            "as --candidate (`tailguard fetch NAME-optimized@ALIAS -o DIR`) and the FP32 reference as --reference.")
+
+
+def _num(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return "-" if v is None else str(v)
+    if isinstance(v, (int, float, np.floating, np.integer)):
+        return f"{float(v):.4g}"
+    return str(v)
+
+
+def alert_line(alert: dict[str, Any]) -> str:
+    """One line for one alert record (alerts.json), e.g.
+    "ALERT domain=legal top1_agree 0.8123 < 0.95 at request 6123 (change near request 5400; 87 samples,
+    betting_cusum)". The comparison sign comes from `direction` ("min": bad below, "max": bad above)."""
+    sign = ">" if alert.get("direction") == "max" else "<"
+    where = f" at request {alert['request_index']}" if alert.get("request_index") is not None else ""
+    extra = []
+    if alert.get("change_point_request_index") is not None:
+        extra.append(f"change near request {alert['change_point_request_index']}")
+    if alert.get("samples_seen") is not None:
+        extra.append(f"{alert['samples_seen']} samples")
+    if alert.get("detector") or alert.get("method"):
+        extra.append(str(alert.get("detector") or alert.get("method")))
+    return (f"ALERT {alert.get('slice', '?')} {alert.get('metric', '?')} {_num(alert.get('value'))} {sign} "
+            f"{_num(alert.get('threshold'))}{where}" + (f" ({'; '.join(extra)})" if extra else ""))
+
+
+def alerts_table(alerts: list[dict[str, Any]]) -> Table:
+    """The end-of-replay table: one row per alert in firing order with slice, metric, value, threshold and the
+    request it fired at (the row index of the replayed file); the threshold reads "min 0.95" (bad below) or
+    "max 0.05" (bad above). Slice keys fold only when the terminal is too narrow for them (on an 80-column terminal
+    a 20-character key stays whole); metric names never wrap, headers wrap at their spaces."""
+    table = Table(title=f"{len(alerts)} alert{'s' if len(alerts) != 1 else ''}", show_lines=False)
+    table.add_column("slice", overflow="fold")
+    table.add_column("metric", no_wrap=True)
+    for col in ("value", "threshold", "fired at request"):  # headers wrap at their spaces, numbers never
+        table.add_column(col, justify="right")
+    for a in alerts:
+        kind = a.get("direction")  # "min": the slice must stay above it, "max": below it
+        table.add_row(Text(str(a.get("slice", "?"))), Text(str(a.get("metric", "?"))), _num(a.get("value")),
+                      f"{kind} {_num(a.get('threshold'))}" if kind in ("min", "max") else _num(a.get("threshold")),
+                      _num(a.get("request_index")))
+    return table
+
+
+def print_replay(result: dict[str, Any], console: Console) -> None:
+    """Print a `replay` result: one `alert_line` per alert, the `alerts_table` (when any fired) and a last line
+    with the counts and the files written."""
+    alerts = result.get("alerts") or []
+    for a in alerts:
+        console.print(Text(alert_line(a), style="red"), soft_wrap=True)
+    if alerts:
+        console.print(alerts_table(alerts))
+    out = Path(result.get("out_dir", "."))
+    console.print(f"{len(alerts)} alert(s) over {result.get('requests', '?')} requests ({result.get('sampled', '?')} "
+                  f"sampled); wrote {out / 'alerts.json'} and {out / 'slices.json'}", markup=False, highlight=False)

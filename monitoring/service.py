@@ -7,6 +7,12 @@ Endpoints:
     POST /v2/models/{name}/logger  one KServe payload-logger CloudEvent (binary content mode: ce-id, ce-type
                                    headers; body the OIP request or response). Request and response are joined
                                    by ce-id in a bounded buffer (monitoring/join.py), then go the pairs way.
+    The three take JSON, or the OIP binary tensor data extension (`Inference-Header-Content-Length` header; on
+    /logger also read from ce-metadata for the request half; /pairs: the JSON part, then the request inputs'
+    sections, then the response outputs'; monitoring/oip.py). Answers are JSON.
+    gRPC (`monitor serve --grpc-port`, monitoring/grpc_ingest.py): inference.GRPCInferenceService ModelInfer,
+                                   ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata; ModelInfer
+                                   goes the /infer way (metrics endpoint="grpc").
     GET  /metrics                  Prometheus text format (names: monitoring/metrics.py METRIC_NAMES).
     GET  /healthz                  200 while the process serves.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
@@ -27,8 +33,11 @@ ingest answer plus `"joined": true` for the half that completes a pair; halves t
 `dropped_total{reason="unmatched"|"join_overflow"}`.
 
 Limits (monitoring/oip.py): a body over monitoring.max_body_bytes is refused from its Content-Length, or while it
-is read, before any parsing (413 body_too_large); then JSON nesting (400 too_deep), batch rows
-(monitoring.max_batch_rows, 413 batch_too_large), shapes, NaN/Inf inputs (422 non_finite_input). Request parameters
+is read, before any parsing (413 body_too_large); then JSON nesting (400 too_deep), binary sections against shapes
+and datatypes before anything is allocated (400 bad_header_length, binary_size_mismatch, truncated_binary,
+trailing_binary, bad_bytes_prefix), batch rows (monitoring.max_batch_rows, 413 batch_too_large), shapes, NaN/Inf
+inputs (422 non_finite_input). Admission (sampler, sequence numbers) is serialized by a lock: it runs on the
+event loop and on the gRPC threads. Request parameters
 named in monitoring.redact_fields are replaced by '<redacted>' at admission, so a redacted slice column gives the
 key `<name>=<redacted>` everywhere (statistics, /metrics, /v1/slices, alerts, evidence, S3, Evidently).
 """
@@ -45,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -53,12 +62,13 @@ from fastapi.responses import JSONResponse, Response
 
 from tailguard.core.errors import InputError
 from tailguard.core.home import home
-from tailguard.monitoring.combine import Combiner, PollLoop, http_fetch
+from tailguard.monitoring.combine import Combiner, PeerError, PollLoop, http_fetch
 from tailguard.monitoring.config import MonitorConfig, SliceRule, resolve_config
 from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.join import CE_TYPES, JoinBuffer
 from tailguard.monitoring.metrics import MonitorMetrics
-from tailguard.monitoring.oip import InferRequest, OipError, load_json, parse_request, parse_response_output
+from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, attach_binary, load_json, parse_request,
+                                      parse_response_output, split_binary, utf8_text)
 from tailguard.monitoring.sampler import Decision
 from tailguard.core.runtime import OrtRunner, Runner
 from tailguard.core.spec import Spec, load_spec
@@ -76,6 +86,25 @@ def redact_params(params: dict[str, Any], fields: frozenset[str]) -> dict[str, A
     return {k: REDACTED if k in fields and v is not None else v for k, v in params.items()}
 
 
+def _event_header(h: Mapping[str, str], half: str) -> str | None:
+    """The JSON length of a payload-logger half in binary extension form: the event's own
+    `Inference-Header-Content-Length`, else (request half only) the one KServe's logger copied into `ce-metadata`
+    ({"Inference-Header-Content-Length": ["123"]}, when listed in `logger.metadataHeaders`); None: a JSON body.
+    An unreadable ce-metadata is KServe's, not the body's: it is ignored."""
+    if BINARY_HEADER in h:
+        return h[BINARY_HEADER]
+    if half != "request" or not h.get("ce-metadata"):
+        return None
+    try:
+        meta = load_json(h["ce-metadata"], max_bytes=65536, what="ce-metadata")
+    except OipError:
+        return None
+    for k, v in (meta.items() if isinstance(meta, dict) else ()):
+        if str(k).lower() == BINARY_HEADER and isinstance(v, list) and v:
+            return str(v[0])
+    return None
+
+
 def _redacted_config(cfg: MonitorConfig, fields: frozenset[str] | set[str]) -> MonitorConfig:
     """`cfg` with each slice rule that reads a redacted field (by column or name) grouping by plain value, so the
     redacted value '<redacted>' gives the key `<name>=<redacted>` whatever the rule's bins or values."""
@@ -85,6 +114,8 @@ def _redacted_config(cfg: MonitorConfig, fields: frozenset[str] | set[str]) -> M
 
 @dataclass
 class _Item:
+    """One sampled request waiting for the shadow worker (`rows`, `signature` derived from the feeds)."""
+
     keys: list[str]
     decision: Decision
     feeds: dict[str, np.ndarray]
@@ -94,6 +125,14 @@ class _Item:
     endpoint: str
     candidate: np.ndarray | None = None
     enqueued: float = field(default_factory=time.perf_counter)
+    rows: int = 0
+    signature: tuple = ()
+
+    def __post_init__(self) -> None:
+        first = next(iter(self.feeds.values()), None)
+        self.rows = int(first.shape[0]) if first is not None and first.ndim else 1
+        # requests that can share one inference call: same input names, dtypes and non-batch dimensions
+        self.signature = tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(self.feeds.items()))
 
 
 class MonitorService:
@@ -157,7 +196,12 @@ class MonitorService:
                         return self.core.evidence(since)
                 return peer_fetch(source, since)
 
-            self.combiner = Combiner(self.core.combined, fetch, ["self", *(peers or [])], lock=self._lock)
+            for peer in peers or []:  # zeros from the start, so rate() and absent() work
+                for reason in PeerError:
+                    self.metrics.peer_errors.labels(peer, reason.value)
+            self.combiner = Combiner(self.core.combined, fetch, ["self", *(peers or [])], lock=self._lock,
+                                     settings=self.core.settings, local="self",
+                                     on_error=lambda peer, reason: self.metrics.peer_errors.labels(peer, reason).inc())
             self._poller = PollLoop(self.combine, poll_interval_s)
         self.queue: queue.Queue[_Item] = queue.Queue(maxsize=mon.queue_size)
         self.join = JoinBuffer(mon.logger_join_max_entries, mon.logger_join_ttl_s,
@@ -167,11 +211,13 @@ class MonitorService:
         self.load_errors: dict[str, str] = {}
         self._pools = {r: cf.ThreadPoolExecutor(1, thread_name_prefix=f"tg-{r}") for r in ("reference", "candidate")}
         self._stuck: dict[str, cf.Future | None] = {"reference": None, "candidate": None}
+        self._batching = {"reference": True, "candidate": True}  # False once a model fails only when batched
         # per role, the drop reason of each of the last HEALTH_WINDOW calls (None = it answered)
         self._health: dict[str, collections.deque[str | None]] = {
             r: collections.deque(maxlen=HEALTH_WINDOW) for r in ("reference", "candidate")}
         self._stop = threading.Event()
         self._seq = 0
+        self._admit_lock = threading.Lock()  # admission runs on the HTTP event loop and on gRPC threads
         self._worker: threading.Thread | None = None
         self.processed = 0
         if start:
@@ -248,9 +294,9 @@ class MonitorService:
         """Largest ingest body accepted (monitoring.max_body_bytes)."""
         return int(self.cfg.mon.max_body_bytes)
 
-    def _parse_request(self, body: bytes | dict) -> InferRequest:
+    def _parse_request(self, body: bytes | dict, header: str | None = None) -> InferRequest:
         return parse_request(body, self.cfg.inputs, max_bytes=self.max_body_bytes,
-                             max_batch_rows=self.cfg.mon.max_batch_rows)
+                             max_batch_rows=self.cfg.mon.max_batch_rows, header=header)
 
     def refuse_oversized(self, endpoint: str) -> tuple[int, dict[str, Any]]:
         """The answer to a body the app stopped reading at max_body_bytes (413 body_too_large, counted)."""
@@ -258,13 +304,15 @@ class MonitorService:
                        status=413)
         return self._refuse(endpoint, exc, time.perf_counter())
 
-    def ingest(self, endpoint: str, name: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    def ingest(self, endpoint: str, name: str, body: bytes, header: str | None = None) -> tuple[int, dict[str, Any]]:
         """Handle one OIP body without waiting for any model.
 
         Args:
             endpoint: "infer" or "pairs".
             name: model name from the path.
-            body: raw JSON body.
+            body: raw body: JSON, or with `header` the binary tensor data extension's JSON part and sections (a
+                pairs body: the request inputs' sections, then the response outputs').
+            header: the `Inference-Header-Content-Length` header (None: a JSON body).
 
         Returns:
             (HTTP status, JSON response): 200, or 4xx with `{"error", "reason"}` (never a 5xx).
@@ -273,16 +321,24 @@ class MonitorService:
         try:
             self._check_name(name, endpoint)
             if endpoint == "pairs":
-                doc = load_json(body, max_bytes=self.max_body_bytes, what="pairs body")
+                if header is None:
+                    doc, tail = load_json(body, max_bytes=self.max_body_bytes, what="pairs body"), None
+                else:
+                    doc, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="pairs body")
                 if not isinstance(doc, dict) or "request" not in doc or "response" not in doc:
                     raise OipError("not_an_object", "pairs body must be {\"request\": ..., \"response\": ...}",
                                    status=400)
                 if not isinstance(doc["request"], dict):
                     raise OipError("not_an_object", "pairs body: 'request' must be a JSON object with 'inputs'",
                                    status=400)
+                if tail is not None:  # sections: the request's inputs, then the response's outputs
+                    response = doc["response"]
+                    attach_binary([doc["request"].get("inputs"),
+                                   response.get("outputs") if isinstance(response, dict) else None], tail,
+                                  ["request input", "response output"])
                 req = self._parse_request(doc["request"])
                 return self._ingest_pair(endpoint, req, doc["response"], t0)
-            req = self._parse_request(body)
+            req = self._parse_request(body, header)
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
         return self._admit(endpoint, req, None, t0)
@@ -291,14 +347,20 @@ class MonitorService:
         """Handle one KServe payload-logger CloudEvent (HTTP binary content mode) without waiting for any model.
 
         The request half is checked against the spec's inputs at once; the response half must be a JSON object
-        with an `outputs` list. The first half of an id waits in the join buffer (answer 200, `"joined": false`);
+        with an `outputs` list. Either half may be a binary tensor data extension body when its JSON length is
+        known: from an `Inference-Header-Content-Length` header on the event, or, for the request half, from
+        `ce-metadata` (KServe's logger forwards the request body verbatim, and the request headers listed in the
+        InferenceService's `logger.metadataHeaders` as ce-metadata; it forwards no response header, so a binary
+        response half needs the header set by whatever posts it). The first half of an id waits in the join
+        buffer (answer 200, `"joined": false`);
         the second one completes the pair, which then goes exactly the pairs endpoint's way (`_ingest_pair`:
         response output checked against the request's batch, slice keys, sampling, queue).
 
         Args:
             name: model name from the path.
-            headers: the HTTP headers (`ce-id`, `ce-type` used; names case-insensitive).
-            body: raw body: the OIP request or response JSON.
+            headers: the HTTP headers (`ce-id`, `ce-type`, `ce-metadata`, `inference-header-content-length`
+                used; names case-insensitive).
+            body: raw body: the OIP request or response (JSON or binary extension).
 
         Returns:
             (HTTP status, JSON response): 200 when buffered or joined; 4xx with `{"error", "reason"}` for a
@@ -324,15 +386,21 @@ class MonitorService:
             if half is None:
                 raise OipError("unknown_ce_type", f"ce-type {h.get('ce-type', '')!r} is not one of "
                                                   f"{sorted(CE_TYPES)}", status=400)
+            header = _event_header(h, half)
             if half == "request":
-                value: Any = self._parse_request(body)
+                value: Any = self._parse_request(body, header)
                 if not value.id:
                     value.id = event_id
             else:
-                value = load_json(body, max_bytes=self.max_body_bytes, what="response body")
+                if header is None:
+                    value, tail = load_json(body, max_bytes=self.max_body_bytes, what="response body"), None
+                else:
+                    value, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="response body")
                 if not isinstance(value, dict):
                     raise OipError("not_an_object", "response body must be a JSON object with 'outputs'",
                                    status=400)
+                if tail is not None:
+                    attach_binary([value.get("outputs")], tail, ["response output"])
                 if not isinstance(value.get("outputs"), list) or not value["outputs"]:
                     raise OipError("missing_output", "response has no 'outputs' list (OIP v2 response)")
             pair = self.join.add(event_id, half, value)
@@ -349,10 +417,33 @@ class MonitorService:
         """Drop payload-logger halves older than monitoring.logger_join_ttl_s (counted); returns how many."""
         return self.join.sweep()
 
+    def ingest_decoded(self, endpoint: str, name: str, decode: Callable[[], dict[str, Any]]
+                       ) -> tuple[int, dict[str, Any]]:
+        """Handle one request that another transport decoded (gRPC ModelInfer: monitoring/grpc_ingest.py) the
+        /infer way: model name, the OIP checks of `parse_request`, then the same admission (`_admit`).
+
+        Args:
+            endpoint: metrics label ("grpc").
+            name: the requested model name.
+            decode: returns the request as an OIP dict (tensors' `data` may be arrays), or raises OipError.
+
+        Returns:
+            (HTTP-style status, JSON-style answer), as `ingest`; a refusal is counted by reason.
+        """
+        t0 = time.perf_counter()
+        try:
+            self._check_name(name, endpoint)
+            req = self._parse_request(decode())
+        except OipError as exc:
+            return self._refuse(endpoint, exc, t0)
+        return self._admit(endpoint, req, None, t0)
+
     def _check_name(self, name: str, endpoint: str) -> None:
         if name != self.cfg.model_name:
-            raise OipError("unknown_model", f"model {name!r} is not monitored here; use "
-                                            f"/v2/models/{self.cfg.model_name}/{endpoint}", status=404)
+            where = (f"model_name {self.cfg.model_name!r}" if endpoint == "grpc"
+                     else f"/v2/models/{self.cfg.model_name}/{endpoint}")
+            raise OipError("unknown_model", f"model {utf8_text(str(name))[:200]!r} is not monitored here; use {where}",
+                           status=404)
 
     def _refuse(self, endpoint: str, exc: OipError, t0: float) -> tuple[int, dict[str, Any]]:
         self.metrics.invalid_requests.labels(exc.reason).inc()
@@ -374,13 +465,15 @@ class MonitorService:
         m = self.metrics
         m.requests.labels(self.cfg.model_name, endpoint).inc()
         meta = redact_params(req.parameters, self.redact)
-        keys, decision = self.core.admit(meta)
-        self._seq += 1
+        with self._admit_lock:  # the sampler's counts and draws, and the sequence number, are not thread-safe
+            keys, decision = self.core.admit(meta)
+            self._seq += 1
+            seq = self._seq
         if decision.sampled:
             if self.runners["reference"] is None:
                 m.dropped.labels("reference_missing").inc()
             else:
-                item = _Item(keys, decision, req.feeds, meta, req.id, self._seq, endpoint, cand)
+                item = _Item(keys, decision, req.feeds, meta, req.id, seq, endpoint, cand)
                 try:
                     self.queue.put_nowait(item)
                 except queue.Full:
@@ -391,21 +484,20 @@ class MonitorService:
                      "parameters": {"tailguard.sampled": decision.sampled}}
 
     # --------------------------------------------------------------------------------------- worker
-    def _infer(self, role: str, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
-        """Run one model with the reference timeout; None (and a counted drop) on any failure. Every call's
-        outcome goes into the role's health window (readiness)."""
-        out, reason = self._call(role, feeds)
-        self._health[role].append(reason)
-        if reason is not None:
-            self.metrics.dropped.labels(reason).inc()
-        return out
-
+    # The worker takes a sampled request, then whatever else is queued (up to monitoring.shadow_batch_rows rows,
+    # waiting at most shadow_batch_wait_ms), groups the requests by input signature and runs each group as one
+    # inference call per model; outputs are split back per request, so each request keeps its own evidence (one
+    # bet per request, monitoring/stats.py). A batched call that raises is retried request by request, so a
+    # failure is charged to the request that causes it (and a model that cannot batch, e.g. a fixed batch
+    # dimension, is run one request at a time from then on). A timeout is charged to every request of the call.
     def _call(self, role: str, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray | None, str | None]:
-        err_reason = "reference_error" if role == "reference" else "candidate_error"
-        timeout_reason = "reference_timeout" if role == "reference" else "candidate_error"
+        """Run one model on `feeds` with the reference timeout: (output, None) or (None, failure reason)."""
+        ref = role == "reference"
+        err_reason = "reference_error" if ref else "candidate_error"
+        timeout_reason = "reference_timeout" if ref else "candidate_timeout"
         runner = self.runners[role]
         if runner is None:
-            return None, "reference_missing" if role == "reference" else "candidate_error"
+            return None, "reference_missing" if ref else "candidate_missing"
         stuck = self._stuck[role]
         if stuck is not None:
             if not stuck.done():  # a timed-out call still holds the model's thread: do not pile up behind it
@@ -426,44 +518,106 @@ class MonitorService:
         out = np.asarray(outs[names.index(self.cfg.output.name) if self.cfg.output.name in names else 0])
         first = next(iter(feeds.values()))
         if out.ndim == 0 or out.shape[0] != first.shape[0]:
-            return None, err_reason
+            return None, err_reason if ref else "candidate_shape"
         return out, None
 
-    def _process(self, item: _Item) -> None:
-        ref = self._infer("reference", item.feeds)
-        if ref is None:
-            return
-        if self.cfg.mon.noise_floor:
-            cand = self._infer("reference", item.feeds)
-        elif item.candidate is not None:  # pairs / logger: the live response is the candidate's answer
-            cand = item.candidate
-        else:
-            cand = self._infer("candidate", item.feeds)
-        if cand is None:
-            return
-        if cand.shape != ref.shape:
-            self.metrics.dropped.labels("candidate_error").inc()
-            return
-        with self._lock:
-            self.core.observe(item.keys, item.decision, ref, cand, request_index=item.index,
-                              request_id=item.request_id, meta=item.meta, feeds=item.feeds)
+    def _run_one(self, role: str, item: _Item) -> tuple[np.ndarray | None, str | None]:
+        out, reason = self._call(role, item.feeds)
+        self._health[role].append(reason)
+        return out, reason
+
+    def _run_group(self, role: str, items: list[_Item]) -> list[tuple[np.ndarray | None, str | None]]:
+        """One model's outputs for requests of one input signature: one call when it can batch, else one each."""
+        if not items:
+            return []
+        if len(items) == 1 or not self._batching[role]:
+            return [self._run_one(role, it) for it in items]
+        feeds = {k: np.concatenate([it.feeds[k] for it in items]) for k in items[0].feeds}
+        out, reason = self._call(role, feeds)
+        if out is not None:
+            self._health[role].append(None)
+            bounds = np.cumsum([0] + [it.rows for it in items])
+            return [(out[a:b], None) for a, b in zip(bounds[:-1], bounds[1:])]
+        if reason in ("reference_timeout", "candidate_timeout", "reference_missing", "candidate_missing"):
+            self._health[role].append(reason)
+            return [(None, reason)] * len(items)
+        results = [self._run_one(role, it) for it in items]  # find the request(s) that fail
+        if all(o is not None for o, _ in results):
+            self._batching[role] = False
+            log.warning("%s model fails on batched requests but not one by one (fixed batch dimension?): "
+                        "comparing one request per call from now on", role)
+        return results
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.metrics.dropped.labels(reason).inc(n)
+
+    def _process(self, items: list[_Item]) -> None:
+        """Compare a micro-batch of sampled requests: group by input signature, run each model once per group,
+        then add each request's evidence (under the worker lock)."""
+        groups: dict[tuple, list[_Item]] = {}
+        for it in items:
+            groups.setdefault(it.signature, []).append(it)
+        for group in groups.values():
+            refs = self._run_group("reference", group)
+            judged = [(it, ref) for it, (ref, reason) in zip(group, refs) if ref is not None]
+            failed = [(it, reason) for it, (ref, reason) in zip(group, refs) if ref is None]
+            for it, reason in failed:
+                self._drop(reason or "reference_error")
+            if self.cfg.mon.noise_floor:  # the reference against a second run of itself
+                seconds = self._run_group("reference", [it for it, _ in judged])
+            else:
+                need = [it for it, _ in judged if it.candidate is None]
+                outs = iter(self._run_group("candidate", need))
+                seconds = [(it.candidate, None) if it.candidate is not None else next(outs) for it, _ in judged]
+            with self._lock:
+                for it, reason in failed:
+                    self.core.reference_failed(it.keys, it.rows)
+                for (it, ref), (cand, reason) in zip(judged, seconds):
+                    if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):
+                        self._drop(reason or "reference_error")
+                        continue
+                    self.core.observe(it.keys, it.decision, ref, cand, request_index=it.index,
+                                      request_id=it.request_id, meta=it.meta, feeds=it.feeds, failure=reason)
+
+    def _gather(self, first: _Item) -> list[_Item]:
+        """`first` plus queued requests, up to monitoring.shadow_batch_rows rows, waiting at most
+        monitoring.shadow_batch_wait_ms for more."""
+        items, rows = [first], first.rows
+        limit = self.cfg.mon.shadow_batch_rows
+        deadline = time.monotonic() + self.cfg.mon.shadow_batch_wait_ms / 1000.0
+        while rows < limit:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    item = self.queue.get(timeout=remaining)
+                except queue.Empty:
+                    break
+            items.append(item)
+            rows += item.rows
+        return items
 
     def _work(self) -> None:
         while not self._stop.is_set():
             try:
-                item = self.queue.get(timeout=0.1)
+                first = self.queue.get(timeout=0.1)
             except queue.Empty:
                 self.join.sweep()  # idle: expire payload-logger halves that will never be joined
                 continue
+            items = self._gather(first)
             self.metrics.queue_depth.set(self.queue.qsize())
             try:
-                self._process(item)
+                self._process(items)
             except Exception:  # never let one request stop the worker
                 log.exception("shadow comparison failed")
-                self.metrics.dropped.labels("candidate_error").inc()
+                self._drop("internal_error", len(items))
             finally:
-                self.processed += 1
-                self.queue.task_done()
+                self.processed += len(items)
+                for _ in items:
+                    self.queue.task_done()
 
     def _on_sample(self, record: dict[str, Any]) -> None:
         if self.sink is not None:
@@ -501,17 +655,22 @@ def build_app(service: MonitorService) -> Any:
 
     app = FastAPI(title="tailguard shadow monitor", version="1", lifespan=lifespan)
 
+    def _ingest(endpoint: str, name: str, request: Request, body: bytes | None) -> Response:
+        if body is None:
+            status, doc = service.refuse_oversized(endpoint)
+        elif (header := request.headers.get(BINARY_HEADER)) is not None:  # binary tensor data extension
+            status, doc = service.ingest(endpoint, name, body, header=header)
+        else:
+            status, doc = service.ingest(endpoint, name, body)
+        return JSONResponse(doc, status_code=status)
+
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
-        body = await _read_body(request, service.max_body_bytes)
-        status, doc = (service.refuse_oversized("infer") if body is None else service.ingest("infer", name, body))
-        return JSONResponse(doc, status_code=status)
+        return _ingest("infer", name, request, await _read_body(request, service.max_body_bytes))
 
     @app.post("/v2/models/{name}/pairs")
     async def pairs(name: str, request: Request) -> Response:
-        body = await _read_body(request, service.max_body_bytes)
-        status, doc = (service.refuse_oversized("pairs") if body is None else service.ingest("pairs", name, body))
-        return JSONResponse(doc, status_code=status)
+        return _ingest("pairs", name, request, await _read_body(request, service.max_body_bytes))
 
     @app.post("/v2/models/{name}/logger")
     async def logger(name: str, request: Request) -> Response:
@@ -588,7 +747,7 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
           host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
-          poll_interval_s: float = 5.0) -> None:
+          poll_interval_s: float = 5.0, grpc_port: int | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -599,17 +758,34 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         spec_path: spec YAML (its monitoring section is required).
         reference: FP32 reference .onnx.
         candidate: candidate .onnx (None: pairs-only monitor).
-        host: bind address.
-        port: TCP port.
+        host: bind address (HTTP and gRPC).
+        port: TCP port of the HTTP service.
         evidence_only: run as a replica (export evidence, never alert).
         peers: replica base URLs to combine (run as the combiner).
         poll_interval_s: seconds between reads of the peers' evidence.
+        grpc_port: also serve the OIP over gRPC on this port (monitoring/grpc_ingest.py), feeding the same
+            admission; None: HTTP only.
 
     Raises:
         SpecError: bad spec (exit 2).
+        InputError: the gRPC port cannot be bound (exit 2).
     """
     import uvicorn
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
                              poll_interval_s=poll_interval_s)
-    uvicorn.run(build_app(service), host=host, port=port, log_level="warning", access_log=False)
+    grpc_server = None
+    if grpc_port is not None:
+        from tailguard.monitoring.grpc_ingest import start_grpc
+
+        try:
+            grpc_server, bound = start_grpc(service, host, grpc_port)
+        except InputError:
+            service.stop()
+            raise
+        log.warning("OIP gRPC ingest on %s:%d", host, bound)
+    try:
+        uvicorn.run(build_app(service), host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop(1.0)

@@ -92,7 +92,7 @@ def test_catalogue_holds_every_name_parity_produces_when_run_on_each_task(task):
     assert tuple(overall) == M.task_metrics(task)  # same names, same order
     for name in overall:
         assert task in M.metric(name).tasks and M.metric(name).is_parity, name
-    assert set(per_sample) == {r.key for r in M.ROW_METRICS if task in r.tasks}
+    assert set(per_sample) == {r.key for r in M.ROW_METRICS if task in r.tasks and r.from_parity}
     without_labels = parity.per_sample_metrics(task, **{**_outputs(task), "labels": None})
     assert tuple(parity.aggregate(task, without_labels)) == M.task_metrics(task, with_labels=False)
 
@@ -174,9 +174,10 @@ def test_direction_agrees_with_the_old_report_rule_except_its_two_bugs():
 
 
 def test_monitor_tables_equal_the_old_ones_when_computed_from_the_catalogue():
-    assert monitor_config.HIGHER_IS_BETTER == OLD_MONITOR_DIRECTION
-    assert monitor_config.METRIC_RANGE == OLD_MONITOR_RANGE
-    assert monitor_config.DEFAULT_METRICS == OLD_MONITOR_DEFAULTS
+    # issue 27 added the monitor-only candidate_error_rate (lower is better, [0, 1]) to the old table
+    assert monitor_config.HIGHER_IS_BETTER == {**OLD_MONITOR_DIRECTION, "candidate_error_rate": False}
+    assert monitor_config.METRIC_RANGE == {**OLD_MONITOR_RANGE, "candidate_error_rate": (0.0, 1.0)}
+    assert monitor_config.DEFAULT_METRICS == {t: (*m, "candidate_error_rate") for t, m in OLD_MONITOR_DEFAULTS.items()}
     assert {k: M.higher_is_better(k) for k in OLD_MONITOR_DIRECTION} == OLD_MONITOR_DIRECTION
 
 
@@ -203,7 +204,8 @@ def test_spec_tables_equal_the_old_literals_when_computed_from_the_catalogue():
     assert S.BATCHED_METRICS == {"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                                  "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32"}
     assert set(S.LOWER_IS_BETTER_PREFIXES) == {"abs_error", "rel_error", "kl_divergence"}
-    assert S.MONITOR_METRICS == ("top1_agree", "kl_divergence", "cosine_similarity", "abs_error", "rel_error")
+    assert S.MONITOR_METRICS == ("top1_agree", "kl_divergence", "cosine_similarity", "abs_error", "rel_error",
+                                 "candidate_error_rate")
 
 
 # -------------------------------------------------------------------------------- monitor thresholds, spec check
@@ -248,7 +250,8 @@ def test_spec_check_accepts_monitor_thresholds_when_they_suit_the_metrics():
         "abs_error": {"max": 0.5}}}))
     bounds = monitor_config.resolve_config(spec).bounds
     assert {m: (round(b.value, 9), b.higher_is_better) for m, b in bounds.items()} == {
-        "top1_agree": (0.97, True), "kl_divergence": (0.05, False), "abs_error": (0.5, False)}
+        "top1_agree": (0.97, True), "kl_divergence": (0.05, False), "abs_error": (0.5, False),
+        "candidate_error_rate": (0.0, False)}  # always added unless given (docs/monitor.md, Failures count)
 
 
 def test_resolve_config_reports_the_same_problems_when_spec_skipped_cross_field_checks():

@@ -1,7 +1,7 @@
-"""Bounded property-based fuzzing (hypothesis) of what a client controls: OIP request bodies
-(`monitoring.oip.parse_request`) and the slice keys made from request parameters (`MonitorConfig.slice_keys` +
-`clean_label`). Derandomized (a fixed sequence of examples) and without a deadline, so the run does not depend on
-the machine's speed."""
+"""Bounded property-based fuzzing (hypothesis) of what a client controls: OIP request bodies, JSON and binary tensor
+data extension (`monitoring.oip.parse_request`), and the slice keys made from request parameters
+(`MonitorConfig.slice_keys` + `clean_label`). Derandomized (a fixed sequence of examples) and without a deadline, so
+the run does not depend on the machine's speed."""
 
 import json
 import math
@@ -18,8 +18,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tailguard.monitoring import testing as T  # noqa: E402
 from tailguard.monitoring.config import MAX_LABEL_CHARS, clean_label, resolve_config  # noqa: E402
-from tailguard.monitoring.oip import (MAX_BATCH_ROWS, MAX_JSON_DEPTH, MAX_PARAMETERS, OIP_TO_NUMPY,  # noqa: E402
-                                      OipError, parse_request)
+from tailguard.monitoring.oip import (MAX_BATCH_ROWS, MAX_JSON_DEPTH, MAX_PARAMETERS, OIP_ITEMSIZE,  # noqa: E402
+                                      OIP_TO_NUMPY, OipError, parse_request)
 from tailguard.monitoring.service import REDACTED, _redacted_config, redact_params  # noqa: E402
 from tailguard.core.spec import parse_spec  # noqa: E402
 
@@ -199,3 +199,53 @@ def test_clean_label_gives_bounded_utf8_when_text_arbitrary(text):
     clean.encode("utf-8")
     assert len(clean) <= MAX_LABEL_CHARS and changed == (clean != text)
     assert clean_label(clean) == (clean, False)
+
+
+BINARY_TYPES = sorted(OIP_ITEMSIZE) + ["BYTES"]
+
+
+@st.composite
+def binary_bodies(draw):
+    """A binary-extension body (JSON part, then sections) that is often almost right: sections sized from the
+    shape and datatype, or a few bytes off; BYTES with well-formed or broken length prefixes; a header length that
+    is right, off by a few, past the body or not a number."""
+    specs = SPECS[draw(st.sampled_from(sorted(SPECS)))]
+    inputs, sections = [], []
+    for s in specs:
+        shape = draw(st.one_of(st.just([draw(st.integers(0, 3)), 4]), st.lists(DIM, max_size=3)))
+        right = "FP32" if s.dtype == "float32" else "INT64"
+        dt = right if draw(st.integers(0, 3)) else draw(st.one_of(st.sampled_from(BINARY_TYPES), TEXT))
+        n = math.prod(shape) if all(isinstance(d, int) and 0 <= d <= 64 for d in shape) else 0
+        if dt == "BYTES":
+            raw = b"".join(len(e).to_bytes(4, "little") + e for e in draw(st.lists(st.binary(max_size=6),
+                                                                                  min_size=n, max_size=n)))
+        else:
+            raw = draw(st.binary(min_size=n * OIP_ITEMSIZE.get(dt, 4), max_size=n * OIP_ITEMSIZE.get(dt, 4)))
+        if not draw(st.integers(0, 3)):  # a section a byte off, or a BYTES prefix that lies
+            raw = draw(st.sampled_from([raw[:-1], raw + b"\0", raw[:3] + b"\xff\xff\xff\x7f" + raw[7:]]))
+        size = len(raw) if draw(st.integers(0, 3)) else draw(st.one_of(st.integers(-2, 2**70), JSON))
+        t = {"name": s.name, "shape": shape, "datatype": dt, "parameters": {"binary_data_size": size}}
+        if draw(st.integers(0, 9)) == 0:
+            t["data"] = [0]
+        inputs.append(t)
+        sections.append(raw)
+    text = json.dumps({"inputs": inputs, "parameters": {"domain": "web"}}).encode()
+    tail = b"".join(sections) + (b"\0" if not draw(st.integers(0, 7)) else b"")
+    header = str(len(text)) if draw(st.integers(0, 3)) else draw(st.one_of(
+        st.integers(-3, len(text) + len(tail) + 3).map(str),
+        st.sampled_from(["", "abc", "1e3", " 12 ", "99999999999999999999999"])))
+    return specs, text + tail, header
+
+
+@FUZZ
+@given(case=binary_bodies())
+def test_parse_request_raises_only_oip_error_when_binary_body_is_arbitrary(case):
+    specs, body, header = case
+    try:
+        req = parse_request(body, specs, header=header, max_batch_rows=8)
+    except OipError as exc:
+        assert 400 <= exc.status < 500
+        exc.message.encode("utf-8")
+        return
+    _check_accepted(req, specs)
+    assert req.batch <= 8

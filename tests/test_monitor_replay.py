@@ -101,3 +101,88 @@ def test_demo_replay_detects_planted_drift_when_rare_slice_drifts(files, tmp_pat
     legal = [a for a in r["alerts"] if a["slice"] == "domain=legal"]
     assert legal and legal[0]["request_index"] >= r["drift"]["start_row"]
     assert not [a for a in r["alerts"] if a["slice"] in ("domain=news", "domain=web")]
+
+
+# ------------------------------------------------------------------------------ what the replay prints
+def _consoles(width=200):
+    import io
+
+    from rich.console import Console
+
+    return (Console(file=io.StringIO(), width=width, highlight=False, color_system=None),
+            Console(file=io.StringIO(), width=width, highlight=False, color_system=None))
+
+
+def test_replay_cli_prints_one_line_per_alert_and_a_table_and_logs_none_when_alerts_fire(files, tmp_path, caplog):
+    out, err = _consoles()
+    with caplog.at_level("INFO", logger="tailguard.monitoring"):
+        code = replay_cli(files / "spec.yaml", files / "ref.onnx", files / "bad.onnx", files / "data.parquet",
+                          tmp_path, console=out, err_console=err)
+    alerts, _ = _load(tmp_path)
+    text = out.file.getvalue()
+    lines = [line for line in text.splitlines() if line.startswith("ALERT ")]
+    assert code == 4 and len(lines) == len(alerts) > 0
+    assert not [r for r in caplog.records if r.getMessage().startswith("alert fired")]  # printed once, not logged
+    for a, line in zip(alerts, lines):
+        assert line.startswith(f"ALERT {a['slice']} {a['metric']} ") and f"at request {a['request_index']}" in line
+    table = text[text.index(f"{len(alerts)} alert"):]
+    assert all(h in table for h in ("slice", "metric", "value", "threshold", "fired at request"))
+    assert all(f"│ {a['slice']} " in table and str(a["request_index"]) in table for a in alerts)
+    assert err.file.getvalue() == "" and "json" not in text.lower().replace("alerts.json", "").replace(
+        "slices.json", "")
+
+
+def test_replay_cli_writes_the_same_alerts_json_when_it_prints(files, tmp_path):
+    quiet = replay_cli(files / "spec.yaml", files / "ref.onnx", files / "bad.onnx", files / "data.parquet",
+                       tmp_path / "a")
+    out, err = _consoles()
+    loud = replay_cli(files / "spec.yaml", files / "ref.onnx", files / "bad.onnx", files / "data.parquet",
+                      tmp_path / "b", console=out, err_console=err)
+    strip = lambda p: [{k: v for k, v in a.items() if k != "fired_at"} for a in _load(p)[0]]  # noqa: E731
+    assert quiet == loud == 4 and strip(tmp_path / "a") == strip(tmp_path / "b")
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_alerts_table_keeps_slice_metric_and_request_whole_when_terminal_is_narrow_or_wide(width):
+    from tailguard.monitoring.replay import alerts_table
+
+    alerts = [{"slice": "domain=legal", "metric": "top1_agree", "value": 0.5785, "threshold": 0.97,
+               "direction": "min", "request_index": 6249},
+              {"slice": "all", "metric": "kl_divergence", "value": 0.31, "threshold": 0.05, "direction": "max",
+               "request_index": 12}]
+    out, _ = _consoles(width)
+    out.print(alerts_table(alerts))
+    text = out.file.getvalue()
+    assert all(len(line) <= width for line in text.splitlines())
+    for token in ("domain=legal", "top1_agree", "kl_divergence", "0.5785", "min 0.97", "max 0.05", "6249"):
+        assert token in text, (token, text)
+
+
+def test_replay_cli_warns_once_on_stderr_when_reference_and_candidate_are_the_same_file(files, tmp_path):
+    import shutil
+
+    shutil.copyfile(files / "ref.onnx", tmp_path / "copy.onnx")
+    out, err = _consoles()
+    code = replay_cli(files / "spec.yaml", files / "ref.onnx", tmp_path / "copy.onnx", files / "data.parquet",
+                      tmp_path / "o", console=out, err_console=err)
+    warning = " ".join(err.file.getvalue().split())
+    assert code == 0 and warning.count("same model file") == 1 and "cannot alert" in warning
+    assert "same model file" not in out.file.getvalue()
+    out, err = _consoles()
+    replay_cli(files / "spec.yaml", files / "ref.onnx", files / "cand.onnx", files / "data.parquet", tmp_path / "p",
+               console=out, err_console=err)
+    assert err.file.getvalue() == ""
+
+
+def test_monitor_serve_warns_on_stderr_when_reference_and_candidate_are_the_same_file(files, tmp_path):
+    from typer.testing import CliRunner
+
+    from tailguard.cli import app
+
+    # a missing spec ends the command with exit 2 right after the warning, before any port is bound
+    r = CliRunner().invoke(app, ["monitor", "serve", "--spec", str(tmp_path / "none.yaml"), "--reference",
+                                 str(files / "ref.onnx"), "--candidate", str(files / "ref.onnx")])
+    assert r.exit_code == 2 and " ".join(r.output.split()).count("same model file") == 1
+    r = CliRunner().invoke(app, ["monitor", "serve", "--spec", str(tmp_path / "none.yaml"), "--reference",
+                                 str(files / "ref.onnx"), "--candidate", str(files / "cand.onnx")])
+    assert r.exit_code == 2 and "same model file" not in r.output
