@@ -68,8 +68,13 @@ def run_minilm(spec_path: Path, doc: dict[str, Any]) -> tuple[Any, str, Any, Any
 
 
 def report_header(name: str, threads: int, packages: tuple[str, ...]) -> dict[str, Any]:
-    """The fields every benchmark JSON starts with: name, command line, machine, package versions."""
+    """The fields every benchmark JSON starts with: name, command line, machine, the node's hardware facts
+    (`tailguard.core.hardware.node_facts`: CPU model, kernel ISA flags such as avx512_vnni, cores, GPUs, library
+    versions), package versions."""
+    from tailguard.core.hardware import node_facts
+
     return {"benchmark": name, "command": " ".join([sys.executable, *sys.argv]),
             "machine": {"platform": platform.platform(), "processor": platform.processor(),
                         "cpus": os.cpu_count(), "threads": threads},
+            "hardware": node_facts(),
             "packages": {p: version(p) for p in packages}}

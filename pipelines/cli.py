@@ -98,6 +98,8 @@ def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file."),
             console.print(f"  data.{name}: {n} rows checked (file, input columns and shapes, named columns)")
         for uri in check.remote:
             console.print(f"  [yellow]not checked[/yellow] (remote): {uri}; the run's data check reads it")
+        if check.model:
+            console.print(f"  {check.model}", markup=False)
     else:
         console.print("  data files not checked (--no-data)")
 
@@ -124,7 +126,8 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
                                                                                   "(overrides model.version)."),
         runner: str = typer.Option("local", "--runner", help="local (kfp.local, embedded MLflow) or kfp."),
         host: Optional[str] = typer.Option(None, "--host", help="KFP endpoint for --runner kfp."),
-        summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary here."),
+        summary_json: Optional[Path] = typer.Option(None, "--summary-json", help=(
+            "Also write the summary here (JSON; per variant build_status and gates_status).")),
         no_cache: bool = typer.Option(False, "--no-cache", help="Run export, builds and the reference outputs even "
                                                                  "when $TAILGUARD_HOME/cache holds them."),
         model_path: Optional[list[Path]] = typer.Option(None, "--model-path", help=(
@@ -158,8 +161,10 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     result = _run_with_progress(s, model_version, cache=not no_cache, model_path=model_dirs)
     summary = result.summary
     print_summary(summary)
-    if summary_json:
-        summary_json.write_text(json.dumps(summary.to_dict(), indent=2))
+    if summary_json:  # with build_status / gates_status per variant (runner.summary_document)
+        from tailguard.runner import summary_document
+
+        summary_json.write_text(json.dumps(summary_document(summary), indent=2))
     from tailguard.core.tracking import tracking_uri_for
 
     uri = tracking_uri_for(s)
@@ -202,10 +207,37 @@ def report(run_id: str = typer.Argument(..., metavar="RUN_ID|latest",
     console.print(f"wrote {path} (parent run {parent})")
 
 
+# ---------------------------------------------------------------------------------------------- fetch
+@app.command("fetch")
+@handle_errors
+def fetch(model: str = typer.Argument(..., metavar="MODEL@ALIAS|MODEL/VERSION", help=(
+              "Registered model and alias or version, e.g. digits-cnn-optimized@production or "
+              "digits-cnn-optimized/3.")),
+          output: Path = typer.Option(..., "--output", "-o", help="Folder to write the model file(s) into "
+                                                                  "(created)."),
+          tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help=(
+              "MLflow store holding the registry (default: $MLFLOW_TRACKING_URI, else the local store under "
+              "$TAILGUARD_HOME, as `tailguard register` and `report` use)."))) -> None:
+    """Download a registered version's model file(s) (the ONNX file and any sidecars, not MLflow's packaging) into
+    a folder and print each file with its sha256. Exit 2 for an unknown model, alias or version."""
+    from tailguard.fetch import fetch_model
+
+    res = fetch_model(model, output, tracking_uri=tracking_uri)
+    variant = res.tags.get("tailguard.variant")
+    what = f"{res.name} v{res.version}" + (f" (@{res.alias})" if res.alias else "") + (
+        f", variant {variant}" if variant else "") + (f", gates {res.tags['tailguard.gates']}"
+                                                      if res.tags.get("tailguard.gates") else "")
+    console.print(f"fetched {what} from {res.tracking_uri}", markup=False, highlight=False)
+    for f in res.files:
+        check = "  (= registry's tailguard.sha256)" if f.sha256 == res.registry_sha256 else ""
+        console.print(f"  wrote {f.path}  {f.bytes} bytes  sha256 {f.sha256}{check}", markup=False,
+                      highlight=False, soft_wrap=True)
+
+
 # ------------------------------------------------------------------------------------------- register
 # register_model names its arguments in errors; the CLI names its options instead.
 _REGISTER_FIELDS = {"name": "NAME", "path": "PATH", "format": "--format", "class_path": "--class-path",
-                    "init_kwargs": "--init-kwargs", "tags": "--tag", "model_path": "--model-path"}
+                    "init_kwargs": "--init-kwargs", "tags": "--tag", "model_path": "--model-path", "spec": "--spec"}
 
 
 def _model_dirs(dirs: Optional[list[Path]], option: str) -> list[Path]:
@@ -240,7 +272,10 @@ def register(name: str = typer.Argument(..., help="Registered model name (the sp
                  "MLflow tracking and registry URI (default: $MLFLOW_TRACKING_URI, else the local store under "
                  "$TAILGUARD_HOME, as `tailguard run` uses for a spec without mlflow.tracking_uri).")),
              experiment: Optional[str] = typer.Option(None, "--experiment", help=(
-                 "MLflow experiment of the registering run (default tailguard/model-registration)."))) -> None:
+                 "MLflow experiment of the registering run (default tailguard/model-registration).")),
+             spec: Optional[Path] = typer.Option(None, "--spec", help=(
+                 "Spec YAML whose model.outputs (dtype, rank, fixed sizes) are checked against the model before "
+                 "anything is written (exit 2 on a mismatch)."))) -> None:
     """Register an FP32 reference model file as a new version of NAME; print the version and its models:/ URI.
     Exit 0 registered, 2 bad input (nothing is written then)."""
     from tailguard.core.errors import InputError
@@ -251,7 +286,7 @@ def register(name: str = typer.Argument(..., help="Registered model name (the sp
         reg = register_model(name, path, format=format, class_path=class_path,
                              init_kwargs=parse_init_kwargs(init_kwargs) if init_kwargs is not None else None,
                              tags=parse_tags(tag or []), description=description, tracking_uri=tracking_uri,
-                             experiment=experiment or DEFAULT_EXPERIMENT, model_path=dirs)
+                             experiment=experiment or DEFAULT_EXPERIMENT, model_path=dirs, spec=spec)
     except InputError as err:
         field, sep, rest = err.message.partition(": ")
         if sep and field in _REGISTER_FIELDS:
@@ -362,11 +397,8 @@ def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its
     """Replay logged requests through the monitor offline. Exit 0 no alert, 4 alert(s) fired, 2 bad input."""
     from tailguard.monitoring.replay import replay_cli
 
-    code = replay_cli(spec, reference, candidate, requests, out, seed=seed)
-    alerts = json.loads((out / "alerts.json").read_text()) if (out / "alerts.json").exists() else []
-    for a in alerts[:20]:
-        console.print(f"[red]ALERT[/red] {json.dumps(a, default=str)}", markup=True, highlight=False)
-    console.print(f"{len(alerts)} alert(s); wrote {out / 'alerts.json'} and {out / 'slices.json'}")
+    # one line per alert, then a table (monitoring/replay.py print_replay); the same-file warning on stderr
+    code = replay_cli(spec, reference, candidate, requests, out, seed=seed, console=console, err_console=err_console)
     raise typer.Exit(code)
 
 
@@ -384,12 +416,22 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                       "Base URL of a replica (repeatable): this process combines their evidence with its own and is "
                       "the deployment's only alerting process (docs/monitor.md, Replicas).")),
                   poll_interval: float = typer.Option(5.0, "--poll-interval", min=0.1,
-                                                      help="Seconds between reads of the peers' evidence.")) -> None:
-    """The shadow monitor HTTP service: OIP ingest, /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
+                                                      help="Seconds between reads of the peers' evidence."),
+                  grpc_port: Optional[int] = typer.Option(None, "--grpc-port", min=0, max=65535, help=(
+                      "Also accept the Open Inference Protocol over gRPC (inference.GRPCInferenceService: "
+                      "ModelInfer, ServerLive/Ready, ModelReady, metadata) on this port, feeding the same "
+                      "sampling, queue, limits and metrics as HTTP (endpoint=\"grpc\")."))) -> None:
+    """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
+    /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
+    from tailguard.monitoring.replay import same_file_warning
     from tailguard.monitoring.service import serve
 
+    if reference is not None and (warning := same_file_warning(reference, candidate)) is not None:
+        from rich.text import Text
+
+        err_console.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
-          poll_interval_s=poll_interval)
+          poll_interval_s=poll_interval, grpc_port=grpc_port)
 
 
 # ------------------------------------------------------------------------------------------- trigger

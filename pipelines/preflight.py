@@ -77,6 +77,7 @@ class DataCheck:
 
     rows: dict[str, int] = field(default_factory=dict)
     remote: list[str] = field(default_factory=list)
+    model: str = ""  # what model.outputs were checked against, or why they were not (`model_output_errors`)
 
 
 def _input_errors(df: Any, spec: Spec, name: str, uri: str) -> list[FieldError]:
@@ -162,15 +163,80 @@ def data_errors(spec: Spec) -> tuple[list[FieldError], DataCheck]:
     return errors, check
 
 
+def _local_store_exists(uri: str) -> bool:
+    """Whether `uri` is an MLflow store on this machine's disk that already exists (opening a missing one would
+    create it)."""
+    from tailguard.core.tracking import is_local_store
+
+    if not is_local_store(uri):
+        return False
+    path = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:") else uri.removeprefix("file://")
+    path = path.removeprefix("file:")
+    return Path(path).exists()
+
+
+def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
+    """`model.outputs` against the output signature recorded on the model version the spec names, where the
+    registry is reachable from here: a local MLflow store (sqlite: / file:) that exists. `tailguard register`
+    records the signature (version tag `tailguard.registration.TAG_OUTPUTS`) for ONNX files and torch.export
+    programs; a state dict has none (its outputs are known only by running it: the export step checks them).
+
+    Nothing here is an error but a mismatch: a remote registry, a model not registered yet or a version without a
+    recorded signature only give the note.
+
+    Returns:
+        (one FieldError per mismatch, as `components.export.signature.output_signature_errors` words them;
+        a one-line note of what was compared, or why nothing was).
+    """
+    import json
+
+    from tailguard.components.export.signature import OutputSig, output_signature_errors
+    from tailguard.core.errors import InputError
+    from tailguard.core.tracking import is_local_store, tracking_uri_for
+    from tailguard.registration import TAG_OUTPUTS
+
+    uri = spec.mlflow.registry_uri or tracking_uri_for(spec)
+    later = "the run's export step compares them with the model"
+    if not is_local_store(uri):
+        return [], f"model.outputs: the registry {uri} is remote; {later}"
+    if not _local_store_exists(uri):
+        return [], f"model.outputs: no registry at {uri} yet; {later}"
+    from tailguard.core.home import quiet_environment
+
+    quiet_environment()
+    from mlflow import MlflowClient
+
+    from tailguard.core.reference import resolve_version
+
+    name = spec.model.registered_name
+    try:
+        mv = resolve_version(MlflowClient(tracking_uri=uri, registry_uri=uri), name, str(spec.model.version))
+    except InputError as err:
+        return [], f"model.outputs: {err.message}; {later}"
+    where = f"{name} v{mv.version}"
+    try:
+        recorded = json.loads((mv.tags or {})[TAG_OUTPUTS])
+        found = [OutputSig.from_dict(o) for o in recorded["outputs"]]
+    except (KeyError, TypeError, ValueError):
+        return [], (f"model.outputs: {where} records no output signature (a state dict, or registered without "
+                    f"`tailguard register`); {later}")
+    errors, fixes = output_signature_errors(spec.model.outputs, found, what=f"the model ({where})",
+                                            positional=bool(recorded.get("positional")))
+    errors = [FieldError(e.loc, f"{e.message}; fix: {fix}", e.value) for e, fix in zip(errors, fixes)]
+    return errors, f"model.outputs checked against {where} ({len(found)} output(s) recorded at registration)"
+
+
 def check_spec_file(path: str | Path, *, data: bool = True) -> tuple[Spec, DataCheck | None]:
     """`tailguard spec check`: validate a spec file and, with `data`, its local data files; every error at once.
 
     The spec's field errors, the cross-field errors they would hide (tailguard.spec.validate_spec) and, when the
-    rest of the spec is usable, the data files' errors (`data_errors`) are reported in one SpecError.
+    rest of the spec is usable, the data files' errors (`data_errors`) and, with `data`, model.outputs against the
+    registered model's recorded output signature (`model_output_errors`) are reported in one SpecError.
 
     Args:
         path: the spec YAML.
-        data: also check the data files (local paths only; remote ones are listed, not read).
+        data: also check the data files (local paths only; remote ones are listed, not read) and the model's
+            outputs where its registry is a local store.
 
     Returns:
         (the Spec with data URIs resolved, the DataCheck or None without `data`).
@@ -187,7 +253,8 @@ def check_spec_file(path: str | Path, *, data: bool = True) -> tuple[Spec, DataC
         resolve_data_uris(spec, path)
         if data:
             found, check = data_errors(spec)
-            errors = errors + found
+            outputs, check.model = model_output_errors(spec)
+            errors = errors + found + outputs
     if errors or spec is None:
         raise spec_error(errors or [FieldError("", "not a valid spec")], doc, source=str(path))
     return spec, check

@@ -42,6 +42,11 @@ SUFFIX_FORMATS = {".onnx": "onnx", ".pt2": "torch-export", ".pt": "state-dict", 
                   ".safetensors": "state-dict", ".bin": "state-dict"}
 DEFAULT_EXPERIMENT = "tailguard/model-registration"  # the experiment `tailguard demo` registers its model in
 RESERVED_TAG_PREFIX = "tailguard."  # format / digest tags written by tailguard; a user tag must not overwrite them
+# The model's output signature, recorded at registration where the format has one (ONNX graph outputs, a
+# torch.export program's outputs): JSON {"positional": bool, "outputs": [{name, dtype, shape}]}; `tailguard spec
+# check` compares a spec's model.outputs with it (pipelines/preflight.py).
+TAG_OUTPUTS = "tailguard.outputs"
+_TAG_VALUE_LIMIT = 5000  # MLflow's longest model version tag value: a longer signature is not recorded
 _TAG_KEY = re.compile(r"^[\w.\-/ ]{1,250}$")
 
 
@@ -123,7 +128,8 @@ def parse_init_kwargs(text: str) -> dict[str, Any]:
 def register_model(name: str, path: str | Path, *, format: str | None = None, class_path: str | None = None,
                    init_kwargs: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None,
                    description: str | None = None, tracking_uri: str | None = None,
-                   experiment: str = DEFAULT_EXPERIMENT, model_path: Iterable[str | Path] = ()) -> RegisteredModel:
+                   experiment: str = DEFAULT_EXPERIMENT, model_path: Iterable[str | Path] = (),
+                   spec: str | Path | None = None) -> RegisteredModel:
     """Register an FP32 reference model file as a new version of `name`, the way `tailguard run` resolves it.
 
     Everything is checked before anything is written to the store. The model is then logged in a new MLflow run of
@@ -149,6 +155,11 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
         experiment: MLflow experiment of the registering run.
         model_path: folders to import the class's module from (appended to sys.path; see
             pipelines/core/reference.py `add_model_path`).
+        spec: a spec YAML whose `model.outputs` (dtype, rank, fixed sizes) are checked against the model before
+            anything is written: the ONNX graph's outputs (by name), a torch.export program's outputs (by
+            position), or a state dict's module run on a batch shaped like `model.inputs` (by position).
+            Without it, ONNX and torch.export signatures are still recorded (tag `tailguard.outputs`) for
+            `tailguard spec check` to compare.
 
     Returns:
         The RegisteredModel (version, models:/ URI, format, sha256).
@@ -158,7 +169,9 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             module, a corrupt file); `format` unknown or not inferable; `class_path` missing for a state dict,
             given for another format, not importable, or not fitting the weights (keys listed); `init_kwargs` not
             a JSON-serializable dict or not accepted by the class; `tags` reserved or malformed; `model_path` not
-            a folder.
+            a folder; the module fails on a batch shaped like the spec's inputs.
+        SpecError: `spec` is invalid, or its model.outputs do not fit the model (each output named, declared vs
+            found, and the declaration that fits).
     """
     from tailguard.core import reference as logic
 
@@ -193,13 +206,25 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             raise InputError(f"tags: {key!r} starts with {RESERVED_TAG_PREFIX!r}, which tailguard reserves for "
                              "the tags it writes (format, SHA-256)", hint="pick another key")
 
+    from tailguard.components.export import signature as sig
+
+    model_spec = _spec_model(spec)
     model_arg: dict[str, Any]
     class_file = None
+    found: list[Any] | None = None  # the recorded signature
     if fmt == "onnx":
         model_arg = {"onnx_path": _load_onnx(path)}
+        found = sig.onnx_output_signature(model_arg["onnx_path"])
+        if model_spec is not None:
+            sig.check_output_signature(model_spec.outputs, found, what=f"the ONNX graph of {path.name}",
+                                       source=str(spec))
     elif fmt == "torch_export":
-        logic.load_exported_program(path, field="path")
+        ep = logic.load_exported_program(path, field="path")
         model_arg = {"exported_program": path}
+        found = sig.exported_program_output_signature(ep)
+        if model_spec is not None:
+            sig.check_output_signature(model_spec.outputs, found, what=f"the program in {path.name}",
+                                       source=str(spec), positional=True)
     else:
         if not class_path:
             raise InputError(f"class_path: {path.name} is a state dict; it needs the class it loads into",
@@ -211,6 +236,15 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
                                                search_path=folders)
         class_file = _module_file(type(module))
         model_arg = {"state_dict": weights, "class_path": class_path, "init_kwargs": init_kwargs}
+        if model_spec is not None:
+            sig.check_output_signature(model_spec.outputs, _module_outputs(module, model_spec, class_path),
+                                       what=f"{class_path} with these weights on a batch of 2 rows",
+                                       source=str(spec), positional=True, concrete=True)
+    if found is not None:
+        recorded = json.dumps({"positional": fmt == "torch_export", "outputs": [o.to_dict() for o in found]},
+                              separators=(",", ":"))
+        if len(recorded) <= _TAG_VALUE_LIMIT:
+            user_tags[TAG_OUTPUTS] = recorded
 
     from tailguard.core.tracking import configure, tracking_uri_for
 
@@ -221,6 +255,47 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
                            sha256=(mv.tags or {}).get(logic.TAG_SHA256, ""), tracking_uri=uri,
                            run_id=mv.run_id or None, class_path=class_path if fmt == "state_dict" else None,
                            class_file=class_file)
+
+
+def _spec_model(spec: str | Path | None) -> Any:
+    """The `model` section of the spec file `spec` (None without one).
+
+    Raises:
+        SpecError: the spec is invalid (every error with its field path).
+        InputError: the file is missing (names `spec`).
+    """
+    if spec is None:
+        return None
+    from tailguard.core.spec import load_spec
+
+    if not Path(spec).is_file():
+        raise InputError(f"spec: spec file not found: {spec}", hint="the spec YAML whose model.outputs to check")
+    return load_spec(spec).model
+
+
+def _module_outputs(module: Any, model_spec: Any, class_path: str) -> list[Any]:
+    """The outputs (positional OutputSigs) of a torch module run on a batch of 2 rows made from `model.inputs`
+    (`components.export.logic.dummy_feeds`: every named axis 4 long, filled with value_range's lower bound or 0).
+
+    Raises:
+        InputError: the module raises on that batch (names `class_path`).
+    """
+    import torch
+
+    from tailguard.components.export.logic import dummy_feeds
+    from tailguard.components.export.signature import array_output_signature
+
+    feeds = dummy_feeds(model_spec)
+    try:
+        with torch.inference_mode():
+            out = module(*[torch.from_numpy(feeds[t.name]) for t in model_spec.inputs])
+    except Exception as exc:  # a model raises anything on inputs it does not expect
+        raise InputError(f"class_path: {class_path} failed on a batch shaped like model.inputs "
+                         f"({', '.join(f'{k} {list(v.shape)} {v.dtype}' for k, v in feeds.items())}): "
+                         f"{type(exc).__name__}: {str(exc)[:300]}",
+                         hint="make model.inputs (order, dtypes, shapes) match forward()'s arguments") from None
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    return array_output_signature([f"#{i}" for i in range(len(outs))], outs)
 
 
 def _format_name(format: str | None, path: Path) -> str:

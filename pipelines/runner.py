@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -113,6 +115,10 @@ def run_local(spec: Spec, *, model_version: str | None = None,
         RunInterrupted: SIGINT / SIGTERM: the tasks are terminated, the parent run is marked FAILED with the
             signal in its description.
 
+    Temporary files: the tasks run with TMPDIR=$TAILGUARD_HOME/runs/<run>/tmp (kfp.local's per-task
+    `ephemeral_component.py` folders land there, and kfp's workspace too); the folder is removed when the run
+    ends, passed, failed or interrupted, and TMPDIR is restored, so a local run leaves no temporary folder.
+
     Before it starts, RUNNING parent runs of the same model whose local runner died (kill -9) are marked FAILED
     (`reap_dead_runs`); this run's runner pid / host / start time go on its parent run for the same purpose.
     """
@@ -134,6 +140,13 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     run_dir = home() / "runs" / pipeline_run
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "pipeline.log"
+    # kfp.local leaves a folder per task ($(mktemp -d)/ephemeral_component.py: kfp.dsl.component_factory) and one
+    # per run (local.init's kfp-workspace-*): the tasks get TMPDIR, and kfp its workspace, in the run's own tmp
+    # folder, which is removed when the run ends (whatever the outcome)
+    tmp_dir = run_dir / "tmp"
+    (tmp_dir / "kfp-workspace").mkdir(parents=True, exist_ok=True)
+    inherited_tmpdir = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_dir)
     received: list[str] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -150,7 +163,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
         from kfp import local
 
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(home() / "kfp"),
-                   raise_on_error=True)
+                   workspace_root=str(tmp_dir / "kfp-workspace"), raise_on_error=True)
         from tailguard.builder import build_pipeline
 
         pipeline = build_pipeline(spec, cluster=False)
@@ -185,9 +198,11 @@ def run_local(spec: Spec, *, model_version: str | None = None,
             signal.signal(sig, handler)
         if model_path:
             _restore_env(MODEL_PATH_ENV, inherited_model_path)
+        _restore_env("TMPDIR", inherited_tmpdir)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     summary = RunSummary.from_dict(json.loads(task.output))
     summary.tasks = task_timings(log_path.read_text(errors="replace"))
-    (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
+    (run_dir / "summary.json").write_text(json.dumps(summary_document(summary), indent=2))
     return LocalRun(pipeline_run, log_path, summary)
 
 
@@ -406,12 +421,13 @@ def reap_dead_runs(spec: Spec, uri: str, *, by: str = "") -> list[str]:
     return marked
 
 
-def launch_run(spec_path: str, model_name: str, version: str) -> str:
+def launch_run(spec_path: str, model_name: str, version: str, env: "dict[str, str] | None" = None) -> str:
     """Start a run for a new model version without waiting (used by the webhook trigger).
 
     With `kubeflow`-host configuration in $TAILGUARD_KFP_HOST the run is submitted to that KFP cluster;
     otherwise `tailguard run SPEC --model-version V` starts in a detached local process, logging to
-    $TAILGUARD_HOME/runs/trigger-<id>.log.
+    $TAILGUARD_HOME/runs/trigger-<id>.log, with the environment `env` (the trigger passes
+    `tailguard.trigger.run_environment`: never the webhook secret) plus $TAILGUARD_HOME; None: this process's.
 
     Returns:
         An id of the started run (KFP run id, or the local process' log name).
@@ -437,24 +453,99 @@ def launch_run(spec_path: str, model_name: str, version: str) -> str:
     with open(log, "w") as f:
         subprocess.Popen([sys.executable, "-m", "tailguard.cli", "run", str(spec_path), "--model-version",
                           str(version)], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         start_new_session=True, env={**os.environ, ENV_HOME: str(home())})
+                         start_new_session=True, env={**(os.environ if env is None else env), ENV_HOME: str(home())})
     return run_id
 
 
+class GatesStatus(str, Enum):
+    """A variant's gate verdict in the summary JSON (`gates_status`), apart from its build's status
+    (`build_status`: ok | failed | skipped)."""
+
+    PASSED = "passed"  # every gate that applies passed
+    FAILED = "failed"  # at least one gate failed
+    INSUFFICIENT_DATA = "insufficient_data"  # none failed, but one had too little data to decide: not promoted
+    NOT_RUN = "not_run"  # the build or validation did not finish: no gate was judged
+
+
+def gates_status(v: Any) -> GatesStatus:
+    """The gate verdict of a VariantSummary (see `GatesStatus`); `passed` is the validate step's, never
+    recomputed."""
+    if v.status != "ok":
+        return GatesStatus.NOT_RUN
+    statuses = set((v.gates or {}).values())
+    if "failed" in statuses:
+        return GatesStatus.FAILED
+    if "insufficient_data" in statuses:
+        return GatesStatus.INSUFFICIENT_DATA
+    return GatesStatus.PASSED if v.passed else GatesStatus.FAILED
+
+
+def summary_document(summary: RunSummary) -> dict[str, Any]:
+    """The run summary as `tailguard run --summary-json` and $TAILGUARD_HOME/runs/<run>/summary.json write it:
+    `RunSummary.to_dict()` with, per variant, `build_status` (ok | failed | skipped: the build and validation,
+    the same as `status`) and `gates_status` (`GatesStatus`: passed | failed | insufficient_data | not_run) as
+    separate fields, so a variant that built but failed its gates reads "build_status": "ok",
+    "gates_status": "failed". `gates` stays the {gate key: status} map; `overall` holds the overall metrics."""
+    doc = summary.to_dict()
+    for row, v in zip(doc.get("variants") or [], summary.variants):
+        row["build_status"] = v.status
+        row["gates_status"] = gates_status(v).value
+    return doc
+
+
+# The overall "agreement" column: the task's top-1 agreement metric (classification, embedding), in this order.
+AGREEMENT_METRICS = ("top1_agreement", "nn_top1_agreement")
+
+
+def gate_ids(summary: RunSummary) -> dict[str, str]:
+    """Short ids for the summary table's gates column, {gate key: "G1", ...}, in spec order (the union over the
+    variants, first appearance first). Gate keys such as 'nn_top1_agreement>=0.97@lb95@per_slice:lexname' are
+    longer than a table column; the table names them by id and a legend under it spells each key out whole."""
+    ids: dict[str, str] = {}
+    for v in summary.variants:
+        for key in v.gates or {}:
+            if key not in ids:
+                ids[key] = f"G{len(ids) + 1}"
+    return ids
+
+
+def worst_slice_cell(v: Any) -> str:
+    """The summary's "worst slice" cell: 'slice=value: observed (n=support)' only when the worst slice is not
+    perfect (its value is worse than the metric's self-score, e.g. below 1 for an agreement; the catalogue's
+    `self_score`) or a per-slice gate failed; "-" otherwise (a perfect variant has no worst slice, so none is
+    named); "" when none was measured."""
+    from tailguard.core.metrics import CATALOGUE
+
+    ws = v.worst_slice
+    if not ws:
+        return ""
+    metric = CATALOGUE.get(ws.get("metric", ""))
+    observed = ws.get("observed")
+    failed_slice_gate = any(s == "failed" and "@per_slice" in k for k, s in (v.gates or {}).items())
+    perfect = (metric is not None and metric.self_score is not None and observed is not None
+               and (observed >= metric.self_score if metric.direction == "higher" else observed <= metric.self_score))
+    if perfect and not failed_slice_gate:
+        return "-"
+    return f"{ws['slice']}={ws['value']}: {observed:.3f} (n={ws['support']})"
+
+
 def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
-    """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms, worst slice, discovered slices (the
-    worst significant ones), gates, registered (the version registered, if any) and promoted (only the version the
-    alias was moved to by this run)."""
+    """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms, agreement and accuracy (overall, from
+    the variant's result; None when not measured), worst slice (`worst_slice_cell`), discovered slices (the worst
+    significant ones), gates (failed ones by their `gate_ids` id), registered (the version registered, if any) and
+    promoted (only the version the alias was moved to by this run)."""
+    ids = gate_ids(summary)
     rows = []
     for v in summary.variants:
-        failed = [k for k, s in v.gates.items() if s == "failed"]
-        insufficient = [k for k, s in v.gates.items() if s == "insufficient_data"]
-        ws = v.worst_slice
+        failed = [ids[k] for k, s in v.gates.items() if s == "failed"]
+        insufficient = [ids[k] for k, s in v.gates.items() if s == "insufficient_data"]
+        overall = v.overall or {}
+        agreement = next((overall[m] for m in AGREEMENT_METRICS if overall.get(m) is not None), None)
         rows.append({
             "variant": v.variant, "status": v.status if v.status != "ok" else ("passed" if v.passed else "failed gates"),
             "x torch": v.speedup_vs_torch, "x onnx fp32": v.speedup_vs_onnx_fp32, "p50 ms": v.p50_ms,
-            "p99 ms": v.p99_ms,
-            "worst slice": f"{ws['slice']}={ws['value']}: {ws['observed']:.3f} (n={ws['support']})" if ws else "",
+            "p99 ms": v.p99_ms, "agreement": agreement, "accuracy": overall.get("accuracy"),
+            "worst slice": worst_slice_cell(v),
             "discovered": "; ".join(f"{d['slice']}={d['value']}: {d['value_in_slice']:.3f} vs {d['value_rest']:.3f} "
                                     f"(n={d['support']}, q={d['q_value']:.2g})" for d in (v.discovered or [])),
             "gates": (f"{len(v.gates) - len(failed)}/{len(v.gates)} passed" if v.gates else "-")
@@ -462,43 +553,10 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
                      + (f"; {insufficient_reason(insufficient)}" if insufficient else "")
                      + (f"; {v.reason}" if v.status != "ok" and v.reason else ""),
             # registered: every version this run registered; promoted: only the one the alias moved to
-            "registered": f"v{v.version}" if v.version else "",
+            # ("reused v1 (same sha256)": an existing version holds this artefact; register.registration_policy)
+            "registered": (v.registration_note if v.registration == "reused" else f"v{v.version}") if v.version
+            else "",
             "promoted": f"@{summary.alias} -> v{v.version}" if v.promoted else "",
-        })
-    return rows
-
-
-def _excluded_nodes(record: dict[str, Any]) -> str:
-    nodes = record.get("excluded_nodes")
-    if isinstance(nodes, str):
-        try:
-            nodes = json.loads(nodes)
-        except ValueError:
-            return nodes
-    if not nodes:
-        return "-"
-    nodes = [str(n) for n in nodes]
-    return ", ".join(nodes) if len(nodes) <= 3 else f"{len(nodes)}: {', '.join(nodes[:3])}, ..."
-
-
-def search_rows(search: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows of one search's Pareto table (from its search.json, `RunSummary.searches`), in trial order.
-
-    Columns: trial, excluded nodes, per_channel, p50 ms, worst slice (the key parity metric of the worst slice
-    group), passed, front (not dominated on lower p50 and higher worst-slice value among ok trials), chosen.
-    """
-    rows = []
-    for t in search.get("trials") or []:
-        status = t.get("status", "ok")
-        rows.append({
-            "trial": t.get("name", str(t.get("index", ""))),
-            "excluded nodes": _excluded_nodes(t),
-            "per_channel": t.get("per_channel", ""),
-            "p50 ms": t.get("p50_ms"),
-            "worst slice": t.get("worst_slice_value"),
-            "passed": ("yes" if t.get("passed") else "no") if status == "ok" else status,
-            "front": "*" if t.get("on_front") else "",
-            "chosen": "<-" if t.get("chosen") else "",
         })
     return rows
 

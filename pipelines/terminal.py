@@ -29,28 +29,125 @@ def int8_macs_cell(v: Any) -> str:
     return f"[bold red]{text} ![/bold red]" if frac < LOW_QUANTIZED_MAC_FRACTION else text
 
 
-def print_summary(summary: Any) -> None:
-    """The end-of-run table."""
+_SUMMARY_NUMBERS = ("x torch", "x onnx fp32", "p50 ms", "p99 ms")
+_SUMMARY_TEXT = ("worst slice", "gates", "registered", "promoted")
+
+
+def _summary_cells(r: dict[str, Any], v: Any) -> dict[str, Any]:
+    """A summary row's cells (str, or Text where the content must not be read as markup), by column name."""
+    from rich.text import Text
+
+    num = lambda x: "" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))  # noqa: E731
+    frac = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    style = "green" if r["status"] == "passed" else ("yellow" if r["status"] == "skipped" else "red")
+    timed = r["status"] in ("passed", "failed gates")
+    return {"variant": Text(r["variant"]), "status": Text(r["status"], style=style),
+            **{c: num(r[c]) for c in _SUMMARY_NUMBERS}, "int8 MACs": int8_macs_cell(v),
+            "agreement": frac(r["agreement"]) if timed else "", "accuracy": frac(r["accuracy"]) if timed else "",
+            **{c: Text(r[c]) for c in _SUMMARY_TEXT}}
+
+
+def _fit_widths(minimum: list[int], maximum: list[int], available: int) -> list[int] | None:
+    """Column content widths that sum to at most `available`: each column gets its minimum (its longest word),
+    then the rest goes one cell at a time to the columns still below their maximum (their longest line), the
+    most cramped first. None when the minimums alone do not fit."""
+    if sum(minimum) > available:
+        return None
+    widths = list(minimum)
+    spare = available - sum(widths)
+    while spare > 0:
+        wanting = [i for i, w in enumerate(widths) if w < maximum[i]]
+        if not wanting:
+            break
+        i = max(wanting, key=lambda j: (maximum[j] - widths[j]) / max(maximum[j], 1))
+        widths[i] += 1
+        spare -= 1
+    return widths
+
+
+def summary_renderables(summary: Any, width: int) -> list[Any]:
+    """What `print_summary` prints before the gate legend, for a console `width` columns wide.
+
+    The table (columns: variant, status, x torch, x onnx fp32, p50 ms, p99 ms, int8 MACs, agreement, accuracy,
+    worst slice, gates, registered, promoted) when every column can be as wide as its longest word (widths from
+    `_fit_widths`: cells wrap at spaces, never inside a word); else, on a narrow terminal, the title and one
+    two-column block per variant (field, value), empty fields left out, so no word is folded either way.
+
+    Args:
+        summary: a RunSummary (components/register/logic.py).
+        width: the console's width in character cells.
+
+    Returns:
+        rich renderables, in print order.
+    """
+    from rich.text import Text
+
     from tailguard.runner import summary_rows
 
-    table = Table(title=f"{summary.source_model} v{summary.source_version} -> {summary.optimized_model} "
-                        f"(latency at batch {summary.batch_size})", show_lines=False)
+    title = (f"{summary.source_model} v{summary.source_version} -> {summary.optimized_model} "
+             f"(latency at batch {summary.batch_size})")
     rows = summary_rows(summary)
     variants = list(getattr(summary, "variants", None) or [])  # one per row, same order (summary_rows)
-    for col in ("variant", "status", "x torch", "x onnx fp32", "p50 ms", "p99 ms", "int8 MACs", "worst slice",
-                "gates", "registered", "promoted"):
-        table.add_column(col, overflow="fold")
-    for i, r in enumerate(rows):
-        fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
-        style = "green" if r["status"] == "passed" else ("yellow" if r["status"] == "skipped" else "red")
-        table.add_row(*[fmt(r[c]) for c in ("variant",)], f"[{style}]{r['status']}[/{style}]",
-                      *[fmt(r[c]) for c in ("x torch", "x onnx fp32", "p50 ms", "p99 ms")],
-                      int8_macs_cell(variants[i] if i < len(variants) else None),
-                      *[fmt(r[c]) for c in ("worst slice", "gates", "registered", "promoted")])
-    console.print(table)
+    cells = [_summary_cells(r, variants[i] if i < len(variants) else None) for i, r in enumerate(rows)]
+    columns = ("variant", "status", *_SUMMARY_NUMBERS, "int8 MACs", "agreement", "accuracy", *_SUMMARY_TEXT)
+    texts = {col: [Text(col), *[Text.from_markup(c[col]) if isinstance(c[col], str) else c[col] for c in cells]]
+             for col in columns}
+    widths = _fit_widths([max((len(w) for t in texts[col] for w in t.plain.split()), default=1) for col in columns],
+                         [max((t.cell_len for t in texts[col]), default=1) for col in columns],
+                         width - 3 * len(columns) - 1)  # per column: 2 of padding and 1 of border, + the last border
+    if widths is not None:
+        table = Table(title=title, show_lines=False)
+        for col, w in zip(columns, widths):
+            numeric = col in _SUMMARY_NUMBERS or col in ("int8 MACs", "agreement", "accuracy")
+            table.add_column(col, justify="right" if numeric else "left", width=w)
+        for c in cells:
+            table.add_row(*[c[col] for col in columns])
+        return [table]
+    out: list[Any] = [Text(title, style="italic")]
+    for c in cells:
+        block = Table.grid(padding=(0, 1))
+        block.add_column(style="dim", no_wrap=True)
+        block.add_column(overflow="fold")
+        for col in columns[2:]:
+            value = c[col]
+            if str(value) not in ("", "-") or (col in ("agreement", "accuracy", "worst slice") and str(value)):
+                block.add_row(f"  {col}", value)  # "-" is kept where it says something (perfect, not measured)
+        out += [Text.assemble((str(c["variant"]), "bold"), "  ", c["status"]), block]
+    return out
+
+
+def print_summary(summary: Any) -> None:
+    """The end-of-run summary: `summary_renderables` (a table, or per-variant blocks on a terminal too narrow for
+    it), a legend of the gate ids, the variants' warnings, discovered slices, searches and task timings.
+
+    Agreement and accuracy are the overall fractions ("-" when not measured: runner.summary_rows); the worst
+    slice is "-" for a variant whose worst slice is perfect (runner.worst_slice_cell); the gates column names
+    failed gates by short id (runner.gate_ids). Gate keys appear whole only in the legend, one per line and
+    never folded (rich soft wrap), so no key is broken inside a token however narrow the terminal."""
+    from rich.text import Text
+
+    from tailguard.runner import gate_ids, summary_rows
+
+    rows = summary_rows(summary)
+    variants = list(getattr(summary, "variants", None) or [])
+    from tailguard.core.hardware import ran_on_line
+
+    if ran_on := ran_on_line(getattr(summary, "hardware", None)):  # "ran on: <cpu model> (<isa flags>), N cores"
+        console.print(Text(ran_on, style="dim"))
+    for w in getattr(summary, "warnings", None) or []:  # run-level, e.g. an unstable torch baseline
+        console.print(Text.assemble(("! baselines", "bold red"), f": {w}"))
+    for part in summary_renderables(summary, console.width):
+        console.print(part)
+    for key, gid in gate_ids(summary).items():  # soft_wrap: the key is never cut, the terminal wraps the line
+        console.print(Text.assemble(f"  {gid} = ", (key, "dim")), soft_wrap=True)
+    from rich.markup import escape
+
+    flagged: dict[str, list[str]] = {}  # warning -> variants: the exporter's warnings hold for every variant
     for v in variants:  # e.g. an INT8 variant that quantized under half of its MACs (register.coverage_warnings)
         for w in getattr(v, "warnings", None) or []:
-            console.print(f"[bold red]! {v.variant}[/bold red]: {w}")
+            flagged.setdefault(w, []).append(v.variant)
+    for w, names in flagged.items():
+        console.print(f"[bold red]! {escape(', '.join(names))}[/bold red]: {escape(w)}")
     timed = [r for r in rows if r["status"] in ("passed", "failed gates")]
     if timed and all(r["x torch"] is None for r in timed):  # no torch baseline: the reference is an ONNX model
         from tailguard.core.report import TORCH_NOTE
@@ -63,8 +160,6 @@ def print_summary(summary: Any) -> None:
             console.print(f"  {r['variant']}: {r['discovered']}")
     for search in getattr(summary, "searches", None) or []:
         print_search(search)
-    from rich.text import Text
-
     from tailguard.runner import timings_line
 
     line = timings_line(getattr(summary, "tasks", None))
@@ -73,22 +168,25 @@ def print_summary(summary: Any) -> None:
 
 
 def print_search(search: dict) -> None:
-    """One search's Pareto table (trial, excluded nodes, per_channel, p50 ms, worst-slice value, passed, front,
-    chosen) and the reason it stopped."""
+    """One search's trial table (`tailguard.core.report.search_table`: trial, the configuration columns that
+    differ between trials, p50 ms, worst-slice value, passed, front, chosen), the reason it stopped in the title
+    and, under the table, the settings every trial shared and the families skipped as unable to differ."""
     from rich.text import Text
 
-    from tailguard.runner import search_rows, search_title
+    from tailguard.core.report import search_table
+    from tailguard.runner import search_title
 
-    cols = ("trial", "excluded nodes", "per_channel", "p50 ms", "worst slice", "passed", "front", "chosen")
+    cols, rows, notes = search_table(search)
     table = Table(title=search_title(search), show_lines=False)
     for col in cols:
         table.add_column(col, overflow="fold")
     fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-    for r in search_rows(search):
+    for r in rows:
         style = "green" if r["chosen"] else ("" if r["passed"] == "yes" else "red")
-        cells = [fmt(r[c]) for c in cols]
-        table.add_row(*[Text(c, style=style) for c in cells])  # Text: node names are never read as markup
+        table.add_row(*[Text(fmt(r[c]), style=style) for c in cols])  # Text: node names are never read as markup
     console.print(table)
+    for note in notes:
+        console.print(Text(note, style="dim"))
 
 
 def run_with_progress(spec: Any, model_version: Optional[str], cache: bool = True,

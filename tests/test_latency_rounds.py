@@ -255,12 +255,15 @@ def test_reference_pass_times_torch_and_onnx_fp32_interleaved_when_the_reference
     spec = type("S", (), {})()
     spec.model = type("M", (), {"inputs": SPECS, "pad_values": None})()
     spec.benchmark = BenchmarkSpec(batch_sizes=[1, 4], warmup=1, iterations=7, max_seconds=60)
-    out = time_baselines(OrtRunner(path), TorchRunner(module, ["x"]), _dataset(), spec)
+    out = time_baselines(path, TorchRunner(module, ["x"]), _dataset(), spec)
     assert out["rows"] == 40 and set(out["torch"]) == set(out["onnx_fp32"]) == {1, 4}
     for bs in (1, 4):
         torch_row, onnx_row = out["torch"][bs], out["onnx_fp32"][bs]
         # one loop of paired rounds: the same number of samples, and the method says so
         assert len(torch_row["samples_ms"]) == len(onnx_row["samples_ms"]) == 7
         assert "interleaved with onnx_fp32, torch" in onnx_row["method"] == torch_row["method"]
-    alone = time_baselines(OrtRunner(path), None, _dataset(), spec)
+        assert "force_spinning_stop=1" in torch_row["method"]
+    assert out["warnings"] == [] or all("unstable" in w for w in out["warnings"])
+    alone = time_baselines(path, None, _dataset(), spec)
     assert alone["torch"] is None and "interleaved" not in alone["onnx_fp32"][1]["method"]
+    assert alone["warnings"] == [] and "force_spinning_stop" not in alone["onnx_fp32"][1]["method"]

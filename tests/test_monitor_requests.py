@@ -240,3 +240,19 @@ def test_worker_compares_one_request_per_call_when_model_cannot_batch(models):
         assert svc.metrics.registry.get_sample_value("tailguard_monitor_candidate_failures_total",
                                                      {"reason": "candidate_error"}) == 0
         assert doc["slices"]["all"]["metrics"]["candidate_error_rate"]["mean"] == 0.0
+
+
+def test_replay_alerts_on_the_failing_slice_only_when_candidate_raises_on_its_rows(models, tmp_path):
+    from tailguard.monitoring.replay import replay
+
+    frame = T.requests_frame(400, seed=5, rare_share=0.2)
+    legal = (frame["domain"] == "legal").to_numpy()
+    frame["x"] = [np.r_[50.0, x[1:]].astype(np.float32) if bad else x for x, bad in zip(frame["x"], legal)]
+    frame.to_parquet(tmp_path / "req.parquet")
+    spec = parse_spec(T.spec_dict({"sample_rate": 1.0, "min_support": 5}, data_uri=str(tmp_path / "req.parquet")))
+    cand = CountingRunner(models["cand"], raise_at=10.0)
+    r = replay(spec, models["ref"], cand, tmp_path / "req.parquet", tmp_path / "out", seed=0)
+    slices = {a["slice"] for a in r["alerts"]}
+    assert "domain=legal" in slices and not slices & {"domain=web", "domain=news"}
+    assert r["exit_code"] == 4 and r["slices"]["compared_requests"] == 400  # nothing dropped, failures compared
+    assert r["slices"]["slices"]["domain=legal"]["metrics"]["candidate_error_rate"]["mean"] == 1.0

@@ -181,7 +181,8 @@ def test_run_search_raises_input_error_when_a_static_variant_gets_no_calibration
 
 # ------------------------------------------------------------------------------------------------ ordering
 def test_families_put_the_variant_own_settings_first_and_shuffle_the_rest_by_seed():
-    space = {"per_channel": [True, False], "float_op_types": [[], ["Relu"], ["Softmax"]]}
+    # op types dynamic quantization quantizes (Relu / Softmax sets would be skipped: they cannot differ)
+    space = {"per_channel": [True, False], "float_op_types": [[], ["MatMul"], ["Attention"]]}
     orders = {seed: _families(mlp_variant(), SearchSpec(seed=seed, space=space)) for seed in range(6)}
     assert all(f[0].per_channel is False and f[0].float_op_types == () for f in orders.values())
     assert all(len(f) == 6 and len(set(f)) == 6 for f in orders.values())
@@ -263,3 +264,106 @@ def test_search_result_to_dict_is_json_when_the_search_ran_for_real(env, tmp_pat
     assert {"rank", "node", "op_type", "output_rel_l2", "output_cosine_drop"} <= set(doc["sensitivity"][0])
     paths = write_search_artifacts(res, tmp_path / "art")
     assert np.isfinite(pd.read_csv(paths["pareto.csv"])["p50_ms"]).all()
+
+
+# ------------------------------------------------------------------ trials that cannot differ (issue 26, item 4)
+def test_quantized_op_types_reads_ort_registries_when_asked_for_dynamic_static_qdq_and_qoperator():
+    from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
+
+    from tailguard.components.search.logic import quantized_op_types
+
+    dynamic = quantized_op_types(mlp_variant().quantization)
+    assert dynamic == set(IntegerOpsRegistry) | {"Gemm"}  # Gemm: quantize_dynamic rewrites it as MatMul + Add
+    assert not dynamic & {"LayerNormalization", "SkipLayerNormalization", "Softmax", "Gelu", "BiasGelu"}
+    qdq = quantized_op_types(mlp_variant(mode="static").quantization)
+    assert qdq == set(QLinearOpsRegistry) | set(QDQRegistry) and {"LayerNormalization", "Softmax"} <= qdq
+    qop = quantized_op_types(mlp_variant(mode="static", format="qoperator").quantization)
+    assert qop == set(QLinearOpsRegistry) and "LayerNormalization" not in qop
+    assert quantized_op_types(mlp_variant(mode="static", op_types=["MatMul"]).quantization) == {"MatMul"}
+    assert quantized_op_types(mlp_variant(op_types=["MatMul", "Softmax"]).quantization) == {"MatMul", "Gemm"}
+
+
+def test_plan_families_skips_the_default_layer_norm_gelu_families_when_the_variant_is_dynamic():
+    from tailguard.components.search.logic import SKIPPED_STATUS, plan_families
+
+    families, skipped, dropped = plan_families(mlp_variant(), SearchSpec(), {"MatMul", "Relu"})
+    assert [(f.per_channel, f.float_op_types) for f in families] == [(False, ()), (True, ())]
+    assert [(s["per_channel"], s["status"], s["same_as"]) for s in skipped] == [
+        (True, SKIPPED_STATUS, []), (False, SKIPPED_STATUS, [])]
+    assert skipped[0]["float_op_types"] == SearchSpec().space.float_op_types[1]
+    assert "LayerNormalization" in skipped[0]["reason"] and "IntegerOpsRegistry" in skipped[0]["reason"]
+    assert set(dropped) == set(SearchSpec().space.float_op_types[1])
+
+
+def test_plan_families_drops_an_op_type_absent_from_the_graph_and_keeps_one_present_when_static(env, tmp_path):
+    from tailguard.components.search.logic import plan_families, prepared_op_types
+
+    fp32 = env[0]
+    variant = mlp_variant(mode="static")  # static QDQ quantizes Softmax and Relu; the MLP has Relu, no Softmax
+    space = {"per_channel": [False], "calibration_methods": ["minmax"],
+             "float_op_types": [[], ["Softmax"], ["Relu", "Softmax"]]}
+    graph = prepared_op_types(tmp_path / "no-sensitivity-here", variant.quantization, fp32)  # the FP32 file's
+    assert graph == {"MatMul", "Relu"}
+    families, skipped, dropped = plan_families(variant, SearchSpec(space=space), graph)
+    assert [f.float_op_types for f in families] == [(), ("Relu",)]  # ["Relu", "Softmax"] keeps Relu: planned
+    assert [(s["float_op_types"], s["same_as"]) for s in skipped] == [(["Softmax"], [])]
+    assert dropped == {"Softmax": "the prepared graph has no node of this op type"}
+
+
+def test_run_search_skips_and_counts_families_that_cannot_differ_when_a_float_op_type_is_never_quantized(env,
+                                                                                                       tmp_path):
+    """Dynamic INT8 never quantizes Relu: the two Relu families (per-channel and not) would rebuild the same
+    models as the two empty ones (what issue 26 saw: t02/t03 repeating t00/t01 with identical results)."""
+    res = _search(env, tmp_path, search={"space": {**SPACE, "float_op_types": [[], ["Relu"]]}})
+    assert all(t.config["float_op_types"] == [] for t in res.trials)
+    configs = [json.dumps(t.config, sort_keys=True) for t in res.trials]
+    assert len(configs) == len(set(configs))  # no configuration built twice
+    assert res.stopped_by == "space_exhausted" and len(res.skipped) == 2
+    doc = json.loads(json.dumps(res.to_dict()))
+    assert doc["n_skipped"] == 2 and {s["status"] for s in doc["skipped"]} == {"skipped: cannot differ"}
+    assert "Relu" in doc["dropped_op_types"] and "IntegerOpsRegistry" in doc["skipped"][0]["reason"]
+
+
+def _search_doc(trials, **extra):
+    return {"variant": "v", "stopped_by": "space_exhausted", "chosen_name": "v-t01", "trials": trials, **extra}
+
+
+def _trial_rec(i, *, float_op_types, per_channel=True, nodes=(), chosen=False):
+    return {"index": i, "name": f"v-t{i:02d}", "status": "ok", "passed": True, "p50_ms": 1.0 + i,
+            "worst_slice_value": 0.97433, "on_front": True, "chosen": chosen, "per_channel": per_channel,
+            "calibration_method": None, "excluded_nodes": list(nodes), "float_op_types": ",".join(float_op_types),
+            "config": {"float_op_types": list(float_op_types)}}
+
+
+def test_search_table_shows_the_column_that_differs_and_notes_constant_ones_when_trials_differ_in_one_setting():
+    from tailguard.core.report import search_table
+
+    doc = _search_doc([_trial_rec(0, float_op_types=[]), _trial_rec(1, float_op_types=["Softmax"], chosen=True)])
+    columns, rows, notes = search_table(doc)
+    assert columns == ["trial", "float op types", "p50 ms", "worst slice", "passed", "front", "chosen"]
+    assert [r["float op types"] for r in rows] == ["-", "Softmax"] and rows[1]["chosen"] == "<-"
+    assert notes == ["same in every trial: excluded nodes -; per_channel True; calibration -"]
+    varied = _search_doc([_trial_rec(0, float_op_types=[], per_channel=False, nodes=["mm2"]),
+                          _trial_rec(1, float_op_types=[], per_channel=True)])
+    columns, rows, _ = search_table(varied)
+    assert columns[:3] == ["trial", "excluded nodes", "per_channel"] and "float op types" not in columns
+    assert [(r["excluded nodes"], r["per_channel"]) for r in rows] == [("mm2", "False"), ("-", "True")]
+
+
+def test_print_search_and_the_report_show_differing_columns_and_skipped_families_when_a_search_skipped_some():
+    from tailguard.core.report import run_report_html
+    from tailguard.terminal import console, print_search
+
+    doc = _search_doc([_trial_rec(0, float_op_types=[]), _trial_rec(1, float_op_types=["Softmax"], chosen=True)],
+                      skipped=[{"per_channel": True, "calibration_method": None, "float_op_types": ["Gelu"],
+                                "same_as": [], "status": "skipped: cannot differ", "reason": "..."}],
+                      n_skipped=1, dropped_op_types={"Gelu": "dynamic quantization never quantizes it"})
+    with console.capture() as cap:
+        print_search(doc)
+    text = cap.get()
+    assert "float op types" in text and "Softmax" in text and "per_channel True" in text
+    assert "1 family of the search space skipped: cannot differ" in text and "Gelu" in text
+    html = run_report_html({"parent_run_id": "p", "experiment_id": "1", "variants": [], "searches": [doc]},
+                           run={"run_id": "p", "status": "FINISHED"})
+    assert "<th>float op types</th>" in html and "<th>per_channel</th>" not in html
+    assert "1 family of the search space skipped" in html

@@ -9,11 +9,19 @@ Three entry points, all importable without KFP:
   after optimum's `validate_model_outputs` and optimum issue 1755).
 - `check_onnx_file`: an ONNX reference taken from the registry is checked (onnx.checker, path-based so external
   data works) and loaded in ONNX Runtime; a corrupt file raises `InputError` naming it.
+- `check_declared_outputs`: `model.outputs` (dtype, rank, fixed sizes) against the ONNX graph's outputs and
+  against what it returns on a batch; a mismatch raises `SpecError` (exit 2) with the declaration that fits.
+  The export task runs it on every export and on every ONNX reference (components/export/signature.py).
+
+`export_onnx` also records the torch exporter's warnings about the model (TracerWarnings: a value traced as a
+constant) in its facts (`warnings`), which the build copies into each variant's warnings (the run summary).
 """
 
 from __future__ import annotations
 
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -84,7 +92,7 @@ def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], 
     Returns:
         Facts: {"path", "exporter" ("torchscript"|"dynamo"), "opset", "nodes" (count), "op_types" ({op: count}),
         "bytes" (file size incl. external data), "external_data" (bool), "seconds", "inputs", "outputs",
-        "dynamic_axes"}.
+        "dynamic_axes", "warnings" (the exporter's warnings about the model, `summarize_exporter_warnings`)}.
 
     Raises:
         InputError: a spec input is missing from `sample_feeds`, or the module's outputs do not match
@@ -109,28 +117,75 @@ def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], 
     if hasattr(module, "eval"):
         module.eval()
     t0 = time.perf_counter()
-    if spec.export.dynamo:
-        _export_dynamo(module, args, spec, axes, out_path)
-        exporter = "dynamo"
-    else:
-        try:
-            with torch.no_grad():
-                torch.onnx.export(module, args, str(out_path), dynamo=False, input_names=names_in,
-                                  output_names=names_out, opset_version=spec.export.opset, dynamic_axes=axes,
-                                  do_constant_folding=True)
-        except Exception as exc:  # the exporter raises many types (RuntimeError, SymbolicValueError, ...)
-            raise StepError(f"torch.onnx.export (legacy TorchScript exporter) failed: {exc}", step="export",
-                            hint="try model.export.dynamo: true, or a different model.export.opset") from exc
-        exporter = "torchscript"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # each trace site once per export, whatever the caller's filters say
+        if spec.export.dynamo:
+            _export_dynamo(module, args, spec, axes, out_path)
+            exporter = "dynamo"
+        else:
+            try:
+                with torch.no_grad():
+                    torch.onnx.export(module, args, str(out_path), dynamo=False, input_names=names_in,
+                                      output_names=names_out, opset_version=spec.export.opset, dynamic_axes=axes,
+                                      do_constant_folding=True)
+            except Exception as exc:  # the exporter raises many types (RuntimeError, SymbolicValueError, ...)
+                raise StepError(f"torch.onnx.export (legacy TorchScript exporter) failed: {exc}", step="export",
+                                hint="try model.export.dynamo: true, or a different model.export.opset") from exc
+            exporter = "torchscript"
     seconds = time.perf_counter() - t0
+    exporter_warnings = summarize_exporter_warnings(caught)
+    for w in exporter_warnings:  # still in the task's log, as before they were recorded
+        print(f"export warning: {warning_text(w)}", file=sys.stderr)
     _make_self_contained(out_path)
     facts = _model_facts(out_path)
     if facts["outputs"] != names_out:
         raise InputError(f"export: the module returned outputs {facts['outputs']} but model.outputs names "
                          f"{names_out}", hint="list every forward() output in model.outputs, in order")
     facts.update(exporter=exporter, seconds=round(seconds, 3), dynamic_axes={k: {str(i): a for i, a in v.items()}
-                                                                               for k, v in axes.items()})
+                                                                               for k, v in axes.items()},
+                 warnings=exporter_warnings)
     return facts
+
+
+# Warnings about the exporter's own API (e.g. "You are using the legacy TorchScript-based ONNX export"), not about
+# the model: left out of the recorded warnings.
+_API_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+WARNING_MESSAGE_CHARS = 160  # a recorded warning's message is cut to its first sentence, at most this long
+
+
+def summarize_exporter_warnings(caught: Sequence[warnings.WarningMessage]) -> list[dict[str, Any]]:
+    """The model-related warnings the torch exporter raised (TracerWarnings such as "Converting a tensor to a Python
+    boolean might cause the trace to be incorrect", i.e. a value traced as a constant), deduplicated.
+
+    Args:
+        caught: what `warnings.catch_warnings(record=True)` recorded around the export.
+
+    Returns:
+        [{"category": "TracerWarning", "message": first sentence (<= WARNING_MESSAGE_CHARS chars), "where":
+        "file.py:line" (the model's line that raised it), "count": times raised}], first-seen order;
+        DeprecationWarning / PendingDeprecationWarning / FutureWarning (about the exporter's API) left out.
+    """
+    seen: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for w in caught:
+        if issubclass(w.category, _API_WARNINGS):
+            continue
+        text = " ".join(str(w.message).split())
+        first = text.split(". ")[0].rstrip(".") + "."
+        if len(first) > WARNING_MESSAGE_CHARS:
+            first = first[:WARNING_MESSAGE_CHARS - 3] + "..."
+        where = f"{Path(str(w.filename)).name}:{w.lineno}"
+        key = (w.category.__name__, first, where)
+        if key in seen:
+            seen[key]["count"] += 1
+        else:
+            seen[key] = {"category": w.category.__name__, "message": first, "where": where, "count": 1}
+    return list(seen.values())
+
+
+def warning_text(w: Mapping[str, Any]) -> str:
+    """One line for a recorded exporter warning: "TracerWarning at model.py:12: <message> (x3)"."""
+    times = f" (x{w['count']})" if w.get("count", 1) > 1 else ""
+    return f"{w['category']} at {w['where']}: {w['message']}{times}"
 
 
 def _grow_dynamic_axes(feeds: dict[str, np.ndarray], axes: dict[str, dict[int, str]]) -> dict[str, np.ndarray]:
@@ -219,6 +274,75 @@ def _model_facts(path: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------- check
+def check_declared_outputs(onnx_path: str | Path, spec: Any, feeds: Mapping[str, np.ndarray], *,
+                           onnx_runner: Runner | None = None, source: str = "export") -> dict[str, Any]:
+    """Check `model.outputs` (name, dtype, rank, fixed sizes) against the ONNX graph and against what it returns.
+
+    Two comparisons (rules in components/export/signature.py and docs/spec.md, "Outputs"): the graph's declared
+    outputs (element type, dim_value / dim_param), then the arrays ONNX Runtime returns for `feeds`, whose sizes
+    are real (a fixed declared size must equal them; a named axis such as `batch` matches any size). A declared
+    output the graph lacks is an error; outputs the graph has beyond the declared ones are ignored.
+
+    Args:
+        onnx_path: the .onnx file.
+        spec: `tailguard.spec.ModelSpec` (outputs).
+        feeds: one batch {input name: array (batch, ...)}.
+        onnx_runner: an open runner of `onnx_path` (default: a CPU `OrtRunner`, graph optimizations off).
+        source: who checks, for the error's first line.
+
+    Returns:
+        {"graph": [{name, dtype, shape}], "batch": [{name, dtype, shape}] (shapes of the outputs on `feeds`),
+        "rows": batch size}.
+
+    Raises:
+        SpecError: every mismatch, e.g. "model.outputs.0.shape: logits is declared [batch, 16] but the ONNX graph
+            gives [batch, 15]", with the fix ("declare logits: [batch, 15]") as hint (exit 2).
+    """
+    from tailguard.components.export.signature import (array_output_signature, check_output_signature,
+                                                       onnx_output_signature)
+
+    graph = onnx_output_signature(onnx_path)
+    check_output_signature(spec.outputs, graph, what="the ONNX graph", source=source)
+    runner = onnx_runner or OrtRunner(onnx_path, graph_optimization="disabled")
+    names = list(getattr(runner, "output_names", [t.name for t in spec.outputs]))
+    rows = int(next(iter(feeds.values())).shape[0]) if feeds else 0
+    try:
+        arrays = runner.run(dict(feeds))
+    except Exception as exc:  # ORT raises InvalidArgument / Fail / RuntimeException for a batch it cannot run
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise InputError(f"{source}: the ONNX model {Path(onnx_path).name} failed on a batch of {rows} rows shaped "
+                         f"like model.inputs ({first})",
+                         hint="make model.inputs (names, dtypes, shapes) match the model's inputs") from None
+    got = array_output_signature(names, arrays)
+    check_output_signature(spec.outputs, got, what=f"the ONNX model's output on a batch of {rows} rows",
+                           source=source, concrete=True)
+    return {"graph": [g.to_dict() for g in graph], "batch": [g.to_dict() for g in got], "rows": rows}
+
+
+def feeds_for_graph(runner: Any, spec: Any, *, batch: int = 2, length: int = 4) -> dict[str, np.ndarray]:
+    """A batch built from the spec's inputs alone (`dummy_feeds`), with every axis the graph fixes set to the
+    graph's size: what an ONNX reference is run on to see its real output shapes without reading data.
+
+    Args:
+        runner: an `OrtRunner` (its `session.get_inputs()` give the graph's input shapes).
+        spec: `tailguard.spec.ModelSpec`.
+        batch, length: sizes of the batch axis and of the other named axes the graph leaves free.
+
+    Returns:
+        {input name: array}, dtypes from `model.inputs`.
+    """
+    feeds = dummy_feeds(spec, batch=batch, length=length)
+    fixed = {i.name: list(i.shape) for i in runner.session.get_inputs()} if hasattr(runner, "session") else {}
+    for name, arr in list(feeds.items()):
+        dims = fixed.get(name)
+        if dims is None or len(dims) != arr.ndim:
+            continue
+        shape = [d if isinstance(d, int) and d > 0 else s for d, s in zip(dims, arr.shape)]
+        if list(shape) != list(arr.shape):
+            feeds[name] = np.full(shape, arr.flat[0] if arr.size else 0, dtype=arr.dtype)
+    return feeds
+
+
 def _tolerance(spec: Any, name: str) -> tuple[float, float]:
     tol = spec.export.tolerances.get(name, spec.export.default)
     return float(tol.atol), float(tol.rtol)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tailguard.core.contract import ONNX_FILE, ONNX_INLINE_LIMIT_BYTES
+from tailguard.core.contract import EXPORT_FACTS_FILE, ONNX_FILE, ONNX_INLINE_LIMIT_BYTES
 from tailguard.core.taskio import task_entry, write_json
 
 
@@ -51,8 +51,13 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str
     Returns:
         JSON facts of the export plus "cached" (true: copied from the cache, not exported).
 
+    Every export, cached or not, checks `model.outputs` against the model (`check_declared_outputs`); the facts
+    (`export.json` beside model.onnx) hold that check (`outputs_check`) and the exporter's warnings (`warnings`).
+
     Raises:
         ExportMismatchError: an output differs beyond its tolerance (every output's max diff listed; exit 1).
+        SpecError: a declared output's dtype, rank or fixed size differs from the model's, or the model lacks it
+            (exit 2).
         InputError: a corrupt ONNX reference (exit 2).
     """
     from tailguard.core.cache import cached_step, dataset_parts, reference_parts
@@ -68,17 +73,34 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str
         validation = dataset_parts(spec.data.validation)
         parts = None if validation is None else {**parts, "validation": validation}
     facts = cached_step("export", parts, out, lambda: _export(spec, resolved, out), label="export")
+    if "outputs_check" not in facts:  # a cache entry written before the check existed: the check is never skipped
+        facts["outputs_check"] = _check_outputs(spec, out / ONNX_FILE)
     return json.dumps(facts, default=str)
+
+
+def _check_outputs(spec: Any, onnx_path: Path) -> dict[str, Any]:
+    """`check_declared_outputs` on a batch made from model.inputs alone (`feeds_for_graph`)."""
+    from tailguard.components.export.logic import check_declared_outputs, feeds_for_graph
+    from tailguard.core.runtime import OrtRunner
+
+    runner = OrtRunner(onnx_path, graph_optimization="disabled")
+    return check_declared_outputs(onnx_path, spec.model, feeds_for_graph(runner, spec.model), onnx_runner=runner)
 
 
 def _export(spec: Any, resolved: Any, out: Path) -> dict[str, Any]:
     """Export (torch) or check and copy (ONNX) the reference into `out`; returns the facts."""
-    from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
+    from tailguard.components.export.logic import check_declared_outputs, check_export, check_onnx_file, export_onnx
+    from tailguard.core.runtime import OrtRunner
 
     if resolved.format == "onnx":
         facts = check_onnx_file(resolved.onnx_path)
         _copy_onnx(Path(resolved.onnx_path), out)
         facts["exporter"] = "none (reference is ONNX)"
+        # model.outputs against the graph and its outputs on a batch made from model.inputs (no data read: the
+        # cache key of an ONNX reference has no data in it)
+        facts["outputs_check"] = _check_outputs(spec, out / ONNX_FILE)
+        facts["warnings"] = []
+        write_json(out / EXPORT_FACTS_FILE, facts)
         return facts
     from tailguard.core.reference import load_torch_reference
     from tailguard.core.data import load_validation
@@ -88,7 +110,10 @@ def _export(spec: Any, resolved: Any, out: Path) -> dict[str, Any]:
     ds = load_validation(spec)
     batches = check_batches(spec, ds)
     facts = export_onnx(module, spec.model, batches[-1], out / ONNX_FILE)
+    onnx_runner = OrtRunner(out / ONNX_FILE, graph_optimization="disabled")
+    # declared shapes first: a wrong declaration is the user's to fix (exit 2), whatever torch and ONNX agree on
+    facts["outputs_check"] = check_declared_outputs(out / ONNX_FILE, spec.model, batches[0], onnx_runner=onnx_runner)
     runner = TorchRunner(module, [i.name for i in spec.model.inputs])
-    facts["check"] = check_export(runner, str(out / ONNX_FILE), batches, spec.model)
-    write_json(out / "export.json", facts)
+    facts["check"] = check_export(runner, str(out / ONNX_FILE), batches, spec.model, onnx_runner=onnx_runner)
+    write_json(out / EXPORT_FACTS_FILE, facts)
     return facts

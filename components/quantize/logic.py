@@ -205,6 +205,7 @@ def quantize_onnxruntime(variant: Any, fp32_onnx: str | Path, out_dir: str | Pat
                                            f"{type(exc).__name__}: {first} (log: {log})", details=details)
     details["build_seconds"] = round(time.perf_counter() - t0, 3)
     log.write_text(captured.getvalue())
+    details["warnings"] = details.get("warnings", []) + export_warnings(fp32)
     if failure:
         return StepResult("failed", reason=failure, details=details)
     details["reproduce"] = str(_write_reproduce(variant, fp32, out, model, calibration_batch_size))
@@ -248,6 +249,9 @@ def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | No
                 _quantize_static(q, source, quantized, excluded, calibration, model, calibration_batch_size,
                                  tmp, details)
                 _write_calibration(calibration, model, out)
+            progress["stage"] = "attention check"
+            details["warnings"] = details.get("warnings", []) + attention_quantization_warnings(
+                variant, source, quantized, details)
             progress["stage"] = "quantization coverage"
             coverage = _coverage(source, quantized, calibration, details)
             _save_self_contained(quantized, target, metadata={QUANTIZATION_COVERAGE_KEY: json.dumps(coverage)})
@@ -298,7 +302,113 @@ def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any])
     info["fused_ops"] = {k: counts[k] for k in FUSED_OP_TYPES if counts.get(k)}
     info["nodes"] = sum(counts.values())
     details["graph_optimization"] = info
+    if go.fusion == "bert":
+        details["warnings"] = details.get("warnings", []) + fusion_warnings(info["fused_ops"], go,
+                                                                             int8=variant.precision == "int8")
     return dst
+
+
+# What `fusion: bert` is expected to produce on a BERT-like encoder, by role: any one op of a group counts
+# (onnxruntime.transformers' BertOnnxModel fusions: FusionAttention -> Attention / MultiHeadAttention,
+# FusionSkipLayerNormalization, FusionBiasGelu / FusionFastGelu / FusionGelu).
+EXPECTED_BERT_FUSIONS: dict[str, tuple[str, ...]] = {
+    "attention": ("Attention", "MultiHeadAttention"),
+    "skip layer normalization": ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization"),
+    "GELU": ("BiasGelu", "FastGelu", "Gelu", "GemmFastGelu", "QuickGelu"),
+}
+ATTENTION_OP_TYPES = frozenset(EXPECTED_BERT_FUSIONS["attention"])
+
+
+def fusion_warnings(fused_ops: dict[str, int], go: Any, *, int8: bool = False) -> list[str]:
+    """Warnings for the roles `fusion: bert` fused nothing for (EXPECTED_BERT_FUSIONS).
+
+    Args:
+        fused_ops: {op type: count} of the optimized graph (build.json graph_optimization.fused_ops).
+        go: the variant's `graph_optimization` (num_heads, hidden_size: 0 = detected by ORT).
+        int8: the variant is INT8 (then unfused attention is quantized as plain MatMuls: said so).
+
+    Returns:
+        One warning naming the missing roles, what was found and the fix; [] when every role was fused.
+    """
+    missing = [role for role, ops in EXPECTED_BERT_FUSIONS.items() if not any(fused_ops.get(op) for op in ops)]
+    if not missing:
+        return []
+    found = ", ".join(f"{k} {v}" for k, v in fused_ops.items()) or "nothing"
+    expected = "; ".join(" or ".join(EXPECTED_BERT_FUSIONS[r]) for r in missing)
+    effect = (" (INT8 then quantizes attention as plain MatMuls)" if int8 and "attention" in missing else "")
+    return [f"fusion: bert fused no {', no '.join(missing)} (expected {expected}; found {found}): that part of "
+            f"the model runs unfused{effect}; set graph_optimization.num_heads and hidden_size to the model's "
+            "values (0: ONNX Runtime detects them), and export with model.export.dynamo: false (the graphs ONNX "
+            "Runtime's BERT fusions recognise)"]
+
+
+def attention_matmuls(path: str | Path) -> list[str]:
+    """Names of the MatMul nodes whose two inputs are both activations (neither an initializer nor computed from
+    constants only): in a transformer without fused attention these are the attention score (Q K^T) and context
+    (softmax(scores) V) MatMuls; a weight MatMul always has one constant input.
+
+    Args:
+        path: an .onnx file (read without external data).
+
+    Returns:
+        Node names in graph order (unnamed nodes as "<op>#<index>").
+    """
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    const = {t.name for t in graph.initializer} | {""}
+    names = []
+    for i, n in enumerate(graph.node):  # ONNX graphs are topologically sorted
+        if n.op_type == "Constant" or (n.input and all(x in const for x in n.input)):
+            const.update(n.output)
+        elif n.op_type == "MatMul" and len(n.input) == 2 and not any(x in const for x in n.input):
+            names.append(n.name or f"{n.op_type}#{i}")
+    return names
+
+
+def attention_quantization_warnings(variant: Any, source: Path, quantized: Path, details: dict[str, Any]) -> list[str]:
+    """A warning when INT8 quantized attention MatMuls (`attention_matmuls` of the graph given to the quantizer)
+    and the graph has no fused attention op (Attention / MultiHeadAttention, whose INT8 kernels keep the scores
+    and softmax in float): scores and probabilities in 8 bits broke MiniLM's top-1 agreement (0.31, issue 26).
+
+    Records `details["attention_matmuls"] = {"nodes", "quantized", "fused_attention"}` (build.json).
+
+    Returns:
+        [] or one warning with the nodes and the exclusion that keeps them in float.
+    """
+    nodes = attention_matmuls(source)
+    fused = sum(_op_counts(source).get(op, 0) for op in ATTENTION_OP_TYPES)
+    done = _quantized_node_names(quantized)
+    hit = [n for n in nodes if n in done or any(d.startswith(n + "_") for d in done)]
+    details["attention_matmuls"] = {"nodes": nodes, "quantized": hit, "fused_attention": fused}
+    if not hit or fused:
+        return []
+    mode = variant.quantization.mode
+    names = json.dumps(hit) if len(hit) <= 4 else f"<the {len(hit)} names in build.json attention_matmuls.quantized>"
+    return [f"INT8 {mode} quantized {len(hit)} attention MatMul(s) (both inputs activations) and the graph has no "
+            "fused Attention: attention scores and softmax probabilities in 8 bits can wreck accuracy; keep them "
+            f"in float with quantization: {{preset: transformer-static, exclude_nodes: {names}}} (the preset "
+            "quantizes MatMul/Gemm only, so the Softmax and reshapes feeding them stay float too), or get attention "
+            "fused (graph_optimization: {fusion: bert, num_heads, hidden_size})"]
+
+
+def export_warnings(fp32: Path) -> list[str]:
+    """The torch exporter's warnings recorded beside the FP32 model (`export.json` `warnings`, written by the
+    export step), one line each ("export: TracerWarning at model.py:12: ... (x3)"); [] when there is no such file
+    (an ONNX reference, a model built outside the pipeline)."""
+    from tailguard.core.contract import EXPORT_FACTS_FILE
+
+    facts_file = Path(fp32).parent / EXPORT_FACTS_FILE
+    try:
+        recorded = json.loads(facts_file.read_text()).get("warnings") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    out = []
+    for w in recorded:
+        if isinstance(w, dict) and {"category", "message", "where"} <= set(w):
+            times = f" (x{w['count']})" if int(w.get("count", 1)) > 1 else ""
+            out.append(f"export: {w['category']} at {w['where']}: {w['message']}{times}")
+    return out
 
 
 def _ort_optimize(src: Path, dst: Path, level: str, provider: str) -> None:
@@ -690,22 +800,7 @@ def _summary(path: Path, excluded: list[str]) -> dict[str, Any]:
 
     proto = onnx.load(str(path), load_external_data=False)
     nodes = list(proto.graph.node)
-    by_output = {o: n for n in nodes for o in n.output}
-    int8_inits = {t.name for t in proto.graph.initializer
-                  if t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)}
-    inits = {t.name for t in proto.graph.initializer}
-
-    def from_quantized(tensor: str) -> bool:
-        dq = by_output.get(tensor)
-        if dq is None or dq.op_type != "DequantizeLinear":
-            return False
-        src = by_output.get(dq.input[0])
-        return dq.input[0] in inits or (src is not None and src.op_type in ("QuantizeLinear", "DynamicQuantizeLinear"))
-
-    def is_quantized(n: Any) -> bool:
-        return (n.op_type in INTEGER_OP_TYPES or n.op_type.startswith("QLinear")
-                or any(from_quantized(i) or i in int8_inits for i in n.input))
-
+    is_quantized = _quantized_test(proto)
     counts: dict[str, int] = {}
     quantized: dict[str, int] = {}
     float_left: list[str] = []
@@ -730,6 +825,41 @@ def _summary(path: Path, excluded: list[str]) -> dict[str, Any]:
             "float_matmul_nodes": float_left, "excluded_kept_float": kept_float,
             "initializer_dtypes": init_types, "bytes": int(size), "external_data": bool(locations),
             "nodes": len(nodes)}
+
+
+def _quantized_test(proto: Any) -> Any:
+    """A predicate node -> bool: the node computes in integers (MatMulInteger, QLinear*, QAttention, ...), reads a
+    tensor dequantized from an integer weight or from a QuantizeLinear (QDQ format), or reads an 8-bit initializer
+    directly (a quantized Gather)."""
+    import onnx
+
+    nodes = list(proto.graph.node)
+    by_output = {o: n for n in nodes for o in n.output}
+    int8_inits = {t.name for t in proto.graph.initializer
+                  if t.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)}
+    inits = {t.name for t in proto.graph.initializer}
+
+    def from_quantized(tensor: str) -> bool:
+        dq = by_output.get(tensor)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return False
+        src = by_output.get(dq.input[0])
+        return dq.input[0] in inits or (src is not None and src.op_type in ("QuantizeLinear", "DynamicQuantizeLinear"))
+
+    def is_quantized(n: Any) -> bool:
+        return (n.op_type in INTEGER_OP_TYPES or n.op_type.startswith("QLinear")
+                or any(from_quantized(i) or i in int8_inits for i in n.input))
+
+    return is_quantized
+
+
+def _quantized_node_names(path: Path) -> set[str]:
+    """Names of the nodes of `path` that compute in INT8 (`_quantized_test`; QDQ/integer ops themselves left out)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    test = _quantized_test(proto)
+    return {n.name for n in proto.graph.node if n.op_type not in QDQ_OP_TYPES and test(n)}
 
 
 def _load_check(path: Path, provider: str) -> None:

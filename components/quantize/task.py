@@ -106,7 +106,8 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
 
 
 def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path) -> dict[str, Any]:
-    """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant"."""
+    """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant" and
+    "hardware" (`tailguard.core.hardware.node_facts()` of this node: CPU model, ISA flags, cores, GPUs, versions)."""
     skip_torch_in_ort_tools()
     from tailguard.components.quantize.logic import build_variant
 
@@ -122,8 +123,11 @@ def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path) -> dict[str, Any]
         result.artifact = str(Path(result.artifact).resolve().relative_to(out.resolve()))
     if result.status == "ok" and _wants_sensitivity(spec, variant):
         _sensitivity(spec, variant, onnx_dir / ONNX_FILE, out, calibration)
+    from tailguard.core.hardware import node_facts
+
     d = result.to_dict()
     d["variant"] = variant.name
+    d["hardware"] = node_facts()  # the node that built it (a cached build keeps its builder's facts)
     write_json(out / "build.json", d)
     return d
 

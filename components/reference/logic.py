@@ -3,9 +3,21 @@ the calibration coverage figures. No file or MLflow I/O (task.py does that)."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
+# Torch baseline method (issue 26, item 1). Alternating a default ONNX Runtime session and torch eager in one process
+# made torch wait on ORT's intra-op workers, which spin on the cores for a while after each ORT Run: measured 2.9x
+# torch's solo time for a 4-layer width-256 encoder on a 2-core node (5.9 vs 2.1 ms), 513 vs 28 ms for MiniLM. The
+# reference pass therefore builds the ORT session it times beside torch with `session.force_spinning_stop=1`
+# (`onnx_baseline_runner`): ORT's workers still spin while its own Run lasts (its served speed: 1.38 vs 1.33 ms
+# alone on the same encoder, where turning spinning off altogether cost 30%), and stop when Run returns, so torch
+# gets the cores (torch then 1.04x its solo time). Rounds stay interleaved per run (same batch, order alternating),
+# so a change of the node's load still hits both alike.
+TORCH_SEGMENTS = 5        # the timed rounds are split into this many consecutive segments for the stability check
+TORCH_SPREAD_MAX = 1.5    # warn when the slowest segment's torch p50 is more than 1.5x the fastest's
 
 
 def reference_outputs(truth: Any, ds: Any, spec: Any) -> list[np.ndarray]:
@@ -37,29 +49,118 @@ def reference_outputs(truth: Any, ds: Any, spec: Any) -> list[np.ndarray]:
     return outputs
 
 
-def time_baselines(onnx_runner: Any, torch_runner: Any | None, ds: Any, spec: Any) -> dict[str, Any]:
-    """Time ONNX Runtime FP32 and (for a torch reference) torch eager FP32 at every benchmark batch size, with
-    the spec's `benchmark` section.
+def onnx_baseline_runner(onnx_path: str | Path, threads: int, *, beside_torch: bool) -> Any:
+    """The ONNX Runtime session the reference pass times as the `onnx_fp32` baseline (CPU execution provider,
+    `threads` intra-op threads, 0 = all cores).
 
-    With a torch reference the two are timed interleaved in rounds on the same batches
-    (`tailguard.core.latency.interleaved_benchmark`, as the validate step times a variant against the ONNX
-    FP32 reference): one `benchmark.max_seconds` budget per batch size covers both, where timing them one
-    after the other spent it twice, and a load change hits both alike. An ONNX reference is timed alone
-    (`latency.benchmark`).
+    Args:
+        onnx_path: the exported FP32 model.onnx.
+        threads: spec `benchmark.intra_op_num_threads`.
+        beside_torch: the session is timed alternately with torch eager in this process: then it stops spinning
+            when each Run returns (`OrtRunner(stop_spinning_after_run=True)`, `session.force_spinning_stop`; why:
+            the module comment above TORCH_SEGMENTS). Alone it keeps ORT's default.
+
+    Raises:
+        InputError: the file is missing or not loadable (names the file).
+    """
+    from tailguard.core.runtime import OrtRunner
+
+    return OrtRunner(onnx_path, intra_op_num_threads=threads, stop_spinning_after_run=beside_torch)
+
+
+def torch_stability(samples_ms: Sequence[float], segments: int = TORCH_SEGMENTS,
+                    max_spread: float = TORCH_SPREAD_MAX) -> dict[str, Any]:
+    """Whether torch's p50 holds across the timed rounds of one reference pass.
+
+    Method: the rounds, in time order, are split into `segments` consecutive segments of near-equal size
+    (numpy.array_split); each segment's median (np.median) is its p50; spread = largest / smallest segment p50.
+    Stable when spread <= `max_spread` (TORCH_SPREAD_MAX = 1.5: a baseline that moves by more than 1.5x within one
+    pass moves `speedup_vs_torch` by as much, enough to carry a variant across a typical `min: 2` gate either way).
+
+    Args:
+        samples_ms: torch's time per round, ms, shape (rounds,), time order (`samples_ms` of the benchmark row).
+        segments: number of segments (at least 2).
+        max_spread: the largest spread still called stable (a factor >= 1).
 
     Returns:
-        {"rows": validation rows, "torch": {batch size: perf} | None, "onnx_fp32": {batch size: perf}}; perf as
-        `benchmark` returns it (latency_ms.p50/.p95/.p99/.mean in ms, throughput_per_s, samples_ms, ...).
+        {"segment_p50_ms": list[float] (segments,), "spread": float | None, "max_spread": float,
+         "stable": bool | None, "method": str}; spread and stable are None when there are fewer than 2 rounds per
+        segment (no verdict).
+
+    Raises:
+        ValueError: segments < 2 or max_spread < 1.
+    """
+    if segments < 2 or not max_spread >= 1.0:
+        raise ValueError(f"torch_stability: need segments >= 2 and max_spread >= 1, got {segments}, {max_spread}")
+    ms = np.asarray(samples_ms, dtype=np.float64).reshape(-1)
+    method = (f"rounds split into {segments} consecutive segments (numpy.array_split), p50 = np.median per "
+              f"segment, spread = max / min segment p50, stable when <= {max_spread:g}x")
+    if ms.size < 2 * segments:
+        return {"segment_p50_ms": [], "spread": None, "max_spread": float(max_spread), "stable": None,
+                "method": method + f"; not judged: {ms.size} rounds < {2 * segments}"}
+    p50s = [float(np.median(part)) for part in np.array_split(ms, segments)]
+    low = min(p50s)
+    spread = max(p50s) / low if low > 0 else float("inf")
+    return {"segment_p50_ms": p50s, "spread": float(spread), "max_spread": float(max_spread),
+            "stable": bool(spread <= max_spread), "method": method}
+
+
+def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Any, spec: Any, *,
+                   clock: Callable[[], int] | None = None) -> dict[str, Any]:
+    """Time ONNX Runtime FP32 and (for a torch reference) torch eager FP32 at every benchmark batch size, with
+    the spec's `benchmark` section, and check that torch's p50 is stable across the rounds.
+
+    With a torch reference the two are timed interleaved in rounds on the same batches
+    (`tailguard.core.latency.interleaved_benchmark`, as the validate step times a variant against the ONNX FP32
+    reference): one `benchmark.max_seconds` budget per batch size covers both, and a load change hits both alike.
+    The ORT session is built here (`onnx_baseline_runner`) with `session.force_spinning_stop` so that torch is
+    not timed waiting on ORT's spinning workers (why and the figures: the module comment above TORCH_SEGMENTS).
+    Each torch row then gets the stability check (`torch_stability`): `segment_p50_ms`, `segment_spread`,
+    `segment_spread_max`, and a line in "warnings" when the spread is above TORCH_SPREAD_MAX. An ONNX reference
+    is timed alone (`latency.benchmark`), with ORT's default session.
+
+    Args:
+        onnx_path: the exported FP32 model.onnx.
+        torch_runner: the torch eager reference (`TorchRunner`), or None for an ONNX reference.
+        ds: the validation Dataset.
+        spec: the validated spec (model.inputs, model.pad_values, benchmark).
+        clock: the interleaved rounds' clock in integer ns (the seam tests replace; default time.perf_counter_ns).
+
+    Returns:
+        {"rows": validation rows, "torch": {batch size: perf} | None, "onnx_fp32": {batch size: perf},
+         "warnings": [str] (torch baselines that were unstable; [] otherwise)}; perf as `benchmark` returns it
+        (latency_ms.p50/.p95/.p99/.mean in ms, throughput_per_s, samples_ms, method, ...).
+
+    Raises:
+        InputError: the model file is missing or unloadable, or the validation set has no rows.
     """
     from tailguard.core.latency import benchmark, interleaved_benchmark
 
+    threads = spec.benchmark.intra_op_num_threads
+    onnx_runner = onnx_baseline_runner(onnx_path, threads, beside_torch=torch_runner is not None)
     if torch_runner is None:
-        return {"rows": ds.n_rows, "torch": None,
+        return {"rows": ds.n_rows, "torch": None, "warnings": [],
                 "onnx_fp32": benchmark(onnx_runner, ds, spec.model.inputs, spec.benchmark,
                                        pad_values=spec.model.pad_values)}
+    kw = {"clock": clock} if clock is not None else {}
     timed = interleaved_benchmark({"onnx_fp32": onnx_runner, "torch": torch_runner}, ds, spec.model.inputs,
-                                  spec.benchmark, pad_values=spec.model.pad_values)
-    return {"rows": ds.n_rows, "torch": timed["torch"], "onnx_fp32": timed["onnx_fp32"]}
+                                  spec.benchmark, pad_values=spec.model.pad_values, **kw)
+    warnings: list[str] = []
+    for name in timed:
+        for row in timed[name].values():
+            row["method"] += "; ONNX Runtime session with session.force_spinning_stop=1"
+    for bs, row in timed["torch"].items():
+        check = torch_stability(row["samples_ms"])
+        row.update(segment_p50_ms=check["segment_p50_ms"], segment_spread=check["spread"],
+                   segment_spread_max=check["max_spread"], stability_method=check["method"])
+        if check["stable"] is False:
+            lo, hi = min(check["segment_p50_ms"]), max(check["segment_p50_ms"])
+            warnings.append(
+                f"torch baseline at batch {bs} unstable: its p50 over {TORCH_SEGMENTS} segments of the reference "
+                f"pass ranged {lo:.3g}-{hi:.3g} ms ({check['spread']:.2f}x > {TORCH_SPREAD_MAX:g}x), so "
+                "speedup_vs_torch is uncertain by as much; the node's load changed while it was timed: re-run on a "
+                "quieter node (tailguard run --no-cache)")
+    return {"rows": ds.n_rows, "torch": timed["torch"], "onnx_fp32": timed["onnx_fp32"], "warnings": warnings}
 
 
 def coverage_metrics(table: Any) -> dict[str, float]:

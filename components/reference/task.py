@@ -47,7 +47,9 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, onnx_dir: st
 
     A pure step (no MLflow). It writes into `out_dir`:
       - reference_outputs.npz: one array per model output, (rows, ...), original row order;
-      - baselines.json: what it returns, without "cached";
+      - baselines.json: what it returns, without "cached": the timings (`logic.time_baselines`: torch timed beside
+        an ORT session that stops spinning after each Run, the torch stability check and its "warnings") and
+        "hardware", the node's facts (`tailguard.core.hardware.node_facts`) the timings were measured on;
       - with declared slices: calibration_coverage.csv (per slice group, `tailguard.core.coverage`) and
         calibration_coverage.json ({"calibration.groups_missing": n, "calibration.min_coverage_ratio": r}).
     register-and-promote logs the baselines (`baseline.<torch|onnx_fp32>.bs<N>.latency_ms.<p>`) and the coverage
@@ -60,7 +62,8 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, onnx_dir: st
         metrics: the KFP Metrics output (or None): receives the same metric keys.
 
     Returns:
-        JSON {"rows": n, "torch": {batch size: perf} | null, "onnx_fp32": {batch size: perf}, "cached": bool}.
+        JSON {"rows": n, "torch": {batch size: perf} | null, "onnx_fp32": {batch size: perf}, "warnings": [str],
+        "hardware": {...}, "cached": bool}.
 
     Raises:
         StepError: the reference produced NaN/Inf (exit 1).
@@ -89,11 +92,11 @@ def _reference_pass(spec: Any, resolved: Any, onnx_dir: Path, out: Path) -> dict
 
     from tailguard.components.reference.logic import reference_outputs, time_baselines
     from tailguard.core.data import load_validation
+    from tailguard.core.hardware import node_facts
     from tailguard.core.runtime import OrtRunner
 
     ds = load_validation(spec)
     threads = spec.benchmark.intra_op_num_threads
-    onnx_runner = OrtRunner(onnx_dir / ONNX_FILE, intra_op_num_threads=threads)
     torch_runner = None
     if resolved.format != "onnx":
         from tailguard.core.reference import load_torch_reference
@@ -101,9 +104,11 @@ def _reference_pass(spec: Any, resolved: Any, onnx_dir: Path, out: Path) -> dict
 
         torch_runner = TorchRunner(load_torch_reference(resolved, spec.model), [i.name for i in spec.model.inputs],
                                    intra_op_num_threads=threads)
-    outputs = reference_outputs(torch_runner or onnx_runner, ds, spec)
+    truth = torch_runner or OrtRunner(onnx_dir / ONNX_FILE, intra_op_num_threads=threads)
+    outputs = reference_outputs(truth, ds, spec)
     np.savez(out / REFERENCE_FILE, **{o.name: a for o, a in zip(spec.model.outputs, outputs)})
-    baselines = time_baselines(onnx_runner, torch_runner, ds, spec)
+    # time_baselines builds the ORT session it times (its options are part of the method)
+    baselines = {**time_baselines(onnx_dir / ONNX_FILE, torch_runner, ds, spec), "hardware": node_facts()}
     _write_coverage(spec, ds, out)
     write_json(out / BASELINES_FILE, baselines)
     return baselines

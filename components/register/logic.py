@@ -1,8 +1,16 @@
-"""Register every built variant in the MLflow model registry and promote the selected one by alias.
+"""Register the selected variant (and, by `promotion.register_variants`, the passing or all built ones) in the
+MLflow model registry and promote the selected one by alias.
 
 Order matters for "nothing is lost, no alias moved by a failed or partial run": this step runs only
-after every variant's validation (and search) finished; it registers all built variants first and moves the
-alias last, only to a variant that passed every gate. Registry aliases, not the deprecated stages.
+after every variant's validation (and search) finished; it registers first and moves the alias last, only to a
+variant that passed every gate. Registry aliases, not the deprecated stages.
+
+What gets a registry version (`registration_policy`; every variant's MLflow run and logged model stay either
+way, the runs are the record): `promoted` (default) only the variant `select_fastest_passing` chose, `passing`
+every variant that passed every gate, `all` every built variant, failing ones included. An artefact is never
+registered twice: a variant whose model file has the sha256 of an existing version of the optimized model (tag
+tailguard.sha256) reuses that version (the lowest such number); the alias is set on it when it is promoted, and
+the summary row says "reused vN (same sha256)".
 
 A variant V with a `search` section whose search chose a trial contributes one more candidate, '<V>-searched'
 (the chosen trial's run, a direct child of the parent run tagged tailguard.search_of = V): registered like the
@@ -18,7 +26,9 @@ is a failed row that is not registered, never a passing one.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, GATE_NAME_PREFIX, NOTE_TAG,
@@ -48,6 +58,12 @@ class VariantSummary:
             variant_result.json; pipelines/core/macs.py), else None.
         warnings: what the summary must flag although no gate asked (`coverage_warnings`: an INT8 variant that
             quantized under LOW_QUANTIZED_MAC_FRACTION of its MACs, or whose coverage was not recorded).
+        registration: a `Registration` value (registered | reused | not_registered), "" when there was no
+            model to register (the variant failed or was skipped). registration_note: the same in words for the
+            summary row, e.g. "v3", "reused v1 (same sha256)", "not registered: failed its gates
+            (promotion.register_variants: promoted)".
+        overall: the variant's overall-scope metrics from its variant_result.json ({name: value}, e.g.
+            top1_agreement, accuracy, reference_accuracy as fractions in [0, 1]); {} when not validated.
     """
 
     variant: str
@@ -68,6 +84,9 @@ class VariantSummary:
     discovered: list[dict[str, Any]] = field(default_factory=list)
     quantized_mac_fraction: float | None = None
     warnings: list[str] = field(default_factory=list)
+    overall: dict[str, float] = field(default_factory=dict)
+    registration: str = ""
+    registration_note: str = ""
 
 
 @dataclass
@@ -91,6 +110,10 @@ class RunSummary:
         tasks: per-task timings of a local run, filled by the runner after the pipeline ends (None on a cluster
             and inside the register task): {"tasks": [{task, status, cached (bool | None), wall_s, body_s,
             imports_s, overhead_s}], "total_s", "startup_s", "startup_share"} (tailguard.runner.task_timings).
+        hardware: the facts of the node the FP32 baselines were timed on (`tailguard.core.hardware.node_facts`:
+            cpu model / isa flags / cores, gpus, os, library versions), from reference-pass; None when unknown.
+        warnings: run-level warnings, e.g. an unstable torch baseline (components/reference/logic.py
+            `time_baselines`); [] when none.
     """
 
     parent_run_id: str
@@ -108,6 +131,8 @@ class RunSummary:
     promotion: str = "not_promoted"
     alias_version: str | None = None
     tasks: dict[str, Any] | None = None
+    hardware: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -199,6 +224,59 @@ def coverage_warnings(precision: str, backend: str, status: str, fraction: float
     return []
 
 
+class Registration(str, Enum):
+    """What the register step did with a built variant's model (VariantSummary.registration)."""
+
+    REGISTERED = "registered"          # a new version of the optimized model
+    REUSED = "reused"                  # an existing version holds the same artefact (sha256): that version is used
+    NOT_REGISTERED = "not_registered"  # the policy leaves it out; its MLflow run holds the model
+
+
+SHA256_TAG = "tailguard.sha256"  # a version's artefact fingerprint (hex sha256 of the .onnx file)
+
+
+def registration_policy(policy: str, row: VariantSummary, selected: bool) -> tuple[bool, str]:
+    """Whether `row` gets a registry version under `promotion.register_variants`, and why not.
+
+    Args:
+        policy: promoted | passing | all (spec `promotion.register_variants`).
+        row: a built variant's summary row (status ok, a logged model).
+        selected: `row` is the variant `select_fastest_passing` chose (it gets the alias when promotion is on).
+
+    Returns:
+        (register, reason): reason is "" when it is registered, else the words for the summary row.
+    """
+    if policy == "all" or selected or (policy == "passing" and row.passed):
+        return True, ""
+    if row.passed:
+        return False, f"not registered: passed, not selected (promotion.register_variants: {policy})"
+    return False, f"not registered: failed its gates (promotion.register_variants: {policy})"
+
+
+def versions_by_sha256(client: Any, model_name: str) -> dict[str, str]:
+    """Which artefacts the registry already holds for `model_name`.
+
+    Args:
+        client: an `mlflow.MlflowClient` on the registry.
+        model_name: the registered model (the spec's optimized model name).
+
+    Returns:
+        {hex sha256 (tag SHA256_TAG): the lowest version number holding it, as str}; versions without the tag
+        (registered by hand) are left out.
+    """
+    out: dict[str, str] = {}
+    token = None
+    while True:
+        page = client.search_model_versions(f"name = '{model_name}'", page_token=token)
+        for mv in page:
+            sha = (mv.tags or {}).get(SHA256_TAG)
+            if sha and (sha not in out or int(mv.version) < int(out[sha])):
+                out[sha] = str(mv.version)
+        token = page.token
+        if not token:
+            return out
+
+
 def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
     """The passing variant with the lowest p50 latency (ties: spec order). None when none passed."""
     passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
@@ -207,7 +285,10 @@ def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary |
 
 def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, source_version: str,
                          source_sha256: str | None = None) -> RunSummary:
-    """Register every built variant of the parent run and move the alias to the fastest passing one.
+    """Register the variants `promotion.register_variants` asks for and move the alias to the fastest passing one.
+
+    Registration policy and artefact reuse (same sha256: the existing version is used, never a second one):
+    module docstring. Rows that get no version say why (`VariantSummary.registration_note`).
 
     Args:
         spec: the Spec.
@@ -222,6 +303,8 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     """
     import mlflow
     from mlflow.exceptions import MlflowException
+
+    from tailguard.core.tracking import store_lock
 
     client = mlflow.MlflowClient()
     # Where the alias pointed when the run started (resolve recorded it); promotion is compare-and-set against it.
@@ -245,6 +328,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                                                    "built and validated by tailguard.")
     # One spec fingerprint per run: the one resolve put on the parent run (sha256 of the spec YAML the tasks got).
     spec_sha = client.get_run(parent_run_id).data.tags.get("tailguard.spec_sha256", "")
+    built: list[tuple[VariantSummary, VariantResult, Any, str]] = []  # rows with a logged model, spec order
 
     def add_row(name: str, v: Any, run: Any) -> None:
         run_id = run.info.run_id
@@ -261,20 +345,11 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             speedup_vs_torch=r.perf_value(bs, "speedup_vs_torch"),
             speedup_vs_onnx_fp32=r.perf_value(bs, "speedup_vs_onnx_fp32"),
             worst_slice=r.worst_slice, discovered=list(r.discovered), gates=r.gate_statuses(),
-            quantized_mac_fraction=r.quantized_mac_fraction)
-        row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction)
+            quantized_mac_fraction=r.quantized_mac_fraction, overall=dict(r.overall))
+        row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction) + list(
+            r.warnings)  # + the build's (components/quantize: fusion, attention MatMuls, exporter warnings)
         if row.status == "ok" and r.model_uri:
-            extra = {SEARCH_OF_TAG: r.search_of, TRIAL_RUN_TAG: r.trial_run_id or ""} if r.search_of else {}
-            mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags={
-                "tailguard.variant": name, "tailguard.backend": v.backend, "tailguard.precision": v.precision,
-                "tailguard.execution_provider": v.execution_provider,
-                "tailguard.source_model": spec.model.registered_name,
-                "tailguard.source_version": str(source_version),
-                "tailguard.source_sha256": source_sha256 or "",
-                "tailguard.gates": "passed" if row.passed else "failed",
-                "tailguard.sha256": r.sha256 or "",
-                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run_id, **extra})
-            row.version = str(mv.version)
+            built.append((row, r, v, run_id))  # registered after the selection (registration policy)
         summary.variants.append(row)
 
     for v in spec.variants:
@@ -292,7 +367,37 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
         found = _search_json(client, run.info.run_id)
         if found is not None:
             summary.searches.append(found)
-    chosen = select_fastest_passing(summary.variants)
+    chosen = select_fastest_passing([row for row, *_ in built])
+    policy = spec.promotion.register_variants
+    # under a lock on a local store: two runs of one machine never register the same artefact twice
+    with store_lock(mlflow.get_tracking_uri(), f"register-{spec.optimized_model_name}"):
+        existing = versions_by_sha256(client, spec.optimized_model_name)
+        for row, r, v, run_id in built:
+            wanted, why = registration_policy(policy, row, row is chosen)
+            if not wanted:
+                row.registration, row.registration_note = Registration.NOT_REGISTERED.value, why
+                continue
+            if r.sha256 and r.sha256 in existing:
+                row.version = existing[r.sha256]
+                row.registration = Registration.REUSED.value
+                row.registration_note = f"reused v{row.version} (same sha256)"
+                print(f"tailguard register: {row.variant}: reused v{row.version} of {spec.optimized_model_name} "
+                      f"(same sha256 {r.sha256[:12]})", file=sys.stderr)
+                continue
+            extra = {SEARCH_OF_TAG: r.search_of, TRIAL_RUN_TAG: r.trial_run_id or ""} if r.search_of else {}
+            mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags={
+                "tailguard.variant": row.variant, "tailguard.backend": v.backend, "tailguard.precision": v.precision,
+                "tailguard.execution_provider": v.execution_provider,
+                "tailguard.source_model": spec.model.registered_name,
+                "tailguard.source_version": str(source_version),
+                "tailguard.source_sha256": source_sha256 or "",
+                "tailguard.gates": "passed" if row.passed else "failed",
+                SHA256_TAG: r.sha256 or "",
+                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run_id, **extra})
+            row.version = str(mv.version)
+            row.registration, row.registration_note = Registration.REGISTERED.value, f"v{row.version}"
+            if r.sha256:
+                existing[r.sha256] = row.version
     if chosen is not None and spec.promotion.enabled:
         # The alias moves last, after every variant is registered: a failure before this line moves nothing.
         result = promote(client, model_name=spec.optimized_model_name, alias=spec.promotion.alias,

@@ -39,6 +39,16 @@ def log_reference(client: Any, parent_run_id: str, baselines_json: str, referenc
         client.log_batch(parent_run_id, metrics=[Metric(k, v, now, 0) for k, v in values.items()])
 
 
+def baseline_notes(baselines_json: str) -> tuple[dict[str, Any], list[str]]:
+    """The run summary's `hardware` and `warnings` from reference-pass's baselines JSON: the facts of the node the
+    baselines were timed on (this node's `tailguard.core.hardware.node_facts()` when the JSON has none) and its
+    warnings (an unstable torch baseline)."""
+    from tailguard.core.hardware import node_facts
+
+    baselines = json.loads(baselines_json) if baselines_json else {}
+    return baselines.get("hardware") or node_facts(), [str(w) for w in baselines.get("warnings") or []]
+
+
 @task_entry("register-and-promote")
 def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri: str, baselines_json: str = "",
          reference_dir: str | None = None) -> str:
@@ -68,6 +78,7 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     parent = client.get_run(parent_run_id)
     summary = register_and_promote(spec, parent_run_id=parent_run_id, experiment_id=parent.info.experiment_id,
                                    source_version=str(resolved["version"]), source_sha256=resolved.get("sha256"))
+    summary.hardware, summary.warnings = baseline_notes(baselines_json)
     d = summary.to_dict()
     client.log_dict(parent_run_id, d, "summary.json")
     client.set_tag(parent_run_id, "tailguard.promoted_variant", summary.promoted_variant or "none")

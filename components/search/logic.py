@@ -10,9 +10,15 @@
        space.calibration_methods             static variants only (dynamic variants ignore it)
        space.float_op_types                  op types added to the variant's own exclude_op_types
    A *family* is one (per_channel, calibration_method, float_op_types) setting; its configurations differ in k
-   only. Within a family the ranking skips nodes the family already keeps in float (their op type is in its
-   exclude_op_types), so k always counts nodes that would otherwise be quantized; k larger than the number of
-   candidates means all of them, and configurations that coincide are tried once.
+   only. Families that cannot differ are not planned: an op type in a float_op_types set that the variant's
+   quantization never quantizes (`quantized_op_types`: ONNX Runtime's registry for the mode, e.g. dynamic
+   quantization never touches LayerNormalization or GELU) or that the prepared graph (the variant's graph
+   optimization + quant_pre_process, as the build sees it) does not contain is dropped from the set, since
+   keeping it in float changes nothing; a family whose set then equals one already planned is skipped and
+   recorded in `SearchResult.skipped` ("skipped: cannot differ", with the reason). Within a family the ranking
+   skips nodes the family already keeps in float (their op type is in its exclude_op_types), so k always counts
+   nodes that would otherwise be quantized; k larger than the number of candidates means all of them, and
+   configurations that coincide are tried once.
 3. Order. Families: the variant's own settings first, then the others in a seeded shuffle
    (`np.random.default_rng(search.seed).permutation`). Within a family the search assumes monotonicity: more
    nodes in float is at least as accurate and at least as slow. The fastest passing configuration of a family
@@ -120,6 +126,11 @@ class SearchResult:
             output_cosine_drop, quantized, seconds, error).
         seed: the search seed.
         sensitivity_seconds: wall time of the sensitivity analysis (s).
+        skipped: families of the search space that were not planned because they cannot differ from one that
+            was, in space order: {"per_channel", "calibration_method", "float_op_types" (the set as the space
+            wrote it), "same_as" (the op types the planned family adds), "status": SKIPPED_STATUS, "reason"}.
+        dropped_op_types: {op type: why keeping it in float changes nothing}, every op type dropped from a
+            float_op_types set (`plan_families`).
     """
 
     variant: str
@@ -129,6 +140,8 @@ class SearchResult:
     sensitivity: pd.DataFrame
     seed: int
     sensitivity_seconds: float = 0.0
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    dropped_op_types: dict[str, str] = field(default_factory=dict)
 
     def pareto(self) -> pd.DataFrame:
         """One row per trial with its Pareto status (latency vs worst-slice parity).
@@ -174,8 +187,9 @@ class SearchResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary: variant, seed, stopped_by, chosen, chosen_name, n_trials, n_passed,
         sensitivity_seconds, trials (the `pareto` records plus each trial's excluded_nodes, config and
-        model_path), and the
-        sensitivity table's top TOP_SENSITIVITY rows. Non-finite floats stay floats (json writes Infinity)."""
+        model_path), skipped (the families skipped as unable to differ, `skipped`), n_skipped, dropped_op_types,
+        and the sensitivity table's top TOP_SENSITIVITY rows. Non-finite floats stay floats (json writes
+        Infinity)."""
         trials = []
         for rec, t in zip(self.pareto().to_dict("records"), self.trials):
             rec = {k: _plain(v) for k, v in rec.items()}
@@ -187,7 +201,9 @@ class SearchResult:
         return {"variant": self.variant, "seed": self.seed, "stopped_by": self.stopped_by, "chosen": self.chosen,
                 "chosen_name": self.trials[self.chosen].name if self.chosen is not None else None,
                 "n_trials": len(self.trials), "n_passed": sum(1 for t in self.trials if t.passed),
-                "sensitivity_seconds": self.sensitivity_seconds, "trials": trials, "sensitivity": sens}
+                "sensitivity_seconds": self.sensitivity_seconds, "trials": trials,
+                "skipped": _plain(self.skipped), "n_skipped": len(self.skipped),
+                "dropped_op_types": dict(self.dropped_op_types), "sensitivity": sens}
 
 
 def _plain(v: Any) -> Any:
@@ -246,27 +262,138 @@ def _dedupe(items: list[Any]) -> list[Any]:
     return out
 
 
-def _families(variant: VariantSpec, search: SearchSpec) -> list[_Family]:
-    """Every family, the variant's own first, then the rest in a seeded shuffle."""
+SKIPPED_STATUS = "skipped: cannot differ"  # a family of the space that would repeat a planned one
+
+
+def quantized_op_types(q: Any) -> frozenset[str]:
+    """The op types ONNX Runtime's quantizer quantizes for quantization settings `q` (mode, format, op_types).
+
+    Read from the installed library's registries (onnxruntime/quantization/registry.py and quantize.py), not a
+    hand list:
+
+    * dynamic (`quantize_dynamic`, IntegerOps): `IntegerOpsRegistry` (MatMul, Attention, LSTM, Gather,
+      EmbedLayerNormalization, ...), restricted to `q.op_types` when set, plus Gemm whenever MatMul is in: the
+      dynamic quantizer rewrites every Gemm as MatMul + Add first (`ONNXModel.replace_gemm_with_matmul`).
+      LayerNormalization, Softmax and the GELUs are never quantized.
+    * static QDQ: `q.op_types`, else quantize_static's default `QLinearOpsRegistry` | `QDQRegistry`; the QDQ
+      quantizer wraps every listed op type in Q/DQ (`CreateQDQQuantizer` falls back to `QDQOperatorBase`).
+    * static QOperator: the same list restricted to `QLinearOpsRegistry` (`CreateOpQuantizer` leaves other op
+      types in float).
+
+    Args:
+        q: a `tailguard.spec.QuantizationSpec`.
+
+    Returns:
+        The op type names (ONNX `op_type`), e.g. {"MatMul", "Gemm", "Attention", ...} for dynamic.
+    """
+    from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
+
+    if q.mode == "dynamic":
+        types = set(IntegerOpsRegistry) & set(q.op_types) if q.op_types else set(IntegerOpsRegistry)
+        if "MatMul" in types:
+            types.add("Gemm")
+        return frozenset(types)
+    listed = set(q.op_types) if q.op_types else set(QLinearOpsRegistry) | set(QDQRegistry)
+    return frozenset(listed if q.format == "qdq" else listed & set(QLinearOpsRegistry))
+
+
+def _never_quantized_reason(q: Any) -> str:
+    """Why `quantized_op_types(q)` lacks an op type, in words (names the registry it was read from)."""
+    if q.mode == "dynamic":
+        return ("dynamic quantization never quantizes it (onnxruntime.quantization.registry.IntegerOpsRegistry"
+                + (", restricted to quantization.op_types" if q.op_types else "") + ")")
+    where = "quantization.op_types" if q.op_types else \
+        "quantize_static's default op types, QLinearOpsRegistry | QDQRegistry"
+    if q.format == "qdq":
+        return f"static quantization never quantizes it (not in {where})"
+    return f"static QOperator quantization never quantizes it (not in {where} restricted to QLinearOpsRegistry)"
+
+
+def plan_families(variant: VariantSpec, search: SearchSpec, graph_op_types: set[str] | None = None
+                  ) -> tuple[list[_Family], list[dict[str, Any]], dict[str, str]]:
+    """The families to search, the ones skipped because they cannot differ from a planned one, and why.
+
+    Each float_op_types set of the space loses the op types that cannot change a configuration: those the
+    variant already keeps in float (its exclude_op_types), those its quantization never quantizes
+    (`quantized_op_types`) and, when `graph_op_types` is given, those absent from the graph. A (per_channel,
+    calibration_method, remaining set) equal to one already planned would build the same models: it is skipped.
+
+    Args:
+        variant: the INT8 variant searched (its quantization section).
+        search: its search section (space, seed).
+        graph_op_types: op types of the graph the quantizer sees (the prepared graph); None: not checked.
+
+    Returns:
+        (families: the variant's own first, then the rest in a seeded shuffle;
+         skipped: one record per skipped space entry, see `SearchResult.skipped`;
+         dropped: {op type: reason it was dropped}).
+    """
     q = variant.quantization
     static = q.mode == "static"
     space = search.space
     methods: list[str | None] = _dedupe(list(space.calibration_methods)) if static else [None]
     own_types = set(q.exclude_op_types)
+    quantized = quantized_op_types(q)
+    dropped: dict[str, str] = {}
+    for fot in space.float_op_types:
+        for t in fot:
+            if t in own_types or t in dropped:
+                continue
+            if t not in quantized:
+                dropped[t] = _never_quantized_reason(q)
+            elif graph_op_types is not None and t not in graph_op_types:
+                dropped[t] = "the prepared graph has no node of this op type"
     fams: list[_Family] = []
-    seen: set[tuple] = set()
+    skipped: list[dict[str, Any]] = []
+    seen: dict[tuple, _Family] = {}
     for pc, method, fot in itertools.product(_dedupe(list(space.per_channel)), methods, space.float_op_types):
-        added = tuple(_dedupe([t for t in fot if t not in own_types]))
+        added = tuple(_dedupe([t for t in fot if t not in own_types and t not in dropped]))
         key = (pc, method, frozenset(added))  # op-type sets that end up equal are one family
         if key in seen:
+            by_reason: dict[str, list[str]] = {}
+            for t in _dedupe([t for t in fot if t in dropped or t in own_types]):
+                by_reason.setdefault(dropped.get(t, "the variant's exclude_op_types already holds it"), []).append(t)
+            why = "; ".join(f"{', '.join(ts)}: {r}" for r, ts in by_reason.items()) or \
+                "the same set as an earlier entry"
+            skipped.append({"per_channel": pc, "calibration_method": method, "float_op_types": list(fot),
+                            "same_as": list(seen[key].float_op_types), "status": SKIPPED_STATUS,
+                            "reason": f"keeping these op types in float changes nothing ({why})"})
             continue
-        seen.add(key)
-        fams.append(_Family(pc, method, added))
+        seen[key] = _Family(pc, method, added)
+        fams.append(seen[key])
     own = _Family(q.per_channel, q.calibration_method if static else None, ())
     first = [f for f in fams if f == own]
     rest = [f for f in fams if f != own]
     order = np.random.default_rng(search.seed).permutation(len(rest))
-    return first + [rest[i] for i in order]
+    return first + [rest[i] for i in order], skipped, dropped
+
+
+def _families(variant: VariantSpec, search: SearchSpec, graph_op_types: set[str] | None = None) -> list[_Family]:
+    """Every family to search, the variant's own first, then the rest in a seeded shuffle (`plan_families`)."""
+    return plan_families(variant, search, graph_op_types)[0]
+
+
+def prepared_op_types(sensitivity_dir: Path, q: Any, fp32_onnx: str | Path) -> set[str]:
+    """Op types of the graph the quantizer sees.
+
+    Args:
+        sensitivity_dir: `node_sensitivity`'s work folder; it leaves the prepared graph there (preprocessed.onnx
+            when quantization.preprocess ran, else optimized.onnx: graph_optimization applied, fusions included).
+        q: the variant's QuantizationSpec (`preprocess`).
+        fp32_onnx: the FP32 .onnx file, read when neither prepared file is there.
+
+    Returns:
+        The set of ONNX `op_type` values of the graph's top-level nodes, e.g. {"MatMul", "SkipLayerNormalization"}.
+    """
+    import onnx
+
+    for name in (("preprocessed.onnx",) if q.preprocess else ()) + ("optimized.onnx",):
+        if (sensitivity_dir / name).is_file():
+            path = sensitivity_dir / name
+            break
+    else:
+        path = Path(fp32_onnx)
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
 
 
 def _trial_name(variant_name: str, index: int) -> str:
@@ -365,9 +492,11 @@ def run_search(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out_dir:
                             work_dir=out / "sensitivity", batch_size=spec.data.calibration.batch_size)
     sens_seconds = round(time.perf_counter() - t0, 3)
     types = dict(zip(sens["node"], sens["op_type"]))
+    families, skipped, dropped = plan_families(variant, search,
+                                               prepared_op_types(out / "sensitivity", q, fp32_onnx))
 
     states = []
-    for fam in _families(variant, search):
+    for fam in families:
         floats = set(q.exclude_op_types) | set(fam.float_op_types)
         ranked = [n for n in sens["node"] if types[n] not in floats]
         ks = sorted({min(k, len(ranked)) for k in search.space.exclude_most_sensitive})
@@ -401,7 +530,8 @@ def run_search(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out_dir:
         if stopped_by != "space_exhausted":
             break
     return SearchResult(variant=variant.name, trials=trials, chosen=choose_trial(trials), stopped_by=stopped_by,
-                        sensitivity=sens, seed=search.seed, sensitivity_seconds=sens_seconds)
+                        sensitivity=sens, seed=search.seed, sensitivity_seconds=sens_seconds, skipped=skipped,
+                        dropped_op_types=dropped)
 
 
 def choose_trial(trials: list[Trial]) -> int | None:

@@ -5,8 +5,9 @@ MLflow layout (docs/architecture.md "MLflow names"):
     parent run
     ├─ <V>                    the validate step's run of variant V; after the search it gets the tags
     │   │                     tailguard.search (chosen trial name | none | not_needed | skipped | failed) and
-    │   │                     tailguard.search_stopped_by, and the artifacts search/ (search.json, pareto.csv,
-    │   │                     pareto.png, trials.csv, sensitivity.csv, sensitivity.png)
+    │   │                     tailguard.search_stopped_by, the metric search.skipped_families (families of the
+    │   │                     space skipped as unable to differ from a planned one), and the artifacts search/
+    │   │                     (search.json, pareto.csv, pareto.png, trials.csv, sensitivity.csv, sensitivity.png)
     │   └─ <V>-tNN            one nested run per trial: tailguard.search_of = V, tailguard.trial = NN, status,
     │                         gates and gate.<key> tags, params = the trial's config, the validation metrics
     └─ <V>-searched           the chosen trial as a candidate the register step sees (a direct child of the
@@ -202,7 +203,8 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
         reference_dir: reference-pass's output folder (reference_outputs.npz).
         out_dir: output folder: the search artifacts under search/ and, when a trial was chosen, its model as
             model.onnx.
-        metrics: optional KFP Output[Metrics] (search.trials, search.passed_trials, search.chosen_p50_ms).
+        metrics: optional KFP Output[Metrics] (search.trials, search.passed_trials, search.skipped_families,
+            search.chosen_p50_ms).
 
     Returns:
         JSON: SearchResult.to_dict() plus status (ok | not_needed | skipped), reason, variant_run_id,
@@ -262,6 +264,7 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
         client.log_artifacts(variant_run_id, str(artifacts_dir), artifact_path=SEARCH_ARTIFACT_PATH)
         chosen = result.trials[result.chosen] if result.chosen is not None else None
         client.set_tag(variant_run_id, SEARCH_STOPPED_TAG, result.stopped_by)
+        client.log_metric(variant_run_id, "search.skipped_families", float(len(result.skipped)))
         searched_run_id = None
         if chosen is not None:
             searched_run_id = log_searched_candidate(client, exp_id, parent_run_id, variant, chosen,
@@ -271,6 +274,7 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
         if metrics is not None:
             metrics.log_metric("search.trials", float(len(result.trials)))
             metrics.log_metric("search.passed_trials", float(sum(t.passed for t in result.trials)))
+            metrics.log_metric("search.skipped_families", float(len(result.skipped)))
             if chosen is not None and chosen.p50_ms is not None:
                 metrics.log_metric("search.chosen_p50_ms", float(chosen.p50_ms))
         d = {**result.to_dict(), **base, "status": "ok",

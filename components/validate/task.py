@@ -89,16 +89,20 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     step = StepResult.from_dict(build, source=f"build output of variant {variant_name!r}")
     exp_id = configure(tracking_uri, experiment_name_for(spec))
     client = mlflow.MlflowClient()
+    from tailguard.core.hardware import hardware_tags, node_facts
+
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
             "tailguard.backend": variant.backend, "tailguard.precision": variant.precision,
-            STATUS_TAG: build["status"], GATES_TAG: "not_evaluated"}
+            STATUS_TAG: build["status"], GATES_TAG: "not_evaluated",
+            **hardware_tags(node_facts())}  # tailguard.hw.*: the node that validates and times the variant
     run = client.create_run(exp_id, run_name=variant.name, tags=tags)
     run_id = run.info.run_id
     client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in flat_params(variant).items()])
     summary: dict[str, Any] = {"variant": variant.name, "status": step.status, "reason": step.reason,
                                "passed": False, "run_id": run_id, "model_uri": None, "build": build}
     identity = VariantResult(variant=variant.name, backend=variant.backend, precision=variant.precision,
-                             status=step.status, reason=step.reason, run_id=run_id)
+                             status=step.status, reason=step.reason, run_id=run_id,
+                             warnings=[str(w) for w in step.details.get("warnings") or []])
     with closing_run(client, run_id):
         client.log_dict(run_id, build, "build.json")
         log_coverage(client, run_id, build)

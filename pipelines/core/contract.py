@@ -13,6 +13,7 @@ from typing import Any
 
 # ------------------------------------------------------------------------------------------------ files
 ONNX_FILE = "model.onnx"                   # export's FP32 reference model, read by quantize, validate, search
+EXPORT_FACTS_FILE = "export.json"          # export's facts beside ONNX_FILE (output check, warnings); read by quantize
 REFERENCE_FILE = "reference_outputs.npz"   # export's FP32 outputs on the validation rows, read by validate, search
 DATA_CHECK_FILE = "data_check.json"        # check_data's report
 RUN_REPORT_FILE = "report.html"            # the parent run's report artifact (register, `tailguard report`)
@@ -43,6 +44,11 @@ MODEL_URI_TAG = "tailguard.model_uri"
 WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
 DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
 COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
+# the node that validated (and timed) the variant, from tailguard.core.hardware.hardware_tags
+HW_CPU_TAG = "tailguard.hw.cpu"            # CPU model name, e.g. 'AMD EPYC 7B13'
+HW_ISA_TAG = "tailguard.hw.isa"            # kernel-relevant ISA flags, e.g. 'avx2 fma f16c avx512f avx512_vnni'
+HW_CORES_TAG = "tailguard.hw.cores"        # CPUs the task could run on
+HW_GPU_TAG = "tailguard.hw.gpu"            # '<name> sm<major.minor>; ...' or 'none'
 
 # ------------------------------------------------------------------------------------------------ search tags
 SEARCH_OF_TAG = "tailguard.search_of"      # on trial runs and on the <V>-searched run: the searched variant V

@@ -16,6 +16,12 @@ variant and its baselines (the FP32 ONNX Runtime reference) are timed in one pro
 batch, order alternating A B / B A; speedup = median(baseline) / median(variant) over the rounds, with
 one-sided bounds from a paired percentile bootstrap over rounds (speedup_vs_<baseline>.lb95 / .ub95). A
 speed gate with `confidence` is decided on the bound (components/validate/gates.py).
+
+Runners of different runtimes in one interleaved call must not keep the cores busy between their runs: ONNX
+Runtime's intra-op workers spin-wait after each Run by default, and torch eager timed right after them waited on
+them (2.7x its solo p50 for MiniLM on a 2-core node, issue 26). Build such an ORT session with
+`OrtRunner(stop_spinning_after_run=True)` (`session.force_spinning_stop`), as the reference pass does
+(components/reference/logic.py `time_baselines`).
 """
 
 from __future__ import annotations

@@ -68,6 +68,8 @@ class RowMetric:
             candidate) pair alone, needing neither labels nor a neighbour index.
         needs_labels: only computed with data.validation.label_column.
         meaning: one line.
+        from_parity: `tailguard.core.parity.per_sample_metrics` computes it (False: the shadow monitor's own
+            value, candidate_error_rate).
     """
 
     key: str
@@ -79,6 +81,7 @@ class RowMetric:
     monitored: bool
     needs_labels: bool
     meaning: str
+    from_parity: bool = True
 
     @property
     def higher_is_better(self) -> bool:
@@ -184,7 +187,8 @@ ROW_METRICS: tuple[RowMetric, ...] = (
     # monitor only (parity never computes it): 1 for a sampled row the candidate failed on (it raised, timed out
     # or answered a wrong shape), else 0; a slice's mean is the candidate's error rate there (docs/monitor.md)
     RowMetric("candidate_error_rate", "lower", True, _F01, "0/1", TASKS, True, False,
-              "the candidate failed on the row (error, timeout, wrong output shape); shadow monitor only"),
+              "the candidate failed on the row (error, timeout, wrong output shape); shadow monitor only",
+              from_parity=False),
 )
 
 

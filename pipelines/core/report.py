@@ -493,19 +493,92 @@ def _heat_map(slice_tables: dict[str, pd.DataFrame]) -> tuple[str | None, str | 
     return _png(fig), metric
 
 
-def _trial_table(search: dict[str, Any]) -> str:
+# The configuration columns of a search's trial table: (column, how a trial record gives it).
+SEARCH_CONFIG_COLUMNS = ("excluded nodes", "per_channel", "calibration", "float op types")
+SEARCH_RESULT_COLUMNS = ("p50 ms", "worst slice", "passed", "front", "chosen")
+
+
+def _trial_nodes(record: dict[str, Any]) -> str:
+    """A trial's excluded_nodes (a list, or the JSON text trials.csv holds) as a short cell."""
+    import json
+
+    nodes = record.get("excluded_nodes")
+    if isinstance(nodes, str):
+        try:
+            nodes = json.loads(nodes)
+        except ValueError:
+            return nodes
+    if not nodes:
+        return "-"
+    nodes = [str(n) for n in nodes]
+    return ", ".join(nodes) if len(nodes) <= 3 else f"{', '.join(nodes[:3])}, … ({len(nodes)})"
+
+
+def _trial_float_types(record: dict[str, Any]) -> str:
+    types = (record.get("config") or {}).get("float_op_types", record.get("float_op_types"))
+    if isinstance(types, str):
+        types = [t for t in types.split(",") if t]
+    return ", ".join(map(str, types)) if types else "-"
+
+
+def search_table(search: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]], list[str]]:
+    """One search's trial table as the terminal (`terminal.print_search`) and the run report show it.
+
+    The configuration columns (SEARCH_CONFIG_COLUMNS: excluded nodes, per_channel, calibration method, float op
+    types) are shown only when their value differs between trials: a column with one value in every trial is
+    dropped and named in a note instead, so two trials never look identical while differing in a hidden column
+    (issue 26: trials that differed only in float_op_types looked the same). The trial name and the result
+    columns (SEARCH_RESULT_COLUMNS: p50 ms, worst-slice value of the key parity metric, passed, front, chosen)
+    are always shown.
+
+    Args:
+        search: a search.json (`SearchResult.to_dict()`, an entry of `RunSummary.searches`).
+
+    Returns:
+        (columns, rows, notes): columns in order; one row per trial in trial order, {column: value} (p50 ms and
+        worst slice floats or None, the rest str: passed "yes" | "no" | the trial's status, front "*" | "",
+        chosen "<-" | ""); notes: one line per constant configuration column ("same in every trial: ...") and,
+        when the search skipped families that could not differ, one line saying how many and why.
+    """
+    trials = search.get("trials") or []
+    config = []
+    for t in trials:
+        method = t.get("calibration_method", (t.get("config") or {}).get("calibration_method"))
+        config.append({"excluded nodes": _trial_nodes(t), "per_channel": str(t.get("per_channel", "")),
+                       "calibration": method or "-", "float op types": _trial_float_types(t)})
+    varying = [c for c in SEARCH_CONFIG_COLUMNS if len({cfg[c] for cfg in config}) > 1]
+    constant = [c for c in SEARCH_CONFIG_COLUMNS if c not in varying]
     rows = []
-    for t in search.get("trials") or []:
-        nodes = t.get("excluded_nodes")
-        if isinstance(nodes, list):
-            nodes = ", ".join(map(str, nodes[:3])) + (f", … ({len(nodes)})" if len(nodes) > 3 else "") or "-"
+    for t, cfg in zip(trials, config):
         status = t.get("status", "ok")
-        rows.append([t.get("name", str(t.get("index", ""))), nodes or "-", t.get("per_channel"), t.get("p50_ms"),
-                     t.get("worst_slice_value"),
-                     (("yes" if t.get("passed") else "no") if status == "ok" else status),
-                     "*" if t.get("on_front") else "", "chosen" if t.get("chosen") else ""])
-    return _table(["trial", "excluded nodes", "per_channel", "p50 ms", "worst slice", "passed", "front", "chosen"],
-                  rows, cls="trials")
+        rows.append({"trial": t.get("name", str(t.get("index", ""))), **{c: cfg[c] for c in varying},
+                     "p50 ms": t.get("p50_ms"), "worst slice": t.get("worst_slice_value"),
+                     "passed": ("yes" if t.get("passed") else "no") if status == "ok" else str(status),
+                     "front": "*" if t.get("on_front") else "", "chosen": "<-" if t.get("chosen") else ""})
+    notes = []
+    if config and constant:
+        notes.append("same in every trial: " + "; ".join(f"{c} {config[0][c]}" for c in constant))
+    skipped = search.get("skipped") or []
+    if skipped:
+        dropped = search.get("dropped_op_types") or {}
+        why = "; ".join(f"{', '.join(ts)}: {r}" for r, ts in _group_by_value(dropped).items())
+        notes.append(f"{len(skipped)} famil{'y' if len(skipped) == 1 else 'ies'} of the search space skipped: "
+                     f"cannot differ from a planned one" + (f" ({why})" if why else ""))
+    return ["trial", *varying, *SEARCH_RESULT_COLUMNS], rows, notes
+
+
+def _group_by_value(d: dict[str, str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for k, v in d.items():
+        out.setdefault(v, []).append(k)
+    return out
+
+
+def _trial_table(search: dict[str, Any]) -> str:
+    columns, rows, notes = search_table(search)
+    text = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in notes)
+    return _table(columns, [[r[c] if r[c] != "<-" else "chosen" for c in columns] for r in rows],
+                  cls="trials") + text
 
 
 def run_report_html(summary: dict[str, Any] | None, *, run: dict[str, Any],

@@ -149,6 +149,9 @@ class VariantResult:
         quantized_mac_fraction: INT8 builds: MACs computed in INT8 / all MACs, in [0, 1]; else None.
         search_of: for '<V>-searched': the searched spec variant V; else None.
         trial_run_id: for '<V>-searched': the run of the chosen trial; else None.
+        warnings: what the build flagged although no gate asked (its StepResult details["warnings"]: fusion that
+            did not happen, INT8 attention MatMuls without fused attention, the torch exporter's warnings);
+            [] when none. Optional field: results written before it existed read with [].
 
     Raises:
         ValueError: status is unknown, or passed is True with status other than ok.
@@ -171,6 +174,7 @@ class VariantResult:
     quantized_mac_fraction: float | None = None
     search_of: str | None = None
     trial_run_id: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_status(self.status, "VariantResult")

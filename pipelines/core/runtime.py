@@ -42,13 +42,20 @@ class OrtRunner:
         providers: execution providers, in preference order (default CPU).
         intra_op_num_threads: 0 = all cores.
         graph_optimization: ORT GraphOptimizationLevel name: disabled|basic|extended|all.
+        stop_spinning_after_run: set the session option `session.force_spinning_stop` = "1": the intra-op
+            workers spin-wait for work while a Run lasts (ORT's default speed) but stop spinning when Run returns,
+            instead of holding the cores for a while after it. For a session timed in one process alternately with
+            another runtime (torch eager in the reference pass), which otherwise waits on those spinning workers
+            (issue 26: torch 2.9x slower on a 2-core node; components/reference/logic.py). Default False: ORT's own
+            behaviour, what a server running one session gets.
 
     Raises:
         InputError: the file is missing or not a loadable ONNX model (names the file).
     """
 
     def __init__(self, path: str | Path, *, providers: Sequence[str] = ("CPUExecutionProvider",),
-                 intra_op_num_threads: int = 0, graph_optimization: str = "all") -> None:
+                 intra_op_num_threads: int = 0, graph_optimization: str = "all",
+                 stop_spinning_after_run: bool = False) -> None:
         import onnxruntime as ort
 
         path = Path(path)
@@ -63,6 +70,8 @@ class OrtRunner:
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[graph_optimization]
         opts.log_severity_level = 3
+        if stop_spinning_after_run:  # kOrtSessionOptionsConfigForceSpinningStop (session options config keys)
+            opts.add_session_config_entry("session.force_spinning_stop", "1")
         try:
             self.session = ort.InferenceSession(str(path), sess_options=opts, providers=list(providers))
         except Exception as exc:  # ORT raises Fail/InvalidGraph/InvalidProtobuf/...; all mean the same to a user

@@ -91,6 +91,37 @@ def build_gate_errors(i: int, gate: "GateSpec", variants: list["VariantSpec"]) -
     return errors
 
 
+def gate_range_errors(i: int, gate: "GateSpec") -> list[str]:
+    """The problems of gate `i`'s bounds against its metric's range in the metric catalogue
+    (`tailguard.core.metrics.Metric.value_range`), as '<field path>: <problem>' strings.
+
+    `min` / `max` must lie in the closed range [lo, hi] (a bound outside it can never pass or always passes, e.g.
+    `{metric: latency_ms.p99, max: -5}` or an agreement `min: 1.2`); `max_drop` must not exceed the range's width
+    hi - lo where that is finite (a larger drop always passes). Unknown metrics are reported elsewhere (no
+    error here).
+    """
+    m = _metrics.CATALOGUE.get(gate.metric)
+    if m is None:
+        return []
+    lo, hi = m.value_range
+    where = f"[{lo:g}, {hi:g}]" if hi != float("inf") else f"[{lo:g}, inf)"
+    if lo == float("-inf"):
+        where = f"(-inf, {hi:g}]" if hi != float("inf") else "(-inf, inf)"
+    units = f" ({m.units}{', a fraction, not a percentage' if (lo, hi) == (0.0, 1.0) else ''})"
+    errors = []
+    for key in ("min", "max"):
+        bound = getattr(gate, key)
+        if bound is not None and not lo <= bound <= hi:
+            errors.append(f"gates.{i}.{key}: {gate.metric} lies in {where}{units}, so {key} {bound:g} "
+                          f"{'can never pass' if (key == 'min') == (bound > hi) else 'always passes'}; give a "
+                          f"bound inside {where}")
+    width = hi - lo
+    if gate.max_drop is not None and width != float("inf") and gate.max_drop > width:
+        errors.append(f"gates.{i}.max_drop: {gate.metric} lies in {where}{units}, so a drop of {gate.max_drop:g} "
+                      f"(more than the range's width {width:g}) always passes; give at most {width:g}")
+    return errors
+
+
 # Gateable metrics measured per benchmark batch size (a gate's batch_size picks one).
 BATCHED_METRICS = frozenset(m.name for m in _metrics.METRICS if m.batched and m.gateable)
 # A parity gate each task's example in the "no parity gate" error (gates) and its fix hint.
@@ -357,7 +388,11 @@ class SearchSpace(_Model):
                                                                           "SkipLayerNormalization", "Softmax",
                                                                           "Gelu", "BiasGelu", "FastGelu"]],
                                             description=(
-        "Sets of op types kept in float (exclude_op_types), e.g. LayerNorm/Softmax/GELU in higher precision."))
+        "Sets of op types kept in float (added to exclude_op_types), e.g. LayerNorm/Softmax/GELU in higher "
+        "precision. Default: [] and the layer-norm/softmax/GELU set. An op type the variant's quantization never "
+        "quantizes (ONNX Runtime's registry for its mode: dynamic quantizes MatMul/Gemm/Attention/Gather/..., "
+        "never LayerNormalization or GELU) or that the prepared graph lacks is dropped from its set; a set that "
+        "then equals one already planned is skipped ('skipped: cannot differ' in search.json)."))
 
     @field_validator("exclude_most_sensitive", "per_channel", "calibration_methods", "float_op_types")
     @classmethod
@@ -581,6 +616,11 @@ class PromotionSpec(_Model):
                        description="Registry alias set on the selected version.")
     select: Literal["fastest_passing"] = Field("fastest_passing", description=(
         "fastest_passing: lowest latency_ms.p50 at `batch_size` among variants passing every gate."))
+    register_variants: Literal["promoted", "passing", "all"] = Field("promoted", description=(
+        "Which variants get a registry version: promoted (default): only the one `select` chose (also with "
+        "enabled: false, then without the alias); passing: every variant that passed every gate; all: every "
+        "built variant, failing ones included. Every variant's MLflow run is logged whatever this says, and an "
+        "artefact whose sha256 an existing version already holds reuses that version (docs/spec.md, promotion)."))
     batch_size: int | None = Field(None, ge=1, description="Batch size for 'fastest' (default: the first).")
     registered_name: str | None = Field(None, description="Registered model for variants "
                                                           "(default: <model.registered_name>-optimized).")
@@ -651,6 +691,11 @@ class MonitorThreshold(_Model):
         "Expected value of the metric (e.g. the promoted variant's validation value); needs max_drop."))
     max_drop: float | None = Field(None, ge=0, description=(
         "Allowed change from `baseline` in the metric's bad direction (absolute units of the metric)."))
+    truncate_at: float | None = Field(None, gt=0, description=(
+        "For a lower-is-better metric without an upper end (kl_divergence, abs_error, rel_error): row values "
+        "above this count as this value in both the alarm and the recovery test, so the detector watches the "
+        "truncated mean E[min(x, truncate_at)] on both sides and an alert can clear on evidence. Without it "
+        "such an alert stays active until the monitor restarts (docs/monitor.md, Recovery)."))
 
     @model_validator(mode="after")
     def _one_kind(self) -> "MonitorThreshold":
@@ -711,6 +756,19 @@ class MonitorThreshold(_Model):
                     f"baseline {'-' if higher else '+'} max_drop = {threshold:g} is at or beyond {metric}'s "
                     f"{'lowest' if higher else 'highest'} value {bad_end:g}: {never}; give a max_drop below "
                     f"{abs(self.baseline - bad_end):g}"), self.max_drop))
+        if self.truncate_at is not None:
+            threshold = (self.min if self.min is not None else self.max if self.max is not None
+                         else (self.baseline or 0.0) + (self.max_drop or 0.0))
+            if higher or hi != float("inf"):
+                errors.append(FieldError(f"{path}.truncate_at", (
+                    f"{metric} is bounded on its bad side ({where}): truncate_at is only for a lower-is-better "
+                    "metric without an upper end (kl_divergence, abs_error, rel_error); remove it"),
+                    self.truncate_at))
+            elif self.truncate_at <= threshold:
+                errors.append(FieldError(f"{path}.truncate_at", (
+                    f"truncate_at {self.truncate_at:g} must lie above the threshold {threshold:g} (a truncated "
+                    "value at or below the threshold could never look bad); e.g. 10x the threshold"),
+                    self.truncate_at))
         return errors
 
 
@@ -757,25 +815,35 @@ class MonitoringSpec(_Model):
         "Prometheus label bound: besides 'all' and every slice with an active alert, at most this many slices "
         "(those with the most evidence) are exported; every slice is in /v1/slices and slices.json."))
     metrics: list[str] | None = Field(None, description=(
-        "Per-row parity metrics to track (components/validate/parity.py); default by task: classification "
+        "Per-row parity metrics to track (tailguard.core.parity); default by task: classification "
         "top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error; regression/generic "
-        "abs_error, rel_error."))
+        "abs_error, rel_error. candidate_error_rate (1 for a sampled row the candidate failed on) is always "
+        "tracked."))
     thresholds: dict[str, MonitorThreshold] | None = Field(None, description=(
         "Alert thresholds by per-row metric; default: classification top1_agree min 0.97, embedding "
-        "cosine_similarity min 0.98, none for regression/generic. Metrics without a threshold are exported, "
-        "never alerted on."))
+        "cosine_similarity min 0.98, none for regression/generic; candidate_error_rate max 0 always (a "
+        "candidate that fails on sampled rows alerts) unless given here. Metrics without a threshold are "
+        "exported, never alerted on."))
     alpha: float = Field(0.01, gt=0, lt=0.5, description=(
         "Probability of any false alarm (any slice, any metric) within `horizon` sampled requests while every "
-        "slice sits at or on the good side of its threshold."))
+        "slice sits at or on the good side of its threshold (requests independent of each other; the rows of "
+        "one request need not be: the request is the unit of evidence, docs/monitor.md)."))
     horizon: int = Field(1_000_000, ge=1, description=(
-        "Sampled requests the alpha guarantee covers; the average run length to a false alarm is at least "
-        "horizon / alpha sampled requests."))
+        "Sampled requests (not rows: a 64-row request counts once) the alpha guarantee covers; the average run "
+        "length to a false alarm is at least horizon / alpha sampled requests."))
     window_size: int = Field(1000, ge=10, description=(
         "Span (sampled rows) of each slice's exponentially weighted display estimate (the parity gauges); "
         "alerts do not depend on it."))
     min_support: int = Field(30, ge=1, description=(
         "A slice alerts only once it has this many sampled rows (a guard against alerts on a handful of rows; "
         "the false-alarm guarantee does not need it)."))
+    shadow_batch_rows: int = Field(256, ge=1, le=65536, description=(
+        "The shadow worker runs queued sampled requests that share an input signature (names, dtypes, "
+        "non-batch dimensions) as one inference call per model, up to this many rows; each request keeps its "
+        "own evidence. 1 turns micro-batching off."))
+    shadow_batch_wait_ms: float = Field(2.0, ge=0, le=1000, description=(
+        "Longest wait (ms) for more queued requests to fill a micro-batch once one is taken; 0 takes only "
+        "what is already queued."))
     correction: Literal["benjamini_hochberg", "bonferroni"] | None = Field(None, deprecated=True, description=(
         "Deprecated and ignored: the sequential detector controls false alarms over the stream and across "
         "slices by construction (docs/monitor.md)."))
@@ -816,6 +884,49 @@ class MonitoringSpec(_Model):
     max_batch_rows: int = Field(1024, ge=1, le=2**31, description=(
         "Most rows (the first dimension of the inputs) one request may carry; larger requests are refused with "
         "413 (invalid_requests_total{reason=\"batch_too_large\"}), so one request cannot flood the windows."))
+    logger_join_max_bytes: int = Field(256 * 2**20, ge=1024, le=2**40, description=(
+        "Payload-logger join buffer: most bytes of waiting halves held at once (each half is kept as the raw "
+        "body it arrived as, parsed again when its partner comes); a half that does not fit evicts the oldest "
+        "ones (dropped_total{reason=\"join_overflow\"})."))
+    logger_join_max_entry_bytes: int | None = Field(None, ge=1024, le=2**31, description=(
+        "Payload-logger join buffer: largest half that may wait for its partner, in bytes (default: "
+        "max_body_bytes); a larger first half is refused with 413 "
+        "(invalid_requests_total{reason=\"join_entry_too_large\"})."))
+    max_concurrent_requests: int = Field(64, ge=1, le=100_000, description=(
+        "HTTP ingest requests (POST /v2/...) handled at once; more are answered 503 at once, before their body "
+        "is read (invalid_requests_total{reason=\"too_many_requests\"}). uvicorn's own limit_concurrency is set "
+        "to this plus 64 (probes, scrapes) as a bound on connections."))
+    max_inflight_body_bytes: int = Field(256 * 2**20, ge=1024, le=2**40, description=(
+        "Bytes of HTTP ingest bodies being read at once, over every request in flight (a declared "
+        "Content-Length is reserved before reading); a body that does not fit is answered 503 "
+        "(invalid_requests_total{reason=\"body_budget_exceeded\"}). At least max_body_bytes."))
+    max_new_values_per_minute: int | None = Field(1000, ge=1, le=10_000_000, description=(
+        "Per slice column, at most this many values the monitor does not track yet get their own slice key per "
+        "minute (a token bucket); the excess is lumped into '<name>=__new__' and counted "
+        "(tailguard_monitor_slice_values_lumped_total), so a flood of unique values cannot evict real slices. "
+        "null: no limit."))
+    auth_token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description=(
+        "Name of the environment variable holding the bearer token every monitor endpoint requires "
+        "(Authorization: Bearer <token>; gRPC metadata `authorization`), e.g. from a Kubernetes Secret. Never "
+        "the token itself. Unset (and no auth_token_file / --auth-token-file): no authentication."))
+    auth_token_file: str | None = Field(None, description=(
+        "Path of a file holding the bearer token (a mounted Secret); `monitor serve --auth-token-file` "
+        "overrides it. At most one of auth_token_env and auth_token_file."))
+    auth_readyz: bool = Field(False, description=(
+        "With a token: /readyz (and gRPC ServerReady/ModelReady) require it too. Default false: kubelet probes "
+        "send no token. /healthz and gRPC ServerLive never require it."))
+    auth_metrics: bool = Field(True, description=(
+        "With a token: /metrics requires it (give Prometheus the token: ServiceMonitor "
+        "`authorization.credentials`). false: /metrics is open."))
+
+    @model_validator(mode="after")
+    def _hardening_bounds(self) -> "MonitoringSpec":
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below max_body_bytes "
+                             f"({self.max_body_bytes}): a largest body could never be read; raise it")
+        if self.auth_token_env and self.auth_token_file:
+            raise ValueError("auth_token_env and auth_token_file both set: name one source of the token")
+        return self
 
     @field_validator("thresholds")
     @classmethod
@@ -941,6 +1052,8 @@ class Spec(_Model):
                 errors.append(f"gates.{i}.metric: speedup_vs_torch needs a PyTorch reference (source is onnx)")
             if g.metric in BUILD_METRICS:
                 errors.extend(build_gate_errors(i, g, self.variants))
+            else:
+                errors.extend(gate_range_errors(i, g))
         dm = self.analysis.discovery.metric
         if dm is not None and dm not in TASK_METRICS[self.model.task]:
             errors.append(f"analysis.discovery.metric: {dm!r} is not a parity metric of task {self.model.task!r}; "

@@ -1,0 +1,156 @@
+"""The facts of this node that change kernels, numerics and timings: CPU model and ISA flags, cores, GPU, library
+versions (issue 23, item 1). Recorded in every benchmark JSON, each variant's build.json, the variant's MLflow tags
+(`hardware_tags`) and the run summary, so a figure always names the machine it ran on.
+
+Why these flags: ONNX Runtime picks its INT8 and FP32 kernels by them. On x86 without VNNI the u8s8 MatMulInteger
+kernel adds pairs of 8-bit products in int16 with saturation (AVX2 `vpmaddubsw`); `avx512_vnni` / `avx_vnni`
+accumulate in int32 (`vpdpbusd`); AMX (`amx_tile`, `amx_int8`) adds tile kernels; `avx512f`, `avx2`, `fma` and
+`f16c` choose the FP32 / FP16 GEMM paths (MLAS platform dispatch, onnxruntime/core/mlas/lib/platform.cpp). An INT8
+result or a speed ratio measured with one set may not hold on a node with another.
+
+Source of the CPU facts: /proc/cpuinfo (Linux; the first processor's `vendor_id`, `model name` and `flags`). Where it
+cannot be read (macOS, a sandbox), the model is `platform.processor()` or `platform.machine()` and the flags are
+unknown (`isa` None, `isa_source` "unknown"), never guessed.
+
+Nothing here imports torch or initialises CUDA unless a GPU is visible (/dev/nvidia0 or nvidia-smi) and torch is
+installed: a build task on a CPU node stays free of the torch import (components/quantize/task.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from tailguard.core.contract import HW_CORES_TAG, HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG
+
+# The ISA flags (as /proc/cpuinfo spells them) that change which ONNX Runtime / torch CPU kernels run; the order is
+# the order they are reported in.
+KERNEL_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8")
+LIBRARIES = ("onnxruntime", "onnx", "torch", "numpy")
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpuinfo(path: Path) -> dict[str, str]:
+    """The first processor block of /proc/cpuinfo as {key: value} ({} when unreadable)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # end of the first processor's block
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+def cpu_facts(cpuinfo: str | Path = CPUINFO) -> dict[str, Any]:
+    """The CPU: vendor, model name, the kernel-relevant ISA flags and the core counts.
+
+    Args:
+        cpuinfo: the file to read (default /proc/cpuinfo; tests pass a copy of another machine's).
+
+    Returns:
+        {"vendor": str | None (e.g. "GenuineIntel", "AuthenticAMD"), "model": str (e.g. "AMD EPYC 7B13"),
+         "isa": list[str] | None (the KERNEL_ISA_FLAGS present, in that order; None when the flags are unknown),
+         "isa_source": "/proc/cpuinfo" | "unknown", "cores": int (CPUs this process may run on,
+         os.sched_getaffinity), "logical_cpus": int | None (os.cpu_count()), "machine": str (platform.machine())}.
+    """
+    info = _cpuinfo(Path(cpuinfo))
+    flags = info.get("flags")
+    model = info.get("model name") or platform.processor() or platform.machine() or "unknown"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    present = set(flags.split()) if flags is not None else None
+    return {"vendor": info.get("vendor_id"), "model": model,
+            "isa": [f for f in KERNEL_ISA_FLAGS if f in present] if present is not None else None,
+            "isa_source": str(cpuinfo) if present is not None else "unknown",
+            "cores": cores, "logical_cpus": os.cpu_count(), "machine": platform.machine()}
+
+
+def gpu_facts() -> list[dict[str, Any]] | None:
+    """The visible NVIDIA GPUs as torch sees them, or None.
+
+    None (without importing torch) when no GPU device is visible (no /dev/nvidia0, no nvidia-smi) or torch is not
+    installed; torch is imported and CUDA initialised only when both are there.
+
+    Returns:
+        [{"index": int, "name": str (e.g. "NVIDIA H100 80GB HBM3"), "compute_capability": str ("9.0")}, ...],
+        or None (no GPU, no torch, or torch.cuda.is_available() false).
+    """
+    from tailguard.core.runtime import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is not None or importlib.util.find_spec("torch") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        gpus.append({"index": i, "name": torch.cuda.get_device_name(i), "compute_capability": f"{major}.{minor}"})
+    return gpus
+
+
+def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None]:
+    """Installed versions of `names` from the distributions' metadata (no import): {name: version | None}."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def node_facts(cpuinfo: str | Path = CPUINFO) -> dict[str, Any]:
+    """This node's hardware and library facts, JSON-serialisable.
+
+    Args:
+        cpuinfo: the CPU description file (default /proc/cpuinfo).
+
+    Returns:
+        {"cpu": `cpu_facts()`, "gpus": `gpu_facts()` (list or None), "os": "Linux-6.1...-x86_64"
+         (platform.platform()), "libraries": {"onnxruntime", "onnx", "torch", "numpy": version | None}}.
+    """
+    return {"cpu": cpu_facts(cpuinfo), "gpus": gpu_facts(), "os": platform.platform(),
+            "libraries": library_versions()}
+
+
+def isa_text(facts: dict[str, Any]) -> str:
+    """The ISA flags of `node_facts()` as one string: "avx2 fma f16c avx512f avx512_vnni"; "none" when the CPU
+    has none of KERNEL_ISA_FLAGS, "unknown" when the flags could not be read."""
+    isa = (facts.get("cpu") or {}).get("isa")
+    if isa is None:
+        return "unknown"
+    return " ".join(isa) or "none"
+
+
+def ran_on_line(facts: dict[str, Any] | None) -> str:
+    """The summary's line naming the machine: "ran on: Intel(R) Xeon(R) Processor (avx2 fma f16c avx512f
+    avx512_vnni), 2 cores" plus ", GPU: <name> (sm <cc>)" per GPU; "" without facts."""
+    if not facts or not facts.get("cpu"):
+        return ""
+    cpu = facts["cpu"]
+    line = f"ran on: {cpu.get('model', 'unknown')} ({isa_text(facts)}), {cpu.get('cores', '?')} cores"
+    for g in facts.get("gpus") or []:
+        line += f", GPU: {g['name']} (sm {g['compute_capability']})"
+    return line
+
+
+def hardware_tags(facts: dict[str, Any]) -> dict[str, str]:
+    """MLflow tags of `node_facts()` (names in tailguard.core.contract): tailguard.hw.cpu (model name),
+    tailguard.hw.isa (`isa_text`), tailguard.hw.cores, and tailguard.hw.gpu ("<name> sm<cc>; ..." or "none")."""
+    cpu = facts.get("cpu") or {}
+    gpus = facts.get("gpus") or []
+    return {HW_CPU_TAG: str(cpu.get("model", "unknown"))[:500], HW_ISA_TAG: isa_text(facts),
+            HW_CORES_TAG: str(cpu.get("cores", "")),
+            HW_GPU_TAG: "; ".join(f"{g['name']} sm{g['compute_capability']}" for g in gpus) or "none"}
