@@ -269,9 +269,14 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
 def compile_pipeline(spec: Spec, out_path: str, *, cache: bool = True) -> str:
     """Compile the cluster form of the pipeline to KFP IR YAML at `out_path`; returns the path.
 
-    `cache`: KFP's execution cache on for the pure tasks (default), or off for every task (False).
+    `cache`: KFP's execution cache on for the pure tasks (default), or off for every task (False). Every URI
+    compiled into the IR has its credentials replaced by `***` (`tailguard.core.redact.redacted_spec`): pods get
+    them from their environment (MLFLOW_TRACKING_USERNAME / _PASSWORD, AWS_* or workload identity).
     """
     from kfp import compiler
 
-    compiler.Compiler().compile(build_pipeline(spec, cluster=True, cache=cache), package_path=out_path)
+    from tailguard.core.redact import redacted_spec
+
+    compiler.Compiler().compile(build_pipeline(redacted_spec(spec), cluster=True, cache=cache),
+                                package_path=out_path)
     return out_path

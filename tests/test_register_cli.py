@@ -146,10 +146,10 @@ def test_register_loads_state_dict_into_class_from_model_path_when_module_is_not
 
     assert r.exit_code == 0, r.output
     assert "(state_dict" in r.output and str(env["models"]) in r.output  # where the run must find the class
-    resolved = resolve(env, "digits-sd")
+    resolved = resolve(env, "digits-sd", class_path=env["class_path"])  # a run imports only a class the spec names
     assert resolved.format == "state_dict" and resolved.class_path == env["class_path"]
     assert resolved.init_kwargs == {"hidden": HIDDEN}
-    module = load_torch_reference(resolved, make_spec("digits-sd").model)
+    module = load_torch_reference(resolved, make_spec("digits-sd", class_path=env["class_path"]).model)
     torch.testing.assert_close(module(X), env["model"](X))
 
 
@@ -344,7 +344,8 @@ def test_run_imports_the_class_from_the_specs_folder_when_started_from_another_c
         "apiVersion": "tailguard/v1", "kind": "OptimizationSpec", "metadata": {"name": "digits-cwd"},
         "model": {"registered_name": "digits-user", "task": "classification",
                   "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", N_IN]}],
-                  "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", N_OUT]}]},
+                  "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", N_OUT]}],
+                  "source": {"class_path": class_path}},
         "data": {"calibration": {"uri": "calibration.parquet", "max_samples": 32},
                  "validation": {"uri": "validation.parquet", "batch_size": 32}},
         "slices": [{"name": "group", "column": "group"}],

@@ -122,20 +122,21 @@ def test_register_reference_raises_input_error_when_two_models_given(store):
 
 # ------------------------------------------------------------------------------------------- resolving
 def test_resolve_reference_round_trips_identical_outputs_when_state_dict(store, tmp_path):
-    resolved = resolve_reference(make_spec("tiny-sd", "@champion"), tracking_uri=store["uri"], out_dir=tmp_path)
+    spec = make_spec("tiny-sd", "@champion", class_path=CLASS_PATH)  # the spec names the registered class
+    resolved = resolve_reference(spec, tracking_uri=store["uri"], out_dir=tmp_path)
     assert (resolved.format, resolved.version, resolved.class_path) == ("state_dict", "2", CLASS_PATH)
-    assert resolved.init_kwargs == {"hidden": 8}
+    assert resolved.init_kwargs == {"hidden": 8}  # the registered kwargs of that same class
     assert resolved.model_path.is_file() and (Path(resolved.local_dir) / DESCRIPTOR_FILE).is_file()
     assert resolved.sha256 == store["client"].get_model_version("tiny-sd", "2").tags[TAG_SHA256]
-    module = load_torch_reference(resolved, make_spec("tiny-sd").model)
+    module = load_torch_reference(resolved, spec.model)
     with torch.no_grad():
         assert torch.equal(module(X), make_tiny(1)(X))
         assert not torch.equal(module(X), make_tiny(0)(X))
 
 
 def test_resolve_reference_uses_override_when_version_given(store, tmp_path):
-    resolved = resolve_reference(make_spec("tiny-sd", "latest"), tracking_uri=store["uri"], out_dir=tmp_path,
-                                 version="1")
+    resolved = resolve_reference(make_spec("tiny-sd", "latest", class_path=CLASS_PATH), tracking_uri=store["uri"],
+                                 out_dir=tmp_path, version="1")
     assert resolved.version == "1"
 
 
@@ -195,7 +196,8 @@ def test_resolve_reference_raises_input_error_when_stored_file_changed(store, tm
 
     save_file(make_tiny(5).state_dict(), str(stored))
     with pytest.raises(InputError, match="SHA-256"):
-        resolve_reference(make_spec("tiny-tampered"), tracking_uri=store["uri"], out_dir=tmp_path)
+        resolve_reference(make_spec("tiny-tampered", class_path=CLASS_PATH), tracking_uri=store["uri"],
+                          out_dir=tmp_path)
 
 
 # --------------------------------------------------------------------------------------------- loading

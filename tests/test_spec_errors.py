@@ -187,3 +187,28 @@ def test_cli_exits_2_with_gates_path_when_spec_has_only_latency_gates(tmp_path, 
     assert r.exit_code == 2, r.output
     assert "gates: no parity gate" in r.output and "enabled: false" in r.output
     assert "Traceback" not in r.output and "valid:" not in r.output
+
+
+# ---------------------------------------------------------------------- gate bounds inside the metric's range
+@pytest.mark.parametrize("gate, loc, words", [
+    ({"metric": "latency_ms.p99", "max": -5}, "gates.2.max", "can never pass"),
+    ({"metric": "nn_top1_agreement", "min": 1.2}, "gates.2.min", "can never pass"),
+    ({"metric": "nn_top1_agreement", "min": 95}, "gates.2.min", "a fraction, not a percentage"),
+    ({"metric": "nn_top1_agreement", "max_drop": 2}, "gates.2.max_drop", "always passes"),
+], ids=["latency-below-0", "agreement-above-1", "agreement-percent", "drop-wider-than-range"])
+def test_cli_spec_check_exits_2_naming_the_field_when_a_gate_bound_is_outside_the_metric_range(
+        tmp_path, gate, loc, words):
+    doc = _doc()
+    doc["gates"].append(gate)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    r = runner.invoke(app, ["spec", "check", str(tmp_path / "spec.yaml")])
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert loc in out and words in out and "Traceback" not in out
+
+
+def test_spec_accepts_gate_bounds_on_the_ends_of_the_metric_range():
+    doc = _doc()
+    doc["gates"] += [{"metric": "nn_top1_agreement", "min": 1.0}, {"metric": "latency_ms.p99", "max": 0},
+                     {"metric": "nn_top1_agreement", "max_drop": 1.0}]
+    parse_spec(doc)

@@ -67,6 +67,12 @@ def write_config(tmp: Path, **over) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _private_home(tmp_path, monkeypatch):
+    """The receiver persists its replay cache under $TAILGUARD_HOME/trigger: a private one per test."""
+    monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))
+
+
 @pytest.fixture
 def config(tmp_path) -> TriggerConfig:
     return TriggerConfig.load(write_config(tmp_path))

@@ -27,12 +27,17 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     Returns:
         (resolved model JSON, parent run id).
 
+    The spec.yaml artifact and the params of the parent run carry every URI with its credentials replaced by
+    `***` (tailguard.core.redact).
+
     Raises:
-        InputError: unknown registered model / version / alias (exit 2). UntrustedModelError: pickled model
+        InputError: unknown registered model / version / alias, or a model file outside the downloaded folder or
+        not a regular file (exit 2). UntrustedModelError: pickled model, or a class only the registry names,
         without `model.source.trusted` (exit 2).
     """
     import mlflow
 
+    from tailguard.core.redact import redact_spec_yaml, redact_text
     from tailguard.core.reference import resolve_reference
     from tailguard.core.spec import spec_from_yaml
     from tailguard.core.tracking import configure, experiment_name_for
@@ -56,10 +61,12 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
         tags[KFP_RUN_TAG] = kfp_run
     tags[ALIAS_AT_START_TAG] = alias_version(client, spec.optimized_model_name, spec.promotion.alias) or ""
     run = client.create_run(exp_id, run_name=f"{spec.metadata.name}-v{resolved.version}", tags=tags)
-    client.log_text(run.info.run_id, spec_yaml, "spec.yaml")
-    client.log_param(run.info.run_id, "model.registered_name", spec.model.registered_name)
-    client.log_param(run.info.run_id, "model.version", str(resolved.version))
-    client.log_param(run.info.run_id, "variants", ",".join(v.name for v in spec.variants))
+    # credentials in URIs (user:password@, ?token=) never reach the tracking store (tailguard.core.redact)
+    client.log_text(run.info.run_id, redact_spec_yaml(spec_yaml), "spec.yaml")
+    params = {"model.registered_name": spec.model.registered_name, "model.version": str(resolved.version),
+              "variants": ",".join(v.name for v in spec.variants)}
+    for key, value in params.items():
+        client.log_param(run.info.run_id, key, redact_text(value))
     d = resolved.to_dict()
     # Where the files sit inside the KFP artifact folder: later tasks see that folder at another path.
     d["artifact_subdir"] = str(Path(resolved.local_dir).resolve().relative_to(Path(out_dir).resolve()))

@@ -11,12 +11,19 @@ components/resolve/README.md):
 | `pickle`       | an MLflow `pytorch` flavor saved with pickle (`data/model.pth`)         | `mlflow.pytorch.load_model`, only with `model.source.trusted: true` |
 
 Every version registered here carries the tags `tailguard.format` and `tailguard.sha256` (SHA-256 of the model
-file as stored); `resolve_reference` recomputes the digest after download and refuses a mismatch. Users register
+file as stored); `resolve_reference` recomputes the digest after download and refuses a mismatch. A version
+registered by another tool (no `tailguard.sha256` tag) gets the digest computed at its first resolve and recorded
+as that tag, with a `RegistryDigestWarning` (once: later resolves compare against it). Users register
 files with `tailguard register` / `tailguard.register_model` (pipelines/registration.py), which checks them and
 calls `register_reference` (same module: registering is the application's job; this kernel module only reads).
 
 A state dict's `class_path` module is imported from `sys.path`, then from the folders of $TAILGUARD_MODEL_PATH
 (`add_model_path`; the local runner sets it to the spec's folder and `--model-path`).
+
+Trust (docs/deploy.md, Trust model): the registry's content is data, not instructions. A class path from a
+version's `tailguard-model.json` is imported only when the spec names the same class (`model.source.class_path`)
+or says `model.source.trusted: true`; a pickle loads only with `trusted: true`; the model file must be a regular
+file inside the downloaded artifact folder (no absolute path, no `..`, no symlink leading out, no device / FIFO).
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import importlib
 import json
 import os
 import re
+import stat
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from tailguard.core.cache import file_sha256
@@ -60,6 +69,11 @@ MODEL_PATH_ENV = "TAILGUARD_MODEL_PATH"
 # Protobuf cannot serialize a message over 2 GiB; bigger ONNX models keep their weights in external data files.
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as _ONNX_INLINE_LIMIT_BYTES  # noqa: E402
 _MAX_LISTED = 20
+
+
+class RegistryDigestWarning(UserWarning):
+    """A registry version had no `tailguard.sha256` tag (registered by another tool): its digest was computed at
+    resolve and recorded as the tag, so later resolves compare against it."""
 
 
 # ------------------------------------------------------------------------------------------ the record
@@ -118,6 +132,7 @@ class ResolvedModel:
         if d["format"] not in FORMATS:
             raise InputError(f"resolved model record: unknown format {d['format']!r}; known: {list(FORMATS)}")
         kw = {k: v for k, v in d.items() if k in names}
+        _check_relative(str(kw["model_file"]), field="resolved model record: model_file", where="the record")
         kw["version"] = str(kw["version"])
         kw["init_kwargs"] = dict(kw.get("init_kwargs") or {})
         return cls(**kw)
@@ -229,11 +244,18 @@ def resolve_reference(spec: "Spec", *, tracking_uri: str, out_dir: Path, version
     Returns:
         The ResolvedModel (paths under `out_dir`).
 
+    Warns:
+        RegistryDigestWarning: the version had no `tailguard.sha256` tag (registered by another tool); the digest
+            computed here was recorded as that tag (or, where the registry refused the write, only pinned for
+            this pipeline run: fetch-reference compares against it).
+
     Raises:
         InputError: unknown model / version / alias (see `resolve_version`), no model file of the format, a
-            format that contradicts `model.source.format`, a state dict without a class path, or a model file
-            whose SHA-256 differs from the one recorded at registration.
-        UntrustedModelError: the version holds a pickled PyTorch model and `model.source.trusted` is false.
+            format that contradicts `model.source.format`, a state dict without a class path, a model file
+            outside the downloaded folder (absolute path, `..`, a symlink leading out) or not a regular file, or
+            a model file whose SHA-256 differs from the one recorded at registration.
+        UntrustedModelError: the version holds a pickled PyTorch model, or names in its tailguard-model.json a
+            class the spec does not name, and `model.source.trusted` is false.
     """
     quiet_environment()
     import mlflow
@@ -268,18 +290,109 @@ def resolve_reference(spec: "Spec", *, tracking_uri: str, out_dir: Path, version
             raise InputError(f"model.source.class_path: {where} holds a state dict ({model_file}) but no class "
                              "path is known (none in the spec and no tailguard-model.json descriptor)",
                              hint="set model.source.class_path: 'package.module:Class' (and init_kwargs)")
-    digest = sha256_file(local / model_file)
-    expected = {"registry tag tailguard.sha256": (mv.tags or {}).get(TAG_SHA256),
+        _check_class_trusted(class_path, spec.model, where)
+    model_path = confined_file(local, model_file, where=where,
+                               field="model.source.weights_file" if src.weights_file else "model.version")
+    digest = sha256_file(model_path)
+    tag = (mv.tags or {}).get(TAG_SHA256)
+    expected = {"registry tag tailguard.sha256": tag,
                 f"{DESCRIPTOR_FILE}": (descriptor or {}).get("sha256") if descriptor else None}
     for what, want in expected.items():
         if want and want != digest:
             raise InputError(f"model.version: {where}: {model_file} has SHA-256 {digest}, but the {what} says "
                              f"{want}; the artifact changed after registration",
                              hint="re-register the reference, or check who rewrote the artifact store")
+    if not tag:
+        _record_digest(client, name, str(mv.version), digest, fmt, where, model_file)
     return ResolvedModel(registered_name=name, version=str(mv.version), run_id=mv.run_id or None, format=fmt,
                          local_dir=str(local), source_uri=str(mv.source), model_file=model_file,
                          onnx_path=str(local / model_file) if fmt == "onnx" else None, class_path=class_path,
                          init_kwargs=init_kwargs, sha256=digest)
+
+
+def _record_digest(client: "MlflowClient", name: str, version: str, digest: str, fmt: str, where: str,
+                   model_file: str) -> None:
+    """Record the digest computed at resolve as the version's `tailguard.sha256` tag (and `tailguard.format` when
+    missing), with one RegistryDigestWarning: the next resolve finds the tag and compares against it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_model_version_tag(name, version, TAG_SHA256, digest)
+        client.set_model_version_tag(name, version, TAG_FORMAT, fmt)
+        recorded = f"recorded it as the version's {TAG_SHA256} tag; later resolves compare against it"
+    except MlflowException as exc:  # e.g. read-only registry credentials
+        recorded = (f"could not record it as the {TAG_SHA256} tag ({exc.error_code}); this pipeline run is pinned "
+                    "to it (fetch-reference compares), later runs compute it afresh")
+    warnings.warn(f"{where} has no {TAG_SHA256} tag (registered by another tool than tailguard): computed the "
+                  f"SHA-256 of {model_file} at resolve ({digest}) and {recorded}", RegistryDigestWarning,
+                  stacklevel=3)
+
+
+def _check_relative(rel: str, *, field: str, where: str) -> PurePosixPath:
+    """`rel` as a relative POSIX path without `..` parts (artifact paths are POSIX), else InputError naming
+    `field`."""
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or PureWindowsPath(rel).is_absolute() or ".." in p.parts or "\\" in rel:
+        raise InputError(f"{field}: {where}: model file {rel!r} is not a relative path inside the version's "
+                         "artifacts (absolute paths and '..' are refused)",
+                         hint="re-register the reference with `tailguard register` (its descriptor names a file "
+                              "beside it), or set model.source.weights_file to a file of the version")
+    return p
+
+
+def confined_file(local: Path, rel: str, *, field: str = "model.version", where: str = "the reference") -> Path:
+    """The model file `rel` inside the downloaded artifact folder `local`, checked before anything reads it.
+
+    Args:
+        local: the folder the version's artifacts were downloaded into.
+        rel: the model file, relative to `local` (from the descriptor, the MLmodel flavor, the file names, or
+            `model.source.weights_file`).
+        field: the spec field named in errors.
+        where: "'name' version N", for messages.
+
+    Returns:
+        `local / rel`.
+
+    Raises:
+        InputError: `rel` is absolute or has `..` parts, resolves (through symlinks) outside `local`, does not
+            exist, or is not a regular file (a device such as /dev/zero, a FIFO, a folder: never hashed or read).
+    """
+    _check_relative(rel, field=field, where=where)
+    path = Path(local) / rel
+    root = Path(local).resolve()
+    real = path.resolve()  # follows symlinks without opening anything
+    if not real.is_relative_to(root):
+        raise InputError(f"{field}: {where}: model file {rel!r} leads outside the downloaded artifacts (to {real}, "
+                         "through a symlink); only files inside the version's folder are read",
+                         hint="re-register the reference with the model file itself, not a link to it")
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
+        raise InputError(f"{field}: {where}: model file {rel!r} is not in the version's artifacts",
+                         hint=f"files: {_files(Path(local), ('.onnx', '.pt2') + WEIGHT_SUFFIXES)[:_MAX_LISTED]}"
+                         ) from None
+    if not stat.S_ISREG(mode):
+        raise InputError(f"{field}: {where}: model file {rel!r} is not a regular file (a device, FIFO or folder); "
+                         "only regular files are hashed and loaded",
+                         hint="re-register the reference with the model file itself")
+    return path
+
+
+def _check_class_trusted(class_path: str, model: "ModelSpec", where: str) -> None:
+    """Refuse a class path that only the registry names (tailguard-model.json) unless the spec trusts the source.
+
+    Raises:
+        UntrustedModelError: `model.source.class_path` is unset and `model.source.trusted` is false.
+    """
+    if model.source.class_path or model.source.trusted:
+        return
+    raise UntrustedModelError(
+        f"model.source.class_path: {where} asks to import and build the class {class_path!r} (named by its "
+        f"{DESCRIPTOR_FILE} in the registry, not by the spec); importing a module runs its code in every step "
+        "that loads the reference, so tailguard imports only a class the spec names",
+        hint=f"add `class_path: {class_path}` under model.source if that is the class you expect, or set "
+             "model.source.trusted: true for a registry only trusted people can write to (docs/deploy.md, "
+             "Trust model)")
 
 
 def _read_descriptor(local: Path) -> dict[str, Any] | None:
@@ -362,12 +475,12 @@ def _detect_format(local: Path, descriptor: dict[str, Any] | None, declared: str
 
 
 def _class_and_kwargs(model: "ModelSpec", descriptor: dict[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
-    """class path and init kwargs: the spec's class_path overrides the descriptor's (with the spec's kwargs);
-    otherwise the descriptor's kwargs updated by the spec's."""
+    """class path and init kwargs: a spec class_path other than the descriptor's overrides it (with the spec's
+    kwargs only); otherwise (the same class, or none in the spec) the descriptor's kwargs updated by the spec's."""
     src = model.source
-    if src.class_path:
-        return src.class_path, dict(src.init_kwargs)
     desc = descriptor or {}
+    if src.class_path and src.class_path != desc.get("class_path"):
+        return src.class_path, dict(src.init_kwargs)
     return desc.get("class_path"), {**dict(desc.get("init_kwargs") or {}), **dict(src.init_kwargs)}
 
 
@@ -394,7 +507,8 @@ def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.n
         InputError: ONNX reference (no torch module), unknown class path (names model.source.class_path), bad
             init kwargs, unreadable weights, or a state dict that does not fit the class (missing / unexpected
             keys or shape mismatches listed).
-        UntrustedModelError: a pickle reference without `model.source.trusted: true`.
+        UntrustedModelError: a pickle reference without `model.source.trusted: true`, or a state dict whose
+            class the spec does not name (`model.source.class_path`) without `trusted: true`.
     """
     import torch
 
@@ -430,7 +544,9 @@ def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.n
     if not class_path:
         raise InputError("model.source.class_path: a state-dict reference needs a class path",
                          hint="set model.source.class_path: 'package.module:Class'")
-    init_kwargs = dict(spec.source.init_kwargs) if spec.source.class_path else dict(resolved.init_kwargs)
+    _check_class_trusted(class_path, spec, f"{resolved.registered_name!r} version {resolved.version}")
+    same = spec.source.class_path in (None, resolved.class_path)
+    init_kwargs = dict(resolved.init_kwargs) if same else dict(spec.source.init_kwargs)
     weights = read_state_dict(path, "model.source.weights_file")
     return build_state_dict_module(class_path, init_kwargs, weights, weights_name=path.name)
 
