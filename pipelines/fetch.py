@@ -162,8 +162,10 @@ def fetch_model(ref: str, out_dir: str | Path, *, tracking_uri: str | None = Non
         from mlflow.exceptions import MlflowException
 
         try:
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{mv.version}",
-                                                             dst_path=tmp, tracking_uri=uri))
+            # the version's own artifact location: a models:/ URI would be resolved against MLflow's global
+            # registry URI, not this store's (the store named by --tracking-uri would not be the one read)
+            source = client.get_model_version_download_uri(name, str(mv.version))
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp, tracking_uri=uri))
         except (MlflowException, OSError) as exc:
             raise StepError(f"downloading {name} v{mv.version} from {uri} failed: {str(exc).splitlines()[0]}",
                             step="fetch") from None

@@ -65,3 +65,21 @@ def test_fetch_exits_2_naming_what_exists_when_the_model_alias_or_version_is_unk
 def test_parse_model_ref_splits_alias_and_version_forms():
     assert parse_model_ref("team/clf-optimized@production") == ("team/clf-optimized", "production", None)
     assert parse_model_ref("clf-optimized/12") == ("clf-optimized", None, "12")
+
+
+def test_fetch_reads_the_named_store_when_run_as_a_fresh_process_with_tracking_uri(store, tmp_path):
+    """A real `tailguard fetch` process, no $MLFLOW_TRACKING_URI, the store named only by --tracking-uri: nothing
+    global (mlflow.set_registry_uri from an earlier in-process command) can make it find the version."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    cli = Path(sys.executable).with_name("tailguard")
+    out, cwd = tmp_path / "proc-out", tmp_path / "elsewhere"  # not the store's folder: MLflow's default
+    cwd.mkdir()                                                # registry (sqlite:///mlflow.db) is the cwd's
+    r = subprocess.run([str(cli), "fetch", "clf@production", "-o", str(out), "--tracking-uri", store["uri"]],
+                       cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (out / "model.onnx").is_file() and not (cwd / "mlflow.db").exists()
