@@ -435,7 +435,7 @@ def _within(bet: Betting, now: tuple[float, ...], before: tuple[float, ...] | No
 
 
 def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDENCE_BYTES,
-               deadline_s: float = FETCH_DEADLINE_S) -> Fetch:
+               deadline_s: float = FETCH_DEADLINE_S, headers: Mapping[str, str] | None = None) -> Fetch:
     """A Fetch over HTTP: GET {peer}/v1/evidence?since=N (httpx, streamed), with bounded size and time.
 
     Args:
@@ -443,6 +443,8 @@ def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDE
         max_bytes: largest body read (bytes, after content decoding); past it: body_too_large.
         deadline_s: total time to read one body (s); past it: read_timeout. Checked between reads, so a stalled
             peer ends within deadline_s + timeout_s.
+        headers: sent with every fetch: the monitor's `Authorization: Bearer <token>` when it has one
+            (monitoring.auth_token_env / auth_token_file; replicas and combiner share the token), else none.
 
     Returns:
         fetch(peer, since) -> the parsed document; raises PeerDocumentError (body_too_large, read_timeout,
@@ -450,7 +452,7 @@ def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDE
     """
     import httpx
 
-    client = httpx.Client(timeout=timeout_s)
+    client = httpx.Client(timeout=timeout_s, headers=dict(headers or {}))
 
     def fetch(peer: str, since: int) -> Mapping[str, Any]:
         end = time.monotonic() + deadline_s

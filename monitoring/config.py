@@ -7,11 +7,16 @@ keys such as ``length=[16,32)`` or ``domain=legal``; every request also belongs 
 
 from __future__ import annotations
 
+import hmac
 import math
+import os
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
-from tailguard.core.errors import FieldError, SpecError
+from tailguard.core.errors import FieldError, InputError, SpecError
 from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
 from tailguard.core.spec import MonitoringSpec, MonitorThreshold, SliceSpec, Spec, TensorSpec
 
@@ -28,6 +33,10 @@ METRIC_RANGE: dict[str, tuple[float, float]] = {r.key: r.value_range for r in RO
 # (tailguard_monitor_slice_values_cut_total): a label value, a JSON key and a dict key per slice stay small.
 MAX_LABEL_CHARS = 64
 PAIR_SEPARATOR = "&"
+# A slice value past monitoring.max_new_values_per_minute new values of its column is grouped under this label
+# (`<name>=__new__`) instead of getting its own key: a flood of unique values costs one key (issue 22).
+NEW_VALUE = "__new__"
+MIN_TOKEN_CHARS = 16  # a shorter bearer token is refused (exit 2): guessable
 # Tracked per-row metrics by default: every one the task's parity computes for a single pair (catalogue order).
 DEFAULT_METRICS: dict[str, tuple[str, ...]] = {t: monitor_metrics(t) for t in TASKS}
 # Default alert thresholds. 0.97 top-1 agreement matches the per-slice gate of the example spec
@@ -125,6 +134,118 @@ def clean_label(text: str) -> tuple[str, bool]:
     return clean, clean != text
 
 
+class NewValueLimiter:
+    """Per slice column, a token bucket on values not tracked yet (monitoring.max_new_values_per_minute).
+
+    A value is *new* when its column has not shown it recently: each column remembers its last `max_known`
+    values (least recently seen forgotten first, like the statistics' own bound). A new value takes a token; a
+    column's bucket holds at most `per_minute` tokens and refills at per_minute / 60 per second of `clock`. With
+    no token left the value is lumped into NEW_VALUE and counted (`lumped`, and `on_lump(rule name)`); it is
+    not remembered, so it gets its own key once the rate allows. Not thread-safe: the service calls it under its
+    admission lock.
+
+    Args:
+        per_minute: new values per column and minute (burst: as many at once).
+        max_known: values remembered per column (monitoring.max_tracked_slices).
+        clock: monotonic time source in seconds (tests inject one; default time.monotonic).
+        on_lump: called with the rule name for every lumped value (the service's Prometheus counter).
+
+    Raises:
+        ValueError: per_minute or max_known < 1.
+    """
+
+    def __init__(self, per_minute: int, *, max_known: int = 100_000, clock: Callable[[], float] = time.monotonic,
+                 on_lump: Callable[[str], None] | None = None) -> None:
+        if per_minute < 1 or max_known < 1:
+            raise ValueError("per_minute and max_known must be >= 1")
+        self.per_minute = float(per_minute)
+        self.max_known = int(max_known)
+        self.clock = clock
+        self.on_lump = on_lump
+        self.lumped = 0
+        self._known: dict[str, OrderedDict[str, None]] = {}
+        self._tokens: dict[str, tuple[float, float]] = {}  # rule name -> (tokens, at time)
+
+    def admit(self, name: str, label: str) -> str:
+        """`label` when the column `name` has seen it or may take one more new value now, else NEW_VALUE."""
+        known = self._known.setdefault(name, OrderedDict())
+        if label in known:
+            known.move_to_end(label)
+            return label
+        now = self.clock()
+        tokens, at = self._tokens.get(name, (self.per_minute, now))
+        tokens = min(self.per_minute, tokens + max(now - at, 0.0) * self.per_minute / 60.0)
+        if tokens < 1.0:
+            self._tokens[name] = (tokens, now)
+            self.lumped += 1
+            if self.on_lump is not None:
+                self.on_lump(name)
+            return NEW_VALUE
+        self._tokens[name] = (tokens - 1.0, now)
+        known[label] = None
+        if len(known) > self.max_known:
+            known.popitem(last=False)
+        return label
+
+
+def load_auth_token(mon: MonitoringSpec, token_file: str | Path | None = None) -> str | None:
+    """The monitor's bearer token: from `token_file` (`monitor serve --auth-token-file`), else the spec's
+    monitoring.auth_token_file, else the environment variable monitoring.auth_token_env; None when none is set
+    (no authentication). Surrounding whitespace (a trailing newline of a Secret file) is stripped.
+
+    Raises:
+        InputError: the file cannot be read, the variable is unset or empty, or the token is shorter than
+            MIN_TOKEN_CHARS characters (exit 2, naming the source and the fix).
+    """
+    path = token_file if token_file is not None else mon.auth_token_file
+    if path is not None:
+        source = f"auth token file {str(path)!r}"
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"{source} cannot be read ({type(exc).__name__}: {str(exc)[:200]})",
+                             hint="mount the Secret there, or fix --auth-token-file / "
+                                  "monitoring.auth_token_file") from None
+    elif mon.auth_token_env:
+        source = f"environment variable {mon.auth_token_env} (monitoring.auth_token_env)"
+        token = os.environ.get(mon.auth_token_env, "").strip()
+        if not token:
+            raise InputError(f"{source} is unset or empty", hint=f"set {mon.auth_token_env} (e.g. from a Secret: "
+                                                                "env.valueFrom.secretKeyRef), or remove "
+                                                                "monitoring.auth_token_env")
+    else:
+        return None
+    if len(token) < MIN_TOKEN_CHARS:
+        raise InputError(f"{source}: the token has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}",
+                         hint="use a random token, e.g. `openssl rand -hex 32`")
+    return token
+
+
+class BearerAuth:
+    """Checks `Authorization: Bearer <token>` in constant time (hmac.compare_digest over UTF-8 bytes).
+
+    Args:
+        token: the expected token (load_auth_token).
+    """
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode("utf-8")
+
+    def check(self, authorization: str | bytes | None) -> bool:
+        """True when `authorization` (the header's or gRPC metadata's value) is `Bearer <the token>` (the
+        scheme case-insensitive)."""
+        if authorization is None:
+            return False
+        raw = authorization.encode("utf-8", "replace") if isinstance(authorization, str) else authorization
+        scheme, _, given = raw.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token)
+
+    @property
+    def header(self) -> dict[str, str]:
+        """The header that passes the check (for the combiner's peer fetch)."""
+        return {"Authorization": "Bearer " + self._token.decode("utf-8")}
+
+
 @dataclass
 class MonitorConfig:
     """Everything the sampler, statistics and exporters need, resolved from a Spec.
@@ -140,6 +261,8 @@ class MonitorConfig:
         metrics: tracked per-row metrics.
         bounds: {metric: Bound} for metrics with a threshold.
         pairs: (i, j) indices into `rules` whose intersections are slices too (monitoring.slice_pairs).
+        new_values: the per-column cap on new slice values (the service sets it from
+            monitoring.max_new_values_per_minute); None: every value gets its own key (replay: deterministic).
     """
 
     spec: Spec
@@ -152,6 +275,7 @@ class MonitorConfig:
     metrics: tuple[str, ...]
     bounds: dict[str, Bound] = field(default_factory=dict)
     pairs: list[tuple[int, int]] = field(default_factory=list)
+    new_values: NewValueLimiter | None = None
 
     def slice_keys(self, meta: Mapping[str, Any]) -> tuple[list[str], int]:
         """Slice keys of one request: ``all``, ``<rule name>=<group>`` per rule, then ``<a>=<x>&<b>=<y>`` per pair.
@@ -161,11 +285,15 @@ class MonitorConfig:
 
         Returns:
             (keys, how many group labels `clean_label` had to change). Every key is measured
-            (monitoring/stats.py bounds the memory; monitoring/metrics.py bounds the exported labels).
+            (monitoring/stats.py bounds the memory; monitoring/metrics.py bounds the exported labels). With
+            `new_values`, a value past its column's rate of new values is lumped into `<name>=__new__` (also in
+            the pair keys).
         """
         parts, cut = [], 0
         for r in self.rules:
             label, changed = clean_label(r.group(meta.get(r.column)))
+            if self.new_values is not None:
+                label = self.new_values.admit(r.name, label)
             cut += changed
             parts.append(f"{r.name}={label}")
         return [ALL_SLICE, *parts, *(parts[i] + PAIR_SEPARATOR + parts[j] for i, j in self.pairs)], cut

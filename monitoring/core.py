@@ -85,7 +85,7 @@ class MonitorCore:
     def observe(self, keys: list[str], decision: Decision, reference: np.ndarray, candidate: np.ndarray | None, *,
                 request_index: int | None = None, request_id: str = "", meta: Mapping[str, Any] | None = None,
                 feeds: Mapping[str, np.ndarray] | None = None, now: datetime | None = None,
-                failure: str | None = None) -> Evaluation:
+                failure: str | None = None, values: Mapping[str, np.ndarray] | None = None) -> Evaluation:
         """Compare one sampled request's outputs row by row and update statistics and alerts (one bet per slice
         and metric on the request: monitoring/stats.py).
 
@@ -106,6 +106,8 @@ class MonitorCore:
             now: time stamp of fired alerts (default now).
             failure: the candidate's failure reason ("candidate_error", "candidate_timeout", "candidate_shape"),
                 or None.
+            values: this request's rows of `compare_rows` computed for several requests at once (the shadow
+                worker's micro-batch), or None to compute them here.
 
         Returns:
             The alerts fired/cleared.
@@ -114,7 +116,7 @@ class MonitorCore:
         rows = int(ref.shape[0]) if ref.ndim else 1
         if failure is None and (candidate is None or np.shape(candidate) != ref.shape):
             failure = "candidate_error" if candidate is None else "candidate_shape"
-        if failure is None:
+        if failure is None and values is None:
             try:
                 values = compare_rows(self.cfg.task, ref, candidate, self.cfg.metrics)  # type: ignore[arg-type]
             except InputError:  # an output the task cannot score (e.g. not 2-D logits): the candidate's fault
@@ -206,7 +208,11 @@ class MonitorCore:
     def evidence(self, since: int = 0) -> dict[str, Any]:
         """This process's evidence since cursor `since` (GET /v1/evidence; monitoring/combine.py), with its epoch,
         role and detector `settings` hash (a combiner refuses peers whose settings differ from its own)."""
-        doc = self.stats.evidence(since)
+        return self.with_identity(self.stats.evidence(since))
+
+    def with_identity(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """An evidence document ({"version", "slices"}) with this process's epoch, model, role and settings hash
+        added (the service builds the slices in chunks, monitoring/service.py)."""
         doc.update(epoch=self.epoch, model=self.cfg.model_name, role=self.role, settings=self.settings)
         return doc
 
@@ -231,15 +237,27 @@ class MonitorCore:
             The slices.json document; `slices_total` is the number of tracked slices, `next_offset` the offset of
             the next page or None.
         """
-        st = self.decider
-        keys = sorted(st.slices)
+        keys = sorted(self.decider.slices)
         page = keys[offset: None if limit is None else offset + limit]
-        summary = st.slice_summary(page)
+        end = offset + len(page)
+        return {**self.slices_header(), "slices_tracked": len(keys), "slices_total": len(keys), "offset": offset,
+                "next_offset": end if end < len(keys) else None, "slices": self.slice_entries(page)}
+
+    def slice_entries(self, keys: list[str]) -> dict[str, Any]:
+        """{key: per-slice statistics plus the sampler's view} for those of `keys` still tracked, in that order
+        (the service builds a page in chunks, each under the worker lock)."""
+        st = self.decider
+        summary = st.slice_summary([k for k in keys if k in st.slices])
         for key, entry in summary.items():
             entry["requests_seen"] = self.sampler.seen(key)
             entry["sampled"] = self.sampler.sampled(key)
             entry["traffic_share"] = round(self.sampler.frequency(key), 6)
-        end = offset + len(page)
+        return summary
+
+    def slices_header(self) -> dict[str, Any]:
+        """The slices.json fields other than the page (`slices_tracked`, `slices_total`, `offset`, `next_offset`,
+        `slices`): settings, counters, thresholds."""
+        st = self.decider
         mon = self.cfg.mon
         return {"model": self.cfg.model_name, "task": self.cfg.task, "requests": self.sampler.total,
                 "sampled": self.sampler.sampled_total, "compared_rows": self.compared_rows,
@@ -247,12 +265,11 @@ class MonitorCore:
                 "sample_rate": mon.sample_rate, "window_size": mon.window_size, "min_support": mon.min_support,
                 "alpha": mon.alpha, "horizon": mon.horizon, "detector": st.method,
                 "alarm_threshold": round(st.h, 6), "keys_per_request": self.cfg.keys_per_request, "role": self.role,
-                "slices_tracked": len(keys), "slices_evicted": st.evicted, "sampler_keys_evicted": self.sampler.evicted,
-                "slice_values_cut": self.labels_cut,
+                "slices_evicted": st.evicted, "slices_evicted_strong": st.evicted_strong,
+                "sampler_keys_evicted": self.sampler.evicted, "slice_values_cut": self.labels_cut,
+                "slice_values_lumped": self.cfg.new_values.lumped if self.cfg.new_values is not None else 0,
                 "thresholds": {m: {"value": b.value, "direction": "min" if b.higher_is_better else "max",
-                                   "source": b.source} for m, b in self.cfg.bounds.items()},
-                "slices_total": len(keys), "offset": offset, "next_offset": end if end < len(keys) else None,
-                "slices": summary}
+                                   "source": b.source} for m, b in self.cfg.bounds.items()}}
 
 
 class _SeenView:

@@ -26,6 +26,9 @@ served as a client-streaming method (the same bytes on the wire as a unary call)
 such a refusal and counts it as `body_too_large` (gRPC does not tell it apart from a client that cancels before
 its message arrived, which is counted the same way). Memory is bounded by max_concurrent_rpcs x max_body_bytes:
 calls past max_concurrent_rpcs are refused by gRPC with RESOURCE_EXHAUSTED (not counted by the monitor).
+With a bearer token (monitoring.auth_token_env / auth_token_file), every RPC but ServerLive needs the metadata
+`authorization: Bearer <token>` (ServerReady / ModelReady only with monitoring.auth_readyz), else UNAUTHENTICATED
+(AuthInterceptor).
 """
 
 from __future__ import annotations
@@ -212,9 +215,51 @@ def handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, table)
 
 
+# RPCs that never need the token (like HTTP /healthz), and those that follow monitoring.auth_readyz (/readyz)
+OPEN_METHODS = frozenset({"ServerLive"})
+READY_METHODS = frozenset({"ServerReady", "ModelReady"})
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Requires the monitor's bearer token in the metadata `authorization: Bearer <token>` (checked in constant
+    time, monitoring/config.py BearerAuth) on every RPC but ServerLive (ServerReady / ModelReady only with
+    monitoring.auth_readyz); a call without it is aborted UNAUTHENTICATED before its message is read, and counted
+    in invalid_requests_total{reason="unauthenticated"} like HTTP's 401.
+
+    Args:
+        service: the MonitorService (its `auth` and metrics).
+    """
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        """The RPC's handler, or one that aborts UNAUTHENTICATED when the token is missing or wrong."""
+        handler = continuation(details)
+        auth = self.service.auth
+        method = str(details.method or "").rsplit("/", 1)[-1]
+        if handler is None or auth is None or method in OPEN_METHODS or (
+                method in READY_METHODS and not self.service.cfg.mon.auth_readyz):
+            return handler
+        given = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        if auth.check(given):
+            return handler
+        service = self.service
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+            service.metrics.invalid_requests.labels("unauthenticated").inc()
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: missing or wrong bearer token; send "
+                                                           "metadata 'authorization: Bearer <token>'")
+
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
 def start_grpc(service: Any, host: str, port: int, *, max_workers: int = MAX_WORKERS,
                max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS) -> tuple[grpc.Server, int]:
-    """Start the OIP gRPC server for `service` (plaintext; put TLS in front, as for the HTTP port).
+    """Start the OIP gRPC server for `service` (plaintext; put TLS in front, as for the HTTP port), with the
+    service's bearer token required (AuthInterceptor) when it has one.
 
     Args:
         service: the MonitorService.
@@ -231,6 +276,7 @@ def start_grpc(service: Any, host: str, port: int, *, max_workers: int = MAX_WOR
     """
     limit = service.max_body_bytes
     server = grpc.server(cf.ThreadPoolExecutor(max_workers, thread_name_prefix="tg-grpc"),
+                         interceptors=[AuthInterceptor(service)] if getattr(service, "auth", None) else None,
                          maximum_concurrent_rpcs=max_concurrent_rpcs,
                          options=[("grpc.max_receive_message_length", limit),
                                   ("grpc.max_send_message_length", 1 << 20)])

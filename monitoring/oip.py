@@ -71,7 +71,10 @@ INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_i
                    "bad_datatype", "bad_shape", "bad_data", "batch_mismatch", "bad_parameters", "missing_output",
                    "body_too_large", "missing_ce_id", "unknown_ce_type", "structured_mode", "too_deep",
                    "batch_too_large", "non_finite_input", "unknown_model", "bad_header_length",
-                   "binary_size_mismatch", "truncated_binary", "trailing_binary", "bad_bytes_prefix")
+                   "binary_size_mismatch", "truncated_binary", "trailing_binary", "bad_bytes_prefix",
+                   # refusals before or beside parsing (monitoring/service.py, grpc_ingest.py)
+                   "join_entry_too_large", "too_many_requests", "body_budget_exceeded", "client_disconnected",
+                   "unauthenticated")
 # Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec.py MonitoringSpec).
 MAX_BODY_BYTES = 8 * 2**20
 MAX_BATCH_ROWS = 1024

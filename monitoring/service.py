@@ -28,9 +28,18 @@ with a timeout: a slow, crashing, NaN-returning or missing reference only moves 
 Ingest answers 200 with `{"model_name", "id", "outputs": [], "parameters": {"tailguard.sampled": bool}}` (the
 mirror's response is discarded by Istio); malformed bodies get 4xx with `{"error", "reason"}`. The logger
 endpoint answers 200 `{"model_name", "id", "joined": false}` for a half that waits for its partner, and the
-ingest answer plus `"joined": true` for the half that completes a pair; halves that expire
-(monitoring.logger_join_ttl_s) or overflow the buffer (monitoring.logger_join_max_entries) are counted as
-`dropped_total{reason="unmatched"|"join_overflow"}`.
+ingest answer plus `"joined": true` for the half that completes a pair; a waiting half is kept as its raw body
+and parsed again at the join; halves that expire (monitoring.logger_join_ttl_s) or overflow the buffer
+(monitoring.logger_join_max_entries, logger_join_max_bytes) are counted as
+`dropped_total{reason="unmatched"|"join_overflow"}`, a first half over logger_join_max_entry_bytes is refused (413
+join_entry_too_large).
+
+Before any route (`_Guard`, before a body is read): the bearer token when one is configured (monitoring.auth_token_env
+/ auth_token_file / --auth-token-file; every route but /healthz, /readyz and /metrics as configured; 401
+unauthenticated), then at most monitoring.max_concurrent_requests ingest requests in flight (503
+too_many_requests). Ingest bodies are read within monitoring.max_inflight_body_bytes over all requests in flight
+(503 body_budget_exceeded). /v1/slices and /v1/evidence build their entries in chunks of READ_CHUNK slices, each
+under the worker lock, never all of them at once.
 
 Limits (monitoring/oip.py): a body over monitoring.max_body_bytes is refused from its Content-Length, or while it
 is read, before any parsing (413 body_too_large); then JSON nesting (400 too_deep), binary sections against shapes
@@ -59,13 +68,16 @@ from typing import Any, AsyncIterator, Callable, Mapping
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter
 
 from tailguard.core.errors import InputError
 from tailguard.core.home import home
 from tailguard.monitoring.combine import Combiner, PeerError, PollLoop, http_fetch
-from tailguard.monitoring.config import MonitorConfig, SliceRule, resolve_config
+from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
+                                         resolve_config)
+from tailguard.monitoring.compare import compare_rows
 from tailguard.monitoring.core import MonitorCore
-from tailguard.monitoring.join import CE_TYPES, JoinBuffer
+from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
 from tailguard.monitoring.metrics import MonitorMetrics
 from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, attach_binary, load_json, parse_request,
                                       parse_response_output, split_binary, utf8_text)
@@ -76,6 +88,10 @@ from tailguard.core.spec import Spec, load_spec
 log = logging.getLogger("tailguard.monitoring.service")
 HEALTH_WINDOW = 20  # /readyz answers 503 while each of a model's last 20 calls failed (error, timeout, bad output)
 REDACTED = "<redacted>"  # the value of a redacted parameter (the S3 sink writes the same text)
+READ_CHUNK = 512  # slice entries /v1/evidence and /v1/slices build per hold of the worker lock
+# uvicorn's limit_concurrency = max_concurrent_requests + this: it counts open connections (idle keep-alive ones of
+# every mirroring Envoy too) and tasks, so it is a memory bound far above the app's own limit, not the limit itself
+CONNECTION_HEADROOM = 1024
 
 
 def redact_params(params: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
@@ -151,18 +167,33 @@ class MonitorService:
         peers: base URLs of replicas whose evidence this process combines with its own (it becomes the combiner,
             the deployment's only alerting process; monitoring/combine.py).
         poll_interval_s: seconds between two reads of the peers' evidence.
+        auth_token: the bearer token every endpoint but /healthz requires (config.load_auth_token), also sent
+            when the combiner reads its peers; None: no authentication.
+        clock: monotonic time source in seconds for the per-column cap on new slice values
+            (monitoring.max_new_values_per_minute; tests inject one).
     """
 
     def __init__(self, cfg: MonitorConfig, reference: str | Path | Runner | None,
                  candidate: str | Path | Runner | None, *, metrics: MonitorMetrics | None = None,
                  seed: int | None = None, s3_client: Any = None, start: bool = True, evidence_only: bool = False,
-                 peers: list[str] | None = None, poll_interval_s: float = 5.0) -> None:
+                 peers: list[str] | None = None, poll_interval_s: float = 5.0, auth_token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if evidence_only and peers:
             raise InputError("--evidence-only and --peer exclude each other: a replica exports evidence, the "
                              "combiner reads it", hint="start replicas with --evidence-only, one combiner with --peer")
-        self.cfg = cfg
         mon = cfg.mon
         self.metrics = metrics or MonitorMetrics()
+        self.lumped = Counter("tailguard_monitor_slice_values_lumped", "Slice values lumped into <name>=__new__ "
+                              "(past monitoring.max_new_values_per_minute new values of the column), by slice name.",
+                              ["model", "slice"], registry=self.metrics.registry)
+        if mon.max_new_values_per_minute is not None:
+            cfg = dataclasses.replace(cfg, new_values=NewValueLimiter(
+                mon.max_new_values_per_minute, max_known=mon.max_tracked_slices, clock=clock,
+                on_lump=lambda name: self.lumped.labels(cfg.model_name, name).inc()))
+        self.cfg = cfg
+        self.auth = BearerAuth(auth_token) if auth_token else None
+        self.body_budget = BodyBudget(mon.max_inflight_body_bytes)
+        self.in_flight = 0  # HTTP ingest requests being handled (the event loop's count; max_concurrent_requests)
         self.redact = frozenset(mon.redact_fields)
         redacted_slices = [r.name for r in cfg.rules if r.column in self.redact or r.name in self.redact]
         if redacted_slices:
@@ -188,7 +219,7 @@ class MonitorService:
         self.combiner: Combiner | None = None
         self._poller: PollLoop | None = None
         if self.core.combined is not None:
-            peer_fetch = http_fetch()
+            peer_fetch = http_fetch(headers=self.auth.header if self.auth is not None else None)
 
             def fetch(source: str, since: int) -> Mapping[str, Any]:
                 if source == "self":
@@ -204,7 +235,8 @@ class MonitorService:
                                      on_error=lambda peer, reason: self.metrics.peer_errors.labels(peer, reason).inc())
             self._poller = PollLoop(self.combine, poll_interval_s)
         self.queue: queue.Queue[_Item] = queue.Queue(maxsize=mon.queue_size)
-        self.join = JoinBuffer(mon.logger_join_max_entries, mon.logger_join_ttl_s,
+        self.join = JoinBuffer(mon.logger_join_max_entries, mon.logger_join_ttl_s, max_bytes=mon.logger_join_max_bytes,
+                               max_entry_bytes=mon.logger_join_max_entry_bytes or mon.max_body_bytes,
                                on_drop=lambda reason, n: self.metrics.dropped.labels(reason).inc(n))
         self._sources = {"reference": reference, "candidate": None if mon.noise_floor else candidate}
         self.runners: dict[str, Runner | None] = {"reference": None, "candidate": None}
@@ -240,9 +272,19 @@ class MonitorService:
             self.core.report(self.combiner.poll())
 
     def evidence(self, since: int = 0) -> dict[str, Any]:
-        """This process's evidence since cursor `since` (GET /v1/evidence)."""
+        """This process's evidence since cursor `since` (GET /v1/evidence), built without holding the worker lock
+        for more than READ_CHUNK slices: the keys updated after `since` and the version are taken under the lock
+        (a scan, no entry built), then the entries in chunks, each under the lock. An entry may be newer than the
+        version returned: the next read (since=version) returns it again, and the combiner merges only what it
+        has not merged (its walks are cumulative per epoch, monitoring/combine.py)."""
+        stats = self.core.stats
         with self._lock:
-            return self.core.evidence(since)
+            version, keys = stats.evidence_keys(since)
+        out: dict[str, Any] = {}
+        for i in range(0, len(keys), READ_CHUNK):
+            with self._lock:
+                out.update(stats.evidence_entries(keys[i:i + READ_CHUNK]))
+        return self.core.with_identity({"version": version, "slices": out})
 
     def stop(self) -> None:
         """Stop the worker, flush the sink (to S3 or the spool) and release the pools."""
@@ -300,8 +342,21 @@ class MonitorService:
 
     def refuse_oversized(self, endpoint: str) -> tuple[int, dict[str, Any]]:
         """The answer to a body the app stopped reading at max_body_bytes (413 body_too_large, counted)."""
-        exc = OipError("body_too_large", f"body over {self.max_body_bytes} bytes (monitoring.max_body_bytes)",
-                       status=413)
+        return self.refuse_body(endpoint, "body_too_large")
+
+    def refuse_body(self, endpoint: str, reason: str | None) -> tuple[int, dict[str, Any]]:
+        """The answer to a body the app did not read (counted in invalid_requests_total{reason}): 413
+        `body_too_large` (over monitoring.max_body_bytes), 503 `body_budget_exceeded` (the bodies in flight hold
+        monitoring.max_inflight_body_bytes; retry), 400 `client_disconnected` (the client left mid-body)."""
+        mon = self.cfg.mon
+        if reason == "body_budget_exceeded":
+            exc = OipError(reason, f"the bodies being read hold the budget of {mon.max_inflight_body_bytes} bytes "
+                                   "(monitoring.max_inflight_body_bytes); retry later", status=503)
+        elif reason == "client_disconnected":
+            exc = OipError(reason, "the client closed the connection before the body was read", status=400)
+        else:
+            exc = OipError("body_too_large", f"body over {self.max_body_bytes} bytes (monitoring.max_body_bytes)",
+                           status=413)
         return self._refuse(endpoint, exc, time.perf_counter())
 
     def ingest(self, endpoint: str, name: str, body: bytes, header: str | None = None) -> tuple[int, dict[str, Any]]:
@@ -366,7 +421,8 @@ class MonitorService:
             (HTTP status, JSON response): 200 when buffered or joined; 4xx with `{"error", "reason"}` for a
             missing `ce-id` (400 missing_ce_id), a `ce-type` other than the two inference types (400
             unknown_ce_type), a structured-mode event (415 structured_mode), a body that is not JSON (400) or
-            not a valid OIP request/response (422), or a joined pair whose response does not fit its request.
+            not a valid OIP request/response (422), a first half over monitoring.logger_join_max_entry_bytes (413
+            join_entry_too_large), or a joined pair whose response does not fit its request.
         """
         t0 = time.perf_counter()
         endpoint = "logger"
@@ -387,31 +443,49 @@ class MonitorService:
                 raise OipError("unknown_ce_type", f"ce-type {h.get('ce-type', '')!r} is not one of "
                                                   f"{sorted(CE_TYPES)}", status=400)
             header = _event_header(h, half)
-            if half == "request":
-                value: Any = self._parse_request(body, header)
-                if not value.id:
-                    value.id = event_id
-            else:
-                if header is None:
-                    value, tail = load_json(body, max_bytes=self.max_body_bytes, what="response body"), None
-                else:
-                    value, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="response body")
-                if not isinstance(value, dict):
-                    raise OipError("not_an_object", "response body must be a JSON object with 'outputs'",
-                                   status=400)
-                if tail is not None:
-                    attach_binary([value.get("outputs")], tail, ["response output"])
-                if not isinstance(value.get("outputs"), list) or not value["outputs"]:
-                    raise OipError("missing_output", "response has no 'outputs' list (OIP v2 response)")
-            pair = self.join.add(event_id, half, value)
+            # checked now (a bad half is refused at once); if it has to wait, only its raw bytes are kept and it
+            # is parsed again when its partner comes (monitoring/join.py: the byte budget is what is held)
+            parsed = self._parse_half(half, body, header)
+            try:
+                pair = self.join.add(event_id, half, (body, header), size=len(body) + len(header or ""))
+            except EntryTooLarge as exc:
+                raise OipError("join_entry_too_large", f"{exc} (monitoring.logger_join_max_entry_bytes)",
+                               status=413) from None
+            if pair is None:
+                self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
+                return 200, {"model_name": self.cfg.model_name, "id": event_id, "joined": False}
+            other_half = "response" if half == "request" else "request"
+            other = self._parse_half(other_half, *(pair[1] if half == "request" else pair[0]))
+            req, resp = (parsed, other) if half == "request" else (other, parsed)
+            if not req.id:
+                req.id = event_id
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        if pair is None:
-            self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
-            return 200, {"model_name": self.cfg.model_name, "id": event_id, "joined": False}
-        status, doc = self._ingest_pair(endpoint, pair[0], pair[1], t0)
+        status, doc = self._ingest_pair(endpoint, req, resp, t0)
         doc["joined"] = status == 200
         return status, doc
+
+    def _parse_half(self, half: str, body: bytes, header: str | None) -> Any:
+        """A payload-logger half parsed and checked: the request as an InferRequest (checked against
+        model.inputs), the response as its JSON object with a non-empty `outputs` list (binary sections
+        attached).
+
+        Raises:
+            OipError: the usual ingest reasons (invalid_json, not_an_object, missing_output, the binary ones...).
+        """
+        if half == "request":
+            return self._parse_request(body, header)
+        if header is None:
+            value, tail = load_json(body, max_bytes=self.max_body_bytes, what="response body"), None
+        else:
+            value, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="response body")
+        if not isinstance(value, dict):
+            raise OipError("not_an_object", "response body must be a JSON object with 'outputs'", status=400)
+        if tail is not None:
+            attach_binary([value.get("outputs")], tail, ["response output"])
+        if not isinstance(value.get("outputs"), list) or not value["outputs"]:
+            raise OipError("missing_output", "response has no 'outputs' list (OIP v2 response)")
+        return value
 
     def sweep(self) -> int:
         """Drop payload-logger halves older than monitoring.logger_join_ttl_s (counted); returns how many."""
@@ -569,15 +643,34 @@ class MonitorService:
                 need = [it for it, _ in judged if it.candidate is None]
                 outs = iter(self._run_group("candidate", need))
                 seconds = [(it.candidate, None) if it.candidate is not None else next(outs) for it, _ in judged]
+            shared = self._compare_group(judged, seconds)
             with self._lock:
                 for it, reason in failed:
                     self.core.reference_failed(it.keys, it.rows)
-                for (it, ref), (cand, reason) in zip(judged, seconds):
+                for n, ((it, ref), (cand, reason)) in enumerate(zip(judged, seconds)):
                     if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):
                         self._drop(reason or "reference_error")
                         continue
                     self.core.observe(it.keys, it.decision, ref, cand, request_index=it.index,
-                                      request_id=it.request_id, meta=it.meta, feeds=it.feeds, failure=reason)
+                                      request_id=it.request_id, meta=it.meta, feeds=it.feeds, failure=reason,
+                                      values=shared.get(n))
+
+    def _compare_group(self, judged: list[tuple[_Item, np.ndarray]],
+                       seconds: list[tuple[np.ndarray | None, str | None]]) -> dict[int, dict[str, np.ndarray]]:
+        """Per-row parity of every answered request of a group in one `compare_rows` call (its numpy work is
+        per call, not per row), split back per request: {position in `judged`: {metric: (rows,) values}}. Requests
+        the candidate failed on, or answered in another shape, are left to `MonitorCore.observe`."""
+        ok = [n for n, ((_, ref), (cand, reason)) in enumerate(zip(judged, seconds))
+              if reason is None and cand is not None and cand.shape == ref.shape]
+        if len(ok) < 2 or len({judged[n][1].shape[1:] for n in ok}) > 1:
+            return {}
+        try:
+            values = compare_rows(self.cfg.task, np.concatenate([judged[n][1] for n in ok]),
+                                  np.concatenate([seconds[n][0] for n in ok]), self.cfg.metrics)
+        except InputError:  # an output the task cannot score: each request finds out on its own
+            return {}
+        bounds = np.cumsum([0] + [judged[n][1].shape[0] for n in ok])
+        return {n: {m: v[a:b] for m, v in values.items()} for n, a, b in zip(ok, bounds[:-1], bounds[1:])}
 
     def _gather(self, first: _Item) -> list[_Item]:
         """`first` plus queued requests, up to monitoring.shadow_batch_rows rows, waiting at most
@@ -641,43 +734,136 @@ class MonitorService:
             return self.core.alerts()
 
     def slices(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
-        """Per-slice statistics, one page (MonitorCore.slices)."""
+        """Per-slice statistics, one page in key order (MonitorCore.slices' document). Only the key list is
+        copied under the worker lock; it is sorted outside it, and the page's entries are built in chunks of
+        READ_CHUNK, each under the lock (a slice evicted in between is left out of the page)."""
         with self._lock:
-            return self.core.slices(offset, limit)
+            keys = list(self.core.decider.slices)
+        keys.sort()
+        page = keys[offset: None if limit is None else offset + limit]
+        entries: dict[str, Any] = {}
+        for i in range(0, len(page), READ_CHUNK):
+            with self._lock:
+                entries.update(self.core.slice_entries(page[i:i + READ_CHUNK]))
+        with self._lock:
+            doc = self.core.slices_header()
+        end = offset + len(page)
+        doc.update(slices_tracked=len(keys), slices_total=len(keys), offset=offset,
+                   next_offset=end if end < len(keys) else None, slices=entries)
+        return doc
+
+
+class BodyBudget:
+    """Bytes of HTTP ingest bodies being read at once, over every request in flight
+    (monitoring.max_inflight_body_bytes). Used on the event loop only (no lock).
+
+    Args:
+        limit: the budget in bytes.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve `n` bytes; False (nothing reserved) when they do not fit."""
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        """Release `n` reserved bytes."""
+        self.used -= n
+
+
+def _needs_auth(path: str, mon: Any) -> bool:
+    """Whether a route requires the bearer token: every one but /healthz; /readyz and /metrics as configured
+    (monitoring.auth_readyz, auth_metrics)."""
+    if path == "/healthz":
+        return False
+    if path == "/readyz":
+        return bool(mon.auth_readyz)
+    if path == "/metrics":
+        return bool(mon.auth_metrics)
+    return True
+
+
+class _Guard:
+    """ASGI middleware ahead of every route, before any body is read: the bearer token (401 `unauthenticated`,
+    with `WWW-Authenticate: Bearer`), then the number of ingest requests (POST /v2/...) in flight (503
+    `too_many_requests` past monitoring.max_concurrent_requests, with `Retry-After: 1`). Both counted in
+    invalid_requests_total{reason}. Runs on the event loop only, so the in-flight count needs no lock."""
+
+    def __init__(self, app: Any, service: MonitorService) -> None:
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        svc, path = self.service, scope.get("path", "")
+        if svc.auth is not None and _needs_auth(path, svc.cfg.mon):
+            given = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
+            if not svc.auth.check(given):
+                svc.metrics.invalid_requests.labels("unauthenticated").inc()
+                doc = {"error": "missing or wrong bearer token: send 'Authorization: Bearer <token>' (the monitor's "
+                                "token, monitoring.auth_token_env / auth_token_file)", "reason": "unauthenticated"}
+                await JSONResponse(doc, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        if scope.get("method") != "POST" or not path.startswith("/v2/"):
+            await self.app(scope, receive, send)
+            return
+        if svc.in_flight >= svc.cfg.mon.max_concurrent_requests:
+            svc.metrics.invalid_requests.labels("too_many_requests").inc()
+            doc = {"error": f"more than {svc.cfg.mon.max_concurrent_requests} ingest requests in flight "
+                            "(monitoring.max_concurrent_requests); retry later", "reason": "too_many_requests"}
+            await JSONResponse(doc, status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        svc.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            svc.in_flight -= 1
 
 
 def build_app(service: MonitorService) -> Any:
-    """The FastAPI app for a MonitorService (routes: module docstring)."""
+    """The FastAPI app for a MonitorService (routes: module docstring), behind `_Guard` (authentication and the
+    ingest concurrency limit); ingest bodies are read within the body budget (`_read_body`)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         yield
         service.stop()
 
     app = FastAPI(title="tailguard shadow monitor", version="1", lifespan=lifespan)
+    app.add_middleware(_Guard, service=service)
 
-    def _ingest(endpoint: str, name: str, request: Request, body: bytes | None) -> Response:
-        if body is None:
-            status, doc = service.refuse_oversized(endpoint)
-        elif (header := request.headers.get(BINARY_HEADER)) is not None:  # binary tensor data extension
-            status, doc = service.ingest(endpoint, name, body, header=header)
-        else:
-            status, doc = service.ingest(endpoint, name, body)
-        return JSONResponse(doc, status_code=status)
+    async def _handle(endpoint: str, request: Request, handle: Callable[[bytes], tuple[int, dict[str, Any]]]
+                      ) -> Response:
+        """Read the body within the limits, hand it to `handle`, release its share of the body budget."""
+        body, reason, held = await _read_body(request, service.max_body_bytes, service.body_budget)
+        try:
+            status, doc = service.refuse_body(endpoint, reason) if body is None else handle(body)
+        finally:
+            service.body_budget.give(held)
+        return JSONResponse(doc, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
+
+    def _ingest(endpoint: str, name: str, request: Request) -> Callable[[bytes], tuple[int, dict[str, Any]]]:
+        header = request.headers.get(BINARY_HEADER)  # binary tensor data extension
+        return lambda body: service.ingest(endpoint, name, body, header=header)
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
-        return _ingest("infer", name, request, await _read_body(request, service.max_body_bytes))
+        return await _handle("infer", request, _ingest("infer", name, request))
 
     @app.post("/v2/models/{name}/pairs")
     async def pairs(name: str, request: Request) -> Response:
-        return _ingest("pairs", name, request, await _read_body(request, service.max_body_bytes))
+        return await _handle("pairs", request, _ingest("pairs", name, request))
 
     @app.post("/v2/models/{name}/logger")
     async def logger(name: str, request: Request) -> Response:
-        body = await _read_body(request, service.max_body_bytes)
-        status, doc = (service.refuse_oversized("logger") if body is None
-                       else service.ingest_event(name, request.headers, body))
-        return JSONResponse(doc, status_code=status)
+        return await _handle("logger", request, lambda body: service.ingest_event(name, request.headers, body))
 
     @app.get("/metrics")
     def metrics() -> Response:  # sync: FastAPI runs it in its thread pool, off the event loop that ingests
@@ -698,7 +884,7 @@ def build_app(service: MonitorService) -> Any:
         return JSONResponse(service.alerts())
 
     @app.get("/v1/evidence")
-    def evidence(since: int = 0) -> Response:
+    def evidence(since: int = 0) -> Response:  # sync (thread pool): built in chunks under the worker lock
         return JSONResponse(service.evidence(max(since, 0)))
 
     @app.get("/v1/slices")
@@ -711,43 +897,67 @@ def build_app(service: MonitorService) -> Any:
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes | None:
-    """The request body, or None as soon as it is known to be over `limit` bytes: from Content-Length before
-    reading anything, else while streaming (chunked bodies), so an oversized body is never held in memory."""
+async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[bytes | None, str | None, int]:
+    """The request body, read within `limit` bytes and the shared body budget.
+
+    A declared Content-Length is checked against `limit` and reserved in `budget` before anything is read; a
+    chunked body reserves each chunk as it comes. Nothing over either bound is held in memory.
+
+    Returns:
+        (body, None, bytes reserved) or (None, reason, bytes reserved) with reason `body_too_large` (over
+        `limit`), `body_budget_exceeded` (the budget is taken by bodies in flight) or `client_disconnected` (the
+        client went away mid-body). The caller gives the reserved bytes back (`budget.give`) once done.
+    """
+    from starlette.requests import ClientDisconnect
+
     try:
         declared = int(request.headers.get("content-length", ""))
     except ValueError:  # absent (chunked) or garbage: count while reading
         declared = 0
     if declared > limit:
-        return None
+        return None, "body_too_large", 0
+    held = max(declared, 0)
+    if held and not budget.take(held):
+        return None, "body_budget_exceeded", 0
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None, "body_too_large", held
+            if size > held:  # chunked (or more than declared): reserve as it comes
+                if not budget.take(size - held):
+                    return None, "body_budget_exceeded", held
+                held = size
+            chunks.append(chunk)
+    except ClientDisconnect:
+        return None, "client_disconnected", held
+    return b"".join(chunks), None, held
 
 
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,
                    seed: int | None = None, start: bool = True, evidence_only: bool = False,
-                   peers: list[str] | None = None, poll_interval_s: float = 5.0) -> MonitorService:
-    """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's.
+                   peers: list[str] | None = None, poll_interval_s: float = 5.0,
+                   auth_token_file: str | Path | None = None) -> MonitorService:
+    """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
+    `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).
 
     Raises:
         SpecError: a bad spec or monitoring section (exit 2).
-        InputError: --evidence-only with --peer (exit 2).
+        InputError: --evidence-only with --peer; a token source that cannot be read or is too short (exit 2).
     """
     source = str(spec) if not isinstance(spec, Spec) else "spec"
     spec_obj = load_spec(spec) if not isinstance(spec, Spec) else spec
     cfg: MonitorConfig = resolve_config(spec_obj, source=source)
+    token = load_auth_token(cfg.mon, auth_token_file)
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
-                          peers=peers, poll_interval_s=poll_interval_s)
+                          peers=peers, poll_interval_s=poll_interval_s, auth_token=token)
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
           host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
-          poll_interval_s: float = 5.0, grpc_port: int | None = None) -> None:
+          poll_interval_s: float = 5.0, grpc_port: int | None = None,
+          auth_token_file: str | Path | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -765,15 +975,20 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         poll_interval_s: seconds between reads of the peers' evidence.
         grpc_port: also serve the OIP over gRPC on this port (monitoring/grpc_ingest.py), feeding the same
             admission; None: HTTP only.
+        auth_token_file: file holding the bearer token every endpoint but /healthz requires (overrides
+            monitoring.auth_token_file / auth_token_env); None: the spec's source, or no authentication.
 
     Raises:
         SpecError: bad spec (exit 2).
-        InputError: the gRPC port cannot be bound (exit 2).
+        InputError: the gRPC port cannot be bound; the token cannot be read (exit 2).
     """
     import uvicorn
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
-                             poll_interval_s=poll_interval_s)
+                             poll_interval_s=poll_interval_s, auth_token_file=auth_token_file)
+    if service.auth is None:
+        log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
+                    "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")
     grpc_server = None
     if grpc_port is not None:
         from tailguard.monitoring.grpc_ingest import start_grpc
@@ -785,7 +1000,10 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
             raise
         log.warning("OIP gRPC ingest on %s:%d", host, bound)
     try:
-        uvicorn.run(build_app(service), host=host, port=port, log_level="warning", access_log=False)
+        # the app answers 503 past max_concurrent_requests ingest requests (counted); uvicorn's own limit bounds
+        # the connections and tasks beyond that (its plain 503, not counted)
+        uvicorn.run(build_app(service), host=host, port=port, log_level="warning", access_log=False,
+                    limit_concurrency=service.cfg.mon.max_concurrent_requests + CONNECTION_HEADROOM)
     finally:
         if grpc_server is not None:
             grpc_server.stop(1.0)

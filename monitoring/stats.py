@@ -87,6 +87,10 @@ from tailguard.monitoring.config import ALL_SLICE, METRIC_RANGE, Bound
 N_BETS = 10  # bets 2^-1 .. 2^-10 of the largest admissible one: covers a 1.03x to 500x shift in a 0/1 error rate
 DETECTOR = "betting_cusum"
 Y_CAP = 1e12  # an infinite excess (non-finite candidate row) bets as this finite value
+# Eviction protects a slice whose evidence (alarm statistic / h) is at least this: half-way to an alarm is far
+# above what a fine slice shows (under H0 the statistic exceeds 0.5 h with probability <= exp(-h/2) per start
+# point, Ville's inequality), so such a slice is drifting or about to be judged; it goes after every weaker one.
+PROTECT_FRACTION = 0.5
 
 
 @dataclass
@@ -414,7 +418,8 @@ class SliceStatistics:
         window_size: span (rows) of the display estimate's exponential weighting.
         min_support: a slice alerts only once it has this many sampled rows (a guard; the guarantee needs none).
         max_tracked_slices: memory bound on slice keys; past it the least recently updated slice without an
-            active alert is evicted (`evicted` counts them).
+            active alert and with evidence below PROTECT_FRACTION of h is evicted (`evicted` counts them;
+            `_evict`).
         source: "local", or "combined" for the replica combiner (recorded in alerts).
         export_walks: also keep every stream's recovery-side walk (replicas whose evidence a combiner reads).
         alerting: False for a replica that only exports evidence (`--evidence-only`): detectors run, never fire.
@@ -449,6 +454,7 @@ class SliceStatistics:
         self.bets = {m: bettings(b) for m, b in self.bounds.items()}
         self.slices: OrderedDict[str, SliceState] = OrderedDict()
         self.evicted = 0
+        self.evicted_strong = 0  # evicted with evidence >= PROTECT_FRACTION of h (no weak slice was left)
         self.alerting_keys: set[str] = set()  # slice keys with an active alert
         self.history: list[AlertRecord] = []
         self.requests_seen: Mapping[str, int] = {}
@@ -472,15 +478,33 @@ class SliceStatistics:
         return st
 
     def _evict(self) -> None:
-        for k in self.slices:  # oldest first; slices with an active alert and `all` are never evicted
-            s = self.slices[k]
-            if k != ALL_SLICE and not any(x.active for x in s.streams.values()):
-                del self.slices[k]
+        """Free one slot: the least recently updated *weak* slice (no active alert, evidence below
+        PROTECT_FRACTION of the alarm level h) goes first, so a flood of new keys cannot push out a slice that is
+        drifting but not yet alerting (issue 22). A protected slice met on the way (strong, alerting, `all`) is
+        moved to the recent end, so each eviction costs O(1) amortized and the LRU order among the weak ones is
+        kept. With no weak slice left, the least recently updated strong one without an alert goes (counted in
+        `evicted_strong` too); with only alerting ones, the oldest of those (the bound wins)."""
+        slices = self.slices
+        limit = PROTECT_FRACTION * self.h
+        for _ in range(len(slices)):
+            k = next(iter(slices))
+            s = slices[k]
+            if k != ALL_SLICE and not any(x.active for x in s.streams.values()) and (
+                    s.peak < limit or s.evidence(self.h) < PROTECT_FRACTION):
+                del slices[k]
                 self.evicted += 1
                 return
+            slices.move_to_end(k)
+        strong = next((k for k, s in slices.items()
+                       if k != ALL_SLICE and not any(x.active for x in s.streams.values())), None)
+        if strong is not None:
+            del slices[strong]
+            self.evicted += 1
+            self.evicted_strong += 1
+            return
         # every tracked slice is alerting: the bound wins, the oldest alerting slice goes (still counted)
-        k = next(k for k in self.slices if k != ALL_SLICE)
-        del self.slices[k]
+        k = next(k for k in slices if k != ALL_SLICE)
+        del slices[k]
         self.alerting_keys.discard(k)
         self.evicted += 1
 
@@ -494,8 +518,8 @@ class SliceStatistics:
 
         Args:
             keys: the request's slice keys (including "all").
-            values: {metric: (rows,) float64 per-row values} for every tracked metric (a float for a one-row
-                request). NaN marks a row without a value of that metric (a candidate failure leaves metrics other
+            values: {metric: (rows,) float64 per-row values} for the tracked metrics (a float for a one-row
+                request); a metric left out, or NaN, marks rows without a value of that metric (a candidate failure leaves metrics other
                 than agreement and candidate_error_rate without one); rows whose reference was non-finite must be
                 dropped before.
             weight: sampling weight w = 1/p of the request (each of its rows).
@@ -540,7 +564,11 @@ class SliceStatistics:
         """One request's rows reduced once for all its slices: (rows, {metric: (sum of decay weights over rows
         with a value, decayed sum of finite values, decayed count of infinite values)} with key "" holding the
         decay weight sum over all rows, {bounded metric: (alarm excess, recovery excess or None)})."""
-        arrays = {m: np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics}
+        arrays = {m: np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics if m in values}
+        n0 = max((a.shape[0] for a in arrays.values()), default=0)
+        for m in self.metrics:  # a metric the caller did not give has no value on these rows
+            if m not in arrays:
+                arrays[m] = np.full(n0, np.nan)
         n = max((a.shape[0] for a in arrays.values()), default=0)
         if n == 0:
             return 0, {}, {}
@@ -688,16 +716,27 @@ class SliceStatistics:
             "metrics": {metric: {"alarm": [N_BETS walks], "recovery": [N_BETS walks, or [] when the metric has no
             recovery test]}}}}}.
         """
+        version, keys = self.evidence_keys(since)
+        return {"version": version, "slices": self.evidence_entries(keys)}
+
+    def evidence_keys(self, since: int = 0) -> tuple[int, list[str]]:
+        """(the current version, the keys of the slices updated after version `since`): what `evidence` builds,
+        chosen without building it (the service builds the entries in chunks, monitoring/service.py)."""
+        return self.version, [key for key, s in self.slices.items() if s.version > since]
+
+    def evidence_entries(self, keys: Iterable[str]) -> dict[str, Any]:
+        """{key: {"incarnation", "rows", "requests", "metrics"}} (`evidence`) for those of `keys` still tracked."""
         out: dict[str, Any] = {}
-        for key, s in self.slices.items():
-            if s.version <= since:
+        for key in keys:
+            s = self.slices.get(key)
+            if s is None:
                 continue
             out[key] = {"incarnation": s.incarnation, "rows": s.rows, "requests": s.requests,
                         "metrics": {m: {"alarm": list(st.alarm.walk),
                                         "recovery": (list(st.rec_walk) if st.rec_walk is not None
                                                      and self.bets[m][1] is not None else [])}
                                     for m, st in s.streams.items()}}
-        return {"version": self.version, "slices": out}
+        return out
 
     # ------------------------------------------------------------------------------------------ reports
     def active_alerts(self) -> list[AlertRecord]:

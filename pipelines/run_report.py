@@ -11,7 +11,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from tailguard.core.errors import InputError
 
@@ -79,10 +79,24 @@ def _stored_summary(client: Any, run_id: str) -> dict[str, Any] | None:
         return None
 
 
+def _worst_slice(text: str | None) -> dict[str, Any] | None:
+    """The tailguard.worst_slice tag (a JSON object), or None when absent or not a JSON object."""
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def partial_summary(client: Any, parent: Any) -> dict[str, Any]:
     """A summary-shaped dict for a run without summary.json (it failed before the register step): one row per
-    logged variant run, from its tags and metrics (latency at the first batch size it logged)."""
+    logged variant run, from its tags and metrics (latency at the first batch size it logged). Tag values are
+    checked before use: a status outside results.Status becomes "failed" (the reason names it), a gate status
+    outside report.CellStatus becomes "unknown", a worst-slice tag that is not a JSON object is ignored."""
     from tailguard.components.register.logic import gate_statuses
+
+    from tailguard.core.report import cell_status
+    from tailguard.core.results import Status
 
     rows = []
     children = client.search_runs([parent.info.experiment_id], max_results=1000,
@@ -92,15 +106,18 @@ def partial_summary(client: Any, parent: Any) -> dict[str, Any]:
         tags, m = c.data.tags, c.data.metrics
         if "tailguard.variant" not in tags or tags.get("tailguard.trial"):
             continue
-        ws = tags.get("tailguard.worst_slice")
+        status, reason = tags.get("tailguard.status", "failed"), tags.get("tailguard.reason", "")
+        if status not in get_args(Status):  # checked before use: a tag is text anyone with write access can set
+            status, reason = "failed", f"unknown status tag {status[:80]!r}; {reason}".rstrip("; ")
+        gates = {k: cell_status(v).value for k, v in gate_statuses(tags).items()}
         rows.append({"variant": tags["tailguard.variant"], "backend": tags.get("tailguard.backend"),
-                     "precision": tags.get("tailguard.precision"), "status": tags.get("tailguard.status", "failed"),
-                     "reason": tags.get("tailguard.reason", ""), "passed": tags.get("tailguard.gates") == "passed",
+                     "precision": tags.get("tailguard.precision"), "status": status,
+                     "reason": reason, "passed": tags.get("tailguard.gates") == "passed",
                      "run_id": c.info.run_id, "version": None, "p50_ms": m.get("latency_ms.p50"),
                      "p99_ms": m.get("latency_ms.p99"), "speedup_vs_torch": m.get("speedup_vs_torch"),
                      "speedup_vs_onnx_fp32": m.get("speedup_vs_onnx_fp32"),
                      "quantized_mac_fraction": m.get("quantized_mac_fraction"),
-                     "worst_slice": json.loads(ws) if ws else None, "gates": gate_statuses(tags),
+                     "worst_slice": _worst_slice(tags.get("tailguard.worst_slice")), "gates": gates,
                      "promoted": False, "discovered": []})
     tags = parent.data.tags
     return {"parent_run_id": parent.info.run_id, "experiment_id": parent.info.experiment_id,

@@ -140,7 +140,7 @@ class CountingRunner:
         self.gate.set()
 
     def run(self, feeds):
-        self.gate.wait()
+        self.gate.wait(300)  # bounded: a test that fails before opening the gate must not hang the process at exit
         x = feeds["x"]
         self.calls += 1
         self.rows += x.shape[0]
@@ -256,3 +256,27 @@ def test_replay_alerts_on_the_failing_slice_only_when_candidate_raises_on_its_ro
     assert "domain=legal" in slices and not slices & {"domain=web", "domain=news"}
     assert r["exit_code"] == 4 and r["slices"]["compared_requests"] == 400  # nothing dropped, failures compared
     assert r["slices"]["slices"]["domain=legal"]["metrics"]["candidate_error_rate"]["mean"] == 1.0
+
+
+def test_worker_gives_the_same_statistics_when_requests_are_micro_batched_or_compared_one_by_one(models):
+    noisy = T.linear_classifier(models["dir"] / "noisy.onnx", T.weights(noise=0.5, seed=4))
+    docs = []
+    for batch_rows in (1, 1024):
+        ref = CountingRunner(models["ref"])
+        ref.gate.clear()  # everything queues first, so the batched worker really batches
+        svc, client = _service(ref, noisy, shadow_batch_rows=batch_rows, shadow_batch_wait_ms=0,
+                               window_size=10**9)
+        with client:
+            for i in range(60):
+                client.post(f"/v2/models/{NAME}/infer", json=_body(i, "web" if i % 3 else "legal", batch=1 + i % 4))
+            ref.gate.set()
+            assert svc.wait_idle(60)
+            docs.append((svc.slices(), ref.calls))
+    (one, calls_one), (batched, calls_batched) = docs
+    assert calls_batched < calls_one == 60
+    for key in ("all", "domain=web", "domain=legal"):
+        a, b = one["slices"][key], batched["slices"][key]
+        assert a["sampled_requests"] == b["sampled_requests"] and a["samples_total"] == b["samples_total"]
+        assert 0.0 < a["metrics"]["top1_agree"]["mean"] < 1.0  # the noisy candidate disagrees on some rows
+        for m in ("top1_agree", "kl_divergence", "abs_error"):
+            assert a["metrics"][m]["mean"] == pytest.approx(b["metrics"][m]["mean"], rel=1e-9)

@@ -161,7 +161,7 @@ class GatedRunner:
 
     def run(self, feeds):
         self.calls += 1
-        self.gate.wait()
+        self.gate.wait(300)  # bounded: a test that fails before opening the gate must not hang the process at exit
         return self.inner.run(feeds)
 
 
@@ -179,13 +179,15 @@ def test_live_responses_answered_while_reference_blocked_and_timeouts_counted_wh
 def test_ingest_never_blocks_and_counts_queue_full_when_shadow_overloaded(models):
     ref = GatedRunner(models["ref"])
     svc, client = _service(ref, models["cand"], reference_timeout_s=600.0, queue_size=2, shadow_batch_wait_ms=0)
-    with client:
-        statuses, _ = _send(client, 40)  # the reference is blocked for the whole time: nothing is compared
-        assert statuses == [200] * 40
-        full = _value(svc, "tailguard_monitor_dropped_total", reason="queue_full")
-        # at most queue_size waiting plus one micro-batch (what was queued when the worker took it) in its hands
-        assert full >= 40 - 2 - 3 and svc.queue.qsize() <= 2 and svc.core.compared_rows == 0
-        ref.gate.set()
+    try:
+        with client:
+            statuses, _ = _send(client, 40)  # the reference is blocked for the whole time: nothing is compared
+            assert statuses == [200] * 40
+            full = _value(svc, "tailguard_monitor_dropped_total", reason="queue_full")
+            # at most queue_size waiting plus one micro-batch (what was queued when the worker took it) in its hands
+            assert full >= 40 - 2 - 3 and svc.queue.qsize() <= 2 and svc.core.compared_rows == 0
+    finally:
+        ref.gate.set()  # a failed assertion must not leave the worker blocked (the test process would hang)
         svc.stop()
 
 

@@ -3,17 +3,25 @@ slices and the worst validation rows.
 
 Plots are drawn with matplotlib's Agg backend and embedded as base64 PNGs, so the file can be opened from an
 MLflow artifact or a KFP HTML visualization without anything beside it. Every piece of text that comes from
-data or the spec (slice values, gate keys, variant names) is escaped with html.escape.
+data or the spec (slice values, gate keys, variant names, statuses) is escaped with html.escape, also inside
+attributes; a status used as a CSS class must be a `CellStatus` (anything else is drawn as `unknown`). The
+parent run's MLflow description (`decision_note`) is Markdown: its values are escaped so that no link, image or
+HTML can come from data. Plot text is drawn with mathtext and TeX off (`_plain_text`), so a slice value such as
+`$x$` is shown as written and cannot break a plot.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import html
 import io
 import math
+import re
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -26,6 +34,63 @@ MAX_SLICE_BARS = 30  # groups shown in the per-slice plot (the worst ones)
 MAX_WORST_SAMPLES = 20  # rows of worst_samples shown in the report (the CSV holds analysis.worst_k)
 # key metric of the per-slice plot, per task (first one present in the table is used)
 KEY_METRICS = ("top1_agreement", "nn_top1_agreement", "cosine_similarity.p01", "accuracy", "abs_error.max")
+
+
+class CellStatus(StrEnum):
+    """The statuses a report cell is coloured by (its CSS class): a gate's status (components/validate/gates.py
+    GateStatus) or a variant's verdict. A status read from tags or files that is not one of these is drawn as
+    UNKNOWN, its text escaped: a crafted status never reaches the markup as is (issue 22)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    INSUFFICIENT_DATA = "insufficient_data"
+    NOT_APPLICABLE = "not_applicable"
+    UNKNOWN = "unknown"
+
+
+def cell_status(value: Any) -> CellStatus:
+    """`value` as a CellStatus; UNKNOWN for anything else (text, None, other types)."""
+    try:
+        return CellStatus(value) if isinstance(value, str) else CellStatus.UNKNOWN
+    except ValueError:
+        return CellStatus.UNKNOWN
+
+
+# CommonMark backslash-escapes these (spec 0.31, "Backslash escapes"): with them escaped, text from data cannot
+# open a link or image ([..](..), ![..](..)), an autolink or raw HTML (<...>), code (`) or emphasis (*). `_`, `>`
+# and `-` are left as they are: gate keys and metric names use them, and inside a line they start nothing.
+_MD_SPECIAL = re.compile(r"([\\`*\[\]<])")
+
+
+def markdown_text(text: Any) -> str:
+    """`text` as literal Markdown: CommonMark specials backslash-escaped, line breaks flattened to spaces, and
+    the slashes of `://` and the dot of `www.` escaped too, so GFM's autolinks make no link of a bare URL."""
+    flat = " ".join(str(text).split())
+    text = re.sub(r":(/)(/)", r":\\\1\\\2", _MD_SPECIAL.sub(r"\\\1", flat))
+    return re.sub(r"(?i)\b(www)\.", r"\1\\.", text)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def _plain_context() -> Iterator[None]:
+    import matplotlib
+
+    with matplotlib.rc_context({"text.usetex": False, "text.parse_math": False}):
+        yield
+
+
+def _plain_text(fn: _F) -> _F:
+    """Run a plotting function with matplotlib's mathtext and TeX off (rcParams text.parse_math / text.usetex):
+    labels made of data (slice values, variant names) are drawn as written; `$x$` or an unbalanced `$` would
+    otherwise be parsed as math, and a bad expression raises when the figure is saved."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _plain_context():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def higher_is_better(metric: str) -> bool:
@@ -72,8 +137,8 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[Any]], cls: str = "") 
     for r in rows:
         cells = []
         for c in r:
-            if isinstance(c, tuple):  # (text, css class): already-decided styling
-                cells.append(f'<td class="{c[1]}">{html.escape(str(c[0]))}</td>')
+            if isinstance(c, tuple):  # (text, status): the status, checked against CellStatus, is the CSS class
+                cells.append(f'<td class="{cell_status(c[1]).value}">{html.escape(str(c[0]))}</td>')
             else:
                 cells.append(f"<td>{_fmt(c) if not isinstance(c, str) else html.escape(c)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
@@ -82,6 +147,7 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[Any]], cls: str = "") 
             '</table></div>')
 
 
+@_plain_text
 def _latency_plot(perf: dict[int, dict], reference_perf: dict | None, variant: str) -> str | None:
     import matplotlib
 
@@ -147,6 +213,7 @@ def zoom_limits(values: Any, metric: str | None = None, *, pad_fraction: float =
     return lo, hi
 
 
+@_plain_text
 def _slice_plot(slice_table: pd.DataFrame, metric: str) -> str | None:
     import matplotlib
 
@@ -187,7 +254,7 @@ img{max-width:100%;height:auto}
 .note{color:#555;font-size:12px}
 th{background:#f2f2f2}
 td.passed{background:#d8f0d8}td.failed{background:#f6d2d2}
-td.insufficient_data{background:#fff1c9}td.not_applicable{color:#888}
+td.insufficient_data{background:#fff1c9}td.not_applicable{color:#888}td.unknown{background:#eee}
 .banner{padding:.6em 1em;border-radius:4px;margin:.5em 0;font-weight:600}
 .ok{background:#d8f0d8}.bad{background:#f6d2d2}.warn{background:#fff1c9}
 """
@@ -223,7 +290,7 @@ def _gate_detail(g: Any) -> str:
 def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: pd.DataFrame,
                  gates: list[Any], perf: dict[int, dict], reference_perf: dict | None = None,
                  passed: bool | None = None, discovered: pd.DataFrame | None = None,
-                 worst_samples: pd.DataFrame | None = None) -> Path:
+                 worst_samples: pd.DataFrame | None = None, numerics: dict | None = None) -> Path:
     """Write the variant's HTML report.
 
     Args:
@@ -238,6 +305,8 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
         discovered: the worst-slice discovery table (`discovery.DiscoveryResult.table`), or None when
             discovery did not run.
         worst_samples: `logic.worst_samples` output (the first MAX_WORST_SAMPLES rows are shown), or None.
+        numerics: the numerics check (components/validate/logic.py `compare_numerics` / `not_checked`): a
+            warning banner when `hardware_dependent`, else one line; None: nothing shown.
 
     Returns:
         The path written.
@@ -258,6 +327,15 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
         parts.append("<div class='banner warn'>Not judged (no group with enough support), so the variant is not "
                      "promoted: "
                      + html.escape(", ".join(g.gate for g in insufficient)) + "</div>")
+    if numerics:  # native INT8 kernels vs exact integer accumulation (issue 23)
+        times = " ".join(f"{k.split('_')[0]} pass {numerics[k]:.2f} s." for k in ("native_seconds", "exact_seconds")
+                         if isinstance(numerics.get(k), (int, float)))
+        text = f"Numerics ({numerics.get('status')}): {numerics.get('reason', '')}. {times}".strip()
+        cls = "banner warn" if numerics.get("hardware_dependent") else "note"
+        if numerics.get("hardware_dependent"):
+            text = ("HARDWARE-DEPENDENT: the gates judged with this node's INT8 kernels may not hold on a CPU with "
+                    "another INT8 kernel (VNNI vs AVX2). " + text)
+        parts.append(f"<div class='{cls}'>{html.escape(text)}</div>")
 
     parts.append("<h2>Gates</h2>")
     parts.append(_table(
@@ -353,7 +431,7 @@ def _ws_value(v: dict) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def decision_note(summary: dict[str, Any]) -> str:
+def decision_note(summary: dict[str, Any], *, markdown: bool = True) -> str:
     """The parent run's description (mlflow.note.content): the decision in two lines.
 
     Line 1: what moved (the promoted variant, its version, alias, p50 latency and worst slice) or why nothing did.
@@ -361,10 +439,12 @@ def decision_note(summary: dict[str, Any]) -> str:
 
     Args:
         summary: `RunSummary.to_dict()`.
+        markdown: escape the text for Markdown (`markdown_text`: MLflow renders the description as Markdown, and
+            variant names, reasons and slice values come from data); False for plain text (the HTML report's
+            banner, which escapes it as HTML).
 
     Returns:
-        Two lines joined by a newline (MLflow renders the description as Markdown: each line ends with two spaces
-        so it stays a line break).
+        Two lines joined by a newline (as Markdown each line ends with two spaces so it stays a line break).
     """
     variants = summary.get("variants") or []
     by_name = {v["variant"]: v for v in variants}
@@ -393,6 +473,8 @@ def decision_note(summary: dict[str, Any]) -> str:
     line2 = (f"{len(variants)} variants: " + ", ".join(f"{n} {k}" for k, n in counts.items())
              + f". {summary.get('source_model')} v{summary.get('source_version')} -> {summary.get('optimized_model')}"
              f"; table, Pareto plot, gate matrix and per-slice heat map in {RUN_REPORT_FILE}.")
+    if markdown:
+        line1, line2 = markdown_text(line1), markdown_text(line2)
     return f"{line1}  \n{line2}"
 
 
@@ -408,6 +490,7 @@ def _pareto_front(points: list[tuple[float, float]], higher: bool) -> list[int]:
     return front
 
 
+@_plain_text
 def _run_pareto_plot(summary: dict[str, Any]) -> str | None:
     """Latency (p50 ms at the promotion batch size) vs worst-slice parity, one point per ok variant (green passed,
     red failed), the search trials in grey, the promoted variant starred. Axes zoomed to the data."""
@@ -452,6 +535,7 @@ def _run_pareto_plot(summary: dict[str, Any]) -> str | None:
     return _png(fig)
 
 
+@_plain_text
 def _heat_map(slice_tables: dict[str, pd.DataFrame]) -> tuple[str | None, str | None]:
     """Per-slice heat map: slice groups (rows, the MAX_HEAT_ROWS worst across variants) x variants (columns),
     colour = the key parity metric, colour scale zoomed to the data. Returns (png base64, metric)."""
@@ -627,7 +711,8 @@ def run_report_html(summary: dict[str, Any] | None, *, run: dict[str, Any],
                                                             else "bad" if not any(v.get("passed") for v in variants)
                                                             else "warn")
         parts.append("<div class='banner " + cls + "'>"
-                     + "<br/>".join(html.escape(x.strip()) for x in decision_note(summary).split("\n")) + "</div>")
+                     + "<br/>".join(html.escape(x.strip())
+                                    for x in decision_note(summary, markdown=False).split("\n")) + "</div>")
 
     parts.append("<h2>Variants</h2>")
     if variants:
