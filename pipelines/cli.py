@@ -167,7 +167,9 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
         summary_json.write_text(json.dumps(summary_document(summary), indent=2))
     from tailguard.core.tracking import tracking_uri_for
 
-    uri = tracking_uri_for(s)
+    from tailguard.core.redact import redact_uri
+
+    uri = redact_uri(tracking_uri_for(s))
     console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")
     console.print(f"report: report.html of the parent run, or `tailguard report {summary.parent_run_id} -o FILE`")
     if summary.promoted_version:
@@ -294,7 +296,9 @@ def register(name: str = typer.Argument(..., help="Registered model name (the sp
         raise
     console.print(f"registered {reg.name} version {reg.version} ({reg.format}, sha256 {reg.sha256[:12]})", markup=False)
     console.print(f"  uri: {reg.model_uri}", markup=False)
-    console.print(f"  tracking: {reg.tracking_uri}", markup=False)
+    from tailguard.core.redact import redact_uri
+
+    console.print(f"  tracking: {redact_uri(reg.tracking_uri)}", markup=False)
     if reg.class_file:
         console.print(f"  class {reg.class_path} from {reg.class_file}: a run imports it from an installed "
                       "package, the spec's folder or --model-path")
@@ -420,7 +424,11 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                   grpc_port: Optional[int] = typer.Option(None, "--grpc-port", min=0, max=65535, help=(
                       "Also accept the Open Inference Protocol over gRPC (inference.GRPCInferenceService: "
                       "ModelInfer, ServerLive/Ready, ModelReady, metadata) on this port, feeding the same "
-                      "sampling, queue, limits and metrics as HTTP (endpoint=\"grpc\")."))) -> None:
+                      "sampling, queue, limits and metrics as HTTP (endpoint=\"grpc\").")),
+                  auth_token_file: Optional[Path] = typer.Option(None, "--auth-token-file", help=(
+                      "File holding the bearer token every endpoint but /healthz requires (a mounted Secret; "
+                      "overrides monitoring.auth_token_file / auth_token_env; docs/deploy.md, Monitor trust "
+                      "model)."))) -> None:
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
@@ -431,7 +439,7 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
 
         err_console.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
-          poll_interval_s=poll_interval, grpc_port=grpc_port)
+          poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file)
 
 
 # ------------------------------------------------------------------------------------------- trigger

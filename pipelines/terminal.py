@@ -148,6 +148,9 @@ def print_summary(summary: Any) -> None:
             flagged.setdefault(w, []).append(v.variant)
     for w, names in flagged.items():
         console.print(f"[bold red]! {escape(', '.join(names))}[/bold red]: {escape(w)}")
+    for v in variants:  # INT8 numerics check (validate logic.compare_numerics): native kernels vs exact int32
+        if (num := getattr(v, "numerics", None) or {}).get("status") in ("consistent", "hardware_dependent"):
+            console.print(Text(f"numerics {v.variant}: {num['status']}: {num.get('reason', '')}", style="dim"))
     timed = [r for r in rows if r["status"] in ("passed", "failed gates")]
     if timed and all(r["x torch"] is None for r in timed):  # no torch baseline: the reference is an ONNX model
         from tailguard.core.report import TORCH_NOTE

@@ -64,6 +64,9 @@ class VariantSummary:
             (promotion.register_variants: promoted)".
         overall: the variant's overall-scope metrics from its variant_result.json ({name: value}, e.g.
             top1_agreement, accuracy, reference_accuracy as fractions in [0, 1]); {} when not validated.
+        hardware_dependent: the validate step's numerics check (VariantResult.hardware_dependent): True when the
+            gates or the worst slice differ between the node's INT8 kernels and exact integer accumulation; None
+            when not checked. numerics: its summary (VariantResult.numerics), None when not recorded.
     """
 
     variant: str
@@ -87,6 +90,8 @@ class VariantSummary:
     overall: dict[str, float] = field(default_factory=dict)
     registration: str = ""
     registration_note: str = ""
+    hardware_dependent: bool | None = None
+    numerics: dict[str, Any] | None = None
 
 
 @dataclass
@@ -224,6 +229,35 @@ def coverage_warnings(precision: str, backend: str, status: str, fraction: float
     return []
 
 
+EIGHT_BIT_WEIGHTS_NOTE = ("8-bit weights: results depend on the CPU's INT8 kernel (VNNI vs AVX2); hardware_dependent "
+                          "checks it")
+
+
+def numerics_warnings(variant: Any, hardware_dependent: bool | None, numerics: dict[str, Any] | None) -> list[str]:
+    """The summary's warnings about INT8 numerics for one variant (issue 23).
+
+    Args:
+        variant: the spec's VariantSpec (its quantization section).
+        hardware_dependent: VariantResult.hardware_dependent of the row.
+        numerics: VariantResult.numerics of the row (its reason is quoted).
+
+    Returns:
+        EIGHT_BIT_WEIGHTS_NOTE for an INT8 ONNX Runtime CPU variant with int8 weights and `reduce_range: false`
+        (the u8 x s8 kernel of x86 CPUs without VNNI saturates int16 pair sums with 8-bit weights; 7-bit weights
+        cannot overflow), and a "hardware_dependent: ..." warning when the numerics check flagged the variant.
+    """
+    out = []
+    q = getattr(variant, "quantization", None)
+    if (q is not None and variant.backend == "onnxruntime" and not variant.needs_gpu and q.weight_type == "int8"
+            and not q.reduce_range):
+        out.append(EIGHT_BIT_WEIGHTS_NOTE)
+    if hardware_dependent:
+        out.append("hardware_dependent: the gates judged here may not hold on a CPU with another INT8 kernel "
+                   f"(native kernels vs exact integer accumulation: {(numerics or {}).get('reason', '?')}); use "
+                   "7-bit weights (quantization.reduce_range: true) or validate on the serving node's kind")
+    return out
+
+
 class Registration(str, Enum):
     """What the register step did with a built variant's model (VariantSummary.registration)."""
 
@@ -345,9 +379,12 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             speedup_vs_torch=r.perf_value(bs, "speedup_vs_torch"),
             speedup_vs_onnx_fp32=r.perf_value(bs, "speedup_vs_onnx_fp32"),
             worst_slice=r.worst_slice, discovered=list(r.discovered), gates=r.gate_statuses(),
-            quantized_mac_fraction=r.quantized_mac_fraction, overall=dict(r.overall))
+            quantized_mac_fraction=r.quantized_mac_fraction, overall=dict(r.overall),
+            hardware_dependent=r.hardware_dependent, numerics=r.numerics)
         row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction) + list(
             r.warnings)  # + the build's (components/quantize: fusion, attention MatMuls, exporter warnings)
+        if row.status == "ok":  # INT8 numerics: 8-bit weights on x86, the numerics check's flag
+            row.warnings += numerics_warnings(v, r.hardware_dependent, r.numerics)
         if row.status == "ok" and r.model_uri:
             built.append((row, r, v, run_id))  # registered after the selection (registration policy)
         summary.variants.append(row)

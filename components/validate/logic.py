@@ -9,6 +9,8 @@ evaluates the spec's gates and writes these files into `out_dir`:
                        support, metric, value_in_slice, value_rest, drop, p_value, q_value, significant);
                        only when discovery ran
     worst_samples.csv  the `analysis.worst_k` rows with the worst per-row parity (`worst_samples`)
+    slices_exact.csv   the per-slice table of the exact-integer-accumulation pass (same columns as slices.csv);
+                       only when the numerics check ran (`numerics_check`)
     report.html        the self-contained report (report.py)
     result.json        `ValidationResult.to_dict()` (Python's json: non-finite floats as Infinity / NaN)
 
@@ -32,6 +34,17 @@ MLflow metric names (`ValidationResult.mlflow_metrics`, docs/architecture.md "ML
     discovered.<i>.drop               for the i-th worst significant discovered slice, i = 1..5: its drop
     discovered.<i>.support            (metric units, > 0 = worse than the rest), support (rows) and
     discovered.<i>.q_value            Benjamini-Hochberg q-value
+    hardware_dependent                the numerics check (only when it ran, `numerics_check`): 1.0 when the
+                                      gates or the worst slice differ between the node's INT8 kernels and exact
+                                      integer accumulation beyond NUMERICS_TOLERANCE, else 0.0
+    exact.<parity metric>             overall parity metrics of the exact-accumulation pass
+    exact.slice.<slice>.<value>.<m>   per slice group, the exact pass's value of the key metric m (the one the
+                                      worst slice is ranked by); every metric is in slices_exact.csv
+    numerics.worst_slice_delta        |native - exact| of the worst slice's key metric (metric units)
+    numerics.max_slice_delta          the largest |native - exact| over judged slice groups (metric units)
+    numerics.gate_differences         gates whose status differs between the two passes
+    numerics.native_seconds           seconds of the native pass (run + scoring + gates)
+    numerics.exact_seconds            seconds of the exact pass (session + run + scoring + gates)
 
 Values that are None or NaN (a metric not measured, a group with no rows) are left out; +inf is kept
 (MLflow's SQL store clamps it to the largest float).
@@ -42,9 +55,11 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -75,6 +90,176 @@ WORST_SAMPLE_KEY: dict[str, tuple[str, bool]] = {
     "regression": ("abs_error", False),
     "generic": ("abs_error", False),
 }
+
+
+# Numerics check (issue 23): the tolerance on the worst slice's key metric between the node's INT8 kernels and
+# exact integer accumulation, |native - exact| > NUMERICS_TOLERANCE * max(1, |native|, |exact|). For proportions
+# (agreement, accuracy) and cosines (all in [-1, 1]) it is 0.005 absolute: half of 0.01, the step gate thresholds
+# are written in (0.97, 0.99), and under one top-1 change in a 200-row slice, so a move that could carry a gate
+# across its threshold is flagged while float noise (identical integer results give identical outputs) is not;
+# for metrics in output units above 1 (errors, KL) it is 0.5% relative.
+NUMERICS_TOLERANCE = 0.005
+# ONNX Runtime ops that run an integer GEMM / convolution kernel (MLAS QGEMM, where ORT's u8 x s8 path saturates
+# int16 pair sums on x86 without VNNI); a float GEMM reading a DequantizeLinear output is fused into one of them
+# at session creation (QDQ graphs).
+INTEGER_KERNEL_OPS = frozenset({"MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv", "QGemm",
+                                "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention",
+                                "DynamicQuantizeLSTM"})
+QDQ_FUSED_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul", "Attention"})
+
+
+class NumericsStatus(str, Enum):
+    """Outcome of the numerics check (`numerics_check`), as result.json, the variant_result.json `numerics` and
+    the tag tailguard.numerics spell it."""
+
+    CONSISTENT = "consistent"                  # the two passes agree within NUMERICS_TOLERANCE
+    HARDWARE_DEPENDENT = "hardware_dependent"  # a gate outcome or the worst slice differs
+    NOT_CHECKED = "not_checked"                # no exact pass: it could not differ, or none was asked for
+
+
+@dataclass
+class ParityPass:
+    """One scoring of a variant's outputs against the FP32 reference (native kernels or exact accumulation).
+
+    Attributes:
+        overall: the parity metrics (`parity.aggregate`), {name: float}.
+        slices: the per-slice table (`slices.per_slice_table`: slice, value, support, <metrics>).
+        gates: the spec's gates evaluated on this pass (same perf and build metrics for both passes).
+        seconds: wall time of the pass (s): run over the validation rows, scoring, gates (the exact pass also
+            its session creation).
+    """
+
+    overall: dict[str, float]
+    slices: pd.DataFrame
+    gates: list[GateResult]
+    seconds: float = 0.0
+
+
+def integer_kernel_nodes(model_path: str | Path | None) -> list[str] | None:
+    """The nodes of an ONNX graph that ONNX Runtime runs on an integer GEMM / convolution kernel.
+
+    Those are the INTEGER_KERNEL_OPS nodes (QOperator graphs, dynamic quantization) and the QDQ_FUSED_OPS nodes
+    whose first two inputs both come from DequantizeLinear, or whose second input (the weight) is a
+    DequantizeLinear of an initializer (QDQ graphs: ORT's QDQ selectors fuse those into QLinearMatMul /
+    QLinearConv / MatMulIntegerToFloat when it creates the session; a float MatMul of a dequantized activation
+    and a float tensor stays float). Subgraphs (If/Loop bodies) are not inspected.
+
+    Args:
+        model_path: the variant's .onnx file (external data is not loaded).
+
+    Returns:
+        Node names (op type where a node has no name), graph order; None when the path is not an .onnx file
+        (a folder, None): unknown, so the exact pass is run.
+
+    Raises:
+        InputError: the file is not a loadable ONNX model.
+    """
+    if model_path is None or not Path(model_path).is_file():
+        return None
+    import onnx
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and others: one meaning for the user
+        raise InputError(f"cannot read ONNX model {model_path}: {str(exc)[:300]}",
+                         hint="rebuild the variant") from None
+    nodes = list(model.graph.node)
+    initializers = {t.name for t in model.graph.initializer}
+    dequantized = {o for n in nodes if n.op_type == "DequantizeLinear" for o in n.output}
+    weights = {o for n in nodes if n.op_type == "DequantizeLinear" and n.input and n.input[0] in initializers
+               for o in n.output}
+
+    def fused(n: Any) -> bool:
+        ins = list(n.input)
+        return n.op_type in QDQ_FUSED_OPS and len(ins) >= 2 and (
+            ins[1] in weights or (ins[0] in dequantized and ins[1] in dequantized))
+
+    return [n.name or n.op_type for n in nodes if n.op_type in INTEGER_KERNEL_OPS or fused(n)]
+
+
+def _beyond(a: float | None, b: float | None, tolerance: float) -> bool:
+    """|a - b| > tolerance * max(1, |a|, |b|); a value missing or non-finite on one side only is beyond."""
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    a, b = float(a), float(b)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return not (a == b or (math.isnan(a) and math.isnan(b)))
+    return abs(a - b) > tolerance * max(1.0, abs(a), abs(b))
+
+
+def _key_overall(overall: dict[str, float]) -> str | None:
+    from .report import KEY_METRICS
+
+    return next((m for m in KEY_METRICS if m in overall), None)
+
+
+def compare_numerics(spec: Spec, native: ParityPass, exact: ParityPass, *,
+                     tolerance: float = NUMERICS_TOLERANCE) -> dict[str, Any]:
+    """Decide whether a variant's validation depends on the CPU's INT8 kernel: the flag `hardware_dependent`.
+
+    The variant is hardware dependent when any gate's status differs between the two passes, or when the worst
+    slice's value of the key metric (`worst_slice`: the report's key metric, groups with support >= the
+    smallest per-slice min_support) differs by more than the tolerance (`_beyond`: tolerance * max(1, |native|,
+    |exact|); NUMERICS_TOLERANCE says why 0.005). Each pass's own worst slice is compared (they may be
+    different groups). Without a judged slice group the overall key metric is compared instead.
+
+    Args:
+        spec: the spec (gates' per-slice min_support).
+        native: the pass with the node's own kernels.
+        exact: the pass with exact integer accumulation (`session.x64quantprecision`).
+        tolerance: see above.
+
+    Returns:
+        {"status": NumericsStatus value, "hardware_dependent": bool, "reason": str, "tolerance": float,
+        "metric": the key metric, "native_worst" / "exact_worst": `worst_slice` records (None without a judged
+        group), "worst_slice_delta": |native - exact| of those values (or of the overall key metric),
+        "max_slice_delta": the largest |native - exact| over judged groups (None without), "gate_differences":
+        [{gate, native, exact}] statuses that differ, "native_seconds" / "exact_seconds": the passes' times (s),
+        "exact_overall": the exact pass's overall metrics, "exact_gates": [{gate, status, observed}]}.
+    """
+    nw, ew = worst_slice(spec, native.slices), worst_slice(spec, exact.slices)
+    metric = (nw or ew or {}).get("metric") or _key_overall(native.overall)
+    if nw is not None or ew is not None:
+        a, b = (nw or {}).get("observed"), (ew or {}).get("observed")
+        where = "worst slice"
+    else:
+        a, b = native.overall.get(metric) if metric else None, exact.overall.get(metric) if metric else None
+        where = "overall"
+    delta = abs(float(a) - float(b)) if a is not None and b is not None else None
+    worst_moved = _beyond(a, b, tolerance)
+    max_delta = None
+    if metric and len(native.slices) and len(exact.slices) and metric in native.slices and metric in exact.slices:
+        supports = [g.min_support for g in spec.gates if g.scope == "per_slice"]
+        floor = min(supports) if supports else 30
+        keys = ["slice", "value"]
+        both = native.slices[keys + ["support", metric]].astype({"value": str}).merge(
+            exact.slices[keys + [metric]].astype({"value": str}), on=keys, suffixes=("", ".exact"))
+        both = both[both["support"] >= floor]
+        diffs = (both[metric] - both[metric + ".exact"]).abs().dropna()
+        max_delta = float(diffs.max()) if len(diffs) else None
+    exact_status = {g.gate: g.status for g in exact.gates}
+    differ = [{"gate": g.gate, "native": g.status, "exact": exact_status.get(g.gate)}
+              for g in native.gates if exact_status.get(g.gate) != g.status]
+    dependent = bool(differ) or worst_moved
+    parts = []
+    if differ:
+        parts.append("gate outcomes differ: " + ", ".join(f"{d['gate']} {d['native']} (native) vs {d['exact']} "
+                                                          f"(exact)" for d in differ))
+    fmt = lambda v: "n/a" if v is None else f"{float(v):.4g}"  # noqa: E731
+    parts.append(f"{where} {metric}: {fmt(a)} native vs {fmt(b)} exact "
+                 f"({'beyond' if worst_moved else 'within'} tolerance {tolerance:g})")
+    return {"status": (NumericsStatus.HARDWARE_DEPENDENT if dependent else NumericsStatus.CONSISTENT).value,
+            "hardware_dependent": dependent, "reason": "; ".join(parts), "tolerance": float(tolerance),
+            "metric": metric, "native_worst": nw, "exact_worst": ew, "worst_slice_delta": delta,
+            "max_slice_delta": max_delta, "gate_differences": differ,
+            "native_seconds": float(native.seconds), "exact_seconds": float(exact.seconds),
+            "exact_overall": {k: float(v) for k, v in exact.overall.items()},
+            "exact_gates": [{"gate": g.gate, "status": g.status, "observed": g.observed} for g in exact.gates]}
+
+
+def not_checked(reason: str, **extra: Any) -> dict[str, Any]:
+    """The numerics record of a variant whose exact pass did not run (`compare_numerics` gives the others)."""
+    return {"status": NumericsStatus.NOT_CHECKED.value, "hardware_dependent": None, "reason": reason, **extra}
 
 
 def sanitize_key_part(value: str) -> str:
@@ -119,6 +304,11 @@ class ValidationResult:
             did not run or found no candidate.
         discovery: {"tested": candidate slices tested, "significant": slices marked significant, "method":
             test and correction in words, "metric": the metric tested} when discovery ran, else None.
+        numerics: the numerics check: `compare_numerics` output when the exact-accumulation pass ran, else
+            `not_checked(reason, ...)` ({"status": "not_checked", "hardware_dependent": None, "reason": why});
+            None in results written before it existed.
+        exact_slices: the exact pass's per-slice table records (same columns as `slices`); [] when it did not
+            run.
     """
 
     variant: str
@@ -135,6 +325,8 @@ class ValidationResult:
     worst_slice: dict[str, Any] | None = None
     discovered: list[dict[str, Any]] = field(default_factory=list)
     discovery: dict[str, Any] | None = None
+    numerics: dict[str, Any] | None = None
+    exact_slices: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (perf keys become strings in JSON; `from_dict` turns them back)."""
@@ -143,7 +335,8 @@ class ValidationResult:
                 "gates": [g.to_dict() for g in self.gates], "passed": self.passed,
                 "non_finite_rows": self.non_finite_rows, "batch_sizes": list(self.batch_sizes),
                 "files": dict(self.files), "worst_slice": self.worst_slice,
-                "discovered": list(self.discovered), "discovery": self.discovery}
+                "discovered": list(self.discovered), "discovery": self.discovery, "numerics": self.numerics,
+                "exact_slices": list(self.exact_slices)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ValidationResult":
@@ -153,7 +346,8 @@ class ValidationResult:
                    gates=[GateResult.from_dict(g) for g in d["gates"]], passed=bool(d["passed"]),
                    non_finite_rows=int(d["non_finite_rows"]), batch_sizes=[int(b) for b in d["batch_sizes"]],
                    files=dict(d.get("files", {})), worst_slice=d.get("worst_slice"),
-                   discovered=list(d.get("discovered") or []), discovery=d.get("discovery"))
+                   discovered=list(d.get("discovered") or []), discovery=d.get("discovery"),
+                   numerics=d.get("numerics"), exact_slices=list(d.get("exact_slices") or []))
 
     @classmethod
     def load(cls, path: str | Path) -> "ValidationResult":
@@ -192,17 +386,22 @@ class ValidationResult:
                 if bs == first:
                     put(k, row.get(k))
             put(f"bs{bs}.n_iterations", row.get("n_iterations"))
-        used: set[str] = set()
-        for rec in self.slices:
-            base = f"slice.{rec['slice']}.{sanitize_key_part(rec['value'])}"
-            key, n = base, 1
-            while key in used:
-                n += 1
-                key = f"{base}_{n}"
-            used.add(key)
+        for key, rec in _slice_keys(self.slices):
             for k, v in rec.items():
                 if k not in ("slice", "value"):
                     put(f"{key}.{k}", v)
+        num = self.numerics or {}
+        if num.get("hardware_dependent") is not None:  # the numerics check ran (module docstring)
+            put("hardware_dependent", 1.0 if num["hardware_dependent"] else 0.0)
+            for k, v in (num.get("exact_overall") or {}).items():
+                put(f"exact.{k}", v)
+            metric = num.get("metric")
+            for key, rec in _slice_keys(self.exact_slices):
+                if metric:
+                    put(f"exact.{key}.{metric}", rec.get(metric))
+            for k in ("worst_slice_delta", "max_slice_delta", "native_seconds", "exact_seconds"):
+                put(f"numerics.{k}", num.get(k))
+            put("numerics.gate_differences", len(num.get("gate_differences") or []))
         if self.discovery is not None:
             significant = [r for r in self.discovered if bool(r.get("significant"))]
             put("discovered.count", len(significant))
@@ -210,6 +409,22 @@ class ValidationResult:
                 for k in ("drop", "support", "q_value"):
                     put(f"discovered.{i}.{k}", rec.get(k))
         return out
+
+
+def _slice_keys(records: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(MLflow key prefix "slice.<slice>.<sanitized value>", record) per slice record; a clash after sanitizing
+    gets a suffix _2, _3, ... in record order."""
+    used: set[str] = set()
+    out = []
+    for rec in records:
+        base = f"slice.{rec['slice']}.{sanitize_key_part(rec['value'])}"
+        key, n = base, 1
+        while key in used:
+            n += 1
+            key = f"{base}_{n}"
+        used.add(key)
+        out.append((key, rec))
+    return out
 
 
 def _labels(spec: Spec, validation: Dataset) -> np.ndarray | None:
@@ -298,10 +513,36 @@ def _model_size_mb(model_path: str | Path | None) -> float | None:
     raise InputError(f"model file not found: {p}", hint="pass the variant's built model path")
 
 
+def _run_first_output(runner: Runner, validation: Dataset, spec: Spec, variant_name: str) -> np.ndarray:
+    """The variant's first output over every validation row, original row order: (rows, ...).
+
+    Raises:
+        InputError: the runner produced no outputs.
+    """
+    outputs = run_dataset(runner, validation, spec.model.inputs, batch_size=spec.data.validation.batch_size,
+                          pad_values=spec.model.pad_values)
+    if not outputs:
+        raise InputError(f"validate: variant {variant_name!r} produced no outputs")
+    return outputs[0]
+
+
+def _score(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray | None, groups: list
+           ) -> tuple[dict[str, np.ndarray], dict[str, float], pd.DataFrame]:
+    """(per-row values (rows,), overall parity metrics, per-slice table) of candidate outputs `cand` against the
+    reference `ref` (both (rows, ...), float)."""
+    task = spec.model.task
+    emb = spec.analysis.embedding
+    per_sample = per_sample_metrics(task, ref, cand, labels=labels,
+                                    **({"recall_k": emb.recall_k, "knn_k": emb.knn_k,
+                                        "margin_tolerance": emb.margin_tolerance} if task == "embedding" else {}))
+    return per_sample, aggregate(task, per_sample), per_slice_table(task, per_sample, groups)
+
+
 def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_outputs: list[np.ndarray],
                      validation: Dataset, out_dir: str | Path, *, reference_perf: dict | None = None,
                      torch_perf: dict | None = None, model_path: str | Path | None = None,
-                     baseline_runners: dict[str, Runner] | None = None) -> ValidationResult:
+                     baseline_runners: dict[str, Runner] | None = None,
+                     exact_runner_factory: Callable[[], Runner] | None = None) -> ValidationResult:
     """Validate one variant against the FP32 reference and the spec's gates.
 
     Args:
@@ -322,6 +563,14 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
             speedup_vs_<name> and their bounds (.lb95/.ub95) come from those paired rounds
             (`latency.add_speed_ratios`); the interleaved onnx_fp32 timing also replaces `reference_perf`.
             A baseline not given here keeps the ratio of p50s against `reference_perf` / `torch_perf`.
+        exact_runner_factory: builds the variant's runner with exact integer accumulation
+            (`OrtRunner(..., exact_int8_accumulation=True)`) for the numerics check: when given and the graph has
+            integer GEMM/conv kernels (`integer_kernel_nodes`; unknown counts as yes), the validation rows are
+            run again with it after the benchmark (so peak_rss_mb stays the native session's), scored against
+            the same reference outputs, slices and discovered slices, the gates evaluated with the same perf and
+            build metrics, and the two passes compared (`compare_numerics`); the session is freed after. None,
+            or a graph without integer kernels (FP32/FP16: the option cannot change a float kernel): the check
+            is `not_checked` with the reason.
 
     Returns:
         The ValidationResult (also written to out_dir/result.json).
@@ -342,18 +591,11 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                          hint="compute the reference outputs on the same validation rows")
     labels = _labels(spec, validation)
 
-    outputs = run_dataset(runner, validation, spec.model.inputs, batch_size=spec.data.validation.batch_size,
-                          pad_values=spec.model.pad_values)
-    if not outputs:
-        raise InputError(f"validate: variant {variant_name!r} produced no outputs")
-    cand = outputs[0]
-    emb = spec.analysis.embedding
-    per_sample = per_sample_metrics(task, ref, cand, labels=labels,
-                                    **({"recall_k": emb.recall_k, "knn_k": emb.knn_k,
-                                        "margin_tolerance": emb.margin_tolerance} if task == "embedding" else {}))
-    overall: dict[str, float] = aggregate(task, per_sample)
+    t_native = time.perf_counter()
+    cand = _run_first_output(runner, validation, spec, variant_name)
     groups = slice_groups(validation.frame, spec.slices)
-    table = per_slice_table(task, per_sample, groups)
+    per_sample, overall, table = _score(spec, ref, cand, labels, groups)
+    native_seconds = time.perf_counter() - t_native
     discovery = None
     if spec.analysis.discovery.enabled:
         from .discovery import discover_slices
@@ -390,12 +632,39 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
         overall["model_size_mb"] = size
     overall.update(build_metrics(model_path))  # INT8: quantized_mac_fraction, stored in the model by the build
 
+    t_gates = time.perf_counter()
     gates = evaluate_gates(spec, variant_name, overall, table, perf, per_sample=per_sample, groups=groups,
                            discovered=discovery)
+    native_seconds += time.perf_counter() - t_gates
     passed = all_passed(gates)
+    kernels = integer_kernel_nodes(model_path)
+    exact_table = None
+    if exact_runner_factory is None:
+        numerics = not_checked("no exact-accumulation pass was asked for (the validate task asks for one on "
+                               "ONNX Runtime variants)", native_seconds=native_seconds)
+    elif kernels is not None and not kernels:
+        numerics = not_checked("cannot differ: the graph has no integer MatMul/Gemm/Conv kernel (exact integer "
+                               "accumulation changes only those)", native_seconds=native_seconds)
+    else:
+        t_exact = time.perf_counter()
+        exact_runner = exact_runner_factory()
+        exact_cand = _run_first_output(exact_runner, validation, spec, variant_name)
+        del exact_runner  # the second session's memory goes back before anything else runs
+        exact_per_sample, exact_overall, exact_table = _score(spec, ref, exact_cand, labels, groups)
+        # the same perf and build metrics: only the parity numbers may differ between the passes
+        extras = {k: v for k, v in overall.items() if k not in exact_overall}
+        exact_gates = evaluate_gates(spec, variant_name, {**exact_overall, **extras}, exact_table, perf,
+                                     per_sample=exact_per_sample, groups=groups, discovered=discovery)
+        numerics = compare_numerics(
+            spec, ParityPass(overall, table, gates, native_seconds),
+            ParityPass(exact_overall, exact_table, exact_gates, time.perf_counter() - t_exact))
+        numerics["integer_kernel_nodes"] = None if kernels is None else len(kernels)
     files = {"slices_csv": str(out / "slices.csv"), "report": str(out / "report.html"),
              "result_json": str(out / "result.json"), "worst_samples_csv": str(out / "worst_samples.csv")}
     table.to_csv(files["slices_csv"], index=False)
+    if exact_table is not None:
+        files["slices_exact_csv"] = str(out / "slices_exact.csv")
+        exact_table.to_csv(files["slices_exact_csv"], index=False)
     worst.to_csv(files["worst_samples_csv"], index=False)
     discovered: list[dict[str, Any]] = []
     discovery_info = None
@@ -408,8 +677,10 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                           "significant": int(sum(bool(r.get("significant")) for r in discovered))}
     write_report(files["report"], variant=variant_name, overall=overall, slice_table=table, gates=gates,
                  perf=perf, reference_perf=reference_perf, passed=passed,
-                 discovered=discovery.table if discovery is not None else None, worst_samples=worst)
-    result = ValidationResult(worst_slice=worst_slice(spec, table),
+                 discovered=discovery.table if discovery is not None else None, worst_samples=worst,
+                 numerics=numerics)
+    result = ValidationResult(worst_slice=worst_slice(spec, table), numerics=numerics,
+        exact_slices=exact_table.to_dict("records") if exact_table is not None else [],
         variant=variant_name, task=task, rows=validation.n_rows, overall=overall, perf=perf,
         slices=table.to_dict("records"), gates=gates, passed=passed,
         non_finite_rows=int(non_finite_rows(cand).sum()), batch_sizes=list(spec.benchmark.batch_sizes),

@@ -16,8 +16,8 @@ from tailguard.core.taskio import task_entry, write_json
 
 # Tag names and key formats: tailguard.core.contract (re-exported here for existing imports).
 from tailguard.core.contract import (COVERAGE_TAG, DISCOVERED_TAG, GATE_NAME_PREFIX, GATES_TAG,  # noqa: F401
-                                     MODEL_URI_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag,
-                                     gate_tag)
+                                     MODEL_URI_TAG, NUMERICS_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG,
+                                     gate_name_tag, gate_tag)
 
 
 def discovered_summary(records: list[dict[str, Any]], top: int = 3) -> list[dict[str, Any]]:
@@ -167,10 +167,16 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     baseline_runners = reference_runners(spec, reference_model_dir)
     ds = load_validation(spec)
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
+
+    def exact_runner() -> OrtRunner:  # the numerics check's second pass: exact integer accumulation
+        return OrtRunner(model_file, providers=[variant.execution_provider],
+                         intra_op_num_threads=spec.benchmark.intra_op_num_threads, exact_int8_accumulation=True)
+
     try:
         result = validate_variant(spec, variant.name, runner, load_reference_outputs(spec, reference_file), ds,
                                   work, reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
-                                  model_path=model_file, baseline_runners=baseline_runners)
+                                  model_path=model_file, baseline_runners=baseline_runners,
+                                  exact_runner_factory=exact_runner if variant.backend == "onnxruntime" else None)
         if (variant_dir / "sensitivity").is_dir():  # analysis.sensitivity, written by the build step
             shutil.copytree(variant_dir / "sensitivity", work / "sensitivity")
         return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
@@ -246,6 +252,8 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
         client.set_tag(run_id, WORST_SLICE_TAG, json.dumps(result.worst_slice, default=str))
     if result.discovery is not None:
         client.set_tag(run_id, DISCOVERED_TAG, json.dumps(discovered_summary(result.discovered), default=str))
+    if getattr(result, "numerics", None):  # consistent | hardware_dependent | not_checked (logic.compare_numerics)
+        client.set_tag(run_id, NUMERICS_TAG, str(result.numerics.get("status")))
     if reason:
         client.set_tag(run_id, "tailguard.reason", reason[:5000])
     return passed, reason
@@ -336,7 +344,8 @@ def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason
     verdict (`passed`, `reason`, as `verdict` decided them), and from the ValidationResult `result` the scalar
     perf at each benchmark batch size (raw timings left out), the overall metrics, each gate's
     {gate, status, metric, observed, threshold}, the worst slice, the top discovered slices
-    (`discovered_summary`) and quantized_mac_fraction."""
+    (`discovered_summary`), quantized_mac_fraction and the numerics check (`hardware_dependent`, `numerics`
+    without the exact pass's full metrics and gates, which stay in result.json)."""
     import dataclasses
     import numbers
 
@@ -345,6 +354,7 @@ def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason
                 if isinstance(v, numbers.Real) and not isinstance(v, bool)}
 
     frac = result.overall.get("quantized_mac_fraction")
+    num = getattr(result, "numerics", None) or None
     return dataclasses.replace(
         identity, status="ok", passed=bool(passed), reason=reason, run_id=run_id, model_uri=model_uri,
         sha256=sha256, perf={int(bs): scalars(row) for bs, row in result.perf.items()},
@@ -353,4 +363,6 @@ def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason
                 "threshold": g.threshold} for g in result.gates],
         worst_slice=result.worst_slice,
         discovered=discovered_summary(result.discovered) if result.discovery is not None else [],
-        quantized_mac_fraction=None if frac is None or np.isnan(float(frac)) else float(frac))
+        quantized_mac_fraction=None if frac is None or np.isnan(float(frac)) else float(frac),
+        hardware_dependent=None if num is None else num.get("hardware_dependent"),
+        numerics=None if num is None else {k: v for k, v in num.items() if k not in ("exact_overall", "exact_gates")})

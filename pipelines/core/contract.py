@@ -44,6 +44,7 @@ MODEL_URI_TAG = "tailguard.model_uri"
 WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
 DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
 COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
+NUMERICS_TAG = "tailguard.numerics"        # consistent | hardware_dependent | not_checked (validate's numerics check)
 # the node that validated (and timed) the variant, from tailguard.core.hardware.hardware_tags
 HW_CPU_TAG = "tailguard.hw.cpu"            # CPU model name, e.g. 'AMD EPYC 7B13'
 HW_ISA_TAG = "tailguard.hw.isa"            # kernel-relevant ISA flags, e.g. 'avx2 fma f16c avx512f avx512_vnni'

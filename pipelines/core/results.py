@@ -152,6 +152,15 @@ class VariantResult:
         warnings: what the build flagged although no gate asked (its StepResult details["warnings"]: fusion that
             did not happen, INT8 attention MatMuls without fused attention, the torch exporter's warnings);
             [] when none. Optional field: results written before it existed read with [].
+        hardware_dependent: the validate step's numerics check (components/validate/logic.py
+            `compare_numerics`): True when a gate outcome or the worst slice's value differs beyond its
+            tolerance between the node's INT8 kernels and exact integer accumulation, so the verdict may not hold
+            on a CPU with another INT8 kernel; False when they agree; None when the check did not run (an FP32/
+            FP16 graph cannot differ, a failed build). Optional field: older results read with None.
+        numerics: the check's summary: {"status": consistent | hardware_dependent | not_checked, "reason",
+            "tolerance", "metric", "native_worst" / "exact_worst" ({slice, value, support, metric, observed} or
+            None), "worst_slice_delta", "max_slice_delta", "gate_differences" ([{gate, native, exact}]),
+            "native_seconds" / "exact_seconds" (s)}; None when not recorded. Optional field.
 
     Raises:
         ValueError: status is unknown, or passed is True with status other than ok.
@@ -175,6 +184,8 @@ class VariantResult:
     search_of: str | None = None
     trial_run_id: str | None = None
     warnings: list[str] = field(default_factory=list)
+    hardware_dependent: bool | None = None
+    numerics: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_status(self.status, "VariantResult")
@@ -182,6 +193,9 @@ class VariantResult:
             raise ValueError(f"VariantResult.passed must be true or false, got {self.passed!r}")
         if self.passed and self.status != "ok":
             raise ValueError(f"VariantResult.passed is true but status is {self.status!r} (only ok can pass)")
+        if self.hardware_dependent is not None and not isinstance(self.hardware_dependent, bool):
+            raise ValueError(f"VariantResult.hardware_dependent must be true, false or null, got "
+                             f"{self.hardware_dependent!r}")
 
     def perf_value(self, batch_size: int, key: str) -> float | None:
         """perf[batch_size][key] as a float (e.g. perf_value(1, "latency_ms.p50") in ms); None when not measured

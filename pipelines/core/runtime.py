@@ -48,6 +48,13 @@ class OrtRunner:
             another runtime (torch eager in the reference pass), which otherwise waits on those spinning workers
             (issue 26: torch 2.9x slower on a 2-core node; components/reference/logic.py). Default False: ORT's own
             behaviour, what a server running one session gets.
+        exact_int8_accumulation: set the session option `session.x64quantprecision` = "1"
+            (kOrtSessionOptionsAvx2PrecisionMode in ORT's onnxruntime_session_options_config_keys.h): on x86
+            CPUs without VNNI (SSE4.1/AVX2/AVX-512 without VNNI) the u8 x s8 integer GEMM kernels sum pairs of
+            8-bit products in int16 with saturation; with the option ORT uses its slower u8 x u8 kernels, whose
+            int32 accumulation is exact. Where the node's kernel is exact already (VNNI, ARM) it changes
+            nothing. Default False: the node's own kernels, what a server gets. Used by the validate step's
+            numerics check (components/validate/logic.py `numerics_check`).
 
     Raises:
         InputError: the file is missing or not a loadable ONNX model (names the file).
@@ -55,7 +62,7 @@ class OrtRunner:
 
     def __init__(self, path: str | Path, *, providers: Sequence[str] = ("CPUExecutionProvider",),
                  intra_op_num_threads: int = 0, graph_optimization: str = "all",
-                 stop_spinning_after_run: bool = False) -> None:
+                 stop_spinning_after_run: bool = False, exact_int8_accumulation: bool = False) -> None:
         import onnxruntime as ort
 
         path = Path(path)
@@ -72,6 +79,8 @@ class OrtRunner:
         opts.log_severity_level = 3
         if stop_spinning_after_run:  # kOrtSessionOptionsConfigForceSpinningStop (session options config keys)
             opts.add_session_config_entry("session.force_spinning_stop", "1")
+        if exact_int8_accumulation:  # kOrtSessionOptionsAvx2PrecisionMode (session options config keys)
+            opts.add_session_config_entry("session.x64quantprecision", "1")
         try:
             self.session = ort.InferenceSession(str(path), sess_options=opts, providers=list(providers))
         except Exception as exc:  # ORT raises Fail/InvalidGraph/InvalidProtobuf/...; all mean the same to a user

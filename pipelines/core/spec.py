@@ -894,8 +894,8 @@ class MonitoringSpec(_Model):
         "(invalid_requests_total{reason=\"join_entry_too_large\"})."))
     max_concurrent_requests: int = Field(64, ge=1, le=100_000, description=(
         "HTTP ingest requests (POST /v2/...) handled at once; more are answered 503 at once, before their body "
-        "is read (invalid_requests_total{reason=\"too_many_requests\"}). uvicorn's own limit_concurrency is set "
-        "to this plus 64 (probes, scrapes) as a bound on connections."))
+        "is read (invalid_requests_total{reason=\"too_many_requests\"}). uvicorn's own limit_concurrency (open "
+        "connections and tasks, a memory bound) is set to this plus 1024."))
     max_inflight_body_bytes: int = Field(256 * 2**20, ge=1024, le=2**40, description=(
         "Bytes of HTTP ingest bodies being read at once, over every request in flight (a declared "
         "Content-Length is reserved before reading); a body that does not fit is answered 503 "
