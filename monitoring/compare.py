@@ -1,5 +1,5 @@
 """Per-row comparison of candidate and reference outputs: a thin layer over the validate step's parity code
-(`tailguard.components.validate.parity`), so the monitor and the validation gates compute the same numbers."""
+(`tailguard.core.parity`), so the monitor and the validation gates compute the same numbers."""
 
 from __future__ import annotations
 

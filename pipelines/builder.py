@@ -26,7 +26,7 @@ pure tasks:
   - fetch-reference, not resolve, produces the `reference` artifact they read: resolve opens the parent MLflow
     run, is uncached and makes a new artifact every run, while fetch-reference's inputs are the concrete
     version and SHA-256 resolve found, so it hits and hands on its cached artifact.
-Local runs use tailguard's own cache instead (tailguard.cache).
+Local runs use tailguard's own cache instead (tailguard.core.cache).
 
 Task names: each task's KFP name is the name above (`build-<variant>`, not KFP's `build-variant-2`), the same in
 the compiled IR and in kfp.local's logs (`named`).
@@ -132,7 +132,7 @@ def named(component: Any, name: str) -> Any:
 
 def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: bool, cache: bool = True) -> Any:
     """Display name (= the task name, `named`), caching (on the cluster, for pure tasks unless `cache` is False;
-    off locally: kfp.local has no cache, tailguard.cache serves local runs), and (for the cluster) image, GPU
+    off locally: kfp.local has no cache, tailguard.core.cache serves local runs), and (for the cluster) image, GPU
     resources, node pool and secrets."""
     task.set_display_name(name)
     task.set_caching_options(cluster and cache and is_pure(name))

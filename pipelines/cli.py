@@ -33,9 +33,8 @@ cache_app = typer.Typer(help="The local cache of pure steps (export, builds, ref
 app.add_typer(cache_app, name="cache")
 
 # The terminal presentation (consoles, the summary table, the progress bar) lives in tailguard.terminal, which
-# the demo shares; re-exported here for existing imports.
-from tailguard.terminal import (console, err_console, int8_macs_cell, print_search,  # noqa: E402,F401
-                                print_summary)
+# the demo shares.
+from tailguard.terminal import console, err_console, print_summary  # noqa: E402
 from tailguard.terminal import run_with_progress as _run_with_progress  # noqa: E402
 
 

@@ -312,7 +312,7 @@ def build_wordnet_datasets(out_dir: Path, *, n_validation: int = 2500, n_calibra
 
     Columns (one row per synset definition):
         input_ids: list<int64>, (n_tokens,) MiniLM word-piece ids with [CLS] ... [SEP], truncated to max_length.
-        attention_mask: list<int64>, (n_tokens,) all ones (padding happens per batch, see tailguard.data).
+        attention_mask: list<int64>, (n_tokens,) all ones (padding happens per batch, see tailguard.core.data).
         lexname: string, the lexicographer class (45 values, LEXNAMES).
         pos: string, noun | verb | adj | adv.
         n_tokens: int64, len(input_ids), special tokens included (2..max_length).

@@ -82,7 +82,7 @@ class DataCheck:
 
 def _input_errors(df: Any, spec: Spec, name: str, uri: str) -> list[FieldError]:
     """Input columns of one data file against model.inputs: each present, each row a numeric array of the input's
-    rank and fixed sizes (tailguard.data's `cell_array` / `shape_problem`, as the data check and loading use)."""
+    rank and fixed sizes (tailguard.core.data's `cell_array` / `shape_problem`, as the data check and loading use)."""
     import numpy as np
 
     from tailguard.core.data import cell_array, describe_row_shape, row_shape, shape_problem, shape_text
@@ -229,7 +229,7 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
 def check_spec_file(path: str | Path, *, data: bool = True) -> tuple[Spec, DataCheck | None]:
     """`tailguard spec check`: validate a spec file and, with `data`, its local data files; every error at once.
 
-    The spec's field errors, the cross-field errors they would hide (tailguard.spec.validate_spec) and, when the
+    The spec's field errors, the cross-field errors they would hide (tailguard.core.spec.validate_spec) and, when the
     rest of the spec is usable, the data files' errors (`data_errors`) and, with `data`, model.outputs against the
     registered model's recorded output signature (`model_output_errors`) are reported in one SpecError.
 

@@ -136,7 +136,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
     `experiment` and registered (pipelines/core/reference.py `register_reference`); the version carries the tags
     `tailguard.format` and `tailguard.sha256` (SHA-256 of the stored model file) plus `tags`.
 
-    MLflow is pointed at `tracking_uri` (tracking and registry, `tailguard.tracking.configure`) and stays pointed
+    MLflow is pointed at `tracking_uri` (tracking and registry, `tailguard.core.tracking.configure`) and stays pointed
     there after the call, as `tailguard run` does.
 
     Args:
@@ -335,7 +335,7 @@ def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.Mo
                        description: str | None = None) -> "ModelVersion":
     """Log an FP32 reference in the current MLflow tracking store and register it as a new version.
 
-    The caller has pointed MLflow at the store (`mlflow.set_tracking_uri`, e.g. `tailguard.tracking.configure`)
+    The caller has pointed MLflow at the store (`mlflow.set_tracking_uri`, e.g. `tailguard.core.tracking.configure`)
     and chosen the experiment. The files are logged in a new run (nested if a run is active) and registered as a
     new version of `registered_name` (created if needed). Exactly one model argument is given:
 

@@ -142,7 +142,8 @@ def build_run_report(run_ref: str, *, tracking_uri: str | None = None,
     Raises:
         InputError: unknown run id, or no run in the store (exit 2).
     """
-    from tailguard.components.register.logic import NOTE_TAG, report_inputs
+    from tailguard.components.register.logic import report_inputs
+    from tailguard.core.contract import NOTE_TAG
     from tailguard.core.report import run_report_html
 
     client, uri = _client(tracking_uri)

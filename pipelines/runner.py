@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 from tailguard.core.cache import ENV_CACHE
 from tailguard.components.register.logic import RunSummary
 from tailguard.core.reference import MODEL_PATH_ENV
-from tailguard.components.validate.gates import insufficient_reason
+from tailguard.core.contract import insufficient_reason
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.core.home import ENV_HOME, home, quiet_environment
 from tailguard.core.spec import Spec, dump_spec, load_spec
@@ -103,7 +103,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
         model_version: overrides spec.model.version ("latest", a number, "@alias").
         on_event: called with (task name, "running" | "success" | "failure") as tasks start and end.
         cache: serve the pure steps (export, builds, reference outputs) from $TAILGUARD_HOME/cache
-            (tailguard.cache); False (`tailguard run --no-cache`) runs them all.
+            (tailguard.core.cache); False (`tailguard run --no-cache`) runs them all.
         model_path: folders the tasks import a state dict's model class from, after the installed packages
             (`tailguard run` passes --model-path and the spec's folder); set as $TAILGUARD_MODEL_PATH for the
             tasks during the run, ahead of any inherited value.
@@ -124,7 +124,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     """
     quiet_environment()
     os.environ[ENV_HOME] = str(home())
-    os.environ[ENV_CACHE] = "1" if cache else "0"  # tasks inherit it (tailguard.cache.enabled)
+    os.environ[ENV_CACHE] = "1" if cache else "0"  # tasks inherit it (tailguard.core.cache.enabled)
     uri = tracking_uri_for(spec)
     configure(uri, experiment_name_for(spec))  # also creates a fresh local store's tables, under a file lock
     pipeline_run = uuid.uuid4().hex[:12]
@@ -134,7 +134,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     os.environ.update({"TAILGUARD_RUNNER_PID": str(me.pid), "TAILGUARD_RUNNER_HOST": socket.gethostname(),
                        "TAILGUARD_RUNNER_STARTED": repr(me.create_time())})
     inherited_model_path = os.environ.get(MODEL_PATH_ENV)
-    if model_path:  # tasks inherit it (tailguard.components.resolve.logic.add_model_path)
+    if model_path:  # tasks inherit it (tailguard.core.reference.add_model_path)
         os.environ[MODEL_PATH_ENV] = os.pathsep.join([str(Path(p).resolve()) for p in model_path]
                                                      + ([inherited_model_path] if inherited_model_path else []))
     run_dir = home() / "runs" / pipeline_run

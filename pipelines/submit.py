@@ -40,7 +40,7 @@ def run_key(spec: Spec, model_version: str) -> str:
 def concrete_version(spec: Spec, version: str, tracking_uri: str) -> str:
     """The version number `version` names now: a number as is; `latest` / `@alias` looked up in the MLflow
     registry (spec `mlflow.registry_uri`, else `tracking_uri`) as the pipeline's resolve step does
-    (`components.resolve.logic.resolve_version`).
+    (`tailguard.core.reference.resolve_version`).
 
     Raises:
         InputError: unknown model, version or alias, or a registry that cannot be reached (hint: pass

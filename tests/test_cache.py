@@ -1,10 +1,10 @@
-"""The local cache of pure steps (tailguard.cache) and KFP caching of the pure tasks in the compiled pipeline.
+"""The local cache of pure steps (tailguard.core.cache) and KFP caching of the pure tasks in the compiled pipeline.
 
 Real parts: a tiny ONNX MLP (the digits shape, 65 -> 128 -> 10, built with onnx.helper), the real build-variant
 task body (ONNX Runtime dynamic INT8 quantization), a cache under tmp_path.
 
 Seams (named): `tailguard.components.quantize.task._build` is wrapped by a counter that calls the real build, to
-count builds; `tailguard.cache._copy_file` is replaced by one that fails on the second file, to interrupt a store.
+count builds; `tailguard.core.cache._copy_file` is replaced by one that fails on the second file, to interrupt a store.
 The reference-pass tests run the real task (ONNX Runtime, real timings) and, once, two real `tailguard run`s
 (kfp.local, a SQLite MLflow store under tmp_path).
 """

@@ -8,8 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.check_data.logic import (REPORT_FILE, CheckReport, add_derived_columns, check_datasets,
+from tailguard.components.check_data.logic import (CheckReport, add_derived_columns, check_datasets,
                                                    expectation_classes, write_report)
+from tailguard.core.contract import DATA_CHECK_FILE
 from tailguard.core.errors import DataCheckError, InputError, SpecError
 from tailguard.core.spec import parse_spec
 
@@ -87,7 +88,7 @@ def test_check_datasets_passes_when_data_good(files, tmp_path):
     assert ("expect_column_to_exist", "lang") not in {(r.type, r.column) for r in report.datasets[0].results}
     assert any(r.origin == "spec" and r.spec_index == 0 for r in val.results)
     path = write_report(report, tmp_path)
-    assert path.name == REPORT_FILE
+    assert path.name == DATA_CHECK_FILE
     back = CheckReport.from_dict(json.loads(path.read_text()))
     assert back == report
 

@@ -7,10 +7,11 @@ import pandas as pd
 import pytest
 
 from tailguard.components.validate.gates import evaluate_gates
-from tailguard.components.validate.intervals import metric_bound, wilson_bound
+from tailguard.components.validate.intervals import metric_bound
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.slices import per_slice_table, slice_groups
+from tailguard.core.stats import wilson_bound
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, SliceSpec, parse_spec

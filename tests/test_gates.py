@@ -126,7 +126,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tailguard.components.validate.discovery import DiscoveryResult  # noqa: E402
-from tailguard.components.validate.intervals import paired_difference_bound, wilson_bound  # noqa: E402
+from tailguard.core.stats import newcombe_paired_bound as paired_difference_bound, wilson_bound  # noqa: E402
 from tailguard.core.parity import aggregate  # noqa: E402
 from tailguard.core.slices import SliceGroup, per_slice_table  # noqa: E402
 
@@ -331,7 +331,8 @@ def test_register_and_promote_skips_the_variant_when_a_gate_had_insufficient_dat
 
     from tailguard.components.register.logic import register_and_promote
     from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import GATES_TAG, STATUS_TAG, VARIANT_TAG, gate_tag, log_validated_model
+    from tailguard.components.validate.task import log_validated_model
+    from tailguard.core.contract import GATES_TAG, STATUS_TAG, VARIANT_TAG, gate_tag
 
     spec = _spec([{"metric": "top1_agreement", "min": 0.9},
                   {"metric": "top1_agreement", "min": 0.9, "scope": "per_slice", "min_support": 30}],

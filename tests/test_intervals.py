@@ -1,4 +1,5 @@
-"""Confidence bounds (components/validate/intervals.py): known values, coverage on seeded synthetic data."""
+"""Confidence bounds (components/validate/intervals.py and the tailguard.core.stats functions it uses): known values,
+coverage on seeded synthetic data."""
 
 import math
 
@@ -7,8 +8,9 @@ import pytest
 from scipy.stats import binom
 from statsmodels.stats.proportion import proportion_confint
 
-from tailguard.components.validate.intervals import (bootstrap_bound, bootstrap_distribution, metric_bound,
-                                                     paired_difference_bound, wilson_bound, wilson_interval)
+from tailguard.components.validate.intervals import metric_bound
+from tailguard.core.stats import bootstrap_bound, bootstrap_distribution, wilson_bound, wilson_interval
+from tailguard.core.stats import newcombe_paired_bound as paired_difference_bound
 from tailguard.core.errors import InputError
 from tailguard.core.spec import BootstrapSpec
 
@@ -100,12 +102,9 @@ def test_bootstrap_bound_is_deterministic_when_seed_is_fixed():
     assert a < x.mean() < bootstrap_bound(x, "mean", 0.95, "upper", samples=200, seed=3)
 
 
-def test_bootstrap_distribution_is_chunked_without_changing_shape_when_block_is_small(monkeypatch):
-    import tailguard.components.validate.intervals as iv
-
+def test_bootstrap_distribution_is_chunked_without_changing_shape_when_block_is_small():
     x = np.arange(50, dtype=float)
-    monkeypatch.setattr(iv, "BOOTSTRAP_BLOCK_ELEMENTS", 120)  # 2 resamples per block
-    d = bootstrap_distribution(x, "p01", 7, seed=0)
+    d = bootstrap_distribution(x, "p01", 7, seed=0, block_elements=120)  # 2 resamples per block
     assert d.shape == (7,) and np.all((d >= 0) & (d <= 49))
 
 

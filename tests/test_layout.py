@@ -1,6 +1,6 @@
 """The layers of tailguard (docs/architecture.md, Layers), checked on the source with `ast`.
 
-Units: core (`tailguard.core.*` and the old-path shims such as `tailguard.spec`), each component
+Units: core (`tailguard.core.*`), each component
 (`tailguard.components.<name>`; `tailguard.components.images` is shared), monitoring (`tailguard.monitoring.*`) and
 the application (every other `tailguard.*` module: builder, runner, cli, demo, ...). Every import statement counts,
 at module level and inside functions, `import x` and `from x import y`, relative ones resolved. Imports by string
@@ -12,7 +12,9 @@ Rules:
   which may import the public names (no leading underscore) of quantize and validate; no cycle among components;
 - monitoring imports core only;
 - the application may import everything, with no import cycle between its modules.
-Also: pyproject.toml's packages list equals the package folders.
+Also: pyproject.toml's packages list equals the package folders; no module only re-exports another (an old-path
+shim such as `sys.modules[__name__] = tailguard.core.spec`), and every `from tailguard.x import name` (package, tests,
+examples, scripts) names the module that defines `name`, not one that merely imports it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE_SHIMS = {"spec", "errors", "data", "runtime", "tracking", "taskio", "home", "steps", "cache"}
 SHARED_COMPONENT_MODULES = {"tailguard.components", "tailguard.components.images"}
 ORCHESTRATOR = "search"
 ORCHESTRATED = {"quantize", "validate"}
@@ -58,7 +59,7 @@ def unit(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "tailguard" or module in {"tailguard"}:
         return None
-    if parts[1] == "core" or (len(parts) == 2 and parts[1] in CORE_SHIMS):
+    if parts[1] == "core":
         return "core"
     if parts[1] == "components":
         if module in SHARED_COMPONENT_MODULES:
@@ -242,7 +243,7 @@ def test_layout_packages_list_equals_the_package_folders():
     ("tailguard.components.search.logic", "tailguard.components.validate.logic", "evaluate", None),
     ("tailguard.components.export.task", "tailguard.components.images", "CPU_IMAGE", None),
     ("tailguard.cli", "tailguard.components.search.logic", "x", None),
-    ("tailguard.spec", "tailguard.core.spec", "x", None),
+    ("tailguard.builder", "tailguard.core.spec", "x", None),
 ])
 def test_layout_violation_flags_upward_imports_when_given_synthetic_edges(src, dst, name, expected):
     assert violation(Import(src, ROOT / "x.py", 1, dst, name)) == expected
@@ -260,3 +261,87 @@ def test_layout_application_cycles_finds_a_cycle_when_cli_and_demo_import_each_o
     edges = [mk("tailguard.cli", "tailguard.demo"), mk("tailguard.demo", "tailguard.cli"),
              mk("tailguard.demo", "tailguard.terminal")]
     assert application_cycles(edges) == [["tailguard.cli", "tailguard.demo"]]
+
+
+def _top_level_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """(names a module defines at module level: def, class and assignment targets, also under if/try/with; names it
+    binds only by module-level import statements). Function and class bodies are not entered."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+
+    def visit(stmts: list[ast.stmt]) -> None:
+        for node in stmts:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            else:
+                for block in ("body", "orelse", "finalbody"):
+                    visit(getattr(node, block, []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(tree.body)
+    return defined, imported - defined
+
+
+def reexport_only(tree: ast.Module) -> bool:
+    """Whether a module only re-exports others: besides its docstring, `from __future__` and `__all__`, every
+    module-level statement is an import (or `sys.modules[__name__] = ...`), and at least one imports tailguard."""
+    rest = [n for n in tree.body
+            if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str))
+            and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+            and not (isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["__all__"])]
+    swaps = [n for n in rest if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]).startswith("sys.modules[")]
+    imports = [n for n in rest if isinstance(n, (ast.Import, ast.ImportFrom))]
+    from_tailguard = any((n.module or "").startswith("tailguard") if isinstance(n, ast.ImportFrom)
+                         else any(a.name.startswith("tailguard") for a in n.names) for n in imports)
+    return bool(rest) and len(imports) + len(swaps) == len(rest) and from_tailguard
+
+
+def test_layout_has_no_module_that_only_reexports_another_when_scanning_every_module():
+    bad = []
+    for name, path in sorted(modules().items()):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        swap = any(isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "sys.modules[__name__]"
+                   for n in ast.walk(tree))
+        if swap or reexport_only(tree):
+            bad.append(f"{path.relative_to(ROOT)} ({name})")
+    assert not bad, ("modules that only re-export another (shims): delete them and import the real module:\n"
+                     + "\n".join(bad))
+
+
+@pytest.mark.parametrize("source,expected", [
+    ('"""Old path."""\nimport sys\n\nfrom tailguard.core import spec as _m\n\nsys.modules[__name__] = _m\n', True),
+    ('"""Names."""\nfrom __future__ import annotations\n\nfrom tailguard.core.stats import Side, wilson_bound\n'
+     '__all__ = ["Side", "wilson_bound"]\n', True),
+    ('"""Real."""\nfrom tailguard.core.stats import wilson_bound\n\n\ndef f():\n    return wilson_bound(1, 2, 0.9)\n',
+     False),
+    ('"""A package."""\n', False),
+])
+def test_layout_reexport_only_flags_shims_when_given_synthetic_modules(source, expected):
+    assert reexport_only(ast.parse(source)) is expected
+
+
+def _python_files() -> list[Path]:
+    """The package's modules and the .py files of tests/, examples/, scripts/ and benchmarks/."""
+    extra = [p for d in ("tests", "examples", "scripts", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    return sorted(set(modules().values()) | set(extra))
+
+
+def test_layout_imports_each_name_from_its_defining_module_when_scanning_the_tree():
+    mods = modules()
+    names = {m: _top_level_names(ast.parse(p.read_text(), filename=str(p))) for m, p in mods.items()}
+    bad = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in names):
+                continue
+            defined, only_imported = names[node.module]
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                    if a.name in only_imported and f"{node.module}.{a.name}" not in mods]
+    assert not bad, ("names imported through a module that only imports them; import them from the module that "
+                     "defines them:\n" + "\n".join(bad))

@@ -296,7 +296,7 @@ def test_validation_logs_the_fraction_and_decides_its_gate_when_an_int8_mlp_is_v
 
 
 def test_summary_flags_an_int8_variant_when_it_quantized_under_half_its_macs():
-    from tailguard.cli import console, int8_macs_cell, print_summary
+    from tailguard.terminal import console, int8_macs_cell, print_summary
     from tailguard.components.register.logic import RunSummary, VariantSummary, coverage_warnings
 
     assert coverage_warnings("int8", "onnxruntime", "ok", 0.094)[0].startswith(

@@ -27,7 +27,7 @@ import pytest
 
 from tailguard.components.quantize import logic
 from tailguard.components.quantize.logic import DatasetCalibrationReader, build_variant
-from tailguard.components.quantize.presets import QUANTIZATION_PRESETS, quantization_preset
+from tailguard.core.presets import QUANTIZATION_PRESETS, quantization_preset
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.spec import VariantSpec
 from tailguard.core.steps import UnknownStepError, get_step, registered_steps

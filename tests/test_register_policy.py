@@ -51,7 +51,8 @@ def _log_variant(tmp_path, client, exp, parent, spec, name, *, p50, agreement, o
     (min 0.9), latency `p50` ms at batch 1, model = the one-node `op` ONNX file."""
     from tailguard.components.validate.gates import all_passed, evaluate_gates
     from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import STATUS_TAG, VARIANT_TAG, log_validated_model
+    from tailguard.components.validate.task import log_validated_model
+    from tailguard.core.contract import STATUS_TAG, VARIANT_TAG
 
     overall = {"top1_agreement": agreement}
     table = pd.DataFrame({"slice": ["lang"], "value": ["en"], "support": [100], "top1_agreement": [agreement]})

@@ -119,7 +119,8 @@ def _log_passing_variant(tmp_path, client, exp, parent, name, p50):
     """A variant run logged as the validate step logs one that passed its gates (tags say passed)."""
     from tailguard.components.validate.gates import all_passed, evaluate_gates
     from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import GATES_TAG, STATUS_TAG, VARIANT_TAG, log_validated_model
+    from tailguard.components.validate.task import log_validated_model
+    from tailguard.core.contract import GATES_TAG, STATUS_TAG, VARIANT_TAG
 
     spec = _spec()
     table = pd.DataFrame({"slice": ["lang"], "value": ["en"], "support": [100], "top1_agreement": [0.99]})

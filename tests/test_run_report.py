@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from tailguard.cli import app
 from tailguard.components.register.logic import RunSummary, VariantSummary, gate_statuses
 from tailguard.core.report import TORCH_NOTE, decision_note, run_report_html, zoom_limits
-from tailguard.components.validate.task import gate_name_tag, gate_tag
+from tailguard.core.contract import gate_name_tag, gate_tag
 
 GATE = "top1_agreement>=0.9@lb95@per_slice:digit"
 
@@ -166,8 +166,8 @@ def test_run_logs_report_html_and_a_two_line_description_on_the_parent_run_when_
     # the run must use the home store: drop a tracking URI another module's fixture left in os.environ
     env = {**{k: v for k, v in os.environ.items() if k not in MLFLOW_URI_VARS}, "TAILGUARD_HOME": str(home)}
     code = ("import torch; from tailguard.registration import register_reference; "
-            "from tailguard.home import default_tracking_uri; from tailguard.models import MeanPooledEncoder; "
-            "from tailguard.tracking import configure; configure(default_tracking_uri(), 'registration'); "
+            "from tailguard.core.home import default_tracking_uri; from tailguard.models import MeanPooledEncoder; "
+            "from tailguard.core.tracking import configure; configure(default_tracking_uri(), 'registration'); "
             f"torch.manual_seed(0); kw = {TINY_KWARGS!r}; "
             "register_reference('tiny-encoder', state_dict=MeanPooledEncoder(**kw).state_dict(), "
             "class_path='tailguard.models:MeanPooledEncoder', init_kwargs=kw)")

@@ -265,7 +265,7 @@ def test_run_summary_from_dict_reads_searches_as_empty_when_the_json_predates_se
 
 
 def test_print_search_prints_each_trial_with_front_and_chosen_marks_when_given_a_search_json(capsys):
-    from tailguard import cli
+    from tailguard import terminal
 
     search = {"variant": V, "stopped_by": "max_trials", "chosen": 1, "chosen_name": f"{V}-t01", "trials": [
         {"index": 0, "name": f"{V}-t00", "excluded_nodes": [], "per_channel": True, "p50_ms": 0.5,
@@ -275,7 +275,7 @@ def test_print_search_prints_each_trial_with_front_and_chosen_marks_when_given_a
          "worst_slice_value": 0.999, "passed": True, "status": "ok", "on_front": True, "chosen": True},
         {"index": 2, "name": f"{V}-t02", "excluded_nodes": [], "per_channel": False, "p50_ms": None,
          "worst_slice_value": None, "passed": False, "status": "failed", "on_front": False, "chosen": False}]}
-    cli.print_search(search)
+    terminal.print_search(search)
     text = capsys.readouterr().out
     title = f"search {V}: 3 trials, chosen {V}-t01; stopped by max_trials (worst slice: nn_top1_agreement)"
     assert title in " ".join(text.split())  # the title may wrap

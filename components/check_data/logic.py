@@ -39,7 +39,7 @@ from tailguard.core.home import quiet_environment
 if TYPE_CHECKING:
     from tailguard.core.spec import DatasetSpec, Spec
 
-from tailguard.core.contract import DATA_CHECK_FILE as REPORT_FILE  # noqa: E402
+from tailguard.core.contract import DATA_CHECK_FILE  # noqa: E402
 DATASETS = ("calibration", "validation")
 _PARTIAL = 10  # unexpected values kept per expectation in the report
 _INDEX_KEY = "tailguard_index"
@@ -543,6 +543,6 @@ def write_report(report: CheckReport, out_dir: Path) -> Path:
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / REPORT_FILE
+    path = out_dir / DATA_CHECK_FILE
     path.write_text(json.dumps(report.to_dict(), indent=2, default=str))
     return path

@@ -45,7 +45,7 @@ def check_batches(spec: Any, ds: Any) -> list[dict[str, np.ndarray]]:
 def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str) -> str:
     """Write `out_dir/model.onnx`: the exported (torch) or checked (ONNX) FP32 reference.
 
-    A pure step (no MLflow): under `tailguard run` its output comes from the local cache (tailguard.cache) when
+    A pure step (no MLflow): under `tailguard run` its output comes from the local cache (tailguard.core.cache) when
     the reference's bytes, the model section, the validation rows it checks with and the versions are unchanged.
 
     Returns:

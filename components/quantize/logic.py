@@ -1,7 +1,7 @@
 """Build one inference variant from the FP32 ONNX reference: ONNX Runtime graph optimization, FP16 conversion,
 INT8 dynamic / static quantization, and the TensorRT seam.
 
-One entry point, `build_variant`, dispatches through the step registry (`tailguard.steps`) on the variant's
+One entry point, `build_variant`, dispatches through the step registry (`tailguard.core.steps`) on the variant's
 backend: `quantize.onnxruntime` builds every ONNX Runtime variant, `compile.tensorrt` builds TensorRT engines
 (skipped, with the reason, where no GPU / TensorRT is present). Each step returns a `StepResult`: ok with the
 artifact and the facts of the build, failed with the reason when ONNX Runtime's tooling breaks for that variant
@@ -54,7 +54,8 @@ if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no c
     from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.spec import QUANTIZATION_COVERAGE_KEY
-from tailguard.core.steps import StepResult, get_step, register_step
+from tailguard.core.results import StepResult
+from tailguard.core.steps import get_step, register_step
 
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
@@ -90,13 +91,13 @@ def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, c
     """Build one variant from the FP32 ONNX reference, through the step registered for its backend.
 
     Args:
-        variant: `tailguard.spec.VariantSpec`.
+        variant: `tailguard.core.spec.VariantSpec`.
         fp32_onnx: the FP32 reference .onnx file (the checked export).
         out_dir: folder for the variant's files (created): `<variant.name>.onnx`, `build.log` (the tools' output;
             the traceback on failure), `reproduce.sh` with `variant.json` and `model.json`, and
             `calibration.parquet` (the exact calibration rows) for static INT8.
-        calibration: calibration rows (needed by static INT8 only; `tailguard.data.load_dataset`).
-        model: `tailguard.spec.ModelSpec` (inputs, pad_values).
+        calibration: calibration rows (needed by static INT8 only; `tailguard.core.data.load_dataset`).
+        model: `tailguard.core.spec.ModelSpec` (inputs, pad_values).
         calibration_batch_size: rows per calibration batch (`spec.data.calibration.batch_size`).
 
     Returns:
@@ -137,7 +138,7 @@ def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *
                      model: Any = None, calibration_batch_size: int = 8) -> StepResult:
     """Build a TensorRT engine for `variant`: skipped with the reason where no GPU or TensorRT is present.
 
-    TensorRT is never imported at module level; `tailguard.runtime.tensorrt_unavailable_reason` is the seam.
+    TensorRT is never imported at module level; `tailguard.core.runtime.tensorrt_unavailable_reason` is the seam.
     Arguments and result as `build_variant`.
 
     Raises:
@@ -898,8 +899,8 @@ def _write_reproduce(variant: Any, fp32: Path, out: Path, model: Any, batch_size
     calib = ('load_dataset(d + "/calibration.parquet", m.inputs)' if static else "None")
     code = (
         "import json, sys\n"
-        "from tailguard.spec import ModelSpec, VariantSpec\n"
-        "from tailguard.data import load_dataset\n"
+        "from tailguard.core.spec import ModelSpec, VariantSpec\n"
+        "from tailguard.core.data import load_dataset\n"
         "from tailguard.components.quantize.logic import build_variant\n"
         "d = sys.argv[3]\n"
         'v = VariantSpec.model_validate(json.load(open(d + "/variant.json")))\n'

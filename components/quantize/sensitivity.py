@@ -19,7 +19,7 @@ Method ("one at a time" sensitivity):
    in float (nodes_to_exclude = all other node names; equivalent to nodes_to_quantize=[node]). Static
    variants calibrate on the sensitivity rows themselves (one quantize_static call per node).
 4. The single-node model and the unquantized prepared graph run on the same `samples` rows (length-sorted
-   batches, `tailguard.runtime.run_dataset` + `OrtRunner`); their first outputs y_q, y (rows, ...) give
+   batches, `tailguard.core.runtime.run_dataset` + `OrtRunner`); their first outputs y_q, y (rows, ...) give
 
        output_rel_l2      = mean_i ||y_q,i - y_i||_2 / max(||y_i||_2, 1e-12)
        output_cosine_drop = mean_i (1 - <y_q,i, y_i> / (max(||y_q,i||, 1e-12) max(||y_i||, 1e-12)))
@@ -72,7 +72,7 @@ def candidate_nodes(graph: Any, q: Any) -> list[tuple[str, str]]:
 
     Args:
         graph: onnx GraphProto of the prepared (optimized, preprocessed) model.
-        q: `tailguard.spec.QuantizationSpec` of the variant.
+        q: `tailguard.core.spec.QuantizationSpec` of the variant.
 
     Returns:
         [(node name, op type)] in graph order.
@@ -175,10 +175,10 @@ def node_sensitivity(variant: Any, fp32_onnx: str | Path, data: Dataset, model: 
     Method and formulas: module docstring. Static variants calibrate each single-node model on the same rows.
 
     Args:
-        variant: `tailguard.spec.VariantSpec`, precision int8 on onnxruntime (its `quantization` is used).
+        variant: `tailguard.core.spec.VariantSpec`, precision int8 on onnxruntime (its `quantization` is used).
         fp32_onnx: the FP32 reference .onnx file.
         data: rows to measure on (calibration rows); the first `samples` rows are used.
-        model: `tailguard.spec.ModelSpec` (inputs, pad values; the first output is compared).
+        model: `tailguard.core.spec.ModelSpec` (inputs, pad values; the first output is compared).
         samples: at most this many rows.
         work_dir: scratch folder (created): the prepared graph and one quantized model at a time.
         batch_size: rows per inference / calibration batch.

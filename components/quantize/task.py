@@ -2,7 +2,7 @@
 
 A pure step: it writes the variant's files and returns a StepResult, and writes nothing to MLflow (the validate
 task logs what the build measured, from the StepResult it receives). Under `tailguard run` its output is served
-from the local cache (tailguard.cache) when the FP32 model, the variant's sections, the data it reads and the
+from the local cache (tailguard.core.cache) when the FP32 model, the variant's sections, the data it reads and the
 versions are the same as in an earlier run.
 """
 
@@ -20,7 +20,7 @@ from tailguard.core.contract import ONNX_FILE  # export's output file
 
 
 def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path) -> dict[str, Any] | None:
-    """What a build reads, for the cache key (tailguard.cache.cache_key): the FP32 model's bytes, the variant
+    """What a build reads, for the cache key (tailguard.core.cache.cache_key): the FP32 model's bytes, the variant
     (all but its `search` section, which a build does not read), the model section (inputs, pad values), and for
     a static INT8 build or a sensitivity ranking the calibration section and the calibration file's SHA-256.
 

@@ -65,7 +65,8 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     """
     import mlflow
 
-    from tailguard.components.register.logic import ALIAS_VERSION_TAG, PROMOTION_TAG, register_and_promote
+    from tailguard.components.register.logic import register_and_promote
+    from tailguard.core.contract import ALIAS_VERSION_TAG, PROMOTION_TAG
     from tailguard.core.spec import spec_from_yaml
     from tailguard.core.tracking import configure
 

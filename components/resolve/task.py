@@ -10,8 +10,8 @@ from typing import Any
 
 from tailguard.core.taskio import task_entry
 
-from tailguard.core.contract import ALIAS_AT_START_TAG, PARENT_TAG  # noqa: F401 (re-exported)
-from tailguard.core.reference import alias_version, load_resolved  # noqa: F401 (re-exported)
+from tailguard.core.contract import ALIAS_AT_START_TAG, PARENT_TAG
+from tailguard.core.reference import alias_version
 
 # Set by the local runner (tailguard.runner.run_local) in the environment its tasks inherit; recorded on the parent
 # run so that a later local run can tell a run whose runner died (kill -9) from one still going. Absent on a cluster.

@@ -64,7 +64,7 @@ from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.spec import NAME_RE, SearchSpec, Spec, VariantSpec, higher_is_better
 
-from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,  # noqa: F401 (re-exported)
+from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
                                                        write_sensitivity_artifacts)
 
 STOPPED_BY = ("space_exhausted", "max_trials", "max_minutes")
@@ -148,7 +148,7 @@ class SearchResult:
 
         A trial is on the front when its status is ok, it has a p50 and a value, and no other such trial is at
         least as good on both axes and better on one: lower p50_ms, and a better worst-slice value of the key
-        metric (higher for agreement/cosine/accuracy, lower for errors; `tailguard.spec.higher_is_better`). The
+        metric (higher for agreement/cosine/accuracy, lower for errors; `tailguard.core.spec.higher_is_better`). The
         overall value stands in when a trial has no worst slice. Passing or not does not matter for the front.
 
         Returns:
@@ -281,7 +281,7 @@ def quantized_op_types(q: Any) -> frozenset[str]:
       types in float).
 
     Args:
-        q: a `tailguard.spec.QuantizationSpec`.
+        q: a `tailguard.core.spec.QuantizationSpec`.
 
     Returns:
         The op type names (ONNX `op_type`), e.g. {"MatMul", "Gemm", "Attention", ...} for dynamic.

@@ -29,9 +29,7 @@ from typing import Any, Callable
 from tailguard.core.taskio import task_entry, write_json
 from tailguard.core.tracking import closing_run
 
-# Tag names, the artifact folder and the candidate name: tailguard.core.contract (re-exported here).
-from tailguard.core.contract import (GATES_TAG, SEARCH_ARTIFACT_PATH, SEARCH_JSON, SEARCH_OF_TAG,  # noqa: F401
-                                     SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_RUN_TAG, TRIAL_TAG,
+from tailguard.core.contract import (GATES_TAG, SEARCH_ARTIFACT_PATH, SEARCH_OF_TAG, SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_RUN_TAG, TRIAL_TAG,
                                      VARIANT_TAG, searched_name)
 
 

@@ -48,7 +48,7 @@ for higher-is-better metrics, upper for errors) from `intervals.metric_bound` (W
 PROPORTION_METRICS, seeded percentile bootstrap `spec.analysis.bootstrap` otherwise); `observed` is that
 bound, `estimate` the point value, `bound` the bound, `decided_on` "bound". A relative accuracy gate with
 confidence bounds the PAIRED difference accuracy - reference_accuracy over the same rows (Newcombe 1998
-hybrid score, `intervals.paired_difference_bound`): observed = reference_accuracy + that lower bound, so
+hybrid score, `tailguard.core.stats.newcombe_paired_bound`): observed = reference_accuracy + that lower bound, so
 it passes when the lower bound of the difference is >= -max_drop. Confidence gates need the per-row values
 (`per_sample`, and `groups` for per-slice gates); without them they fail with the reason.
 
@@ -67,14 +67,15 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 import numpy as np
 import pandas as pd
 
-from tailguard.core.contract import insufficient_reason  # noqa: F401 (re-exported)
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better, metric as catalogue_metric
 from tailguard.core.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
 
 from tailguard.core.spec import BUILD_METRICS, QUANTIZATION_COVERAGE_KEY
 
-from .intervals import method_words, metric_bound, paired_difference_bound
+from tailguard.core.stats import newcombe_paired_bound
+
+from .intervals import method_words, metric_bound
 from tailguard.core.parity import aggregate
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -255,7 +256,7 @@ def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
             cand, refc = np.asarray(ctx.per_sample["correct"]), np.asarray(ctx.per_sample["reference_correct"])
             if mask is not None:
                 cand, refc = cand[mask], refc[mask]
-            diff = paired_difference_bound(cand, refc, gate.confidence, "lower")
+            diff = newcombe_paired_bound(cand, refc, gate.confidence, "lower")
             out["difference_bound"] = diff
             b = _num(out["reference_score"] + diff)
         else:
@@ -509,7 +510,7 @@ def _build_gate(gate: GateSpec, base: dict[str, Any], spec: Spec, variant_name: 
                           method=f"{gate.metric} is a fact of INT8 onnxruntime builds; variant {variant_name} is "
                                  f"{v.precision} on {v.backend}")
     return _single(gate, base, overall.get(gate.metric),
-                   "counted on the built graph: MACs per sample in INT8 / all MACs (components/quantize/macs.py)",
+                   "counted on the built graph: MACs per sample in INT8 / all MACs (pipelines/core/macs.py)",
                    f"{gate.metric} was not measured: the model file holds no quantization coverage "
                    f"(metadata {QUANTIZATION_COVERAGE_KEY!r}); rebuild the variant with this tailguard version")
 

@@ -4,69 +4,20 @@ Gates with `confidence` (spec `GateSpec.confidence`) compare a one-sided bound o
 point estimate, so a small group neither passes vacuously nor fails on one unlucky row. `metric_bound` picks the
 method per metric: Wilson's score bound for PROPORTION_METRICS (means of a 0/1 value per row), a seeded
 percentile bootstrap of the metric's statistic ("mean", percentiles "p01"/"p99", "max", "min") otherwise; the
-relative accuracy gate bounds the paired difference with Newcombe's method (`paired_difference_bound`).
+relative accuracy gate bounds the paired difference with Newcombe's method (`tailguard.core.stats.newcombe_paired_bound`).
 
 The formulas, their sources and the implementations live in `tailguard.core.stats` (one statistics module for
-validation, discovery and latency); the names below are kept for callers and tests and are the same functions
-(`bootstrap_distribution` / `bootstrap_bound` are thin wrappers that read this module's
-`BOOTSTRAP_BLOCK_ELEMENTS` at call time).
+validation, discovery and latency); this module only picks the method per metric and names it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tailguard.core import stats as _stats
 from tailguard.core.errors import InputError
 from tailguard.core.parity import _source
 from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, BootstrapSpec
-from tailguard.core.stats import STATISTICS, Side, wilson_bound, wilson_interval
-from tailguard.core.stats import newcombe_paired_bound as paired_difference_bound
-
-__all__ = ["BOOTSTRAP_BLOCK_ELEMENTS", "STATISTICS", "Side", "bootstrap_bound", "bootstrap_distribution",
-           "method_words", "metric_bound", "paired_difference_bound", "wilson_bound", "wilson_interval"]
-
-BOOTSTRAP_BLOCK_ELEMENTS = _stats.BOOTSTRAP_BLOCK_ELEMENTS  # resampled values held at once (float64: 64 MiB)
-
-
-def bootstrap_distribution(values: np.ndarray, statistic: str, samples: int, seed: int) -> np.ndarray:
-    """`tailguard.core.stats.bootstrap_distribution` with this module's BOOTSTRAP_BLOCK_ELEMENTS.
-
-    Args:
-        values: per-row values, shape (rows,), float or bool.
-        statistic: "mean", "max", "min" or a percentile "p<q>" ("p01", "p99").
-        samples: number of resamples (>= 1).
-        seed: seed of numpy.random.default_rng.
-
-    Returns:
-        float64 array of shape (samples,); empty when rows == 0.
-
-    Raises:
-        ValueError: an unknown statistic or samples < 1.
-    """
-    return _stats.bootstrap_distribution(values, statistic, samples, seed, block_elements=BOOTSTRAP_BLOCK_ELEMENTS)
-
-
-def bootstrap_bound(values: np.ndarray, statistic: str, confidence: float, side: Side, samples: int = 1000,
-                    seed: int = 0) -> float:
-    """`tailguard.core.stats.bootstrap_bound` (one-sided percentile bootstrap) with this module's block size.
-
-    Args:
-        values: per-row values, shape (rows,), float or bool.
-        statistic: "mean", "max", "min" or a percentile "p<q>", as in `parity.aggregate`.
-        confidence: one-sided level in (0, 1).
-        side: "lower" or "upper".
-        samples: resamples (spec `analysis.bootstrap.samples`).
-        seed: rng seed (spec `analysis.bootstrap.seed`).
-
-    Returns:
-        The bound in the units of `values`; NaN when rows == 0; +-inf next to non-finite rows.
-
-    Raises:
-        ValueError: an unknown statistic, samples < 1, a bad confidence or side.
-    """
-    return _stats.bootstrap_bound(values, statistic, confidence, side, samples, seed,
-                                  block_elements=BOOTSTRAP_BLOCK_ELEMENTS)
+from tailguard.core.stats import Side, bootstrap_bound, wilson_bound
 
 
 def metric_bound(task: str, metric: str, per_sample: dict[str, np.ndarray], mask: np.ndarray | None,

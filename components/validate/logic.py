@@ -73,7 +73,7 @@ from tailguard.core.taskio import json_default
 from .gates import GateResult, all_passed, build_metrics, evaluate_gates
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
-from .report import higher_is_better, key_metric, write_report
+from tailguard.core.report import higher_is_better, key_metric, write_report
 from tailguard.core.slices import per_slice_table, slice_groups
 
 PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean", "throughput_per_s",
@@ -188,7 +188,7 @@ def _beyond(a: float | None, b: float | None, tolerance: float) -> bool:
 
 
 def _key_overall(overall: dict[str, float]) -> str | None:
-    from .report import KEY_METRICS
+    from tailguard.core.report import KEY_METRICS
 
     return next((m for m in KEY_METRICS if m in overall), None)
 

@@ -14,8 +14,7 @@ from tailguard.core.contract import VALIDATION_RESULT_FILE, VARIANT_RESULT_FILE
 from tailguard.core.results import StepResult, VariantResult
 from tailguard.core.taskio import task_entry, write_json
 
-# Tag names and key formats: tailguard.core.contract (re-exported here for existing imports).
-from tailguard.core.contract import (COVERAGE_TAG, DISCOVERED_TAG, GATE_NAME_PREFIX, GATES_TAG,  # noqa: F401
+from tailguard.core.contract import (COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG,
                                      MODEL_URI_TAG, NUMERICS_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG,
                                      gate_name_tag, gate_tag)
 
@@ -208,7 +207,7 @@ def verdict(result: Any) -> tuple[bool, str]:
     """(passed, reason) of a ValidationResult: non-finite outputs fail whatever the gates say; a failed gate or
     one with insufficient data holds the variant back (reason 'failed gates: ...' and/or 'not promoted: gate X
     had insufficient data')."""
-    from tailguard.components.validate.gates import insufficient_reason
+    from tailguard.core.contract import insufficient_reason
 
     if result.non_finite_rows:
         return False, f"non-finite outputs in {result.non_finite_rows} validation rows"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tailguard.demo_data import build_wordnet_datasets
-from tailguard.errors import TailguardError
+from tailguard.core.errors import TailguardError
 
 
 def main(argv: list[str] | None = None) -> int:

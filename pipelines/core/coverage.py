@@ -25,7 +25,7 @@ def calibration_coverage(slices: list, calibration: Dataset, validation: Dataset
         validation: the validation rows.
 
     Returns:
-        DataFrame, one row per slice group (groups of `components.validate.slices.slice_groups` over both sets):
+        DataFrame, one row per slice group (groups of `tailguard.core.slices.slice_groups` over both sets):
         slice, value (str), calibration_rows, validation_rows (int), calibration_share, validation_share (float in
         [0, 1], NaN for an empty set), coverage_ratio (calibration_share / validation_share; NaN when the group has
         no validation rows; 0 = the group is missing from calibration), missing (bool: validation rows but no

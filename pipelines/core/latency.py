@@ -58,7 +58,7 @@ def benchmark(runner: Runner, ds: Dataset, input_specs: Sequence, bench: Benchma
     """Time `runner` at every batch size of `bench` (method: module docstring).
 
     Args:
-        runner: anything with run(feeds) -> outputs (`tailguard.runtime.Runner`).
+        runner: anything with run(feeds) -> outputs (`tailguard.core.runtime.Runner`).
         ds: the validation dataset the batches are drawn from (rows drawn with replacement only when
             batch_size > rows).
         input_specs: the spec's `model.inputs`.

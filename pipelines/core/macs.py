@@ -526,7 +526,7 @@ def quantization_coverage(fp32: Any, quantized: Any, *, sequence: int | None = N
         "assumption": (f"batch axes at {BATCH}, other symbolic axes at {seq} "
                        + ("(median calibration row length)" if sequence else
                           "(DEFAULT_SEQUENCE: no calibration rows given)")),
-        "method": "MACs per sample from ONNX shape inference (components/quantize/macs.py); INT8 = integer "
+        "method": "MACs per sample from ONNX shape inference (pipelines/core/macs.py); INT8 = integer "
                   "ops or QDQ nodes whose every MAC operand is dequantized from 8 bits",
     }
 

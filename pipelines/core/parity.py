@@ -4,7 +4,7 @@ Two stages, kept apart so slices and the shadow-traffic monitor reuse them:
 
 1. `per_sample_metrics` turns (reference, candidate) output arrays into one value per row and metric.
 2. `aggregate` reduces those per-row values (optionally under a boolean row mask, e.g. one slice group)
-   to the task's metrics, named exactly as `tailguard.spec.TASK_METRICS[task]`.
+   to the task's metrics, named exactly as `tailguard.core.spec.TASK_METRICS[task]`.
 
 Formulas (per row i; `ref` is the FP32 reference, `cand` the candidate variant):
 

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from tailguard.core import metrics as _metrics
-from tailguard.core.contract import RUN_REPORT_FILE  # noqa: F401 (the parent run's artifact; re-exported)
+from tailguard.core.contract import RUN_REPORT_FILE
 
 
 MAX_SLICE_BARS = 30  # groups shown in the per-slice plot (the worst ones)

@@ -36,7 +36,7 @@ PERF_METRICS: tuple[str, ...] = _metrics.metrics_of("performance", gateable=True
 # Every other parity metric (means of continuous values, quantiles, maxima) gets a seeded percentile bootstrap.
 PROPORTION_METRICS = frozenset(_metrics.metrics_of("proportion"))
 # Performance metrics that compare the variant with a baseline timed interleaved with it in the validate step
-# (components/validate/latency.py): a gate on one may set `confidence` and is then decided on the bound of the
+# (pipelines/core/latency.py): a gate on one may set `confidence` and is then decided on the bound of the
 # speed ratio (paired bootstrap over rounds); <metric>.lb95 / .ub95 are logged beside it. speedup_vs_torch is
 # not among them: torch eager is timed in reference-pass, another process at another time.
 RATIO_METRICS = frozenset(m.name for m in _metrics.METRICS if m.bound == "paired_bootstrap")
@@ -50,7 +50,7 @@ higher_is_better = _metrics.higher_is_better
 
 # Build metrics: facts of how a variant was built, counted once on its graph (no sampling noise, so no confidence
 # bound), overall scope only, INT8 onnxruntime variants only. quantized_mac_fraction = MACs computed in INT8 / all
-# MACs of the graph, per sample (formulas: components/quantize/macs.py). The build stores them in the model file's
+# MACs of the graph, per sample (formulas: pipelines/core/macs.py). The build stores them in the model file's
 # metadata_props[QUANTIZATION_COVERAGE_KEY] (JSON) and in build.json; validate logs them as metrics of the variant.
 BUILD_METRICS: tuple[str, ...] = _metrics.metrics_of("build")
 QUANTIZATION_COVERAGE_KEY = "tailguard.quantization_coverage"
@@ -361,7 +361,7 @@ class QuantizationSpec(_Model):
     preset: str | None = Field(None, description=(
         "A named preset whose fields fill in what this section does not set: cpu-vnni, cpu-avx2 (7-bit weights for "
         "CPUs without VNNI), cpu-arm, transformer-static (MatMul/Gemm only), cpu-dynamic, tensorrt-int8 "
-        "(symmetric int8, per-channel, percentile). Each preset's reasons: components/quantize/presets.py."))
+        "(symmetric int8, per-channel, percentile). Each preset's reasons: pipelines/core/presets.py."))
 
     @model_validator(mode="before")
     @classmethod
@@ -560,7 +560,7 @@ class SensitivitySpec(_Model):
 
 
 class EmbeddingAnalysisSpec(_Model):
-    """Settings of the label- and retrieval-aware embedding metrics (components/validate/parity.py)."""
+    """Settings of the label- and retrieval-aware embedding metrics (pipelines/core/parity.py)."""
 
     knn_k: int = Field(1, ge=1, le=100, description=(
         "accuracy / reference_accuracy (task embedding, with data.validation.label_column): the label predicted "

@@ -12,7 +12,7 @@ import importlib
 from typing import Callable
 
 from tailguard.core.errors import TailguardError
-from tailguard.core.results import Status, StepResult  # noqa: F401 - re-exported: the step contract
+from tailguard.core.results import StepResult
 
 # Modules whose import registers steps; `load_all()` imports them so the registry is complete.
 STEP_MODULES = (

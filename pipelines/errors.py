@@ -1,7 +1,0 @@
-"""Old import path of tailguard.core.errors, kept for users: the same module object (see docs/architecture.md, Layers)."""
-
-import sys
-
-from tailguard.core import errors as _m
-
-sys.modules[__name__] = _m
