@@ -212,3 +212,26 @@ def test_spec_accepts_gate_bounds_on_the_ends_of_the_metric_range():
     doc["gates"] += [{"metric": "nn_top1_agreement", "min": 1.0}, {"metric": "latency_ms.p99", "max": 0},
                      {"metric": "nn_top1_agreement", "max_drop": 1.0}]
     parse_spec(doc)
+
+
+# ------------------------------------------------------------------------------------------- removed keys
+@pytest.mark.parametrize("key,value,replaced_by", [
+    ("correction", "bonferroni", "sequential detector"),
+    ("clear_factor", 2.0, "recovery detector"),
+])
+def test_cli_spec_check_exits_2_naming_a_removed_monitoring_key_and_its_replacement_when_given(
+        tmp_path, key, value, replaced_by):
+    doc = _doc()
+    doc["monitoring"] = {"sample_rate": 0.1, key: value}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    r = runner.invoke(app, ["spec", "check", str(tmp_path / "spec.yaml")])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert f"monitoring.{key}" in text and "removed" in text and replaced_by in text, r.output
+    assert "unknown field" not in text and "Traceback" not in r.output
+
+
+def test_spec_refuses_a_promotion_select_other_than_fastest_passing_when_given():
+    doc = _doc()
+    doc.setdefault("promotion", {})["select"] = "cheapest_passing"
+    assert "promotion.select" in _locs(doc)

@@ -615,7 +615,8 @@ class PromotionSpec(_Model):
     alias: str = Field("production", pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$",
                        description="Registry alias set on the selected version.")
     select: Literal["fastest_passing"] = Field("fastest_passing", description=(
-        "fastest_passing: lowest latency_ms.p50 at `batch_size` among variants passing every gate."))
+        "The selection rule; it has one value, fastest_passing (the only rule implemented; any other value is "
+        "refused): lowest latency_ms.p50 at `batch_size` among variants passing every gate."))
     register_variants: Literal["promoted", "passing", "all"] = Field("promoted", description=(
         "Which variants get a registry version: promoted (default): only the one `select` chose (also with "
         "enabled: false, then without the alias); passing: every variant that passed every gate; all: every "
@@ -844,12 +845,6 @@ class MonitoringSpec(_Model):
     shadow_batch_wait_ms: float = Field(2.0, ge=0, le=1000, description=(
         "Longest wait (ms) for more queued requests to fill a micro-batch once one is taken; 0 takes only "
         "what is already queued."))
-    correction: Literal["benjamini_hochberg", "bonferroni"] | None = Field(None, deprecated=True, description=(
-        "Deprecated and ignored: the sequential detector controls false alarms over the stream and across "
-        "slices by construction (docs/monitor.md)."))
-    clear_factor: float | None = Field(None, ge=1, deprecated=True, description=(
-        "Deprecated and ignored: an alert clears when the recovery detector finds the slice back on the good "
-        "side of its threshold (docs/monitor.md)."))
     noise_floor: bool = Field(False, description=(
         "Compare the reference with itself (a second run) instead of the candidate: measures the "
         "comparison's own noise; must never alert."))
@@ -1098,17 +1093,29 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after")))
 
 
+# Spec keys removed on purpose: `spec check` names them with what replaced them instead of "unknown field".
+REMOVED_FIELDS: dict[str, str] = {
+    "monitoring.correction": (
+        "removed: the monitor's sequential detector controls false alarms over the stream and across slices by "
+        "construction (monitoring.alpha over monitoring.horizon sampled requests, docs/monitor.md); delete this "
+        "key"),
+    "monitoring.clear_factor": (
+        "removed: an alert clears when the recovery detector finds the slice back on the good side of its "
+        "threshold (docs/monitor.md, Statistics and alerts); delete this key"),
+}
+
+
 def field_errors(exc: ValidationError, *,
                  unknown: str = "unknown field (check the spelling; see `tailguard spec schema`)") -> list[FieldError]:
     """One FieldError per pydantic error of `exc` (dotted field path, message, offending input); cross-field
     problems ("<path>: <problem>" lines) become one FieldError each. `unknown` is the message for an unknown
-    field. Used by the spec and by the trigger's config."""
+    field, REMOVED_FIELDS' for a removed one. Used by the spec and by the trigger's config."""
     out: list[FieldError] = []
     for e in exc.errors(include_url=False):
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = unknown
         loc = _loc(e["loc"])
+        if e["type"] == "extra_forbidden":
+            msg = REMOVED_FIELDS.get(loc, unknown)
         if e["type"] == "value_error" and not loc and re.match(r"^[A-Za-z_][\w.]*: ", msg):
             # cross-field (Spec._cross_field): "<field path>: <problem>" lines, one FieldError each
             for part in msg.split(CROSS_FIELD_SEP):
