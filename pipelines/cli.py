@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import typer
 from rich.table import Table
 
+from tailguard.core.contract import GATES_TAG, VARIANT_TAG
 from tailguard.core.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, SpecError,
                               TailguardError)
 
@@ -224,10 +225,10 @@ def fetch(model: str = typer.Argument(..., metavar="MODEL@ALIAS|MODEL/VERSION", 
     from tailguard.fetch import fetch_model
 
     res = fetch_model(model, output, tracking_uri=tracking_uri)
-    variant = res.tags.get("tailguard.variant")
+    variant = res.tags.get(VARIANT_TAG)
     what = f"{res.name} v{res.version}" + (f" (@{res.alias})" if res.alias else "") + (
-        f", variant {variant}" if variant else "") + (f", gates {res.tags['tailguard.gates']}"
-                                                      if res.tags.get("tailguard.gates") else "")
+        f", variant {variant}" if variant else "") + (f", gates {res.tags[GATES_TAG]}"
+                                                      if res.tags.get(GATES_TAG) else "")
     console.print(f"fetched {what} from {res.tracking_uri}", markup=False, highlight=False)
     for f in res.files:
         check = "  (= registry's tailguard.sha256)" if f.sha256 == res.registry_sha256 else ""

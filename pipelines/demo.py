@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from tailguard.core.contract import MODEL_URI_TAG
 from tailguard.core.errors import EXIT_NO_PASSING_VARIANT, EXIT_OK
 from tailguard.core.home import home, quiet_environment
 
@@ -131,7 +132,7 @@ def _monitor_replay(console: Any, spec: Any, spec_path: Path, summary: Any, data
     candidate = next(cand_dir.rglob("*.onnx"))
     # The monitor's FP32 reference: the registered FP32 ONNX variant (checked against torch at export).
     fp32_run = next(v for v in summary.variants if v.precision == "fp32" and v.status == "ok")
-    fp32_uri = client.get_run(fp32_run.run_id).data.tags["tailguard.model_uri"]
+    fp32_uri = client.get_run(fp32_run.run_id).data.tags[MODEL_URI_TAG]
     ref_dir = Path(mlflow.artifacts.download_artifacts(fp32_uri, dst_path=str(demo_dir / "reference")))
     reference = next(ref_dir.rglob("*.onnx"))
     out = demo_dir / "monitor"

@@ -21,7 +21,7 @@ from typing import Any
 
 from tailguard.core.errors import InputError, StepError
 from tailguard.core.cache import file_sha256
-from tailguard.core.reference import TAG_SHA256
+from tailguard.core.contract import SHA256_TAG
 
 # Files MLflow writes around a logged model (mlflow.models.Model.save and the registry's download); not part of
 # what a serving runtime loads.
@@ -175,10 +175,10 @@ def fetch_model(ref: str, out_dir: str | Path, *, tracking_uri: str | None = Non
             raise StepError(f"{name} v{mv.version} holds no model file (only MLflow's packaging files)",
                             step="fetch")
         digests = {p: file_sha256(p) for p in found}
-        expected = tags.get(TAG_SHA256) or None
+        expected = tags.get(SHA256_TAG) or None
         if expected and expected not in digests.values():
             raise StepError(f"no downloaded file of {name} v{mv.version} has the sha256 the registry recorded "
-                            f"({TAG_SHA256} {expected[:12]}...): the stored files changed after registration",
+                            f"({SHA256_TAG} {expected[:12]}...): the stored files changed after registration",
                             step="fetch", hint="re-register the model, or fetch another version")
         written = []
         for p in found:

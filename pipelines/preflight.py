@@ -178,7 +178,7 @@ def _local_store_exists(uri: str) -> bool:
 def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     """`model.outputs` against the output signature recorded on the model version the spec names, where the
     registry is reachable from here: a local MLflow store (sqlite: / file:) that exists. `tailguard register`
-    records the signature (version tag `tailguard.registration.TAG_OUTPUTS`) for ONNX files and torch.export
+    records the signature (version tag `tailguard.core.contract.OUTPUTS_TAG`) for ONNX files and torch.export
     programs; a state dict has none (its outputs are known only by running it: the export step checks them).
 
     Nothing here is an error but a mismatch: a remote registry, a model not registered yet or a version without a
@@ -193,7 +193,7 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     from tailguard.components.export.signature import OutputSig, output_signature_errors
     from tailguard.core.errors import InputError
     from tailguard.core.tracking import is_local_store, tracking_uri_for
-    from tailguard.registration import TAG_OUTPUTS
+    from tailguard.core.contract import OUTPUTS_TAG
 
     uri = spec.mlflow.registry_uri or tracking_uri_for(spec)
     later = "the run's export step compares them with the model"
@@ -215,7 +215,7 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
         return [], f"model.outputs: {err.message}; {later}"
     where = f"{name} v{mv.version}"
     try:
-        recorded = json.loads((mv.tags or {})[TAG_OUTPUTS])
+        recorded = json.loads((mv.tags or {})[OUTPUTS_TAG])
         found = [OutputSig.from_dict(o) for o in recorded["outputs"]]
     except (KeyError, TypeError, ValueError):
         return [], (f"model.outputs: {where} records no output signature (a state dict, or registered without "

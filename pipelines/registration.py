@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from tailguard.core.contract import FORMAT_TAG, OUTPUTS_TAG, ROLE_TAG, SHA256_TAG
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as _ONNX_INLINE_LIMIT_BYTES
 from tailguard.core.errors import InputError
 from tailguard.core.home import quiet_environment
 from tailguard.core.reference import (DESCRIPTOR_FILE, DESCRIPTOR_SCHEMA, EXPORTED_PROGRAM_FILE, REFERENCE_ARTIFACT,
-                                      STATE_DICT_FILE, TAG_FORMAT, TAG_SHA256, import_module_class,
-                                      load_exported_program, read_state_dict, sha256_file)
+                                      STATE_DICT_FILE, import_module_class, load_exported_program, read_state_dict,
+                                      sha256_file)
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions
     import onnx
@@ -45,7 +46,6 @@ RESERVED_TAG_PREFIX = "tailguard."  # format / digest tags written by tailguard;
 # The model's output signature, recorded at registration where the format has one (ONNX graph outputs, a
 # torch.export program's outputs): JSON {"positional": bool, "outputs": [{name, dtype, shape}]}; `tailguard spec
 # check` compares a spec's model.outputs with it (pipelines/preflight.py).
-TAG_OUTPUTS = "tailguard.outputs"
 _TAG_VALUE_LIMIT = 5000  # MLflow's longest model version tag value: a longer signature is not recorded
 _TAG_KEY = re.compile(r"^[\w.\-/ ]{1,250}$")
 
@@ -244,7 +244,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
         recorded = json.dumps({"positional": fmt == "torch_export", "outputs": [o.to_dict() for o in found]},
                               separators=(",", ":"))
         if len(recorded) <= _TAG_VALUE_LIMIT:
-            user_tags[TAG_OUTPUTS] = recorded
+            user_tags[OUTPUTS_TAG] = recorded
 
     from tailguard.core.tracking import configure, tracking_uri_for
 
@@ -252,7 +252,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
     configure(uri, experiment)
     mv = register_reference(name, **model_arg, tags=user_tags, description=description)
     return RegisteredModel(name=name, version=str(mv.version), format=fmt, model_uri=f"models:/{name}/{mv.version}",
-                           sha256=(mv.tags or {}).get(logic.TAG_SHA256, ""), tracking_uri=uri,
+                           sha256=(mv.tags or {}).get(SHA256_TAG, ""), tracking_uri=uri,
                            run_id=mv.run_id or None, class_path=class_path if fmt == "state_dict" else None,
                            class_file=class_file)
 
@@ -389,7 +389,7 @@ def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.Mo
     with tempfile.TemporaryDirectory(prefix="tailguard-register-") as tmp, \
             mlflow.start_run(run_name=f"register-{registered_name}", nested=nested) as run:
         run_id = run.info.run_id
-        mlflow.set_tag("tailguard.role", "reference")
+        mlflow.set_tag(ROLE_TAG, "reference")
         if onnx_path is not None:
             fmt, mv = "onnx", _register_onnx(client, registered_name, onnx_path, Path(tmp))
         elif pickled_module is not None:
@@ -407,7 +407,7 @@ def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.Mo
             _ensure_registered_model(client, registered_name)
             digest = json.loads((folder / DESCRIPTOR_FILE).read_text())["sha256"]
             mv = client.create_model_version(registered_name, source=mlflow.get_artifact_uri(REFERENCE_ARTIFACT),
-                                             run_id=run_id, tags={TAG_FORMAT: fmt, TAG_SHA256: digest})
+                                             run_id=run_id, tags={FORMAT_TAG: fmt, SHA256_TAG: digest})
         for k, v in user_tags.items():
             client.set_model_version_tag(registered_name, mv.version, k, v)
         if description:
@@ -436,7 +436,7 @@ def _register_logged(client: "MlflowClient", name: str, info: Any, fmt: str, mod
     digest = sha256_file(Path(stored))
     _ensure_registered_model(client, name)
     return client.create_model_version(name, source=info.model_uri, run_id=info.run_id, model_id=info.model_id,
-                                       tags={TAG_FORMAT: fmt, TAG_SHA256: digest})
+                                       tags={FORMAT_TAG: fmt, SHA256_TAG: digest})
 
 
 def _register_onnx(client: "MlflowClient", name: str, source: "str | Path | onnx.ModelProto",

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any, get_args
 
+from tailguard.core.contract import (BACKEND_TAG, FAILURE_MESSAGE_TAG, GATES_TAG, PARENT_TAG, PRECISION_TAG,
+                                     REASON_TAG, SOURCE_MODEL_TAG, SOURCE_VERSION_TAG, STATUS_TAG, TRIAL_TAG,
+                                     VARIANT_TAG, WORST_SLICE_TAG)
 from tailguard.core.errors import InputError
-
-PIPELINE_RUN_TAG = "tailguard.pipeline_run"  # set by resolve on every parent run
-FAILURE_MESSAGE_TAG = "tailguard.failure_message"  # a failing task's error (tracking.record_task_failure)
 
 
 def _client(tracking_uri: str | None) -> tuple[Any, str]:
@@ -39,7 +39,7 @@ def latest_parent_run(client: Any) -> Any:
         InputError: the store holds no tailguard run.
     """
     exps = [e.experiment_id for e in client.search_experiments(max_results=1000)]
-    runs = client.search_runs(exps, filter_string=f"tags.`{PIPELINE_RUN_TAG}` != ''", max_results=1,
+    runs = client.search_runs(exps, filter_string=f"tags.`{PARENT_TAG}` != ''", max_results=1,
                               order_by=["attributes.start_time DESC"]) if exps else []
     if not runs:
         raise InputError("no tailguard run in this MLflow store", hint="run `tailguard run SPEC` first, or pass "
@@ -104,24 +104,24 @@ def partial_summary(client: Any, parent: Any) -> dict[str, Any]:
                                   order_by=["attributes.start_time ASC"])
     for c in children:
         tags, m = c.data.tags, c.data.metrics
-        if "tailguard.variant" not in tags or tags.get("tailguard.trial"):
+        if VARIANT_TAG not in tags or tags.get(TRIAL_TAG):
             continue
-        status, reason = tags.get("tailguard.status", "failed"), tags.get("tailguard.reason", "")
+        status, reason = tags.get(STATUS_TAG, "failed"), tags.get(REASON_TAG, "")
         if status not in get_args(Status):  # checked before use: a tag is text anyone with write access can set
             status, reason = "failed", f"unknown status tag {status[:80]!r}; {reason}".rstrip("; ")
         gates = {k: cell_status(v).value for k, v in gate_statuses(tags).items()}
-        rows.append({"variant": tags["tailguard.variant"], "backend": tags.get("tailguard.backend"),
-                     "precision": tags.get("tailguard.precision"), "status": status,
-                     "reason": reason, "passed": tags.get("tailguard.gates") == "passed",
+        rows.append({"variant": tags[VARIANT_TAG], "backend": tags.get(BACKEND_TAG),
+                     "precision": tags.get(PRECISION_TAG), "status": status,
+                     "reason": reason, "passed": tags.get(GATES_TAG) == "passed",
                      "run_id": c.info.run_id, "version": None, "p50_ms": m.get("latency_ms.p50"),
                      "p99_ms": m.get("latency_ms.p99"), "speedup_vs_torch": m.get("speedup_vs_torch"),
                      "speedup_vs_onnx_fp32": m.get("speedup_vs_onnx_fp32"),
                      "quantized_mac_fraction": m.get("quantized_mac_fraction"),
-                     "worst_slice": _worst_slice(tags.get("tailguard.worst_slice")), "gates": gates,
+                     "worst_slice": _worst_slice(tags.get(WORST_SLICE_TAG)), "gates": gates,
                      "promoted": False, "discovered": []})
     tags = parent.data.tags
     return {"parent_run_id": parent.info.run_id, "experiment_id": parent.info.experiment_id,
-            "source_model": tags.get("tailguard.source_model"), "source_version": tags.get("tailguard.source_version"),
+            "source_model": tags.get(SOURCE_MODEL_TAG), "source_version": tags.get(SOURCE_VERSION_TAG),
             "optimized_model": "", "alias": "", "promotion_enabled": False, "batch_size": None,
             "variants": rows, "searches": [], "promotion": "not_promoted"}
 

@@ -24,6 +24,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from tailguard.core.contract import (NOTE_TAG, PARENT_TAG, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
+                                     SOURCE_MODEL_TAG)
 from tailguard.core.cache import ENV_CACHE
 from tailguard.components.register.logic import RunSummary
 from tailguard.core.reference import MODEL_PATH_ENV
@@ -316,9 +318,6 @@ def _restore_env(key: str, value: str | None) -> None:
         os.environ[key] = value
 
 
-NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
-
-
 def _this_process() -> Any:
     import psutil
 
@@ -362,7 +361,7 @@ def _mark_failed(spec: Spec, uri: str, pipeline_run: str, note: str = "") -> lis
         if exp is None:
             return marked
         for run in client.search_runs([exp.experiment_id],
-                                      filter_string=f"tags.`tailguard.pipeline_run` = '{pipeline_run}'"):
+                                      filter_string=f"tags.`{PARENT_TAG}` = '{pipeline_run}'"):
             _fail_run(client, exp.experiment_id, run.info.run_id, note,
                       "interrupted" if note.startswith("Interrupted") else "error")
             marked.append(run.info.run_id)
@@ -403,11 +402,11 @@ def reap_dead_runs(spec: Spec, uri: str, *, by: str = "") -> list[str]:
         host = socket.gethostname()
         runs = client.search_runs(
             [exp.experiment_id], max_results=1000,
-            filter_string=(f"attributes.status = 'RUNNING' and tags.`tailguard.source_model` = "
-                           f"'{spec.model.registered_name}' and tags.`tailguard.runner.host` = '{host}'"))
+            filter_string=(f"attributes.status = 'RUNNING' and tags.`{SOURCE_MODEL_TAG}` = "
+                           f"'{spec.model.registered_name}' and tags.`{RUNNER_HOST_TAG}` = '{host}'"))
         for run in runs:
             tags = run.data.tags
-            pid, started = tags.get("tailguard.runner.pid", ""), tags.get("tailguard.runner.started", "")
+            pid, started = tags.get(RUNNER_PID_TAG, ""), tags.get(RUNNER_STARTED_TAG, "")
             if not pid or _runner_alive(pid, started):
                 continue
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(started))) if started else "?"

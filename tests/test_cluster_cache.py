@@ -151,9 +151,9 @@ def registry(tmp_path, monkeypatch):
                              "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", 10]}]})
     import mlflow
 
-    from tailguard.core.reference import TAG_SHA256
+    from tailguard.core.contract import SHA256_TAG
 
-    stored = mlflow.MlflowClient(uri).get_model_version("mlp", mv.version).tags[TAG_SHA256]  # of the stored file
+    stored = mlflow.MlflowClient(uri).get_model_version("mlp", mv.version).tags[SHA256_TAG]  # of the stored file
     return {"root": tmp_path, "uri": uri, "version": str(mv.version), "model_json": model_json, "sha256": stored}
 
 

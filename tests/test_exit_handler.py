@@ -15,7 +15,7 @@ import yaml
 
 from tailguard.builder import build_pipeline
 from tailguard.core.spec import load_spec
-from tailguard.core.tracking import FAILURE_MESSAGE_TAG, KFP_RUN_TAG, NOTE_TAG
+from tailguard.core.contract import FAILURE_MESSAGE_TAG, KFP_RUN_TAG, NOTE_TAG
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SPEC = ROOT / "tests" / "data" / "tiny_spec.yaml"

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from tailguard.core.errors import InputError, UntrustedModelError
-from tailguard.core.reference import (TAG_FORMAT, TAG_SHA256, RegistryDigestWarning, ResolvedModel, confined_file,
-                                      load_torch_reference, resolve_reference)
+from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
+from tailguard.core.reference import (RegistryDigestWarning, ResolvedModel, confined_file, load_torch_reference,
+                                      resolve_reference)
 from tailguard.registration import register_reference
 from tests._resolve_models import make_tiny
 from tests.test_resolve import CLASS_PATH, X, make_spec
@@ -98,13 +99,13 @@ def test_resolve_reference_records_digest_once_and_then_refuses_a_change_when_ve
     folder.mkdir()
     (folder / "model.onnx").write_bytes(ONNX_BYTES)
     mv = register_folder(store, "other-tool", folder)
-    assert TAG_SHA256 not in (mv.tags or {})
+    assert SHA256_TAG not in (mv.tags or {})
 
     with pytest.warns(RegistryDigestWarning, match="no tailguard.sha256 tag") as seen:
         first = resolve_reference(make_spec("other-tool"), tracking_uri=store["uri"], out_dir=tmp_path / "a")
     assert len(seen) == 1
     tags = store["client"].get_model_version("other-tool", mv.version).tags
-    assert tags[TAG_SHA256] == first.sha256 and tags[TAG_FORMAT] == "onnx"
+    assert tags[SHA256_TAG] == first.sha256 and tags[FORMAT_TAG] == "onnx"
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", RegistryDigestWarning)  # once: the tag is there now

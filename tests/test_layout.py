@@ -345,3 +345,67 @@ def test_layout_imports_each_name_from_its_defining_module_when_scanning_the_tre
                     if a.name in only_imported and f"{node.module}.{a.name}" not in mods]
     assert not bad, ("names imported through a module that only imports them; import them from the module that "
                      "defines them:\n" + "\n".join(bad))
+
+
+def _contract_tag_names() -> dict[str, str]:
+    """`tailguard.*` names core/contract.py defines (tags, tag prefixes, the model-file metadata key): value ->
+    constant name."""
+    tree = ast.parse((ROOT / "pipelines/core/contract.py").read_text())
+    out = {}
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                and node.value.value.startswith("tailguard.")):
+            out[node.value.value] = node.targets[0].id
+    return out
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """ids of the docstring nodes of the module, its classes and functions."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def spelled_tag_names(source: str, names: dict[str, str]) -> list[tuple[int, str, str]]:
+    """(line, literal, constant to use) for each string literal of `source` (docstrings aside; f-string parts
+    included) that spells a contract name: equal to it, starting with a prefix name (ending in "."), or quoting it
+    in an MLflow filter (tags.`<name>`)."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree)
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
+            continue
+        for value, const in names.items():
+            if (node.value == value or f"`{value}`" in node.value
+                    or (value.endswith(".") and node.value.startswith(value))):
+                out.append((node.lineno, node.value, const))
+    return out
+
+
+def test_layout_spells_tag_names_only_in_the_contract_when_scanning_every_module():
+    names = _contract_tag_names()
+    assert len(names) > 30, "read too few tag names from core/contract.py"
+    bad = []
+    for name, path in sorted(modules().items()):
+        if name == "tailguard.core.contract":
+            continue
+        bad += [f"{path.relative_to(ROOT)}:{line}: {lit!r}: use tailguard.core.contract.{const}"
+                for line, lit, const in spelled_tag_names(path.read_text(), names)]
+    assert not bad, "tag names spelled outside tailguard.core.contract:\n" + "\n".join(bad)
+
+
+def test_layout_spelled_tag_names_finds_literals_and_filters_when_given_synthetic_source():
+    names = {"tailguard.variant": "VARIANT_TAG", "tailguard.label.": "LABEL_TAG_PREFIX"}
+    src = ('"""Docstring naming tailguard.variant."""\n'
+           'a = {"tailguard.variant": 1}\n'
+           'b = f"tags.`tailguard.variant` = \'{x}\'"\n'
+           'c = f"tailguard.label.{k}"\n'
+           'd = "tailguard.variants_total"\n')
+    assert [(line, const) for line, _, const in spelled_tag_names(src, names)] == [
+        (2, "VARIANT_TAG"), (3, "VARIANT_TAG"), (4, "LABEL_TAG_PREFIX")]

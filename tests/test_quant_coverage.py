@@ -23,7 +23,8 @@ from tailguard.core.macs import (DEFAULT_SEQUENCE, count_macs, coverage_line,
                                                 quantization_coverage)
 from tailguard.components.validate.gates import build_metrics, evaluate_gates
 from tailguard.core.errors import SpecError
-from tailguard.core.spec import QUANTIZATION_COVERAGE_KEY, ModelSpec, VariantSpec, parse_spec
+from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
+from tailguard.core.spec import ModelSpec, VariantSpec, parse_spec
 
 IN, H1, H2, OUT = 64, 32, 32, 10
 MLP_MACS = IN * H1 + H1 * H2 + H2 * OUT  # 3392 per sample

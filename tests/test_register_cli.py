@@ -24,8 +24,9 @@ import yaml
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.core.reference import (MODEL_PATH_ENV, TAG_FORMAT, TAG_SHA256, add_model_path,
-                                                import_module_class, load_torch_reference, resolve_reference)
+from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
+from tailguard.core.reference import (MODEL_PATH_ENV, add_model_path, import_module_class, load_torch_reference,
+                                      resolve_reference)
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.spec import parse_spec
 
@@ -131,7 +132,7 @@ def test_register_prints_version_and_models_uri_when_onnx_file(env):
     import onnxruntime as ort
 
     mv = mlflow.MlflowClient(env["uri"]).get_model_version("digits", "1")
-    assert mv.tags["team"] == "vision" and mv.tags["note"] == "a=b" and mv.tags[TAG_FORMAT] == "onnx"
+    assert mv.tags["team"] == "vision" and mv.tags["note"] == "a=b" and mv.tags[FORMAT_TAG] == "onnx"
     logits = ort.InferenceSession(resolved.onnx_path).run(None, {"x": X.numpy()})[0]
     np.testing.assert_allclose(logits, env["model"](X).detach().numpy(), atol=1e-5)
 
@@ -196,7 +197,7 @@ def test_resolve_reads_a_plain_mlflow_onnx_log_when_registered_without_tailguard
         # mlflow's default save_as_external_data=True: weights in a separate file beside model.onnx
         info = mlflow.onnx.log_model(onnx.load(str(onnx_file)), name="model", pip_requirements=["onnx"])
     mv = mlflow.register_model(info.model_uri, "plain-onnx")
-    assert TAG_SHA256 not in (mv.tags or {})
+    assert SHA256_TAG not in (mv.tags or {})
 
     resolved = resolve(env, "plain-onnx")
 

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tailguard.core.reference import (DESCRIPTOR_FILE, TAG_FORMAT, TAG_SHA256, ResolvedModel, load_torch_reference,
-                                      resolve_reference, resolve_version)
+from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
+from tailguard.core.reference import (DESCRIPTOR_FILE, ResolvedModel, load_torch_reference, resolve_reference,
+                                      resolve_version)
 from tailguard.registration import register_reference
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.spec import parse_spec
@@ -110,7 +111,7 @@ def test_resolve_version_raises_input_error_when_version_malformed(store):
 # ------------------------------------------------------------------------------------------ registering
 def test_register_reference_tags_format_and_sha256_when_state_dict(store):
     mv = store["client"].get_model_version("tiny-sd", "2")
-    assert mv.tags[TAG_FORMAT] == "state_dict" and len(mv.tags[TAG_SHA256]) == 64
+    assert mv.tags[FORMAT_TAG] == "state_dict" and len(mv.tags[SHA256_TAG]) == 64
     assert mv.description == "seed 1"
 
 
@@ -127,7 +128,7 @@ def test_resolve_reference_round_trips_identical_outputs_when_state_dict(store, 
     assert (resolved.format, resolved.version, resolved.class_path) == ("state_dict", "2", CLASS_PATH)
     assert resolved.init_kwargs == {"hidden": 8}  # the registered kwargs of that same class
     assert resolved.model_path.is_file() and (Path(resolved.local_dir) / DESCRIPTOR_FILE).is_file()
-    assert resolved.sha256 == store["client"].get_model_version("tiny-sd", "2").tags[TAG_SHA256]
+    assert resolved.sha256 == store["client"].get_model_version("tiny-sd", "2").tags[SHA256_TAG]
     module = load_torch_reference(resolved, spec.model)
     with torch.no_grad():
         assert torch.equal(module(X), make_tiny(1)(X))

@@ -53,7 +53,7 @@ import numpy as np
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
-from tailguard.core.spec import QUANTIZATION_COVERAGE_KEY
+from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.results import StepResult
 from tailguard.core.steps import get_step, register_step
 

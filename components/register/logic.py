@@ -31,6 +31,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from tailguard.core.contract import (BACKEND_TAG, EXECUTION_PROVIDER_TAG, GATES_TAG, PRECISION_TAG,
+                                     PROMOTION_REASON_TAG, RUN_ID_TAG, SHA256_TAG, SOURCE_MODEL_TAG,
+                                     SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG)
 from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, GATE_NAME_PREFIX, NOTE_TAG,
                                      PROMOTION_TAG, REPORT_ERROR_TAG, SEARCH_OF_TAG, SUPERSEDED_BY_TAG,
                                      TRIAL_RUN_TAG, VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
@@ -266,9 +269,6 @@ class Registration(str, Enum):
     NOT_REGISTERED = "not_registered"  # the policy leaves it out; its MLflow run holds the model
 
 
-SHA256_TAG = "tailguard.sha256"  # a version's artefact fingerprint (hex sha256 of the .onnx file)
-
-
 def registration_policy(policy: str, row: VariantSummary, selected: bool) -> tuple[bool, str]:
     """Whether `row` gets a registry version under `promotion.register_variants`, and why not.
 
@@ -356,12 +356,12 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     try:
         client.get_registered_model(spec.optimized_model_name)
     except MlflowException:
-        client.create_registered_model(spec.optimized_model_name, tags={"tailguard.source_model":
+        client.create_registered_model(spec.optimized_model_name, tags={SOURCE_MODEL_TAG:
                                                                         spec.model.registered_name},
                                        description=f"Optimized variants of {spec.model.registered_name} "
                                                    "built and validated by tailguard.")
     # One spec fingerprint per run: the one resolve put on the parent run (sha256 of the spec YAML the tasks got).
-    spec_sha = client.get_run(parent_run_id).data.tags.get("tailguard.spec_sha256", "")
+    spec_sha = client.get_run(parent_run_id).data.tags.get(SPEC_SHA256_TAG, "")
     built: list[tuple[VariantSummary, VariantResult, Any, str]] = []  # rows with a logged model, spec order
 
     def add_row(name: str, v: Any, run: Any) -> None:
@@ -423,14 +423,14 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                 continue
             extra = {SEARCH_OF_TAG: r.search_of, TRIAL_RUN_TAG: r.trial_run_id or ""} if r.search_of else {}
             mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags={
-                "tailguard.variant": row.variant, "tailguard.backend": v.backend, "tailguard.precision": v.precision,
-                "tailguard.execution_provider": v.execution_provider,
-                "tailguard.source_model": spec.model.registered_name,
-                "tailguard.source_version": str(source_version),
-                "tailguard.source_sha256": source_sha256 or "",
-                "tailguard.gates": "passed" if row.passed else "failed",
+                VARIANT_TAG: row.variant, BACKEND_TAG: v.backend, PRECISION_TAG: v.precision,
+                EXECUTION_PROVIDER_TAG: v.execution_provider,
+                SOURCE_MODEL_TAG: spec.model.registered_name,
+                SOURCE_VERSION_TAG: str(source_version),
+                SOURCE_SHA256_TAG: source_sha256 or "",
+                GATES_TAG: "passed" if row.passed else "failed",
                 SHA256_TAG: r.sha256 or "",
-                "tailguard.spec_sha256": spec_sha, "tailguard.run_id": run_id, **extra})
+                SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id, **extra})
             row.version = str(mv.version)
             row.registration, row.registration_note = Registration.REGISTERED.value, f"v{row.version}"
             if r.sha256:
@@ -477,8 +477,8 @@ def _holder_wins(client: Any, model_name: str, holder: str, *, version: str, bat
     overwritten.
     """
     mine, theirs = client.get_model_version(model_name, version), client.get_model_version(model_name, holder)
-    src_mine = _version_int(mine.tags.get("tailguard.source_version"))
-    src_theirs = _version_int(theirs.tags.get("tailguard.source_version"))
+    src_mine = _version_int(mine.tags.get(SOURCE_VERSION_TAG))
+    src_theirs = _version_int(theirs.tags.get(SOURCE_VERSION_TAG))
     if src_mine is None or src_theirs is None:
         return True, f"v{holder} was promoted by another process and cannot be compared"
     if src_theirs != src_mine:
@@ -487,7 +487,7 @@ def _holder_wins(client: Any, model_name: str, holder: str, *, version: str, bat
                        f"({src_theirs} vs {src_mine})")
 
     def p50(mv: Any) -> float | None:
-        run_id = mv.tags.get("tailguard.run_id")
+        run_id = mv.tags.get(RUN_ID_TAG)
         r = read_variant_result(client, run_id) if run_id else None
         return r.perf_value(batch_size, "latency_ms.p50") if isinstance(r, VariantResult) and r.passed else None
 
@@ -527,7 +527,7 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
                 return Promotion("superseded", holder, reason)
             try:  # the run that promoted `holder` no longer holds the alias: say so on its parent run
                 other = client.get_run(client.get_run(client.get_model_version(model_name, holder)
-                                                      .tags["tailguard.run_id"]).data.tags["mlflow.parentRunId"])
+                                                      .tags[RUN_ID_TAG]).data.tags["mlflow.parentRunId"])
                 if other.info.run_id != parent_run_id:
                     _tag(client, other.info.run_id, "superseded", version, f"v{version} of run {parent_run_id} "
                          f"took the alias: {reason.replace(f'v{holder} is', 'it was')}")
@@ -548,7 +548,7 @@ def _tag(client: Any, run_id: str, outcome: str, holder: str | None, reason: str
     client.set_tag(run_id, PROMOTION_TAG, outcome)
     client.set_tag(run_id, ALIAS_VERSION_TAG, holder or "none")
     if reason:
-        client.set_tag(run_id, "tailguard.promotion_reason", reason)
+        client.set_tag(run_id, PROMOTION_REASON_TAG, reason)
 
 
 # --------------------------------------------------------------------------------------------- run report

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tailguard.core.contract import OUTCOME_TAG, PROMOTED_VARIANT_TAG, PROMOTED_VERSION_TAG
 from tailguard.core.contract import COVERAGE_CSV, COVERAGE_JSON, baseline_metrics
 from tailguard.core.taskio import task_entry
 
@@ -82,9 +83,9 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     summary.hardware, summary.warnings = baseline_notes(baselines_json)
     d = summary.to_dict()
     client.log_dict(parent_run_id, d, "summary.json")
-    client.set_tag(parent_run_id, "tailguard.promoted_variant", summary.promoted_variant or "none")
-    client.set_tag(parent_run_id, "tailguard.promoted_version", summary.promoted_version or "none")
-    client.set_tag(parent_run_id, "tailguard.outcome", "promoted" if summary.promoted_version else
+    client.set_tag(parent_run_id, PROMOTED_VARIANT_TAG, summary.promoted_variant or "none")
+    client.set_tag(parent_run_id, PROMOTED_VERSION_TAG, summary.promoted_version or "none")
+    client.set_tag(parent_run_id, OUTCOME_TAG, "promoted" if summary.promoted_version else
                    "superseded" if summary.promotion == "superseded" else
                    ("no_passing_variant" if not summary.any_passed else "promotion_disabled"))
     if summary.promotion == "not_promoted":  # promoted / superseded: `promote` tagged the run under its lock

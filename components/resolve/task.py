@@ -8,15 +8,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tailguard.core.taskio import task_entry
-
-from tailguard.core.contract import ALIAS_AT_START_TAG, PARENT_TAG
+from tailguard.core.contract import (ALIAS_AT_START_TAG, KFP_RUN_TAG, LABEL_TAG_PREFIX, PARENT_TAG, RUNNER_HOST_TAG,
+                                     RUNNER_PID_TAG, RUNNER_STARTED_TAG, SOURCE_FORMAT_TAG, SOURCE_MODEL_TAG,
+                                     SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG, SPEC_TAG)
 from tailguard.core.reference import alias_version
+from tailguard.core.taskio import task_entry
 
 # Set by the local runner (tailguard.runner.run_local) in the environment its tasks inherit; recorded on the parent
 # run so that a later local run can tell a run whose runner died (kill -9) from one still going. Absent on a cluster.
-RUNNER_ENV = {"TAILGUARD_RUNNER_PID": "tailguard.runner.pid", "TAILGUARD_RUNNER_HOST": "tailguard.runner.host",
-              "TAILGUARD_RUNNER_STARTED": "tailguard.runner.started"}
+RUNNER_ENV = {"TAILGUARD_RUNNER_PID": RUNNER_PID_TAG, "TAILGUARD_RUNNER_HOST": RUNNER_HOST_TAG,
+              "TAILGUARD_RUNNER_STARTED": RUNNER_STARTED_TAG}
 
 
 @task_entry("resolve")
@@ -49,15 +50,13 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
                                  version=model_version or None)
     client = mlflow.MlflowClient()
     spec_hash = hashlib.sha256(spec_yaml.encode()).hexdigest()
-    tags = {PARENT_TAG: pipeline_run or "", "tailguard.spec": spec.metadata.name,
-            "tailguard.spec_sha256": spec_hash, "tailguard.source_model": spec.model.registered_name,
-            "tailguard.source_version": str(resolved.version), "tailguard.source_format": resolved.format,
-            "tailguard.source_sha256": resolved.sha256 or ""}
-    tags.update({f"tailguard.label.{k}": v for k, v in spec.metadata.labels.items()})
+    tags = {PARENT_TAG: pipeline_run or "", SPEC_TAG: spec.metadata.name,
+            SPEC_SHA256_TAG: spec_hash, SOURCE_MODEL_TAG: spec.model.registered_name,
+            SOURCE_VERSION_TAG: str(resolved.version), SOURCE_FORMAT_TAG: resolved.format,
+            SOURCE_SHA256_TAG: resolved.sha256 or ""}
+    tags.update({f"{LABEL_TAG_PREFIX}{k}": v for k, v in spec.metadata.labels.items()})
     tags.update({tag: os.environ[env] for env, tag in RUNNER_ENV.items() if os.environ.get(env)})
     if kfp_run:
-        from tailguard.core.tracking import KFP_RUN_TAG
-
         tags[KFP_RUN_TAG] = kfp_run
     tags[ALIAS_AT_START_TAG] = alias_version(client, spec.optimized_model_name, spec.promotion.alias) or ""
     run = client.create_run(exp_id, run_name=f"{spec.metadata.name}-v{resolved.version}", tags=tags)

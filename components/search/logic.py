@@ -62,7 +62,8 @@ import pandas as pd
 from tailguard.components.validate.logic import ValidationResult
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
-from tailguard.core.spec import NAME_RE, SearchSpec, Spec, VariantSpec, higher_is_better
+from tailguard.core.metrics import higher_is_better
+from tailguard.core.spec import NAME_RE, SearchSpec, Spec, VariantSpec
 
 from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
                                                        write_sensitivity_artifacts)
@@ -148,7 +149,7 @@ class SearchResult:
 
         A trial is on the front when its status is ok, it has a p50 and a value, and no other such trial is at
         least as good on both axes and better on one: lower p50_ms, and a better worst-slice value of the key
-        metric (higher for agreement/cosine/accuracy, lower for errors; `tailguard.core.spec.higher_is_better`). The
+        metric (higher for agreement/cosine/accuracy, lower for errors; `tailguard.core.metrics.higher_is_better`). The
         overall value stands in when a trial has no worst slice. Passing or not does not matter for the front.
 
         Returns:

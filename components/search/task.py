@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from tailguard.core.contract import BACKEND_TAG, PRECISION_TAG, REASON_TAG, TRIAL_NAME_TAG
 from tailguard.core.taskio import task_entry, write_json
 from tailguard.core.tracking import closing_run
 
@@ -75,8 +76,8 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any
     from tailguard.components.validate.task import log_validation
 
     tags = {"mlflow.parentRunId": variant_run_id, SEARCH_OF_TAG: variant.name, TRIAL_TAG: str(trial.index),
-            "tailguard.trial_name": trial.name, "tailguard.backend": variant.backend,
-            "tailguard.precision": variant.precision, STATUS_TAG: trial.status, GATES_TAG: "not_evaluated"}
+            TRIAL_NAME_TAG: trial.name, BACKEND_TAG: variant.backend,
+            PRECISION_TAG: variant.precision, STATUS_TAG: trial.status, GATES_TAG: "not_evaluated"}
     run_id = client.create_run(experiment_id, run_name=trial.name, tags=tags).info.run_id
     with closing_run(client, run_id):
         client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in _trial_params(trial).items()])
@@ -84,7 +85,7 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any
         if trial.result is not None:
             log_validation(client, run_id, trial.result)
         if trial.status != "ok" and trial.reason:
-            client.set_tag(run_id, "tailguard.reason", trial.reason[:5000])
+            client.set_tag(run_id, REASON_TAG, trial.reason[:5000])
     return run_id
 
 
@@ -108,8 +109,8 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
                         step="search", variant=variant.name)
     name = searched_name(variant.name)
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: name, SEARCH_OF_TAG: variant.name,
-            TRIAL_RUN_TAG: trial_run_id, "tailguard.trial_name": trial.name, "tailguard.backend": variant.backend,
-            "tailguard.precision": variant.precision, STATUS_TAG: "ok", GATES_TAG: "not_evaluated"}
+            TRIAL_RUN_TAG: trial_run_id, TRIAL_NAME_TAG: trial.name, BACKEND_TAG: variant.backend,
+            PRECISION_TAG: variant.precision, STATUS_TAG: "ok", GATES_TAG: "not_evaluated"}
     run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
     with closing_run(client, run_id):
         client.log_batch(run_id, params=[mlflow.entities.Param(k, v)

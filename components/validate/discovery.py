@@ -28,7 +28,7 @@ Per-row values: the metric (`analysis.discovery.metric`, default per task: class
 embedding `nn_top1_agreement`, regression/generic `abs_error.mean`) names a per-row key (`parity._source`).
 A one-row test compares per-row values, so a quantile or extreme metric (`cosine_similarity.p01`,
 `abs_error.max`, `kl_divergence.p99`) is replaced by the mean of the same per-row key (`cosine_similarity.mean`
-...); `DiscoveryResult.tested_metric` and `method` say so. Direction: `tailguard.core.spec.higher_is_better`.
+...); `DiscoveryResult.tested_metric` and `method` say so. Direction: `tailguard.core.metrics.higher_is_better`.
 
 Tests (one-sided, H1: the slice is worse than the rest; computed by `tailguard.core.stats`: `fisher_exact_greater`,
 `mann_whitney_u_greater`, `benjamini_hochberg`):
@@ -78,7 +78,8 @@ import numpy as np
 import pandas as pd
 
 from tailguard.core.errors import InputError
-from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec, higher_is_better
+from tailguard.core.metrics import higher_is_better
+from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
 
 from tailguard.core.parity import _source
 from tailguard.core.slices import NULL, slice_groups, value_label

@@ -71,9 +71,10 @@ from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better, metric as catalogue_metric
 from tailguard.core.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
 
-from tailguard.core.spec import BUILD_METRICS, QUANTIZATION_COVERAGE_KEY
+from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
+from tailguard.core.spec import BUILD_METRICS
 
-from tailguard.core.stats import newcombe_paired_bound
+from tailguard.core.stats import Side, newcombe_paired_bound
 
 from .intervals import method_words, metric_bound
 from tailguard.core.parity import aggregate
@@ -214,7 +215,7 @@ def _single(gate: GateSpec, base: dict[str, Any], value: Any, method: str, missi
                       estimate=v)
 
 
-def _side(op: str) -> Literal["lower", "upper"]:
+def _side(op: str) -> Side:
     return "lower" if op == ">=" else "upper"
 
 

@@ -73,7 +73,8 @@ from tailguard.core.taskio import json_default
 from .gates import GateResult, all_passed, build_metrics, evaluate_gates
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
-from tailguard.core.report import higher_is_better, key_metric, write_report
+from tailguard.core.metrics import higher_is_better
+from tailguard.core.report import key_metric, write_report
 from tailguard.core.slices import per_slice_table, slice_groups
 
 PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean", "throughput_per_s",
@@ -458,7 +459,7 @@ def worst_slice(spec: Spec, table: pd.DataFrame) -> dict[str, Any] | None:
     t = table[(table["support"] >= floor) & table[metric].notna()]
     if t.empty:
         return None
-    row = t.sort_values(metric, ascending=higher_is_better(metric), kind="stable").iloc[0]
+    row = t.sort_values(metric, ascending=higher_is_better(metric, default=True), kind="stable").iloc[0]
     return {"slice": str(row["slice"]), "value": str(row["value"]), "support": int(row["support"]),
             "metric": metric, "observed": float(row[metric])}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tailguard.core.contract import BACKEND_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG
 from tailguard.core.contract import VALIDATION_RESULT_FILE, VARIANT_RESULT_FILE
 from tailguard.core.results import StepResult, VariantResult
 from tailguard.core.taskio import task_entry, write_json
@@ -91,7 +92,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     from tailguard.core.hardware import hardware_tags, node_facts
 
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
-            "tailguard.backend": variant.backend, "tailguard.precision": variant.precision,
+            BACKEND_TAG: variant.backend, PRECISION_TAG: variant.precision,
             STATUS_TAG: build["status"], GATES_TAG: "not_evaluated",
             **hardware_tags(node_facts())}  # tailguard.hw.*: the node that validates and times the variant
     run = client.create_run(exp_id, run_name=variant.name, tags=tags)
@@ -106,7 +107,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
         client.log_dict(run_id, build, "build.json")
         log_coverage(client, run_id, build)
         if step.status != "ok":
-            client.set_tag(run_id, "tailguard.reason", step.reason[:5000])
+            client.set_tag(run_id, REASON_TAG, step.reason[:5000])
             log_variant_result(client, run_id, identity)
             return json.dumps(summary, default=str)
         try:
@@ -254,7 +255,7 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
     if getattr(result, "numerics", None):  # consistent | hardware_dependent | not_checked (logic.compare_numerics)
         client.set_tag(run_id, NUMERICS_TAG, str(result.numerics.get("status")))
     if reason:
-        client.set_tag(run_id, "tailguard.reason", reason[:5000])
+        client.set_tag(run_id, REASON_TAG, reason[:5000])
     return passed, reason
 
 
@@ -321,7 +322,7 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(work_dir) / "report.html", report_path)
     sha = _sha256(Path(model_file))
-    client.set_tag(run_id, "tailguard.sha256", sha)
+    client.set_tag(run_id, SHA256_TAG, sha)
     with mlflow.start_run(run_id=run_id):
         # explicit requirements: without them MLflow infers them in a subprocess that imports the flavor
         # (measured 3.5 of the validate task's 9 s on the tiny MLP)

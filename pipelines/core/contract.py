@@ -2,8 +2,9 @@
 more than one unit reads or writes. One home so that no component imports another for a constant.
 
 The values are the public names in MLflow and on disk (docs/spec.md, docs/architecture.md): changing one
-changes what users and dashboards see. Tags a single module writes and nothing else reads may still be spelled
-where they are written; the ones listed here are those crossing a unit boundary.
+changes what users and dashboards see. Every `tailguard.*` MLflow tag name (runs and model versions) is defined
+here and used by name elsewhere; tests/test_layout.py fails on a tag name spelled as a string literal outside this
+module.
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ REPORT_ERROR_TAG = "tailguard.report_error"  # why report.html could not be writ
 KFP_RUN_TAG = "tailguard.kfp_run"          # the KFP pipeline job id of a parent run
 FAILURE_MESSAGE_TAG = "tailguard.failure_message"  # the first task error of a run, set by the failing task
 NOTE_TAG = "mlflow.note.content"           # a run's description in the MLflow UI (MLflow's own name)
+SPEC_TAG = "tailguard.spec"                # the spec's metadata.name (set by resolve)
+SPEC_SHA256_TAG = "tailguard.spec_sha256"  # hex sha256 of the spec as run (parent runs and registered versions)
+SOURCE_MODEL_TAG = "tailguard.source_model"  # the FP32 model's registered name (parent runs, registered variants)
+SOURCE_VERSION_TAG = "tailguard.source_version"  # its resolved version number
+SOURCE_FORMAT_TAG = "tailguard.source_format"  # its format (onnx | state_dict | exported_program | ...)
+SOURCE_SHA256_TAG = "tailguard.source_sha256"  # hex sha256 of its file
+LABEL_TAG_PREFIX = "tailguard.label."      # tailguard.label.<key> = metadata.labels[key]
+RUNNER_PID_TAG = "tailguard.runner.pid"    # the local runner's process id (absent on a cluster)
+RUNNER_HOST_TAG = "tailguard.runner.host"  # its host name
+RUNNER_STARTED_TAG = "tailguard.runner.started"  # its process start time
+OUTCOME_TAG = "tailguard.outcome"          # promoted | not_promoted | failed (set by register or a failing task)
+FAILURE_TAG = "tailguard.failure"          # the failed task's name
+PROMOTED_VARIANT_TAG = "tailguard.promoted_variant"  # the promoted variant's name or "none"
+PROMOTED_VERSION_TAG = "tailguard.promoted_version"  # its registry version or "none"
 
 # ------------------------------------------------------------------------------------------------ variant-run tags
 VARIANT_TAG = "tailguard.variant"
@@ -45,6 +60,10 @@ WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric
 DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
 COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
 NUMERICS_TAG = "tailguard.numerics"        # consistent | hardware_dependent | not_checked (validate's numerics check)
+BACKEND_TAG = "tailguard.backend"          # the variant's backend (onnxruntime | tensorrt | torch)
+PRECISION_TAG = "tailguard.precision"      # fp32 | fp16 | int8
+REASON_TAG = "tailguard.reason"            # why a build, validation or trial failed or was skipped
+ROLE_TAG = "tailguard.role"                # "reference" on the run that registered an FP32 reference
 # the node that validated (and timed) the variant, from tailguard.core.hardware.hardware_tags
 HW_CPU_TAG = "tailguard.hw.cpu"            # CPU model name, e.g. 'AMD EPYC 7B13'
 HW_ISA_TAG = "tailguard.hw.isa"            # kernel-relevant ISA flags, e.g. 'avx2 fma f16c avx512f avx512_vnni'
@@ -57,6 +76,18 @@ TRIAL_TAG = "tailguard.trial"              # on trial runs: the 0-based trial in
 TRIAL_RUN_TAG = "tailguard.trial_run_id"   # on the <V>-searched run: the run of the chosen trial
 SEARCH_TAG = "tailguard.search"            # on V's run: chosen trial name | none | not_needed | skipped | failed
 SEARCH_STOPPED_TAG = "tailguard.search_stopped_by"  # on V's run: space_exhausted | max_trials | max_minutes
+TRIAL_NAME_TAG = "tailguard.trial_name"    # on trial runs: the trial's name (<V>-t<NN>)
+
+# ------------------------------------------------------------------------------------------------ model-version tags
+FORMAT_TAG = "tailguard.format"            # a registered FP32 reference's format
+SHA256_TAG = "tailguard.sha256"            # a version's artefact fingerprint (hex sha256 of the model file)
+OUTPUTS_TAG = "tailguard.outputs"          # a registered reference's recorded output signature (JSON)
+RUN_ID_TAG = "tailguard.run_id"            # a registered variant's validated run
+EXECUTION_PROVIDER_TAG = "tailguard.execution_provider"  # a registered variant's ONNX Runtime execution provider
+PROMOTION_REASON_TAG = "tailguard.promotion_reason"  # why a version was or was not promoted
+
+# ------------------------------------------------------------------------------------------------ model-file metadata
+QUANTIZATION_COVERAGE_KEY = "tailguard.quantization_coverage"  # INT8 .onnx metadata_props key: MAC coverage (JSON)
 
 # ------------------------------------------------------------------------------------------------ key formats
 GATE_TAG_PREFIX = "gate."        # gate.<key spelled for MLflow> = passed | failed | insufficient_data

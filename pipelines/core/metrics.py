@@ -37,9 +37,12 @@ import math
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
 
 from tailguard.core.errors import InputError
+
+if TYPE_CHECKING:  # pragma: no cover - stats imports numpy, which the catalogue does not need
+    from tailguard.core.stats import Side
 
 Direction = Literal["higher", "lower"]
 Kind = Literal["proportion", "continuous", "performance", "build", "record"]
@@ -321,7 +324,7 @@ class MetricKey:
     metric: Metric
     batch_size: int | None = None
     slice: tuple[str, str] | None = None
-    bound: Literal["lower", "upper"] | None = None
+    bound: Side | None = None
     confidence: float | None = None
     baseline: str | None = None
 

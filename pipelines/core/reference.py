@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
 from tailguard.core.cache import file_sha256
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.home import quiet_environment
@@ -57,8 +58,6 @@ FORMATS = ("onnx", "torch_export", "state_dict", "pickle")
 DESCRIPTOR_FILE = "tailguard-model.json"
 DESCRIPTOR_SCHEMA = "tailguard/model-descriptor/v1"
 REFERENCE_ARTIFACT = "reference"  # artifact folder (inside the registering run) that holds the reference
-TAG_FORMAT = "tailguard.format"
-TAG_SHA256 = "tailguard.sha256"
 STATE_DICT_FILE = "model.safetensors"
 EXPORTED_PROGRAM_FILE = "model.pt2"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -294,7 +293,7 @@ def resolve_reference(spec: "Spec", *, tracking_uri: str, out_dir: Path, version
     model_path = confined_file(local, model_file, where=where,
                                field="model.source.weights_file" if src.weights_file else "model.version")
     digest = sha256_file(model_path)
-    tag = (mv.tags or {}).get(TAG_SHA256)
+    tag = (mv.tags or {}).get(SHA256_TAG)
     expected = {"registry tag tailguard.sha256": tag,
                 f"{DESCRIPTOR_FILE}": (descriptor or {}).get("sha256") if descriptor else None}
     for what, want in expected.items():
@@ -317,13 +316,13 @@ def _record_digest(client: "MlflowClient", name: str, version: str, digest: str,
     from mlflow.exceptions import MlflowException
 
     try:
-        client.set_model_version_tag(name, version, TAG_SHA256, digest)
-        client.set_model_version_tag(name, version, TAG_FORMAT, fmt)
-        recorded = f"recorded it as the version's {TAG_SHA256} tag; later resolves compare against it"
+        client.set_model_version_tag(name, version, SHA256_TAG, digest)
+        client.set_model_version_tag(name, version, FORMAT_TAG, fmt)
+        recorded = f"recorded it as the version's {SHA256_TAG} tag; later resolves compare against it"
     except MlflowException as exc:  # e.g. read-only registry credentials
-        recorded = (f"could not record it as the {TAG_SHA256} tag ({exc.error_code}); this pipeline run is pinned "
+        recorded = (f"could not record it as the {SHA256_TAG} tag ({exc.error_code}); this pipeline run is pinned "
                     "to it (fetch-reference compares), later runs compute it afresh")
-    warnings.warn(f"{where} has no {TAG_SHA256} tag (registered by another tool than tailguard): computed the "
+    warnings.warn(f"{where} has no {SHA256_TAG} tag (registered by another tool than tailguard): computed the "
                   f"SHA-256 of {model_file} at resolve ({digest}) and {recorded}", RegistryDigestWarning,
                   stacklevel=3)
 

@@ -93,13 +93,6 @@ def _plain_text(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def higher_is_better(metric: str) -> bool:
-    """Direction of a plotted or sorted column, from the metric catalogue (`tailguard.core.metrics`): True for
-    accuracy, agreement, overlap/recall, cosine, throughput, speedup and coverage metrics, False for errors, KL,
-    latency, cost and memory. A column the catalogue does not know is drawn as higher-is-better (display only)."""
-    return _metrics.higher_is_better(metric, default=True)
-
-
 def _fmt(v: Any) -> str:
     if v is None:
         return "—"
@@ -207,8 +200,8 @@ def zoom_limits(values: Any, metric: str | None = None, *, pad_fraction: float =
     span = hi - lo
     pad = span * pad_fraction if span > 0 else max(abs(hi) * 1e-3, 1e-6)
     lo, hi = lo - pad, hi + pad
-    if metric is not None and higher_is_better(metric) and float(v.max()) <= 1.0 and "speedup" not in metric \
-            and "throughput" not in metric:
+    if (metric is not None and _metrics.higher_is_better(metric, default=True) and float(v.max()) <= 1.0
+            and "speedup" not in metric and "throughput" not in metric):
         hi = min(hi, 1.0 + pad)
     return lo, hi
 
@@ -223,7 +216,9 @@ def _slice_plot(slice_table: pd.DataFrame, metric: str) -> str | None:
     t = slice_table[slice_table["support"] > 0].copy()
     if t.empty:
         return None
-    t = t.sort_values(metric, ascending=higher_is_better(metric), na_position="last").head(MAX_SLICE_BARS)
+    # a column the catalogue does not know is drawn as higher-is-better (display only)
+    t = t.sort_values(metric, ascending=_metrics.higher_is_better(metric, default=True),
+                      na_position="last").head(MAX_SLICE_BARS)
     vals = t[metric].to_numpy(dtype=float)
     finite = np.where(np.isfinite(vals), vals, np.nan)
     labels = [f"{s}={v} (n={n})" for s, v, n in zip(t["slice"], t["value"], t["support"])]
@@ -237,7 +232,7 @@ def _slice_plot(slice_table: pd.DataFrame, metric: str) -> str | None:
     ax.set_xlim(lo, hi)
     ax.set_yticks(y, labels, fontsize=7)
     ax.set_xlabel(f"{metric} (axis zoomed to the data)")
-    worst = "lowest" if higher_is_better(metric) else "highest"
+    worst = "lowest" if _metrics.higher_is_better(metric, default=True) else "highest"
     ax.set_title(f"per-slice {metric}: {worst} first (n = support)")
     ax.grid(axis="x", alpha=0.3)
     return _png(fig)
@@ -508,7 +503,7 @@ def _run_pareto_plot(summary: dict[str, Any]) -> str | None:
     if not rows:
         return None
     metric = next((v["worst_slice"].get("metric") for v in rows if v["worst_slice"].get("metric")), "worst slice")
-    higher = higher_is_better(str(metric))
+    higher = _metrics.higher_is_better(str(metric), default=True)
     xs = [float(v["p50_ms"]) for v in rows]
     ys = [float(_ws_value(v)) for v in rows]  # type: ignore[arg-type]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
@@ -560,7 +555,7 @@ def _heat_map(slice_tables: dict[str, pd.DataFrame]) -> tuple[str | None, str | 
     if not cols:
         return None, None
     grid = pd.DataFrame(cols)
-    higher = higher_is_better(metric)
+    higher = _metrics.higher_is_better(metric, default=True)
     worst = grid.min(axis=1) if higher else grid.max(axis=1)
     grid = grid.loc[worst.sort_values(ascending=higher).index[:MAX_HEAT_ROWS]]
     vals = grid.to_numpy(dtype=float)

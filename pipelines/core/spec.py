@@ -43,17 +43,14 @@ RATIO_METRICS = frozenset(m.name for m in _metrics.METRICS if m.bound == "paired
 # Per-row keys of the lower-is-better parity metrics (errors, divergences), e.g. "abs_error" of abs_error.p99.
 LOWER_IS_BETTER_PREFIXES: tuple[str, ...] = tuple(dict.fromkeys(
     m.row_key for m in _metrics.METRICS if m.is_parity and not m.higher_is_better and m.row_key))
-# Direction of a metric name, logged key (bs<N>., slice., .lb95) or per-row key: the catalogue's (raises InputError
-# for an unknown name).
-higher_is_better = _metrics.higher_is_better
 
 
 # Build metrics: facts of how a variant was built, counted once on its graph (no sampling noise, so no confidence
 # bound), overall scope only, INT8 onnxruntime variants only. quantized_mac_fraction = MACs computed in INT8 / all
 # MACs of the graph, per sample (formulas: pipelines/core/macs.py). The build stores them in the model file's
-# metadata_props[QUANTIZATION_COVERAGE_KEY] (JSON) and in build.json; validate logs them as metrics of the variant.
+# metadata_props[tailguard.core.contract.QUANTIZATION_COVERAGE_KEY] (JSON) and in build.json; validate logs them as
+# metrics of the variant.
 BUILD_METRICS: tuple[str, ...] = _metrics.metrics_of("build")
-QUANTIZATION_COVERAGE_KEY = "tailguard.quantization_coverage"
 
 
 def build_gate_errors(i: int, gate: "GateSpec", variants: list["VariantSpec"]) -> list[str]:
@@ -501,7 +498,8 @@ class GateSpec(_Model):
     def key(self) -> str:
         """Stable id of the gate, e.g. 'nn_top1_agreement>=0.95@per_slice:lexname',
         'accuracy>=ref-0.01@lb95', 'nn_top1_agreement>=0.97@lb95@discovered'."""
-        higher = higher_is_better(self.metric, default=True)  # an unknown metric is a spec error reported elsewhere
+        # an unknown metric is a spec error reported elsewhere
+        higher = _metrics.higher_is_better(self.metric, default=True)
         if self.max_drop is not None:
             sign = "-" if higher else "+"
             op = ">=" if higher else "<="

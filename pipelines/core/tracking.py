@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from tailguard.core.contract import FAILURE_MESSAGE_TAG, FAILURE_TAG, KFP_RUN_TAG, NOTE_TAG, OUTCOME_TAG
 from tailguard.core.home import artifact_root, default_tracking_uri, home, quiet_environment
 
 _INITIALISED: set[str] = set()  # tracking URIs this process has initialised (tables created, under the lock)
@@ -114,11 +115,6 @@ def closing_run(client: Any, run_id: str) -> Iterator[str]:
         client.set_terminated(run_id, "FINISHED")
 
 
-NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI
-KFP_RUN_TAG = "tailguard.kfp_run"  # the KFP pipeline job id (dsl.PIPELINE_JOB_ID_PLACEHOLDER) of a parent run
-FAILURE_MESSAGE_TAG = "tailguard.failure_message"  # the first task error of a run, set by the failing task
-
-
 def fail_parent_run(client: Any, experiment_id: str, run_id: str, note: str, failure: str) -> None:
     """Mark a parent run and its still-running children FAILED, with `note` as the parent's description.
 
@@ -128,8 +124,8 @@ def fail_parent_run(client: Any, experiment_id: str, run_id: str, note: str, fai
         note: the description (mlflow.note.content): why it failed, in words.
         failure: a short code for the `tailguard.failure` tag (error, interrupted, runner_died, kfp_failed...).
     """
-    client.set_tag(run_id, "tailguard.outcome", "failed")
-    client.set_tag(run_id, "tailguard.failure", failure)
+    client.set_tag(run_id, OUTCOME_TAG, "failed")
+    client.set_tag(run_id, FAILURE_TAG, failure)
     client.set_tag(run_id, NOTE_TAG, note)
     client.set_terminated(run_id, "FAILED")
     for child in client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
