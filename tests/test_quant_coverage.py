@@ -318,3 +318,18 @@ def test_summary_flags_an_int8_variant_when_it_quantized_under_half_its_macs():
     text = cap.get()
     assert "int8 MACs" in text and "9.4% !" in text and "100%" in text
     assert "! ort-int8: INT8 variant computes only 9%" in text
+
+
+def test_infer_shapes_evaluates_every_symbolic_input_axis_that_concrete_dims_names_when_named_and_unnamed():
+    # the symbolic-axis walk is one function for concrete_dims and the shape inference: both see the same axes
+    from tailguard.core.macs import concrete_dims, infer_shapes
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])
+    mask = helper.make_tensor_value_info("mask", TensorProto.FLOAT, [None, None])  # unnamed symbolic axes
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x, mask], [y]))
+    dims = concrete_dims(m, batch=2, sequence=5)
+    assert dims == {"batch": 2, "seq": 5, "mask[0]": 2, "mask[1]": 5}
+    shapes = infer_shapes(m, {**dims, "seq": 7})
+    assert shapes["x"] == (2, 7, 8) and shapes["mask"] == (2, 5) and shapes["y"] == (2, 7, 8)
+    assert [d.dim_param for d in m.graph.input[0].type.tensor_type.shape.dim][:2] == ["batch", "seq"]  # not mutated

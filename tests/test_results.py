@@ -236,3 +236,15 @@ def test_validate_task_writes_a_variant_result_when_the_build_was_skipped_or_val
     assert (rows["ort-fp16"].status, rows["ort-fp16"].reason) == ("skipped", "no CUDA execution provider here")
     assert (rows["ort-fp32"].status, rows["ort-fp32"].passed, rows["ort-fp32"].version) == ("failed", False, None)
     assert summary.promoted_variant is None
+
+
+# ------------------------------------------------------------------------------------------- number_or_none
+def test_number_or_none_drops_nan_and_keeps_infinities_when_given_metric_values():
+    import numpy as np
+
+    from tailguard.core.results import number_or_none
+
+    assert number_or_none(float("nan")) is None and number_or_none(np.float32("nan")) is None
+    assert number_or_none(None) is None and number_or_none("n/a") is None and number_or_none([1]) is None
+    assert number_or_none(float("inf")) == math.inf and number_or_none(-np.inf) == -math.inf
+    assert number_or_none(np.float64(0.25)) == 0.25 and type(number_or_none(np.int64(3))) is float

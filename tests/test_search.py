@@ -367,3 +367,15 @@ def test_print_search_and_the_report_show_differing_columns_and_skipped_families
                            run={"run_id": "p", "status": "FINISHED"})
     assert "<th>float op types</th>" in html and "<th>per_channel</th>" not in html
     assert "1 family of the search space skipped" in html
+
+
+def test_pareto_uses_the_overall_value_when_the_worst_slice_value_is_nan():
+    # the search reads trial values through core.results.number_or_none (as the gates do): a NaN worst slice is
+    # "not measured", so the overall value stands in and the trial can be on the front
+    from tailguard.core.results import number_or_none
+
+    nan_worst = _t(1, 1.0, number_or_none(float("nan")))
+    nan_worst.overall_value = 0.97
+    front = _result([_t(0, 2.0, 0.95), nan_worst]).pareto()
+    assert list(front["on_front"]) == [False, True]
+    assert front["worst_slice_value"].isna().iloc[1]

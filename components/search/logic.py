@@ -63,6 +63,7 @@ from tailguard.components.validate.logic import ValidationResult
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
+from tailguard.core.results import number_or_none
 from tailguard.core.spec import NAME_RE, SearchSpec, Spec, VariantSpec
 
 from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
@@ -434,15 +435,6 @@ def _p50(spec: Spec, result: ValidationResult) -> float | None:
     return None if v is None else float(v)
 
 
-def _num(v: Any) -> float | None:
-    if v is None:
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
-
-
 # ------------------------------------------------------------------------------------------------- search
 def run_search(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
                calibration: Dataset | None, sensitivity_data: Dataset,
@@ -577,9 +569,9 @@ def _run_trial(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out: Pat
         return Trial(**base, status="failed", seconds=round(time.perf_counter() - t0, 3), model_path=str(model_path),
                      reason=f"evaluation raised {type(exc).__name__}: {str(exc)[:500]}\n{tb[-1500:]}")
     metric = _key_metric(spec, result)
+    worst = number_or_none(result.worst_slice["observed"]) if result.worst_slice else None
     return Trial(**{**base, "passed": bool(result.passed), "p50_ms": _p50(spec, result),
-                    "worst_slice_value": _num(result.worst_slice["observed"]) if result.worst_slice else None,
-                    "overall_value": _num(result.overall.get(metric))},
+                    "worst_slice_value": worst, "overall_value": number_or_none(result.overall.get(metric))},
                  status="ok", seconds=round(time.perf_counter() - t0, 3), model_path=str(model_path),
                  result=result, metric=metric)
 

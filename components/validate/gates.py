@@ -74,6 +74,7 @@ from tailguard.core.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, Ga
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.spec import BUILD_METRICS
 
+from tailguard.core.results import number_or_none
 from tailguard.core.stats import Side, newcombe_paired_bound
 
 from .intervals import method_words, metric_bound
@@ -190,23 +191,13 @@ def _ok(value: float | None, op: str, threshold: float | None) -> bool:
     return value >= threshold if op == ">=" else value <= threshold
 
 
-def _num(v: Any) -> float | None:
-    if v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(f) else f
-
-
 def _plain(gate: GateSpec) -> bool:
     return gate.confidence is None and gate.max_drop is None
 
 
 def _single(gate: GateSpec, base: dict[str, Any], value: Any, method: str, missing_reason: str) -> GateResult:
     op, thr = base["op"], base["threshold"]
-    v = _num(value)
+    v = number_or_none(value)
     if v is None:
         return GateResult(**base, observed=None, passed=False, status="failed", method=method,
                           detail={"reason": missing_reason})
@@ -226,7 +217,7 @@ def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
     Returns {"estimate", "bound", "observed", "threshold", "ok"} plus "reference_score" (relative gates),
     "difference_bound" (relative accuracy gates with confidence) and "reason" (when it cannot be judged).
     """
-    out: dict[str, Any] = {"estimate": _num(point), "bound": None, "observed": None,
+    out: dict[str, Any] = {"estimate": number_or_none(point), "bound": None, "observed": None,
                            "threshold": _static_threshold(gate), "ok": False}
     if out["estimate"] is None:
         out["reason"] = missing_reason
@@ -237,7 +228,7 @@ def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
                              "accuracy instead")
             return out
         if gate.metric == "accuracy":
-            ref = _num(ref_point)
+            ref = number_or_none(ref_point)
             if ref is None:
                 out["reason"] = "reference_accuracy of these rows was not computed (needs labels)"
                 return out
@@ -259,10 +250,11 @@ def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
                 cand, refc = cand[mask], refc[mask]
             diff = newcombe_paired_bound(cand, refc, gate.confidence, "lower")
             out["difference_bound"] = diff
-            b = _num(out["reference_score"] + diff)
+            b = number_or_none(out["reference_score"] + diff)
         else:
             bs = ctx.spec.analysis.bootstrap
-            b = _num(metric_bound(ctx.task, gate.metric, ctx.per_sample, mask, gate.confidence, _side(op), bs))
+            b = number_or_none(metric_bound(ctx.task, gate.metric, ctx.per_sample, mask, gate.confidence, _side(op),
+                                            bs))
         out["bound"] = b
         out["observed"] = b
         if b is None:
@@ -496,7 +488,7 @@ def build_metrics(model_path: Any) -> dict[str, float]:
         return {}
     out = {}
     for m in BUILD_METRICS:
-        v = _num(facts.get(m)) if isinstance(facts, dict) else None
+        v = number_or_none(facts.get(m)) if isinstance(facts, dict) else None
         if v is not None:
             out[m] = v
     return out

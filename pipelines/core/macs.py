@@ -53,7 +53,7 @@ import math
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 DEFAULT_SEQUENCE = 128  # symbolic non-batch axes without calibration rows (module docstring)
 BATCH = 1               # MACs are per sample: the batch axis is evaluated at 1
@@ -154,18 +154,22 @@ def concrete_dims(model: Any, *, batch: int = BATCH, sequence: int = DEFAULT_SEQ
     Returns:
         {dim name: value}; an unnamed symbolic axis is keyed "<input name>[<axis>]".
     """
-    m = _load(model)
-    inits = {t.name for t in m.graph.initializer}
     out: dict[str, int] = {}
+    for key, axis, _ in _symbolic_input_dims(_load(model)):
+        out.setdefault(key, batch if axis == 0 else sequence)
+    return out
+
+
+def _symbolic_input_dims(m: Any) -> Iterator[tuple[str, int, Any]]:
+    """(key, axis, dim proto) for each symbolic axis of the graph's tensor inputs (initializers listed as inputs
+    excluded): a dim without a positive dim_value. key = the dim_param, or "<input name>[<axis>]" when unnamed."""
+    inits = {t.name for t in m.graph.initializer}
     for inp in m.graph.input:
         if inp.name in inits or not inp.type.HasField("tensor_type"):
             continue
         for axis, d in enumerate(inp.type.tensor_type.shape.dim):
-            if d.HasField("dim_value") and d.dim_value > 0:
-                continue
-            key = d.dim_param or f"{inp.name}[{axis}]"
-            out.setdefault(key, batch if axis == 0 else sequence)
-    return out
+            if not (d.HasField("dim_value") and d.dim_value > 0):
+                yield d.dim_param or f"{inp.name}[{axis}]", axis, d
 
 
 def _with_concrete_inputs(m: Any, dims: dict[str, int]) -> Any:
@@ -174,16 +178,10 @@ def _with_concrete_inputs(m: Any, dims: dict[str, int]) -> Any:
 
     c = onnx.ModelProto()
     c.CopyFrom(m)
-    inits = {t.name for t in c.graph.initializer}
-    for inp in c.graph.input:
-        if inp.name in inits or not inp.type.HasField("tensor_type"):
-            continue
-        for axis, d in enumerate(inp.type.tensor_type.shape.dim):
-            if d.HasField("dim_value") and d.dim_value > 0:
-                continue
-            value = dims.get(d.dim_param or f"{inp.name}[{axis}]", BATCH if axis == 0 else DEFAULT_SEQUENCE)
-            d.Clear()
-            d.dim_value = int(value)
+    for key, axis, d in list(_symbolic_input_dims(c)):  # listed first: the loop rewrites the dims it walks
+        value = dims.get(key, BATCH if axis == 0 else DEFAULT_SEQUENCE)
+        d.Clear()
+        d.dim_value = int(value)
     del c.graph.value_info[:]
     for o in c.graph.output:  # inferred shapes must not clash with the exporter's symbolic ones
         if o.type.HasField("tensor_type"):

@@ -38,6 +38,29 @@ class ResultFormatError(InputError):
     know (written by another tailguard version). Exit code 2: re-run the step with this version."""
 
 
+def number_or_none(value: Any) -> float | None:
+    """A metric value as a float, or None where there is no number: None, a value float() refuses, or NaN.
+
+    NaN is "not measured" here (a gate's estimate or bound over no rows, a metric missing from a result): it must
+    not order or compare as a value (it would drop a search trial off the Pareto front instead of letting its
+    overall value stand in, and is not valid JSON). +-inf are kept: they are measured worst cases (non-finite rows
+    score +inf for errors, tailguard.core.parity).
+
+    Args:
+        value: a Python or numpy number, or anything else.
+
+    Returns:
+        float (inf kept) or None.
+    """
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
 def _plain(obj: Any) -> Any:
     """`obj` with numpy scalars turned into Python numbers and tuples into lists (JSON-ready, inf/NaN kept)."""
     if isinstance(obj, dict):
