@@ -24,12 +24,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from tailguard.core.contract import (NOTE_TAG, PARENT_TAG, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
-                                     SOURCE_MODEL_TAG)
+from tailguard.core.contract import (PARENT_TAG, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
+                                     SOURCE_MODEL_TAG, insufficient_reason)
 from tailguard.core.cache import ENV_CACHE
 from tailguard.components.register.logic import RunSummary
 from tailguard.core.reference import MODEL_PATH_ENV
-from tailguard.core.contract import insufficient_reason
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.core.home import ENV_HOME, home, quiet_environment
 from tailguard.core.spec import Spec, dump_spec, load_spec

@@ -31,12 +31,11 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from tailguard.core.contract import (BACKEND_TAG, EXECUTION_PROVIDER_TAG, GATES_TAG, PRECISION_TAG,
-                                     PROMOTION_REASON_TAG, RUN_ID_TAG, SHA256_TAG, SOURCE_MODEL_TAG,
-                                     SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG)
-from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, GATE_NAME_PREFIX, NOTE_TAG,
-                                     PROMOTION_TAG, REPORT_ERROR_TAG, SEARCH_OF_TAG, SUPERSEDED_BY_TAG,
-                                     TRIAL_RUN_TAG, VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
+from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, BACKEND_TAG, EXECUTION_PROVIDER_TAG,
+                                     GATE_NAME_PREFIX, GATES_TAG, NOTE_TAG, PRECISION_TAG, PROMOTION_REASON_TAG,
+                                     PROMOTION_TAG, REPORT_ERROR_TAG, RUN_ID_TAG, SEARCH_OF_TAG, SHA256_TAG,
+                                     SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG,
+                                     SUPERSEDED_BY_TAG, TRIAL_RUN_TAG, VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
 from tailguard.core.reference import alias_version
 from tailguard.core.results import ResultFormatError, VariantResult
 

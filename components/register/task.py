@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tailguard.core.contract import OUTCOME_TAG, PROMOTED_VARIANT_TAG, PROMOTED_VERSION_TAG
-from tailguard.core.contract import COVERAGE_CSV, COVERAGE_JSON, baseline_metrics
+from tailguard.core.contract import (COVERAGE_CSV, COVERAGE_JSON, OUTCOME_TAG, PROMOTED_VARIANT_TAG,
+                                     PROMOTED_VERSION_TAG, baseline_metrics)
 from tailguard.core.taskio import task_entry
 
 

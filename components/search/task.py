@@ -26,12 +26,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from tailguard.core.contract import BACKEND_TAG, PRECISION_TAG, REASON_TAG, TRIAL_NAME_TAG
+from tailguard.core.contract import (BACKEND_TAG, GATES_TAG, PRECISION_TAG, REASON_TAG, SEARCH_ARTIFACT_PATH,
+                                     SEARCH_OF_TAG, SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_NAME_TAG,
+                                     TRIAL_RUN_TAG, TRIAL_TAG, VARIANT_TAG, searched_name)
 from tailguard.core.taskio import task_entry, write_json
 from tailguard.core.tracking import closing_run
-
-from tailguard.core.contract import (GATES_TAG, SEARCH_ARTIFACT_PATH, SEARCH_OF_TAG, SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_RUN_TAG, TRIAL_TAG,
-                                     VARIANT_TAG, searched_name)
 
 
 def search_decision(variant: Any, validation: dict[str, Any]) -> tuple[str | None, str]:

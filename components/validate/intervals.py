@@ -4,7 +4,8 @@ Gates with `confidence` (spec `GateSpec.confidence`) compare a one-sided bound o
 point estimate, so a small group neither passes vacuously nor fails on one unlucky row. `metric_bound` picks the
 method per metric: Wilson's score bound for PROPORTION_METRICS (means of a 0/1 value per row), a seeded
 percentile bootstrap of the metric's statistic ("mean", percentiles "p01"/"p99", "max", "min") otherwise; the
-relative accuracy gate bounds the paired difference with Newcombe's method (`tailguard.core.stats.newcombe_paired_bound`).
+relative accuracy gate bounds the paired difference with Newcombe's method
+(`tailguard.core.stats.newcombe_paired_bound`).
 
 The formulas, their sources and the implementations live in `tailguard.core.stats` (one statistics module for
 validation, discovery and latency); this module only picks the method per metric and names it.

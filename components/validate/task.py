@@ -10,14 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from tailguard.core.contract import BACKEND_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG
-from tailguard.core.contract import VALIDATION_RESULT_FILE, VARIANT_RESULT_FILE
+from tailguard.core.contract import (BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, NUMERICS_TAG,
+                                     PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG, VALIDATION_RESULT_FILE,
+                                     VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
 from tailguard.core.results import StepResult, VariantResult
 from tailguard.core.taskio import task_entry, write_json
-
-from tailguard.core.contract import (COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG,
-                                     MODEL_URI_TAG, NUMERICS_TAG, STATUS_TAG, VARIANT_TAG, WORST_SLICE_TAG,
-                                     gate_name_tag, gate_tag)
 
 
 def discovered_summary(records: list[dict[str, Any]], top: int = 3) -> list[dict[str, Any]]:

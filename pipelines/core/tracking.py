@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from tailguard.core.contract import FAILURE_MESSAGE_TAG, FAILURE_TAG, KFP_RUN_TAG, NOTE_TAG, OUTCOME_TAG
+from tailguard.core.contract import FAILURE_MESSAGE_TAG, FAILURE_TAG, NOTE_TAG, OUTCOME_TAG
 from tailguard.core.home import artifact_root, default_tracking_uri, home, quiet_environment
 
 _INITIALISED: set[str] = set()  # tracking URIs this process has initialised (tables created, under the lock)
