@@ -135,6 +135,8 @@ def test_slice_bookkeeping_series_are_live_with_model_label_when_monitor_has_ser
     assert ("tailguard_monitor_slices_evicted_total", ("model", "table")) in got
     assert ("tailguard_monitor_slice_values_cut_total", ("model",)) in got
     evidence = {labels["slice"]: v for name, labels, v in values if name == "tailguard_monitor_slice_evidence"}
-    active = {labels["slice"]: v for name, labels, v in values if name == "tailguard_monitor_alert_active"}
-    assert set(evidence) == set(active) and "all" in evidence  # one evidence series per exported (slice, metric)
-    assert active["domain=legal"] == 1 and all(v >= 0 for v in evidence.values())
+    active = {(labels["slice"], labels["metric"]): v for name, labels, v in values
+              if name == "tailguard_monitor_alert_active"}
+    assert set(evidence) == {sl for sl, _ in active} and "all" in evidence  # one series per exported (slice, metric)
+    # keyed by (slice, metric): the slice's candidate_error_rate series is 0 beside its firing top1_agree alert
+    assert active[("domain=legal", "top1_agree")] == 1 and all(v >= 0 for v in evidence.values())
