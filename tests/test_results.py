@@ -109,6 +109,9 @@ def store(tmp_path):
     try:
         client = mlflow.MlflowClient()
         exp = client.create_experiment("results", artifact_location=(tmp_path / "artifacts").as_uri())
+        # an earlier test's mlflow.set_experiment (e.g. `tailguard register` in test_register_cli) would otherwise
+        # stay the active experiment, and mlflow.start_run(run_id=...) refuses a run of another experiment
+        mlflow.set_experiment(experiment_id=exp)
         yield client, exp, client.create_run(exp).info.run_id
     finally:
         mlflow.set_tracking_uri(before[0])
