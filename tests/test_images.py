@@ -93,6 +93,8 @@ def imports_of(path: Path, mod: str) -> list[tuple[str, bool]]:
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                continue  # never runs: type-checking imports install nothing
             inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, ast.Import):
                 out.extend((a.name, top) for a in child.names)
