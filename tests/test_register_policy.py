@@ -12,26 +12,9 @@ from __future__ import annotations
 import pandas as pd
 
 from tailguard.core.results import VariantResult
-from tailguard.core.spec import parse_spec
-from tests.test_results import store  # noqa: F401 (fixture: sqlite store, experiment, parent run)
+from tests.test_results import _spec, store  # noqa: F401 (store: fixture: sqlite store, experiment, parent run)
 
 MODEL = "m-optimized"
-
-
-def _spec(**promotion):
-    return parse_spec({
-        "apiVersion": "tailguard/v1", "kind": "OptimizationSpec", "metadata": {"name": "register-policy"},
-        "model": {"registered_name": "m", "task": "classification",
-                  "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
-                  "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}]},
-        "data": {"calibration": {"uri": "c.parquet"}, "validation": {"uri": "v.parquet"}},
-        "slices": [{"name": "lang", "column": "l"}],
-        "variants": [{"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"},
-                     {"name": "ort-fp16", "backend": "onnxruntime", "precision": "fp16"},
-                     {"name": "ort-int8", "backend": "onnxruntime", "precision": "int8",
-                      "quantization": {"mode": "dynamic"}}],
-        "gates": [{"metric": "top1_agreement", "min": 0.9}], "benchmark": {"batch_sizes": [1]},
-        "promotion": {"enabled": True, **promotion}})
 
 
 def _onnx(path, op="Identity"):

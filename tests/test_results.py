@@ -81,7 +81,7 @@ def test_step_result_round_trips_and_reads_a_dict_without_version_when_it_predat
 
 
 # ------------------------------------------------------------------------------------------------ register
-def _spec():
+def _spec(**promotion):
     return parse_spec({
         "apiVersion": "tailguard/v1", "kind": "OptimizationSpec", "metadata": {"name": "results-test"},
         "model": {"registered_name": "m", "task": "classification",
@@ -94,7 +94,7 @@ def _spec():
                      {"name": "ort-int8", "backend": "onnxruntime", "precision": "int8",
                       "quantization": {"mode": "dynamic"}}],
         "gates": [{"metric": "top1_agreement", "min": 0.9}], "benchmark": {"batch_sizes": [1]},
-        "promotion": {"enabled": True}})
+        "promotion": {"enabled": True, **promotion}})
 
 
 @pytest.fixture
