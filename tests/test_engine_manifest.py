@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from tailguard.components.quantize.engine import (EngineMismatchError, calibration_cache_key, fingerprint,
-                                                  probe_device, verify_engine, write_manifest)
+from tailguard.components.quantize.engine import (calibration_cache_key, fingerprint, probe_device, verify_engine,
+                                                  write_manifest)
+from tailguard.core.artifacts import ArtifactMismatchError
 from tailguard.core.errors import MissingDependencyError
 from tailguard.core.runtime import tensorrt_unavailable_reason
 
@@ -38,7 +39,7 @@ def test_verify_engine_returns_the_manifest_when_file_and_node_match(built):
 def test_verify_engine_refuses_with_the_sha256s_when_the_plan_changed_after_the_build(built):
     onnx, engine, fp = built
     engine.write_bytes(engine.read_bytes()[:-1])  # truncated copy
-    with pytest.raises(EngineMismatchError, match="changed after it was built: sha256"):
+    with pytest.raises(ArtifactMismatchError, match="changed after it was built: sha256"):
         verify_engine(engine, fp)
 
 
@@ -47,16 +48,16 @@ def test_verify_engine_refuses_with_the_sha256s_when_the_plan_changed_after_the_
 def test_verify_engine_names_the_field_when_the_node_differs(built, field, value):
     onnx, engine, _ = built
     here = fingerprint(onnx, CONFIG, probe=lambda: {**H100, field: value})
-    with pytest.raises(EngineMismatchError, match=f"{field}: .* != '{value}'"):
+    with pytest.raises(ArtifactMismatchError, match=f"{field}: .* != '{value}'"):
         verify_engine(engine, here)
 
 
 def test_verify_engine_refuses_when_the_onnx_or_the_build_settings_changed(built, tmp_path):
     onnx, engine, _ = built
-    with pytest.raises(EngineMismatchError, match="build_config_sha256"):
+    with pytest.raises(ArtifactMismatchError, match="build_config_sha256"):
         verify_engine(engine, fingerprint(onnx, {**CONFIG, "precision": "int8"}, probe=lambda: H100))
     onnx.write_bytes(b"another model")
-    with pytest.raises(EngineMismatchError, match="onnx_sha256"):
+    with pytest.raises(ArtifactMismatchError, match="onnx_sha256"):
         verify_engine(engine, fingerprint(onnx, CONFIG, probe=lambda: H100))
 
 
@@ -64,13 +65,13 @@ def test_verify_engine_refuses_when_the_manifest_is_missing_or_unreadable(built)
     onnx, engine, fp = built
     manifest = engine.with_name(engine.name + ".json")
     manifest.write_text("{not json")
-    with pytest.raises(EngineMismatchError, match="unreadable"):
+    with pytest.raises(ArtifactMismatchError, match="unreadable"):
         verify_engine(engine, fp)
     manifest.write_text(json.dumps({"sha256": "x"}))
-    with pytest.raises(EngineMismatchError, match="unreadable"):
+    with pytest.raises(ArtifactMismatchError, match="unreadable"):
         verify_engine(engine, fp)
     manifest.unlink()
-    with pytest.raises(EngineMismatchError, match="has no manifest"):
+    with pytest.raises(ArtifactMismatchError, match="has no manifest"):
         verify_engine(engine, fp)
 
 

@@ -41,7 +41,8 @@ def test_cpu_facts_lists_only_the_kernel_isa_flags_of_the_first_cpu_when_cpuinfo
     assert amd["isa"] == ["avx2", "fma", "f16c"]  # no VNNI: the int16-saturating INT8 kernel; processor 1 ignored
     assert amd["cores"] >= 1 and amd["isa_source"].endswith("cpuinfo")
     intel = cpu_facts(_write(tmp_path, SAPPHIRE))
-    assert intel["isa"] == ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8"]
+    assert intel["isa"] == ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+                           "amx_int8", "amx_bf16"]
 
 
 def test_cpu_facts_isa_unknown_not_guessed_when_cpuinfo_cannot_be_read(tmp_path):

@@ -2,11 +2,11 @@
 
 A serialized TensorRT engine (a plan file) is specific to the TensorRT version and the GPU it was built on
 (TensorRT developer guide, "Serialized engines are not portable across platforms or TensorRT versions";
-hardware compatibility is opt-in). Loading a plan built elsewhere fails late or, with hardware-compatible
-plans, runs slower than measured. So every engine tailguard builds gets a manifest beside it,
-`<engine>.json`, with the plan's sha256 and an `EngineFingerprint`. `verify_engine` checks both before any
-`deserialize_cuda_engine`: a changed file, or a fingerprint that differs from the loading node's, is refused
-with the fields that differ.
+hardware compatibility is opt-in). So every engine tailguard builds gets a manifest beside it, `<engine>.json`,
+with the plan's sha256 and an `EngineFingerprint`, written and checked by the kernel's artefact seam
+(`tailguard.core.artifacts`, shared with the torch backend's AOTInductor packages). `verify_engine` checks both
+before any `deserialize_cuda_engine`: a changed file, or a fingerprint that differs from the loading node's, is
+refused with the fields that differ.
 
 An INT8 calibration cache (`IInt8Calibrator.write_calibration_cache`) is only valid for the same network, the
 same calibration rows, the same calibrator and TensorRT version: `calibration_cache_key` names the cache file
@@ -19,22 +19,15 @@ TensorRT issue: `logic._build_tensorrt_engine`).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tailguard.core.artifacts import config_sha256, verify_artifact
+from tailguard.core.artifacts import write_manifest as write_artifact_manifest
 from tailguard.core.cache import file_sha256
-from tailguard.core.errors import TailguardError
 
-MANIFEST_SUFFIX = ".json"
-
-
-class EngineMismatchError(TailguardError):
-    """An engine file does not match its manifest (sha256) or was built for another TensorRT / GPU / config.
-    Exit code 1 (runtime): rebuild the engine on this node (the build step does, when its cache key misses)."""
+KIND = "TensorRT engine"
 
 
 @dataclass(frozen=True)
@@ -57,16 +50,6 @@ class EngineFingerprint:
     cuda_version: str
     onnx_sha256: str
     build_config_sha256: str
-
-    def differences(self, other: "EngineFingerprint") -> list[str]:
-        """`field: this != other` for every field that differs (empty when equal)."""
-        return [f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}" for f in fields(self)
-                if getattr(self, f.name) != getattr(other, f.name)]
-
-
-def config_sha256(config: dict[str, Any]) -> str:
-    """sha256 (hex) of `config` as canonical JSON (sorted keys, no spaces): equal settings, equal hash."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
 def probe_device() -> dict[str, str]:
@@ -93,15 +76,9 @@ def fingerprint(onnx_path: str | Path, build_config: dict[str, Any], *,
 
 
 def write_manifest(engine_path: str | Path, fp: EngineFingerprint) -> Path:
-    """Write `<engine>.json` (the plan's sha256 and `fp`) atomically (temp file + rename); returns its path.
-    Call it after the plan file is complete."""
-    engine_path = Path(engine_path)
-    out = engine_path.with_name(engine_path.name + MANIFEST_SUFFIX)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"engine": engine_path.name, "sha256": file_sha256(engine_path),
-                               "fingerprint": asdict(fp)}, indent=2, sort_keys=True))
-    tmp.replace(out)
-    return out
+    """Write `<engine>.json` (the plan's sha256 and `fp`) atomically; returns its path. Call it after the plan
+    file is complete."""
+    return write_artifact_manifest(engine_path, asdict(fp), kind=KIND)
 
 
 def verify_engine(engine_path: str | Path, expected: EngineFingerprint) -> dict[str, Any]:
@@ -112,33 +89,10 @@ def verify_engine(engine_path: str | Path, expected: EngineFingerprint) -> dict[
         The manifest (dict).
 
     Raises:
-        EngineMismatchError: no manifest, unreadable manifest, sha256 mismatch (a truncated, replaced or
+        ArtifactMismatchError: no manifest, unreadable manifest, sha256 mismatch (a truncated, replaced or
             tampered plan), or fingerprint fields that differ (each one listed).
     """
-    engine_path = Path(engine_path)
-    manifest_path = engine_path.with_name(engine_path.name + MANIFEST_SUFFIX)
-    rebuild = "delete the engine and its manifest and rebuild it on this node (tailguard run rebuilds it)"
-    if not engine_path.is_file():
-        raise EngineMismatchError(f"TensorRT engine not found: {engine_path}", hint=rebuild)
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        recorded = EngineFingerprint(**manifest["fingerprint"])
-        recorded_sha = manifest["sha256"]
-    except FileNotFoundError:
-        raise EngineMismatchError(f"TensorRT engine {engine_path} has no manifest {manifest_path.name}: "
-                                  "where it was built is unknown", hint=rebuild) from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise EngineMismatchError(f"TensorRT engine manifest {manifest_path} is unreadable: "
-                                  f"{type(exc).__name__}: {exc}", hint=rebuild) from None
-    actual_sha = file_sha256(engine_path)
-    if actual_sha != recorded_sha:
-        raise EngineMismatchError(f"TensorRT engine {engine_path} changed after it was built: sha256 {actual_sha} "
-                                  f"!= {recorded_sha} in {manifest_path.name}", hint=rebuild)
-    diff = recorded.differences(expected)
-    if diff:
-        raise EngineMismatchError(f"TensorRT engine {engine_path} was built for another node or build "
-                                  f"(recorded != here): {'; '.join(diff)}", hint=rebuild)
-    return manifest
+    return verify_artifact(engine_path, asdict(expected), kind=KIND)
 
 
 def calibration_cache_key(*, onnx_sha256: str, calibration_sha256: str, calibrator: str, batch_size: int,

@@ -5,7 +5,8 @@ versions (issue 23, item 1). Recorded in every benchmark JSON, each variant's bu
 Why these flags: ONNX Runtime picks its INT8 and FP32 kernels by them. On x86 without VNNI the u8s8 MatMulInteger
 kernel adds pairs of 8-bit products in int16 with saturation (AVX2 `vpmaddubsw`); `avx512_vnni` / `avx_vnni`
 accumulate in int32 (`vpdpbusd`); AMX (`amx_tile`, `amx_int8`) adds tile kernels; `avx512f`, `avx2`, `fma` and
-`f16c` choose the FP32 / FP16 GEMM paths (MLAS platform dispatch, onnxruntime/core/mlas/lib/platform.cpp). An INT8
+`f16c` choose the FP32 / FP16 GEMM paths (MLAS platform dispatch, onnxruntime/core/mlas/lib/platform.cpp);
+`avx512_bf16` and `amx_bf16` decide whether torch's bf16 kernels (oneDNN, inductor) run natively or emulated. An INT8
 result or a speed ratio measured with one set may not hold on a node with another.
 
 Source of the CPU facts: /proc/cpuinfo (Linux; the first processor's `vendor_id`, `model name` and `flags`). Where it
@@ -29,7 +30,8 @@ from tailguard.core.contract import HW_CORES_TAG, HW_CPU_TAG, HW_GPU_TAG, HW_ISA
 
 # The ISA flags (as /proc/cpuinfo spells them) that change which ONNX Runtime / torch CPU kernels run; the order is
 # the order they are reported in.
-KERNEL_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_int8")
+KERNEL_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+                    "amx_bf16")
 LIBRARIES = ("onnxruntime", "onnx", "torch", "numpy")
 CPUINFO = Path("/proc/cpuinfo")
 
