@@ -159,14 +159,13 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     from tailguard.core.runtime import OrtRunner
 
     model_file = variant_dir / build["artifact"]
-    runner = OrtRunner(model_file, providers=[variant.execution_provider],
-                       intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    runner = variant_runner(spec, variant, build, variant_dir, reference_model_dir)
     baseline_runners = reference_runners(spec, reference_model_dir)
     ds = load_validation(spec)
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
 
     def exact_runner() -> OrtRunner:  # the numerics check's second pass: exact integer accumulation
-        return OrtRunner(model_file, providers=[variant.execution_provider],
+        return OrtRunner(model_file, providers=ort_session_providers(variant, build, variant_dir),
                          intra_op_num_threads=spec.benchmark.intra_op_num_threads, exact_int8_accumulation=True)
 
     try:
@@ -181,6 +180,59 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
                                    report_path=report_path, identity=identity)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def ort_session_providers(variant: Any, build: dict[str, Any], variant_dir: Path) -> list[Any]:
+    """The providers (with options) an ONNX Runtime variant was built and load-checked with (build.json
+    `details.providers`, `tensorrt_build.ort_providers`), cache folders resolved under `variant_dir`; a build.json
+    without them (an older build) gives the bare execution provider."""
+    from tailguard.core.runtime import resolve_provider_paths
+
+    recorded = (build.get("details") or {}).get("providers")
+    return resolve_provider_paths(recorded or [variant.execution_provider], variant_dir)
+
+
+def tensorrt_expected_fingerprint(build: dict[str, Any], reference_model_dir: str | Path | None, *,
+                                  facts: Any = None) -> dict[str, Any]:
+    """The fingerprint a TensorRT plan must carry to run here (`TensorRTRunner`'s `expected`): this node's
+    TensorRT version, GPU, compute capability and CUDA version (`tensorrt_device_facts`, or `facts()`), the sha256
+    of the FP32 ONNX in `reference_model_dir` (else the recorded one) and the sha256 of the build config recorded
+    in build.json.
+
+    Raises:
+        InputError: build.json has no build_config (not a TensorRT build of this tailguard).
+        MissingDependencyError: no TensorRT / CUDA here.
+    """
+    from tailguard.core.artifacts import config_sha256
+    from tailguard.core.cache import file_sha256
+    from tailguard.core.contract import ONNX_FILE
+    from tailguard.core.errors import InputError
+    from tailguard.core.runtime import tensorrt_device_facts
+
+    details = build.get("details") or {}
+    if not isinstance(details.get("build_config"), dict):
+        raise InputError("build.json of a TensorRT variant has no details.build_config",
+                         hint="rebuild the variant with this tailguard version")
+    onnx = Path(reference_model_dir) / ONNX_FILE if reference_model_dir else None
+    onnx_sha = file_sha256(onnx) if onnx is not None and onnx.is_file() else (
+        (details.get("fingerprint") or {}).get("onnx_sha256"))
+    return {**(facts or tensorrt_device_facts)(), "onnx_sha256": onnx_sha,
+            "build_config_sha256": config_sha256(details["build_config"])}
+
+
+def variant_runner(spec: Any, variant: Any, build: dict[str, Any], variant_dir: Path,
+                   reference_model_dir: str | Path | None) -> Any:
+    """The runner of a built variant: a `TensorRTRunner` for backend tensorrt (the plan checked against its manifest
+    and this node before TensorRT deserializes it), else an `OrtRunner` on the providers and options it was built
+    with (`ort_session_providers`)."""
+    from tailguard.core.runtime import OrtRunner, TensorRTRunner
+
+    model_file = variant_dir / build["artifact"]
+    if variant.backend == "tensorrt":
+        return TensorRTRunner(model_file, tensorrt_expected_fingerprint(build, reference_model_dir),
+                              output_names=[o.name for o in spec.model.outputs])
+    return OrtRunner(model_file, providers=ort_session_providers(variant, build, variant_dir),
+                     intra_op_num_threads=spec.benchmark.intra_op_num_threads)
 
 
 def log_coverage(client: Any, run_id: str, build: dict[str, Any]) -> None:
@@ -294,7 +346,8 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         run_id: the run (tags tailguard.variant, tailguard.status already set by the caller).
         result: the model's ValidationResult.
         work_dir: the folder validate_variant wrote into.
-        model_file: the validated .onnx file.
+        model_file: the validated .onnx file (logged with the onnx flavor), or a TensorRT plan (logged as files
+            with its manifest, `log_engine_files`).
         execution_provider: the ONNX Runtime EP the model is meant for (saved with the MLflow model).
         metrics: optional KFP Output[Metrics].
         report_path: optional path the report.html is copied to (a KFP Output[HTML]).
@@ -320,19 +373,44 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         shutil.copyfile(Path(work_dir) / "report.html", report_path)
     sha = _sha256(Path(model_file))
     client.set_tag(run_id, SHA256_TAG, sha)
-    with mlflow.start_run(run_id=run_id):
-        # explicit requirements: without them MLflow infers them in a subprocess that imports the flavor
-        # (measured 3.5 of the validate task's 9 s on the tiny MLP)
-        info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
-                                     save_as_external_data=False, onnx_execution_providers=[execution_provider],
-                                     pip_requirements=onnx_pip_requirements(execution_provider))
-    client.set_tag(run_id, MODEL_URI_TAG, info.model_uri)
+    if Path(model_file).suffix != ".onnx":  # a TensorRT plan: the file and its manifest, no MLflow flavor
+        model_uri = log_engine_files(client, run_id, Path(model_file))
+    else:
+        with mlflow.start_run(run_id=run_id):
+            # explicit requirements: without them MLflow infers them in a subprocess that imports the flavor
+            # (measured 3.5 of the validate task's 9 s on the tiny MLP)
+            info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
+                                         save_as_external_data=False, onnx_execution_providers=[execution_provider],
+                                         pip_requirements=onnx_pip_requirements(execution_provider))
+        model_uri = info.model_uri
+    client.set_tag(run_id, MODEL_URI_TAG, model_uri)
     identity = identity or VariantResult(variant=result.variant, backend="", precision="", status="ok")
     log_variant_result(client, run_id, variant_result(identity, result, passed=passed, reason=reason,
-                                                      run_id=run_id, model_uri=info.model_uri, sha256=sha))
-    return {"passed": passed, "reason": reason, "model_uri": info.model_uri,
+                                                      run_id=run_id, model_uri=model_uri, sha256=sha))
+    return {"passed": passed, "reason": reason, "model_uri": model_uri,
             "overall": d.get("overall"), "perf": d.get("perf"), "gates": d.get("gates"),
             "worst_slice": d.get("worst_slice")}
+
+
+def log_engine_files(client: Any, run_id: str, model_file: Path) -> str:
+    """Log a compiled artefact that no MLflow flavor reads (a TensorRT plan) with its manifest `<file>.json` as an
+    MLflow LoggedModel named "model" of run `run_id` (`mlflow.initialize_logged_model`, the files, READY); returns
+    its URI `models:/<model_id>`, which register hands `mlflow.register_model` (MLflow 3 registers a runs:/ URI only
+    when it names a logged model)."""
+    import mlflow
+
+    from tailguard.core.artifacts import manifest_path
+
+    run = client.get_run(run_id)
+    logged = mlflow.initialize_logged_model(name="model", source_run_id=run_id,
+                                            experiment_id=run.info.experiment_id)
+    with tempfile.TemporaryDirectory(prefix="tailguard-engine-") as tmp:
+        for f in (model_file, manifest_path(model_file)):
+            if f.is_file():
+                shutil.copyfile(f, Path(tmp) / f.name)
+        client.log_model_artifacts(logged.model_id, tmp)
+    mlflow.finalize_logged_model(logged.model_id, "READY")
+    return logged.model_uri
 
 
 def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason: str, run_id: str,

@@ -19,8 +19,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /opt/tailguard
 
 COPY manifests/images/requirements-common.txt manifests/images/requirements-gpu.txt /opt/tailguard/requirements/
+# The check after the install fails the build when what tailguard's GPU steps need is not there: TensorRT 10.x
+# (components/quantize/tensorrt_build.py builds with the FP16/INT8 flags and the entropy calibrator TensorRT 11
+# removed) and onnxruntime-gpu's CUDA and TensorRT execution providers. Whether those providers load with this
+# base's CUDA/cuDNN/TensorRT is only known on a GPU node: the runner refuses a session without them
+# (tailguard.core.runtime.require_active_provider).
 RUN python3 -m pip install --no-cache-dir -r /opt/tailguard/requirements/requirements-gpu.txt \
-    && python3 -c "import tensorrt, onnxruntime; print(tensorrt.__version__, onnxruntime.get_available_providers())"
+    && python3 -c "import tensorrt, onnxruntime as ort; \
+v = tensorrt.__version__; p = ort.get_available_providers(); print('tensorrt', v, 'providers', p); \
+assert v.split('.')[0] == '10', 'TensorRT 10.x expected, got ' + v; \
+assert {'TensorrtExecutionProvider', 'CUDAExecutionProvider'} <= set(p), 'onnxruntime-gpu providers missing: ' + str(p)"
 
 COPY pyproject.toml README.md /opt/tailguard/
 COPY pipelines/ /opt/tailguard/pipelines/
