@@ -30,6 +30,7 @@ from tailguard.core.artifacts import ArtifactMismatchError, manifest_path
 from tailguard.core.data import Dataset, make_batch
 from tailguard.core.errors import InputError, MissingDependencyError
 from tailguard.core.spec import TensorSpec, VariantSpec
+from tests.test_results import store  # noqa: F401 (fixture: sqlite MLflow store, experiment, parent run)
 
 H100 = {"tensorrt_version": "10.8.0", "device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",
         "cuda_version": "12.8"}
@@ -262,6 +263,14 @@ def test_make_calibrator_returns_device_pointers_in_the_order_of_names_then_none
     assert cal.read_calibration_cache() is None
     cal.write_calibration_cache(memoryview(b"scales"))
     assert cal.read_calibration_cache() == b"scales" and cache.path.read_bytes() == b"scales"
+
+
+def test_make_calibrator_ends_calibration_and_keeps_the_error_when_feeding_fails(tmp_path):
+    # stand-in tensorrt module (FakeTRT): an exception must not unwind through TensorRT's C++ caller
+    cal = tb.make_calibrator(FakeTRT, tb.CalibrationBatches(rows([3]), INPUTS, 1), tb.CalibrationCache(tmp_path, "k"),
+                             lambda name, host: 1)
+    assert cal.get_batch(["input_ids", "token_type_ids"]) is None
+    assert isinstance(cal.error, InputError) and "token_type_ids" in str(cal.error) and cal.fed == 0
 
 
 def test_configure_builder_applies_flags_pool_profiles_calibration_and_timing_cache_when_int8():
@@ -504,8 +513,9 @@ def test_build_task_profile_comes_from_the_spec_and_enters_the_cache_key_when_th
 
 
 def test_log_engine_files_registers_a_tensorrt_plan_with_its_manifest_when_validated(onnx_file, tmp_path,
-                                                                                      monkeypatch):
-    # real MLflow store (sqlite under tmp_path); the plan's bytes come from a stand-in GPU build
+                                                                                      monkeypatch, store):
+    # real MLflow store (sqlite under tmp_path, tests/test_results.py's fixture); the plan's bytes come from a
+    # stand-in GPU build
     import mlflow
 
     from tailguard.components.validate.task import log_engine_files
@@ -513,10 +523,7 @@ def test_log_engine_files_registers_a_tensorrt_plan_with_its_manifest_when_valid
     monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))
     res = tb.build_tensorrt_engine(variant(), onnx_file, tmp_path / "out", None, Model, profile=_profile(),
                                    probe=lambda: dict(H100), trt=FakeTRT, build=lambda *a: (b"PLAN" * 8, None, []))
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    client = mlflow.MlflowClient()
-    exp = client.create_experiment("trt", artifact_location=(tmp_path / "artifacts").as_uri())
-    run_id = client.create_run(exp).info.run_id
+    client, _, run_id = store
     uri = log_engine_files(client, run_id, Path(res.artifact))
     mv = mlflow.register_model(uri, "mlp-optimized")
     got = Path(mlflow.artifacts.download_artifacts(f"models:/mlp-optimized/{mv.version}", dst_path=str(tmp_path / "dl")))

@@ -410,7 +410,8 @@ def make_calibrator(trt: Any, batches: CalibrationBatches, cache: CalibrationCac
 
     Returns:
         The calibrator (get_batch_size 1: explicit batch, the batch axis is in each buffer's shape, as Polygraphy's
-        default; get_batch -> [pointer per name] or None at the end; read/write_calibration_cache -> `cache`).
+        default; get_batch -> [pointer per name] or None at the end, or None with `.error` set when feeding failed;
+        read/write_calibration_cache -> `cache`).
     """
     base = trt.IInt8EntropyCalibrator2
 
@@ -418,16 +419,22 @@ def make_calibrator(trt: Any, batches: CalibrationBatches, cache: CalibrationCac
         def __init__(self) -> None:
             base.__init__(self)
             self.fed = 0
+            self.error: BaseException | None = None  # raised by the caller after the build (never into TensorRT)
 
         def get_batch_size(self) -> int:
             return 1
 
         def get_batch(self, names: list[str]) -> list[int] | None:
-            arrays = batches.next(list(names))
-            if arrays is None:
+            try:
+                arrays = batches.next(list(names))
+                if arrays is None:
+                    return None
+                pointers = [int(to_device(n, a)) for n, a in zip(names, arrays)]
+            except Exception as exc:  # an exception must not unwind through TensorRT's C++ caller: end calibration
+                self.error = exc
                 return None
             self.fed += 1
-            return [int(to_device(n, a)) for n, a in zip(names, arrays)]
+            return pointers
 
         def read_calibration_cache(self) -> bytes | None:
             return cache.read()
@@ -641,6 +648,8 @@ def _build_serialized(trt: Any, onnx_path: Path, cfg: Mapping[str, Any],
         calibrator = calibrator_factory(to_device)
     config = configure_builder(trt, builder, network, cfg, calibrator=calibrator, timing_cache=timing_cache)
     plan = builder.build_serialized_network(network, config)
+    if calibrator is not None and calibrator.error is not None:
+        raise calibrator.error
     if plan is None:
         raise RuntimeError("IBuilder.build_serialized_network returned None (see the TensorRT log in build.log)")
     cache = config.get_timing_cache()
