@@ -183,7 +183,7 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     from tailguard.components.check_data.component import check_data
     from tailguard.components.export.component import export
     from tailguard.components.finalize.component import finalize_run
-    from tailguard.components.quantize.component import build_variant
+    from tailguard.components.quantize.component import build_torch_variant, build_variant
     from tailguard.components.reference.component import reference_pass
     from tailguard.components.register.component import register_and_promote
     from tailguard.components.resolve.component import fetch_reference, resolve
@@ -218,9 +218,14 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
                    reference=fetch.outputs["reference"], onnx_model=exp.outputs["onnx_model"])
         validations, searches = [], []
         for v in variants:
-            build = task(build_variant, f"build-{v.name}", v.needs_gpu, spec_yaml=step_spec_yaml(spec, v.name),
-                         variant_name=v.name,
-                         onnx_model=exp.outputs["onnx_model"])
+            if v.backend == "torch":  # built from the torch reference itself, not from the ONNX export
+                build = task(build_torch_variant, f"build-{v.name}", v.needs_gpu,
+                             spec_yaml=step_spec_yaml(spec, v.name), variant_name=v.name,
+                             resolved=fetch.outputs["resolved"], reference=fetch.outputs["reference"])
+            else:
+                build = task(build_variant, f"build-{v.name}", v.needs_gpu, spec_yaml=step_spec_yaml(spec, v.name),
+                             variant_name=v.name,
+                             onnx_model=exp.outputs["onnx_model"])
             val = task(validate_variant, f"validate-{v.name}", v.needs_gpu, spec_yaml=spec_yaml,
                        variant_name=v.name, build=build.outputs["Output"], baselines=ref.outputs["Output"],
                        parent_run_id=parent_run_id, tracking_uri=tracking_uri,

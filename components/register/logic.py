@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, BACKEND_TAG, EXECUTION_PROVIDER_TAG,
+from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG,
+                                     COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG,
                                      GATE_NAME_PREFIX, GATES_TAG, NOTE_TAG, PRECISION_TAG, PROMOTION_REASON_TAG,
                                      PROMOTION_TAG, REPORT_ERROR_TAG, RUN_ID_TAG, SEARCH_OF_TAG, SHA256_TAG,
                                      SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG,
@@ -310,6 +311,37 @@ def versions_by_sha256(client: Any, model_name: str) -> dict[str, str]:
             return out
 
 
+def backend_tags(variant: Any, run_tags: dict[str, str]) -> dict[str, str]:
+    """The registered version's backend-specific tags: the ONNX Runtime execution provider (onnxruntime,
+    tensorrt), or the torch variant's compile mode, device, CUDA graphs and the artefact's fingerprint (torch
+    version, device name, compute capability or CPU ISA flags; from the validated run's ARTIFACT_FINGERPRINT_TAG)."""
+    if variant.backend != "torch":
+        return {EXECUTION_PROVIDER_TAG: variant.execution_provider}
+    return {COMPILE_TAG: variant.torch_compile, DEVICE_TAG: variant.torch_device,
+            CUDA_GRAPHS_TAG: str(variant.cuda_graphs).lower(),
+            ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, "")}
+
+
+def register_artifact_folder(client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str]) -> Any:
+    """Register a run's artefact folder (`runs:/<run>/<path>`, not an MLflow model: no MLmodel file) as a new
+    version of `name`, with `MlflowClient.create_model_version(source=<the run's artifact URI>/<path>)`;
+    `mlflow.register_model` only takes logged MLflow models. `models:/name/N` downloads the folder.
+
+    Returns:
+        The ModelVersion.
+    """
+    from mlflow.exceptions import MlflowException
+
+    path = model_uri.removeprefix(f"runs:/{run_id}/").strip("/")
+    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + path
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    return client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+
+
 def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
     """The passing variant with the lowest p50 latency (ties: spec order). None when none passed."""
     passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
@@ -421,15 +453,18 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                       f"(same sha256 {r.sha256[:12]})", file=sys.stderr)
                 continue
             extra = {SEARCH_OF_TAG: r.search_of, TRIAL_RUN_TAG: r.trial_run_id or ""} if r.search_of else {}
-            mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags={
-                VARIANT_TAG: row.variant, BACKEND_TAG: v.backend, PRECISION_TAG: v.precision,
-                EXECUTION_PROVIDER_TAG: v.execution_provider,
-                SOURCE_MODEL_TAG: spec.model.registered_name,
-                SOURCE_VERSION_TAG: str(source_version),
-                SOURCE_SHA256_TAG: source_sha256 or "",
-                GATES_TAG: "passed" if row.passed else "failed",
-                SHA256_TAG: r.sha256 or "",
-                SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id, **extra})
+            tags = {VARIANT_TAG: row.variant, BACKEND_TAG: v.backend, PRECISION_TAG: v.precision,
+                    **backend_tags(v, client.get_run(run_id).data.tags),
+                    SOURCE_MODEL_TAG: spec.model.registered_name,
+                    SOURCE_VERSION_TAG: str(source_version),
+                    SOURCE_SHA256_TAG: source_sha256 or "",
+                    GATES_TAG: "passed" if row.passed else "failed",
+                    SHA256_TAG: r.sha256 or "",
+                    SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id, **extra}
+            if v.backend == "torch":  # a node-bound artefact folder, not an MLflow model: registered by source
+                mv = register_artifact_folder(client, spec.optimized_model_name, r.model_uri, run_id, tags)
+            else:
+                mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags=tags)
             row.version = str(mv.version)
             row.registration, row.registration_note = Registration.REGISTERED.value, f"v{row.version}"
             if r.sha256:

@@ -150,12 +150,12 @@ def integer_kernel_nodes(model_path: str | Path | None) -> list[str] | None:
 
     Returns:
         Node names (op type where a node has no name), graph order; None when the path is not an .onnx file
-        (a folder, None): unknown, so the exact pass is run.
+        (a folder, a torch artefact, None): unknown, so the exact pass is run when one is asked for.
 
     Raises:
         InputError: the file is not a loadable ONNX model.
     """
-    if model_path is None or not Path(model_path).is_file():
+    if model_path is None or Path(model_path).suffix != ".onnx" or not Path(model_path).is_file():
         return None
     import onnx
 

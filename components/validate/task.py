@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from tailguard.core.contract import (BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, NUMERICS_TAG,
-                                     PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG, VALIDATION_RESULT_FILE,
-                                     VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
+from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG,
+                                     MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG,
+                                     VALIDATION_RESULT_FILE, VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG,
+                                     gate_name_tag, gate_tag)
 from tailguard.core.results import StepResult, VariantResult
 from tailguard.core.taskio import task_entry, write_json
 
@@ -159,8 +160,15 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     from tailguard.core.runtime import OrtRunner
 
     model_file = variant_dir / build["artifact"]
-    runner = OrtRunner(model_file, providers=[variant.execution_provider],
-                       intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    if variant.backend == "torch":  # the artefact's manifest is checked against this node before it is loaded
+        from tailguard.core.torch_backend import TorchVariantRunner, config_of
+
+        runner = TorchVariantRunner(model_file, config_of(variant), spec.model.inputs,
+                                    source_sha256=(build.get("details") or {}).get("source_sha256", ""),
+                                    intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    else:
+        runner = OrtRunner(model_file, providers=[variant.execution_provider],
+                           intra_op_num_threads=spec.benchmark.intra_op_num_threads)
     baseline_runners = reference_runners(spec, reference_model_dir)
     ds = load_validation(spec)
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
@@ -178,7 +186,8 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
             shutil.copytree(variant_dir / "sensitivity", work / "sensitivity")
         return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
                                    execution_provider=variant.execution_provider, metrics=metrics,
-                                   report_path=report_path, identity=identity)
+                                   report_path=report_path, identity=identity,
+                                   onnx=variant.backend != "torch")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -280,7 +289,7 @@ def onnx_pip_requirements(execution_provider: str) -> list[str]:
 
 def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path, model_file: Path,
                         execution_provider: str, metrics: Any = None, report_path: str | None = None,
-                        identity: VariantResult | None = None) -> dict[str, Any]:
+                        identity: VariantResult | None = None, onnx: bool = True) -> dict[str, Any]:
     """Log a validated model to its run the way the register step reads it.
 
     Logs `log_validation`'s metrics and tags, result.json (`result.to_dict()`, written first so the logged copy
@@ -294,8 +303,12 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         run_id: the run (tags tailguard.variant, tailguard.status already set by the caller).
         result: the model's ValidationResult.
         work_dir: the folder validate_variant wrote into.
-        model_file: the validated .onnx file.
+        model_file: the validated .onnx file, or (with `onnx` False) a node-bound artefact with its manifest
+            `<file>.json` beside it (a torch program.pt2 / package.pt2).
         execution_provider: the ONNX Runtime EP the model is meant for (saved with the MLflow model).
+        onnx: True: log with mlflow.onnx.log_model (an MLflow model); False: log the artefact and its manifest as
+            the run's "model" folder (registered by the register step with create_model_version) and tag the
+            artefact's fingerprint (ARTIFACT_FINGERPRINT_TAG).
         metrics: optional KFP Output[Metrics].
         report_path: optional path the report.html is copied to (a KFP Output[HTML]).
         identity: the candidate's name, backend, precision and search fields for variant_result.json (its
@@ -305,7 +318,6 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         {passed, reason, model_uri, overall, perf, gates, worst_slice} for the task's output JSON.
     """
     import mlflow
-    import onnx
 
     passed, reason = log_validation(client, run_id, result, metrics=metrics)
     d = result.to_dict()
@@ -320,17 +332,31 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         shutil.copyfile(Path(work_dir) / "report.html", report_path)
     sha = _sha256(Path(model_file))
     client.set_tag(run_id, SHA256_TAG, sha)
-    with mlflow.start_run(run_id=run_id):
-        # explicit requirements: without them MLflow infers them in a subprocess that imports the flavor
-        # (measured 3.5 of the validate task's 9 s on the tiny MLP)
-        info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
-                                     save_as_external_data=False, onnx_execution_providers=[execution_provider],
-                                     pip_requirements=onnx_pip_requirements(execution_provider))
-    client.set_tag(run_id, MODEL_URI_TAG, info.model_uri)
+    if onnx:
+        import onnx as onnx_lib
+
+        with mlflow.start_run(run_id=run_id):
+            # explicit requirements: without them MLflow infers them in a subprocess that imports the flavor
+            # (measured 3.5 of the validate task's 9 s on the tiny MLP)
+            info = mlflow.onnx.log_model(onnx_model=onnx_lib.load(str(model_file)), name="model",
+                                         save_as_external_data=False,
+                                         onnx_execution_providers=[execution_provider],
+                                         pip_requirements=onnx_pip_requirements(execution_provider))
+        model_uri = info.model_uri
+    else:
+        from tailguard.core.artifacts import manifest_path
+
+        manifest = manifest_path(model_file)
+        client.log_artifact(run_id, str(model_file), artifact_path="model")
+        client.log_artifact(run_id, str(manifest), artifact_path="model")
+        client.set_tag(run_id, ARTIFACT_FINGERPRINT_TAG,
+                       json.dumps(json.loads(manifest.read_text()).get("fingerprint", {}), sort_keys=True)[:5000])
+        model_uri = f"runs:/{run_id}/model"
+    client.set_tag(run_id, MODEL_URI_TAG, model_uri)
     identity = identity or VariantResult(variant=result.variant, backend="", precision="", status="ok")
     log_variant_result(client, run_id, variant_result(identity, result, passed=passed, reason=reason,
-                                                      run_id=run_id, model_uri=info.model_uri, sha256=sha))
-    return {"passed": passed, "reason": reason, "model_uri": info.model_uri,
+                                                      run_id=run_id, model_uri=model_uri, sha256=sha))
+    return {"passed": passed, "reason": reason, "model_uri": model_uri,
             "overall": d.get("overall"), "perf": d.get("perf"), "gates": d.get("gates"),
             "worst_slice": d.get("worst_slice")}
 

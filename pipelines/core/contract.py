@@ -61,7 +61,7 @@ DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significan
 COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
 NUMERICS_TAG = "tailguard.numerics"        # consistent | hardware_dependent | not_checked (validate's numerics check)
 BACKEND_TAG = "tailguard.backend"          # the variant's backend (onnxruntime | tensorrt | torch)
-PRECISION_TAG = "tailguard.precision"      # fp32 | fp16 | int8
+PRECISION_TAG = "tailguard.precision"      # fp32 | fp16 | bf16 | int8
 REASON_TAG = "tailguard.reason"            # why a build, validation or trial failed or was skipped
 ROLE_TAG = "tailguard.role"                # "reference" on the run that registered an FP32 reference
 # the node that validated (and timed) the variant, from tailguard.core.hardware.hardware_tags
@@ -84,6 +84,11 @@ SHA256_TAG = "tailguard.sha256"            # a version's artefact fingerprint (h
 OUTPUTS_TAG = "tailguard.outputs"          # a registered reference's recorded output signature (JSON)
 RUN_ID_TAG = "tailguard.run_id"            # a registered variant's validated run
 EXECUTION_PROVIDER_TAG = "tailguard.execution_provider"  # a registered variant's ONNX Runtime execution provider
+COMPILE_TAG = "tailguard.compile"          # a registered torch variant's compile mode (eager | inductor | aot_inductor)
+DEVICE_TAG = "tailguard.device"            # a registered torch variant's device (cpu | cuda)
+CUDA_GRAPHS_TAG = "tailguard.cuda_graphs"  # a registered torch variant replays CUDA graphs (true | false)
+ARTIFACT_FINGERPRINT_TAG = "tailguard.artifact_fingerprint"  # a node-bound artefact's fingerprint (JSON: torch or
+#                                            TensorRT version, device name, compute capability or CPU ISA flags)
 PROMOTION_REASON_TAG = "tailguard.promotion_reason"  # why a version was or was not promoted
 
 # ------------------------------------------------------------------------------------------------ model-file metadata

@@ -24,7 +24,7 @@ API_VERSION = "tailguard/v1"
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # DNS-1123 label: usable as a KFP task name and a K8s name
 
 Task = Literal["classification", "embedding", "regression", "generic"]
-Precision = Literal["fp32", "fp16", "int8"]
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
 
 # The metric tables below are computed from the metric catalogue (tailguard.core.metrics, one row per metric with
 # its direction, aggregate, kind, tasks and units); the names stay because code and users import them.
@@ -417,8 +417,11 @@ class VariantSpec(_Model):
     """One inference variant to build and validate: backend x precision x calibration."""
 
     name: str = Field(description="Unique, DNS-1123 (a KFP task and MLflow run name).", pattern=NAME_RE)
-    backend: Literal["onnxruntime", "tensorrt"] = Field(description="Inference engine.")
-    precision: Precision = Field(description="Numeric precision of weights/compute.")
+    backend: Literal["onnxruntime", "tensorrt", "torch"] = Field(description=(
+        "Inference engine: onnxruntime (from the exported FP32 ONNX), tensorrt (GPU node pools), or torch "
+        "(PyTorch-native, from the registered torch reference: eager, inductor or an AOTInductor package)."))
+    precision: Precision = Field(description=(
+        "Numeric precision of weights/compute. bf16: torch only (CUDA, or a CPU with AVX512-BF16/AMX-BF16)."))
     execution_provider: str = Field("CPUExecutionProvider", description="ONNX Runtime execution provider.")
     graph_optimization: GraphOptimizationSpec = Field(default_factory=GraphOptimizationSpec,
                                                       description="Graph optimization before quantization.")
@@ -426,12 +429,46 @@ class VariantSpec(_Model):
     fp16_op_block_list: list[str] = Field(default_factory=lambda: ["Cast"], description=(
         "fp16 only: op types kept in fp32 (Cast must stay: converting it breaks type inference)."))
     gpu: bool | None = Field(None, description="Runs on a GPU node pool (default: tensorrt or a CUDA/TensorRT EP).")
+    compile: Literal["eager", "inductor", "aot_inductor"] | None = Field(None, description=(
+        "torch only (default eager): eager runs the torch.export program op by op; inductor compiles it with "
+        "torch.compile when loaded (build time measured, cache warmed); aot_inductor builds an AOTInductor package "
+        "(.pt2: compiled kernels for one device kind and torch build, checked against its manifest before load)."))
+    device: Literal["cpu", "cuda"] | None = Field(None, description=(
+        "torch only (default cuda): where the variant is built, validated and served. cuda runs on the "
+        "kubeflow.gpu node pool and is skipped, with the reason, on a node without a CUDA device."))
+    cuda_graphs: bool = Field(False, description=(
+        "torch with device cuda only: replay the model as CUDA graphs, one captured per input shape (at most 64, "
+        "least recently used evicted), removing per-kernel launch overhead."))
     search: "SearchSpec | None" = Field(None, description=(
         "INT8 on onnxruntime only: when this variant fails its gates, search mixed-precision configurations "
         "for the fastest one that passes every gate (components/search/README.md)."))
 
     @model_validator(mode="after")
     def _precision_rules(self) -> "VariantSpec":
+        torch_fields = [f for f in ("compile", "device") if getattr(self, f) is not None]
+        if self.cuda_graphs:
+            torch_fields.append("cuda_graphs")
+        if self.backend == "torch":
+            onnx_fields = [name for name, value, default in (
+                ("execution_provider", self.execution_provider, "CPUExecutionProvider"),
+                ("graph_optimization", self.graph_optimization, GraphOptimizationSpec()),
+                ("fp16_op_block_list", self.fp16_op_block_list, ["Cast"])) if value != default]
+            if onnx_fields:
+                raise ValueError(f"{', '.join(onnx_fields)}: {'these apply' if len(onnx_fields) > 1 else 'it applies'}"
+                                 " to backend onnxruntime, not torch")
+            if self.precision == "int8":
+                raise ValueError("precision int8 is not offered on backend torch: use onnxruntime (dynamic or "
+                                 "static QDQ) or tensorrt")
+            if self.precision == "fp16" and self.device == "cpu":
+                raise ValueError("fp16 on device cpu: torch has no fast fp16 CPU kernels; use bf16 (a CPU with "
+                                 "AVX512-BF16/AMX) or device: cuda")
+            if self.cuda_graphs and self.device == "cpu":
+                raise ValueError("cuda_graphs needs device: cuda")
+        elif torch_fields:
+            raise ValueError(f"{', '.join(torch_fields)}: {'these apply' if len(torch_fields) > 1 else 'it applies'} "
+                             "to backend torch only")
+        elif self.precision == "bf16":
+            raise ValueError(f"precision bf16 is offered on backend torch only (not {self.backend})")
         if self.search is not None and (self.precision != "int8" or self.backend != "onnxruntime"):
             raise ValueError("search applies to precision int8 on backend onnxruntime only")
         if self.precision == "int8" and self.backend == "onnxruntime" and self.quantization is None:
@@ -441,10 +478,23 @@ class VariantSpec(_Model):
         return self
 
     @property
+    def torch_device(self) -> str:
+        """The torch backend's device: `device`, default "cuda"."""
+        return self.device or "cuda"
+
+    @property
+    def torch_compile(self) -> str:
+        """The torch backend's compile mode: `compile`, default "eager"."""
+        return self.compile or "eager"
+
+    @property
     def needs_gpu(self) -> bool:
-        """True for TensorRT or a CUDA/TensorRT execution provider, unless `gpu` says otherwise."""
+        """True for TensorRT, a CUDA/TensorRT execution provider or a torch variant on cuda, unless `gpu` says
+        otherwise."""
         if self.gpu is not None:
             return self.gpu
+        if self.backend == "torch":
+            return self.torch_device == "cuda"
         return self.backend == "tensorrt" or self.execution_provider in (
             "CUDAExecutionProvider", "TensorrtExecutionProvider")
 

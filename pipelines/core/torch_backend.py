@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tailguard.core.artifacts import config_sha256, verify_artifact, write_manifest
+from tailguard.core.artifacts import ArtifactMismatchError, config_sha256, verify_artifact, write_manifest
 from tailguard.core.errors import InputError, MissingDependencyError, TailguardError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,6 +116,13 @@ class TorchBuildConfig:
     def build_settings(self) -> dict[str, Any]:
         """The settings the artefact depends on (cuda_graphs is a load-time choice: the same file serves both)."""
         return {"precision": self.precision, "compile": self.compile, "device": self.device}
+
+
+def config_of(variant: Any) -> TorchBuildConfig:
+    """The TorchBuildConfig of a spec's torch variant (`VariantSpec`: precision, torch_compile, torch_device,
+    cuda_graphs)."""
+    return TorchBuildConfig(precision=variant.precision, compile=variant.torch_compile, device=variant.torch_device,
+                            cuda_graphs=variant.cuda_graphs)
 
 
 @dataclass
@@ -515,6 +522,34 @@ class TorchVariantRunner:
         with torch.inference_mode():
             outs = self.graphs(*args) if self.graphs is not None else _flatten(self.fn(*args))
         return [(o.float() if o.is_floating_point() else o).cpu().numpy() for o in outs]
+
+
+def runner_for_artifact(path: str | Path, input_specs: Sequence[Any], *, intra_op_num_threads: int = 0,
+                        cuda_graphs: bool | None = None) -> TorchVariantRunner:
+    """A TorchVariantRunner for an artefact found on its own (a registry download, the monitor's candidate): the
+    settings and the source digest come from its manifest, the node check from this node.
+
+    Args:
+        path: program.pt2 or package.pt2 with its `<path>.json` manifest beside it.
+        input_specs: the spec's model.inputs (their signature is part of the fingerprint).
+        intra_op_num_threads: CPU threads (0: leave torch's setting).
+        cuda_graphs: override the recorded CUDA-graph setting (None: as built).
+
+    Raises:
+        ArtifactMismatchError: no or unreadable manifest, a changed file, or another node / torch build.
+    """
+    from tailguard.core.artifacts import read_manifest
+
+    manifest = read_manifest(path, kind="torch artefact")
+    recorded = dict((manifest.get("facts") or {}).get("config") or {})
+    if not recorded:
+        raise ArtifactMismatchError(f"torch artefact {path}: its manifest records no build settings",
+                                    hint="rebuild it with this tailguard version")
+    if cuda_graphs is not None:
+        recorded["cuda_graphs"] = cuda_graphs
+    config = TorchBuildConfig(**recorded)
+    return TorchVariantRunner(path, config, input_specs, source_sha256=manifest["fingerprint"].get("source_sha256", ""),
+                              intra_op_num_threads=intra_op_num_threads)
 
 
 class EagerModuleRunner:
