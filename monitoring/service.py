@@ -70,7 +70,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
-from tailguard.core.errors import InputError
+from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
 from tailguard.monitoring.combine import Combiner, PeerError, PollLoop, http_fetch
 from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
@@ -82,7 +82,7 @@ from tailguard.monitoring.metrics import MonitorMetrics
 from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, attach_binary, load_json, parse_request,
                                       parse_response_output, split_binary, utf8_text)
 from tailguard.monitoring.sampler import Decision
-from tailguard.core.runtime import OrtRunner, Runner
+from tailguard.core.runtime import Runner, runner_for_file
 from tailguard.core.spec import Spec, load_spec
 
 log = logging.getLogger("tailguard.monitoring.service")
@@ -303,9 +303,9 @@ class MonitorService:
             if src is None:
                 continue
             try:
-                self.runners[role] = src if hasattr(src, "run") else OrtRunner(src)  # type: ignore[arg-type]
+                self.runners[role] = src if hasattr(src, "run") else runner_for_file(src, self.cfg.inputs)
                 self.metrics.models_ready.labels(role).set(1)
-            except InputError as exc:
+            except TailguardError as exc:  # a bad file, or a torch artefact built for another node
                 self.load_errors[role] = exc.message
                 log.error("%s model not loaded: %s", role, exc.message)
 

@@ -394,7 +394,8 @@ def demo(skip_monitor: bool = typer.Option(False, "--skip-monitor", help="Skip t
 @handle_errors
 def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its monitoring section)."),
                    reference: Path = typer.Option(..., "--reference", help="FP32 reference .onnx."),
-                   candidate: Path = typer.Option(..., "--candidate", help="Candidate (promoted) .onnx."),
+                   candidate: Path = typer.Option(..., "--candidate", help=(
+                       "Candidate (promoted): .onnx, or a torch variant's .pt2 with its manifest beside it.")),
                    requests: Path = typer.Option(..., "--requests", help="Parquet of logged requests."),
                    out: Path = typer.Option(..., "--out", help="Folder for alerts.json and slices.json."),
                    seed: int = typer.Option(0, "--seed", help="Sampler seed (replays are deterministic).")) -> None:
@@ -410,8 +411,9 @@ def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its
 @handle_errors
 def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its monitoring section)."),
                   reference: Optional[Path] = typer.Option(None, "--reference", help="FP32 reference .onnx."),
-                  candidate: Optional[Path] = typer.Option(None, "--candidate",
-                                                           help="Candidate .onnx (omit: pairs-only monitor)."),
+                  candidate: Optional[Path] = typer.Option(None, "--candidate", help=(
+                      "Candidate: .onnx, or a torch variant's .pt2 with its manifest beside it (omit: pairs-only "
+                      "monitor).")),
                   host: str = typer.Option("127.0.0.1", "--host", help="Bind address."),
                   port: int = typer.Option(8080, "--port", help="Port."),
                   evidence_only: bool = typer.Option(False, "--evidence-only", help=(

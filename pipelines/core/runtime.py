@@ -1,4 +1,5 @@
-"""Inference runners (the one seam every step runs models through) and the GPU availability seam.
+"""Inference runners (the one seam every step runs models through) and the GPU availability seam; torch variants'
+runners live in tailguard.core.torch_backend (`runner_for_file` picks one by the file).
 
 A runner maps a feed {input name: (batch, ...) array} to the list of output arrays, in
 `model.outputs` order. ONNX Runtime and torch are CPU-importable; TensorRT, CUDA and
@@ -125,6 +126,33 @@ class TorchRunner:
         elif isinstance(out, dict):
             out = tuple(out.values())
         return [o.detach().cpu().numpy() for o in out]
+
+
+def runner_for_file(path: str | Path, input_specs: Sequence, *, intra_op_num_threads: int = 0) -> Runner:
+    """A runner for a model file given by path (the monitor's reference and candidate, `monitor replay`): an .onnx
+    file runs on ONNX Runtime (CPU); a torch artefact (program.pt2 / package.pt2 with its `<file>.json` manifest,
+    as `tailguard fetch` writes a torch variant) runs on the torch backend after its manifest check.
+
+    Args:
+        path: the model file.
+        input_specs: the spec's model.inputs.
+        intra_op_num_threads: CPU threads (0: all cores for ORT, torch's setting for torch).
+
+    Raises:
+        InputError: a missing file, or a file that is neither (names the file and what is accepted).
+        ArtifactMismatchError: a torch artefact built for another node or torch version.
+    """
+    p = Path(path)
+    if p.suffix == ".onnx":
+        return OrtRunner(p, intra_op_num_threads=intra_op_num_threads)
+    if p.with_name(p.name + ".json").is_file():
+        from tailguard.core.torch_backend import runner_for_artifact
+
+        return runner_for_artifact(p, input_specs, intra_op_num_threads=intra_op_num_threads)
+    if not p.is_file():
+        raise InputError(f"model file not found: {p}")
+    raise InputError(f"{p}: not a model tailguard can run: give an .onnx file, or a torch variant's .pt2 with its "
+                     f"manifest {p.name}.json beside it", hint="`tailguard fetch MODEL@ALIAS -o DIR` writes both")
 
 
 def run_dataset(runner: Runner, ds: Dataset, input_specs: Sequence, *, batch_size: int,
