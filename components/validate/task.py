@@ -112,6 +112,12 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
             summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
                                      Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path,
                                      reference_model_dir, identity=identity))
+        except VariantUnusable as exc:  # this variant fails; the run goes on with the others
+            reason = f"variant {variant.name} cannot run on this node: {exc}"
+            client.set_tag(run_id, STATUS_TAG, "failed")
+            client.set_tag(run_id, REASON_TAG, reason[:5000])
+            _log_failed_result(client, run_id, identity, reason)
+            summary.update(status="failed", reason=reason)
         except Exception as exc:
             _log_failed_result(client, run_id, identity, f"validation raised {type(exc).__name__}: {exc}")
             raise
@@ -134,6 +140,36 @@ def _log_failed_result(client: Any, run_id: str, identity: VariantResult, reason
                                                                reason=reason[:5000]))
     except Exception:  # noqa: BLE001 - see the docstring
         pass
+
+
+class VariantUnusable(Exception):
+    """The built variant cannot be loaded on this node (a torch artefact built for another node or torch version,
+    or one whose native loader crashed a probe process): the variant fails with the reason, the run goes on."""
+
+
+def torch_runner(spec: Any, variant: Any, model_file: Path, build: dict[str, Any], ds: Any) -> Any:
+    """The torch variant's runner: its manifest checked against this node (and, for an AOTInductor package, a
+    load-and-run probe in a child process first, `torch_backend.probe_load`), then loaded here.
+
+    Raises:
+        VariantUnusable: the manifest check failed or the probe process crashed (the reason names which).
+    """
+    from tailguard.core.artifacts import ArtifactMismatchError
+    from tailguard.core.data import make_batch
+    from tailguard.core.torch_backend import TorchVariantRunner, config_of, probe_load
+
+    config = config_of(variant)
+    source = (build.get("details") or {}).get("source_sha256", "")
+    try:
+        if config.compile == "aot_inductor":
+            feeds = make_batch(ds, np.arange(min(2, ds.n_rows)), spec.model.inputs, pad_values=spec.model.pad_values)
+            crash = probe_load(model_file, config, spec.model.inputs, source_sha256=source, feeds=feeds)
+            if crash:
+                raise VariantUnusable(crash)
+        return TorchVariantRunner(model_file, config, spec.model.inputs, source_sha256=source,
+                                  intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    except ArtifactMismatchError as exc:
+        raise VariantUnusable(str(exc)) from None
 
 
 def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict[str, Any] | None:
@@ -160,17 +196,13 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     from tailguard.core.runtime import OrtRunner
 
     model_file = variant_dir / build["artifact"]
-    if variant.backend == "torch":  # the artefact's manifest is checked against this node before it is loaded
-        from tailguard.core.torch_backend import TorchVariantRunner, config_of
-
-        runner = TorchVariantRunner(model_file, config_of(variant), spec.model.inputs,
-                                    source_sha256=(build.get("details") or {}).get("source_sha256", ""),
-                                    intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    ds = load_validation(spec)
+    if variant.backend == "torch":
+        runner = torch_runner(spec, variant, model_file, build, ds)
     else:
         runner = OrtRunner(model_file, providers=[variant.execution_provider],
                            intra_op_num_threads=spec.benchmark.intra_op_num_threads)
     baseline_runners = reference_runners(spec, reference_model_dir)
-    ds = load_validation(spec)
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
 
     def exact_runner() -> OrtRunner:  # the numerics check's second pass: exact integer accumulation

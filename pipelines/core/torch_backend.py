@@ -372,7 +372,7 @@ def build_torch_variant(module: "torch.nn.Module", example: Mapping[str, np.ndar
             torch.export.save(program, str(partial))
             if config.compile == "inductor":  # compile here: time it, fail at build rather than at load, and
                 t0 = time.perf_counter()     # leave inductor's on-disk cache warm for the loads on this node
-                fn = _compiled_call(program.module(), config, input_specs)
+                fn = _compiled_call(program.module())
                 dtype = torch_dtype(config.precision)
                 for rows in (None, 1):  # batch >= 2 and batch 1: dynamo specialises size 1, a second graph
                     fn(*[_to_tensor(example[s.name][:rows], config.device, dtype) for s in input_specs])
@@ -400,10 +400,9 @@ def build_torch_variant(module: "torch.nn.Module", example: Mapping[str, np.ndar
 
 
 # ------------------------------------------------------------------------------------------------ running
-def _compiled_call(module: Any, config: TorchBuildConfig, input_specs: Sequence[Any]) -> Callable[..., Any]:
+def _compiled_call(module: Any) -> Callable[..., Any]:
     """torch.compile (inductor, dynamic shapes) of an exported program's module."""
-    torch = _torch()
-    return torch.compile(module, backend="inductor", dynamic=True)
+    return _torch().compile(module, backend="inductor", dynamic=True)
 
 
 def load_callable(path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any]) -> Callable[..., Any]:
@@ -415,7 +414,7 @@ def load_callable(path: str | Path, config: TorchBuildConfig, input_specs: Seque
     program = torch.export.load(str(path))
     module = program.module()
     if config.compile == "inductor":
-        return _compiled_call(module, config, input_specs)
+        return _compiled_call(module)
     return module
 
 
@@ -522,6 +521,49 @@ class TorchVariantRunner:
         with torch.inference_mode():
             outs = self.graphs(*args) if self.graphs is not None else _flatten(self.fn(*args))
         return [(o.float() if o.is_floating_point() else o).cpu().numpy() for o in outs]
+
+
+def _probe_child(path: str, config: dict[str, Any], input_specs: list[dict[str, Any]], source_sha256: str,
+                 feeds: dict[str, np.ndarray]) -> None:
+    """Child process of `probe_load`: load the artefact and run one batch (a crash ends only this process)."""
+    import faulthandler
+    from types import SimpleNamespace
+
+    faulthandler.enable()
+    specs = [SimpleNamespace(**s) for s in input_specs]
+    TorchVariantRunner(path, TorchBuildConfig(**config), specs, source_sha256=source_sha256).run(feeds)
+
+
+def probe_load(path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any], *, source_sha256: str,
+               feeds: Mapping[str, np.ndarray], timeout_s: float = 600.0) -> str | None:
+    """Load and run an artefact once in a child process (spawned) before this process loads it: a native loader
+    that crashes the interpreter (seen: SIGSEGV in `aoti_load_package`, torch 2.11 on an H200, 2026-11-26) then
+    fails the variant with the reason instead of ending the task.
+
+    Args:
+        path, config, input_specs, source_sha256: as `TorchVariantRunner`.
+        feeds: one batch {input: (batch, ...) array}.
+        timeout_s: seconds before the child is killed (a hang counts as a failure).
+
+    Returns:
+        None when the child loaded and ran the batch; else the reason (its exit code or signal, or the timeout).
+        A manifest mismatch in the child is a non-zero exit: the caller's own load then raises the full message.
+    """
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_probe_child, args=(str(path), asdict(config), signature(input_specs), source_sha256, dict(feeds)))
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return f"loading {config.artifact_kind} {Path(path).name} did not finish within {timeout_s:g} s"
+    if proc.exitcode == 0:
+        return None
+    how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
+    return (f"loading and running {config.artifact_kind} {Path(path).name} in a probe process ended with {how} "
+            f"(torch {_torch().__version__}; its stack is in the task log)")
 
 
 def runner_for_artifact(path: str | Path, input_specs: Sequence[Any], *, intra_op_num_threads: int = 0,
