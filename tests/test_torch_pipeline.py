@@ -21,8 +21,7 @@ import yaml
 from tailguard.core.errors import SpecError
 from tailguard.core.spec import parse_spec
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline_local import TINY_KWARGS, make_rows  # noqa: E402  the tiny encoder and its rows
+from tests.test_pipeline_local import make_rows, register_tiny_encoder, write_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,24 +33,15 @@ VARIANTS = [
 ]
 
 
-def _spec_doc() -> dict:
-    return {
-        "apiVersion": "tailguard/v1", "kind": "OptimizationSpec", "metadata": {"name": "tiny-torch"},
-        "model": {"registered_name": "tiny-encoder", "task": "embedding",
-                  "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
-                             {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "sequence"]}],
-                  "outputs": [{"name": "embedding", "dtype": "float32", "shape": ["batch", 32]}],
-                  "source": {"format": "state_dict", "class_path": "tailguard.models:MeanPooledEncoder",
-                             "init_kwargs": TINY_KWARGS}},
-        "data": {"calibration": {"uri": "calibration.parquet", "max_samples": 32},
-                 "validation": {"uri": "validation.parquet", "batch_size": 16}},
-        "slices": [{"name": "group", "column": "group"}],
-        "variants": VARIANTS,
-        "gates": [{"metric": "nn_top1_agreement", "min": 0.5}],
-        "benchmark": {"batch_sizes": [1, 4], "warmup": 2, "iterations": 10, "max_seconds": 2},
-        "promotion": {"alias": "production", "register_variants": "all"},
-        "monitoring": {"slice_columns": ["group"], "sample_rate": 1.0},
-    }
+def _write(root: Path) -> Path:
+    return write_spec(root, variants=VARIANTS, slices=[{"name": "group", "column": "group"}],
+                      gates=[{"metric": "nn_top1_agreement", "min": 0.5}],
+                      promotion={"alias": "production", "register_variants": "all"},
+                      monitoring={"slice_columns": ["group"], "sample_rate": 1.0})
+
+
+def _spec_doc(tmp_path: Path) -> dict:
+    return yaml.safe_load(_write(tmp_path).read_text())
 
 
 @pytest.fixture(scope="module")
@@ -60,33 +50,16 @@ def run(tmp_path_factory):
     home = root / "home"
     make_rows(120, 0).to_parquet(root / "validation.parquet")
     make_rows(40, 1).to_parquet(root / "calibration.parquet")
-    (root / "spec.yaml").write_text(yaml.safe_dump(_spec_doc(), sort_keys=False))
+    spec = _write(root)
+    uri = register_tiny_encoder(home)
     env = {**os.environ, "TAILGUARD_HOME": str(home), "MLFLOW_DISABLE_TELEMETRY": "true"}
-    old = os.environ.get("TAILGUARD_HOME")
-    os.environ["TAILGUARD_HOME"] = str(home)
-    try:
-        from tailguard.core.home import default_tracking_uri
-        from tailguard.core.tracking import configure
-        from tailguard.models import MeanPooledEncoder
-        from tailguard.registration import register_reference
-
-        uri = default_tracking_uri()
-        configure(uri, "registration")
-        torch.manual_seed(0)
-        register_reference("tiny-encoder", state_dict=MeanPooledEncoder(**TINY_KWARGS).state_dict(),
-                           class_path="tailguard.models:MeanPooledEncoder", init_kwargs=TINY_KWARGS)
-    finally:
-        if old is None:
-            os.environ.pop("TAILGUARD_HOME", None)
-        else:
-            os.environ["TAILGUARD_HOME"] = old
 
     def tailguard(*args: object) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "tailguard.cli", *map(str, args)], env=env, cwd=root,
                               capture_output=True, text=True, timeout=900)
 
-    proc = tailguard("run", "spec.yaml")
-    return {"root": root, "uri": uri, "proc": proc, "tailguard": tailguard}
+    proc = tailguard("run", spec)
+    return {"root": root, "uri": uri, "proc": proc, "tailguard": tailguard, "spec": spec}
 
 
 def test_torch_variants_are_built_validated_and_registered_with_their_fingerprint_when_run_locally(run):
@@ -102,7 +75,7 @@ def test_torch_variants_are_built_validated_and_registered_with_their_fingerprin
     assert fingerprint["torch_version"] == torch.__version__ and fingerprint["device"] == "cpu"
     assert "tailguard.execution_provider" not in eager.tags
     runs = {r.data.tags.get("tailguard.variant"): r for r in client.search_runs(
-        [client.get_experiment_by_name("tailguard/tiny-torch").experiment_id])}
+        [e.experiment_id for e in client.search_experiments()])}
     skipped = runs["torch-aoti-fp16"].data.tags
     assert skipped["tailguard.status"] == "skipped" and "no CUDA device on this node" in skipped["tailguard.reason"]
     assert runs["torch-eager-fp32"].data.metrics["nn_top1_agreement"] == 1.0
@@ -117,7 +90,7 @@ def test_fetched_torch_variant_runs_as_the_monitors_candidate_when_replayed(run)
     assert sorted(p.name for p in out.iterdir()) == ["program.pt2", "program.pt2.json"]
     requests = run["root"] / "validation.parquet"
     reference = next((run["root"] / "home").rglob("export/onnx_model/model.onnx"))
-    replay = run["tailguard"]("monitor", "replay", "--spec", "spec.yaml", "--reference", reference,
+    replay = run["tailguard"]("monitor", "replay", "--spec", run["spec"], "--reference", reference,
                               "--candidate", out / "program.pt2", "--requests", requests, "--out", run["root"] / "r")
     assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]  # exact FP32: no alert
     slices = json.loads((run["root"] / "r" / "slices.json").read_text())
@@ -133,17 +106,16 @@ def test_fetched_torch_variant_runs_as_the_monitors_candidate_when_replayed(run)
     ({"backend": "torch", "precision": "fp32", "execution_provider": "CUDAExecutionProvider"},
      "execution_provider: it applies to backend onnxruntime"),
 ])
-def test_spec_refuses_torch_fields_naming_the_variant_when_they_cannot_apply(variant, message):
-    doc = _spec_doc()
+def test_spec_refuses_torch_fields_naming_the_variant_when_they_cannot_apply(variant, message, tmp_path):
+    doc = _spec_doc(tmp_path)
     doc["variants"] = [{"name": "v", **variant}]
     with pytest.raises(SpecError, match=message) as exc:
         parse_spec(doc)
     assert "variants" in str(exc.value)
 
 
-def test_torch_variant_needs_the_gpu_pool_only_when_its_device_is_cuda():
-    doc = _spec_doc()
-    spec = parse_spec(doc)
+def test_torch_variant_needs_the_gpu_pool_only_when_its_device_is_cuda(tmp_path):
+    spec = parse_spec(_spec_doc(tmp_path))
     needs = {v.name: v.needs_gpu for v in spec.variants}
     assert needs == {"ort-fp32": False, "torch-eager-fp32": False, "torch-aoti-fp16": True}
 
@@ -151,7 +123,7 @@ def test_torch_variant_needs_the_gpu_pool_only_when_its_device_is_cuda():
 def test_torch_step_is_skipped_with_the_reason_when_the_reference_is_onnx(tmp_path):
     from tailguard.core.steps import get_step
 
-    spec = parse_spec(_spec_doc())
+    spec = parse_spec(_spec_doc(tmp_path))
     variant = next(v for v in spec.variants if v.name == "torch-eager-fp32")
     result = get_step("compile.torch")(variant, lambda: pytest.fail("nothing may be loaded"), tmp_path,
                                        calibration=None, model=spec.model, source_sha256="0" * 64,
