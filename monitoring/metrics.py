@@ -37,6 +37,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_models_ready",
     "tailguard_monitor_s3_uploads_total",
     "tailguard_monitor_spool_bytes",
+    "tailguard_monitor_sink_parameters_dropped_total",
     "tailguard_monitor_peer_errors_total",
 )
 DROP_REASONS = ("queue_full", "reference_error", "reference_timeout", "non_finite", "reference_missing",
@@ -132,9 +133,9 @@ class MonitorMetrics:
         registry: registry to register on (default: a new CollectorRegistry).
 
     Attributes: requests, invalid_requests, dropped, queue_depth, inference_seconds, ingest_seconds, alerts,
-        models_ready, s3_uploads, spool_bytes, peer_errors (named like METRIC_NAMES without the
-        `tailguard_monitor_` prefix and `_total` suffix). The per-slice families come from a SliceCollector
-        registered with `attach`.
+        models_ready, s3_uploads, spool_bytes, sink_parameters_dropped, peer_errors (named like METRIC_NAMES
+        without the `tailguard_monitor_` prefix and `_total` suffix). The per-slice families come from a
+        SliceCollector registered with `attach`.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -158,6 +159,9 @@ class MonitorMetrics:
         self.models_ready = Gauge(p + "models_ready", "1 when the model is loaded.", ["role"], registry=r)
         self.s3_uploads = Counter(p + "s3_uploads", "Sampled-pair batches by outcome.", ["status"], registry=r)
         self.spool_bytes = Gauge(p + "spool_bytes", "Bytes in the local spool waiting for S3.", registry=r)
+        self.sink_parameters_dropped = Counter(p + "sink_parameters_dropped", "Request parameters not written to "
+                                               "S3 (no slice rule reads them), one per parameter and row.",
+                                               registry=r)
         # the combiner's peers (one per --peer, bounded) x combine.PeerError reasons
         self.peer_errors = Counter(p + "peer_errors", "Evidence documents from a peer not merged (or, "
                                    "epoch_flip, merged but served by several processes), by reason "

@@ -18,15 +18,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/tailguard
 
-COPY manifests/images/requirements-common.txt manifests/images/requirements-gpu.txt /opt/tailguard/requirements/
-RUN python3 -m pip install --no-cache-dir -r /opt/tailguard/requirements/requirements-gpu.txt \
+# First every common distribution with its sha256 hashes (generated from requirements.lock by
+# scripts/image_locks.py for this base's Python 3.12); then the CUDA layer, pinned by version only: torch (CUDA
+# build), onnxruntime-gpu and the nvidia-* wheels they pull are not in requirements.lock, which is resolved on CPU
+# (docs/deploy.md, "Images"). pip check fails the build if the second step moved anything the first pinned.
+COPY manifests/images/requirements-common.txt manifests/images/requirements-gpu.txt \
+     manifests/images/requirements-gpu.lock /opt/tailguard/requirements/
+RUN python3 -m pip install --no-cache-dir --require-hashes --no-deps -r /opt/tailguard/requirements/requirements-gpu.lock \
+    && python3 -m pip install --no-cache-dir -r /opt/tailguard/requirements/requirements-gpu.txt \
+    && python3 -m pip check \
     && python3 -c "import tensorrt, onnxruntime; print(tensorrt.__version__, onnxruntime.get_available_providers())"
 
 COPY pyproject.toml README.md /opt/tailguard/
 COPY pipelines/ /opt/tailguard/pipelines/
 COPY components/ /opt/tailguard/components/
 COPY monitoring/ /opt/tailguard/monitoring/
-RUN python3 -m pip install --no-cache-dir --no-deps /opt/tailguard \
+RUN python3 -m pip install --no-cache-dir --no-deps --no-build-isolation /opt/tailguard \
     && python3 -c "import tailguard.components, tailguard.monitoring" \
     && groupadd --gid 10001 tailguard \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp/tailguard --shell /usr/sbin/nologin tailguard

@@ -22,6 +22,14 @@ from tailguard.core.errors import FieldError, SpecError
 
 API_VERSION = "tailguard/v1"
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # DNS-1123 label: usable as a KFP task name and a K8s name
+# Size limits (issue 22): each variant is a chain of KFP tasks (pods, and nodes in one Argo Workflow object, which
+# etcd caps at ~1.5 MB), each slice group x parity metric an MLflow metric and a report row, each gate a check per
+# variant. These bound one run's pods, metrics and report; a spec past one is refused (exit 2, naming the field).
+MAX_VARIANTS = 32
+MAX_SLICES = 32
+MAX_SLICE_GROUPS = 1000  # slices[].max_groups
+MAX_SLICE_NAME = 64  # characters; with it every slice metric key fits MLflow's 250 (validate.logic.slice_key_prefix)
+MAX_GATES = 128
 
 Task = Literal["classification", "embedding", "regression", "generic"]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
@@ -306,12 +314,13 @@ class SliceSpec(_Model):
     """A declared slice: rows grouped by a metadata column's value, bins or quantiles."""
 
     name: str = Field(description="Slice name used in metric keys: slice.<name>.<value>.<metric>.",
-                      pattern=r"^[A-Za-z0-9_\-]+$")
+                      pattern=r"^[A-Za-z0-9_\-]+$", max_length=MAX_SLICE_NAME)
     column: str = Field(description="Metadata column in the validation data.")
     values: list[str | int] | None = Field(None, description="Only these values (default: every value seen).")
     bins: list[float] | None = Field(None, min_length=2, description="Bin edges, left-closed [a, b).")
     quantiles: int | None = Field(None, ge=2, le=100, description="Number of equal-frequency bins.")
-    max_groups: int = Field(100, ge=1, description="At most this many groups; the rest go to 'other'.")
+    max_groups: int = Field(100, ge=1, le=MAX_SLICE_GROUPS, description=(
+        "At most this many groups; the rest go to 'other'."))
 
     @model_validator(mode="after")
     def _one_kind(self) -> "SliceSpec":
@@ -1036,11 +1045,15 @@ class Spec(_Model):
     metadata: Metadata = Field(description="Name and labels.")
     model: ModelSpec = Field(description="The FP32 reference in the MLflow registry.")
     data: DataSpec = Field(description="Calibration and validation data.")
-    slices: list[SliceSpec] = Field(default_factory=list, description="Declared slices.")
-    variants: list[VariantSpec] = Field(min_length=1, description="Variants to build and validate.")
-    gates: list[GateSpec] = Field(default_factory=list, description=(
+    # The count limits are checked in _cross_field (a clear message, and the other checks still run on the
+    # lists); maxItems tells editors.
+    slices: list[SliceSpec] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_SLICES}, description=(
+        f"Declared slices (at most {MAX_SLICES})."))
+    variants: list[VariantSpec] = Field(min_length=1, json_schema_extra={"maxItems": MAX_VARIANTS}, description=(
+        f"Variants to build and validate (at most {MAX_VARIANTS})."))
+    gates: list[GateSpec] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_GATES}, description=(
         "Every gate must pass for promotion (a gate with insufficient data does not pass). While promotion is "
-        "enabled, every variant needs at least one parity gate (overall or per_slice)."))
+        f"enabled, every variant needs at least one parity gate (overall or per_slice). At most {MAX_GATES}."))
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec, description=(
         "Tail samples, worst-slice discovery and bootstrap settings."))
     benchmark: BenchmarkSpec = Field(default_factory=BenchmarkSpec, description="Latency measurement.")
@@ -1055,6 +1068,11 @@ class Spec(_Model):
         if info.context and info.context.get(SKIP_CROSS_FIELD):  # validate_spec's partial spec (errors known)
             return self
         errors: list[str] = []
+        for fld, n, most in (("variants", len(self.variants), MAX_VARIANTS), ("slices", len(self.slices), MAX_SLICES),
+                             ("gates", len(self.gates), MAX_GATES)):
+            if n > most:
+                errors.append(f"{fld}: {n} given, at most {most} are allowed (they bound one run's pods, MLflow "
+                              f"metrics and report); split the spec into several specs")
         names = [v.name for v in self.variants]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
