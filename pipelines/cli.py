@@ -172,6 +172,15 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     uri = redact_uri(tracking_uri_for(s))
     console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")
     console.print(f"report: report.html of the parent run, or `tailguard report {summary.parent_run_id} -o FILE`")
+    for e in summary.target_aliases:  # serving targets: one alias per target, moved before the default one
+        if e["outcome"] == "promoted":
+            console.print(f"[green]promoted[/green] {summary.optimized_model} v{e['version']} ({e['variant']}) as "
+                          f"@{e['alias']} (fastest passing on target {e['target']})")
+        else:
+            where = f"v{e['alias_version']}" if e.get("alias_version") else "nowhere"
+            why = "superseded by a concurrent run" if e["outcome"] == "superseded" else \
+                f"no variant passed on target {e['target']}"
+            console.print(f"@{e['alias']} stays at {where}: {why}")
     if summary.promoted_version:
         console.print(f"[green]promoted[/green] {summary.optimized_model} v{summary.promoted_version} "
                       f"({summary.promoted_variant}) as @{summary.alias}")
@@ -182,6 +191,10 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
                       "stays")
         raise typer.Exit(EXIT_OK)
     if not summary.any_passed:
+        if summary.serving_targets:
+            err_console.print(f"[red]no variant passed every gate on every serving target[/red]: @{summary.alias} "
+                              "did not move (reasons in the table)")
+            raise typer.Exit(EXIT_NO_PASSING_VARIANT)
         err_console.print("[red]no variant passed every gate[/red]: no alias moved (reasons in the table)")
         raise typer.Exit(EXIT_NO_PASSING_VARIANT)
     console.print("promotion is off: variants registered, no alias moved")
