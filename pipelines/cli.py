@@ -441,7 +441,14 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                   auth_token_file: Optional[Path] = typer.Option(None, "--auth-token-file", help=(
                       "File holding the bearer token every endpoint but /healthz requires (a mounted Secret; "
                       "overrides monitoring.auth_token_file / auth_token_env; docs/deploy.md, Monitor trust "
-                      "model)."))) -> None:
+                      "model).")),
+                  candidate_version: Optional[str] = typer.Option(None, "--candidate-version", help=(
+                      "The candidate's registry version (NAME@ALIAS, NAME/VERSION or models:/...): at start the "
+                      "monitor compares its node with the nodes that version was validated on (tag "
+                      "tailguard.validated_on); a mismatch shows in /readyz node_mismatch and the "
+                      "tailguard_monitor_node_mismatch gauge (docs/deploy.md).")),
+                  tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help=(
+                      "MLflow registry for --candidate-version (default: $MLFLOW_TRACKING_URI)."))) -> None:
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
@@ -452,7 +459,8 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
 
         err_console.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
-          poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file)
+          poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
+          candidate_version=candidate_version, tracking_uri=tracking_uri)
 
 
 # ------------------------------------------------------------------------------------------- trigger

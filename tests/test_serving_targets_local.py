@@ -176,7 +176,8 @@ def test_run_skips_a_target_this_node_does_not_match_and_moves_only_the_matching
     have = aliases(env)
     assert "staging" not in have and "staging-elsewhere" not in have
     by_alias = {e["alias"]: e for e in summary["target_aliases"]}
-    assert by_alias["staging-elsewhere"]["outcome"] == "not_promoted" and by_alias["staging-elsewhere"]["variant"] is None
+    assert by_alias["staging-elsewhere"]["outcome"] == "not_promoted"
+    assert by_alias["staging-elsewhere"]["variant"] is None
     assert by_alias["staging-here"]["outcome"] == "promoted"
     assert have["staging-here"] == by_alias["staging-here"]["version"]
     assert "staging-elsewhere stays at nowhere" in r.stdout
