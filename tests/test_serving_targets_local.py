@@ -134,6 +134,10 @@ def test_run_validates_each_variant_on_each_target_and_moves_per_target_aliases_
     assert sorted((c.data.tags["tailguard.variant"], c.data.tags["tailguard.target"]) for c in children) == \
         sorted((v, t) for v in VARIANTS for t in ("here", "anywhere"))
     assert {c.data.tags["tailguard.target_placement"] for c in children} == {"this_node"}
+    parent = client.get_run(summary["parent_run_id"])
+    assert "tailguard.report_error" not in parent.data.tags  # the run report reads the per-target summary
+    assert json.loads(parent.data.tags["tailguard.target_aliases"]) == {
+        e["alias"]: e["alias_version"] for e in summary["target_aliases"]}
 
     # each target's alias: the fastest variant passing on that target (its p50 there); the default alias: the
     # fastest passing on every target (p50 of its slowest target); all three moved by this run

@@ -481,14 +481,16 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             row.warnings += numerics_warnings(v, r.hardware_dependent, r.numerics)
         return row
 
-    def add_row(name: str, v: Any, run: Any) -> None:
+    def add_row(name: str, v: Any, run: Any, node_tags: dict[str, str] | None = None) -> None:
+        """The row of candidate `name` from its run; `node_tags`: the run whose tailguard.hw.* tags name the node
+        it was validated on (default `run`; a '<V>-searched' run is the search's, on V's node)."""
         run_id = run.info.run_id
         r = result_of(name, run)
         if isinstance(r, str):  # no result to trust: failed, not registered (a died task never passes)
             summary.variants.append(VariantSummary(name, v.backend, v.precision, "failed", reason=r, run_id=run_id))
             return
         row = row_of(name, v, r, run_id)
-        nodes[name] = validated_on(row, run.data.tags)
+        nodes[name] = validated_on(row, node_tags if node_tags is not None else run.data.tags)
         if row.status == "ok" and r.model_uri:
             built.append((row, r, v, run_id))  # registered after the selection (registration policy)
         summary.variants.append(row)
@@ -548,7 +550,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             continue
         searched = by_variant.get(searched_name(v.name))
         if searched is not None and searched.data.tags.get(SEARCH_OF_TAG) == v.name:
-            add_row(searched_name(v.name), v, searched)
+            add_row(searched_name(v.name), v, searched, node_tags=run.data.tags)  # the search ran on V's node
         found = _search_json(client, run.info.run_id)
         if found is not None:
             summary.searches.append(found)
