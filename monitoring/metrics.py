@@ -169,10 +169,10 @@ class MonitorMetrics:
         self.peer_errors = Counter(p + "peer_errors", "Evidence documents from a peer not merged (or, "
                                    "epoch_flip, merged but served by several processes), by reason "
                                    "(monitoring/combine.py PeerError).", ["peer", "reason"], registry=r)
-        self.node_mismatch = Gauge(p + "node_mismatch", "1 when this node's kernel facts (ISA flags, GPU compute "
-                                   "capabilities) match none of the nodes the candidate passed its gates on "
-                                   "(monitoring/node_check.py): recomputed candidate outputs are another kind of "
-                                   "node's; 0 otherwise.", ["model"], registry=r)
+        self.node_mismatch = Gauge(p + "node_mismatch", "1 when the candidate outputs this monitor recomputes are "
+                                   "not computed as on any node the candidate passed its gates on (other ISA flags, "
+                                   "or another execution provider; monitoring/node_check.py); 0 otherwise.",
+                                   ["model"], registry=r)
         self.candidate_source = Counter(p + "candidate_source", "Compared requests by where the candidate's output "
                                         "came from: live (the served response), recomputed (by the monitor), "
                                         "recomputed_other_node (by the monitor, on a node unlike the validated ones).",

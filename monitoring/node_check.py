@@ -5,9 +5,11 @@ so the candidate outputs the monitor recomputes on the mirror path (`/infer`, gR
 node's only when the monitor's node picks the same kernels. At start the monitor reads the registry version of its
 candidate (`monitor serve --candidate-version NAME@ALIAS`), whose `tailguard.validated_on` tag lists the nodes the
 register step recorded for each serving target (or the build node): target, status, passed, placement, cpu, isa,
-gpu. This node matches when its kernel facts (`tailguard.core.hardware.KERNEL_FACTS`: the ISA flags that choose
-ONNX Runtime's kernels and the GPUs' compute capabilities; not the CPU model name) equal those of a node the
-variant passed on. On a mismatch the monitor stays ready, and says so: /readyz `node_mismatch`, the gauge
+gpu. The monitor recomputes the candidate with ONNX Runtime's CPU execution provider (`OrtRunner`'s default), so:
+for a version whose `tailguard.execution_provider` is the CPU's, this node matches when its ISA flags (the ones
+that choose ONNX Runtime's CPU kernels, `tailguard.core.hardware.KERNEL_ISA_FLAGS`; not the CPU model name, not a
+GPU, which a CPU kernel does not use) equal those of a node the variant passed on; a version validated on another
+execution provider (CUDA, TensorRT) is never recomputed the way it serves: a mismatch in `execution_provider`. On a mismatch the monitor stays ready, and says so: /readyz `node_mismatch`, the gauge
 `tailguard_monitor_node_mismatch`, `candidate_source="recomputed_other_node"` on the compared-request counter and on
 sampled-pair records, and the differing facts on every alert record. The live responses of the payload-logger and
 pairs paths are the serving node's own and are never marked.
@@ -21,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from tailguard.core.contract import VALIDATED_ON_TAG
+from tailguard.core.contract import EXECUTION_PROVIDER_TAG, VALIDATED_ON_TAG
 from tailguard.core.errors import InputError
 from tailguard.core.hardware import fact_differences, kernel_facts, node_facts
 
@@ -29,7 +31,7 @@ from tailguard.core.hardware import fact_differences, kernel_facts, node_facts
 class NodeCheckStatus(str, Enum):
     """Outcome of the monitor's node check (`NodeCheck.status`)."""
 
-    MATCHED = "matched"              # this node has the kernel facts of a node the variant passed on
+    MATCHED = "matched"              # this node computes the candidate as a node the variant passed on
     MISMATCH = "mismatch"            # it matches none of them: recomputed candidate outputs are another node's
     UNKNOWN = "unknown"              # the registry could not be read, or holds no usable record (the reason says)
     NOT_CONFIGURED = "not_configured"  # no --candidate-version: nothing to compare with
@@ -93,7 +95,11 @@ def parse_validated_on(text: str, *, source: str = VALIDATED_ON_TAG) -> list[dic
     return entries
 
 
-def check_node(node: dict[str, str], entries: list[dict[str, Any]], *, version: str | None = None) -> NodeCheck:
+CPU_PROVIDER = "CPUExecutionProvider"  # what the monitor recomputes the candidate with (OrtRunner's default)
+
+
+def check_node(node: dict[str, str], entries: list[dict[str, Any]], *, version: str | None = None,
+               execution_provider: str | None = None) -> NodeCheck:
     """Compare this node's kernel facts with the nodes a variant was validated on.
 
     Args:
@@ -101,10 +107,13 @@ def check_node(node: dict[str, str], entries: list[dict[str, Any]], *, version: 
         entries: `parse_validated_on` entries; only those that passed count (a node where the variant failed or
             was skipped validates nothing).
         version: the registry version they came from, for the record.
+        execution_provider: the version's `tailguard.execution_provider` (None: the CPU's). The monitor recomputes
+            on the CPU, so for the CPU's the ISA flags are compared (`fact_differences(..., compare=("isa",))`);
+            for another one the recomputation never matches the serving one.
 
     Returns:
-        MATCHED when a passing entry has no `fact_differences` with `node`; MISMATCH (with the differences against
-        the closest passing entry) when every one differs; UNKNOWN when none passed or there are no entries.
+        MATCHED when a passing entry has no differences with `node`; MISMATCH (with the differences against the
+        closest passing entry) when every one differs; UNKNOWN when none passed or there are no entries.
     """
     passing = [e for e in entries if e.get("passed")]
     validated = [{k: e.get(k) for k in ("target", "isa", "gpu", "cpu", "placement")} for e in passing]
@@ -114,12 +123,21 @@ def check_node(node: dict[str, str], entries: list[dict[str, Any]], *, version: 
     if not passing:
         return NodeCheck(NodeCheckStatus.UNKNOWN.value, node, version=version, reason=(
             f"the version passed its gates on none of its {len(entries)} recorded node(s)"))
-    diffs = [(e, fact_differences(node, {"isa": str(e.get("isa", "unknown")), "gpu": str(e.get("gpu", "none"))}))
+    provider = execution_provider or CPU_PROVIDER
+    if provider != CPU_PROVIDER:
+        closest = passing[0]
+        return NodeCheck(NodeCheckStatus.MISMATCH.value, node, closest=_name(closest), validated=validated,
+                         version=version, differences={"execution_provider": {
+                             "node": f"{CPU_PROVIDER} (the monitor recomputes on the CPU)", "validated": provider}},
+                         reason=(f"the version was validated on {provider}; the monitor recomputes the candidate on "
+                                 "the CPU, so its recomputed outputs are never the serving node's"))
+    diffs = [(e, fact_differences(node, {"isa": str(e.get("isa", "unknown")), "gpu": str(e.get("gpu", "none"))},
+                                  compare=("isa",)))
              for e in passing]
     for e, d in diffs:
         if not d:
             return NodeCheck(NodeCheckStatus.MATCHED.value, node, matched=_name(e), validated=validated,
-                             version=version, reason=f"this node has the kernel facts of {_name(e)}")
+                             version=version, reason=f"this node has the ISA flags of {_name(e)}")
     closest, d = min(diffs, key=lambda x: len(x[1]))
     return NodeCheck(NodeCheckStatus.MISMATCH.value, node, closest=_name(closest), differences=d,
                      validated=validated, version=version, reason=(
@@ -131,15 +149,16 @@ _VERSION = re.compile(r"^(?P<name>.+)/(?P<version>\d+)$")
 _ALIAS = re.compile(r"^(?P<name>.+)@(?P<alias>[\w\-]+)$")
 
 
-def read_validated_on(ref: str, tracking_uri: str | None = None) -> tuple[str, list[dict[str, Any]]]:
-    """The `tailguard.validated_on` entries of the registry version `ref`.
+def read_validated_on(ref: str, tracking_uri: str | None = None) -> tuple[str, list[dict[str, Any]], str | None]:
+    """The `tailguard.validated_on` entries of the registry version `ref`, and its execution provider.
 
     Args:
         ref: NAME@ALIAS or NAME/VERSION, optionally as a models:/ URI (the init container's CANDIDATE_MODEL_URI).
         tracking_uri: the MLflow registry (None: $MLFLOW_TRACKING_URI, MLflow's default).
 
     Returns:
-        ("name/version", entries); entries [] when the version has no tag.
+        ("name/version", entries, the version's `tailguard.execution_provider` or None); entries [] when the
+        version has no tag.
 
     Raises:
         InputError: `ref` is neither form; no such model, alias or version; an unreadable tag.
@@ -161,8 +180,10 @@ def read_validated_on(ref: str, tracking_uri: str | None = None) -> tuple[str, l
         raise InputError(f"--candidate-version: {ref!r}: {str(exc).splitlines()[0]}",
                          hint="name a registered version of the candidate (the alias it was fetched by)") from None
     where = f"{mv.name}/{mv.version}"
-    tag = (mv.tags or {}).get(VALIDATED_ON_TAG)
-    return where, parse_validated_on(tag, source=f"{where} tag {VALIDATED_ON_TAG}") if tag else []
+    tags = mv.tags or {}
+    tag = tags.get(VALIDATED_ON_TAG)
+    entries = parse_validated_on(tag, source=f"{where} tag {VALIDATED_ON_TAG}") if tag else []
+    return where, entries, tags.get(EXECUTION_PROVIDER_TAG) or None
 
 
 def run_node_check(ref: str | None, tracking_uri: str | None = None, *,
@@ -175,10 +196,10 @@ def run_node_check(ref: str | None, tracking_uri: str | None = None, *,
         return NodeCheck(NodeCheckStatus.NOT_CONFIGURED.value, here, reason=(
             "no --candidate-version: the nodes the candidate was validated on are unknown to this monitor"))
     try:
-        version, entries = read_validated_on(ref, tracking_uri)
+        version, entries, provider = read_validated_on(ref, tracking_uri)
     except InputError as exc:
         return NodeCheck(NodeCheckStatus.UNKNOWN.value, here, reason=exc.message)
     except Exception as exc:  # noqa: BLE001 - an unreachable registry must not stop the monitor
         return NodeCheck(NodeCheckStatus.UNKNOWN.value, here,
                          reason=f"the registry could not be read: {type(exc).__name__}: {str(exc)[:300]}")
-    return check_node(here, entries, version=version)
+    return check_node(here, entries, version=version, execution_provider=provider)

@@ -58,9 +58,10 @@ def registry(tmp_path):
     client = mlflow.MlflowClient(uri, uri)
     client.create_registered_model(MODEL)
 
-    def put(entries, alias="production"):
+    def put(entries, alias="production", provider="CPUExecutionProvider"):
         mv = client.create_model_version(MODEL, source=str(tmp_path), tags={
-            "tailguard.validated_on": json.dumps(entries) if entries is not None else ""})
+            "tailguard.validated_on": json.dumps(entries) if entries is not None else "",
+            "tailguard.execution_provider": provider})
         client.set_registered_model_alias(MODEL, alias, mv.version)
         return mv.version
 
@@ -81,8 +82,9 @@ def value(svc, name, **labels):
 
 
 # ---------------------------------------------------------------------------------------------- check_node
-def test_check_node_matches_a_passing_node_with_the_same_isa_and_gpus_when_only_the_cpu_name_differs():
-    node = {"cpu": "Intel(R) Xeon(R) Platinum 8481C", "isa": "avx2 fma f16c avx512f avx512_vnni", "gpu": "none"}
+def test_check_node_matches_a_passing_node_with_the_same_isa_when_the_cpu_name_or_a_gpu_differs():
+    # the monitor recomputes on the CPU: the CPU kernels are chosen by the ISA flags, not the model name or a GPU
+    node = {"cpu": "Intel(R) Xeon(R) Platinum 8481C", "isa": "avx2 fma f16c avx512f avx512_vnni", "gpu": "sm9.0"}
     check = check_node(node, [entry("avx2", "avx2 fma f16c"), entry("vnni", "avx512_vnni avx512f avx2 fma f16c")])
     assert check.status == NodeCheckStatus.MATCHED.value and check.matched == "vnni" and not check.mismatch
 
@@ -90,12 +92,17 @@ def test_check_node_matches_a_passing_node_with_the_same_isa_and_gpus_when_only_
 def test_check_node_names_the_differing_facts_of_the_closest_node_when_none_matches():
     node = {"cpu": "AMD EPYC 7B13", "isa": "avx2 fma f16c", "gpu": "none"}
     check = check_node(node, [entry("vnni", "avx2 fma f16c avx512f avx512_vnni"),
-                              entry("l4", "avx2 fma f16c", gpu="sm8.9"),
                               entry("avx2", "avx2 fma f16c", passed=False)])  # failed there: validates nothing
-    assert check.mismatch and check.closest in ("vnni", "l4")
-    assert check.differences in ({"isa": {"node": "avx2 fma f16c", "validated": "avx2 fma f16c avx512f avx512_vnni"}},
-                                 {"gpu": {"node": "none", "validated": "sm8.9"}})
-    assert [v["target"] for v in check.validated] == ["vnni", "l4"]
+    assert check.mismatch and check.closest == "vnni"
+    assert check.differences == {"isa": {"node": "avx2 fma f16c", "validated": "avx2 fma f16c avx512f avx512_vnni"}}
+    assert [v["target"] for v in check.validated] == ["vnni"]
+
+
+def test_check_node_mismatches_on_the_execution_provider_when_the_version_was_validated_on_a_gpu():
+    node = {"cpu": "AMD EPYC 7B13", "isa": "avx2 fma f16c", "gpu": "sm8.9"}
+    check = check_node(node, [entry("l4", "avx2 fma f16c", gpu="sm8.9")], execution_provider="CUDAExecutionProvider")
+    assert check.mismatch and set(check.differences) == {"execution_provider"}
+    assert check.differences["execution_provider"]["validated"] == "CUDAExecutionProvider"
 
 
 def test_check_node_is_unknown_not_matched_when_the_version_records_no_passing_node():
@@ -109,10 +116,17 @@ def test_check_node_is_unknown_not_matched_when_the_version_records_no_passing_n
 def test_run_node_check_reads_the_versions_validated_nodes_from_the_registry_when_given_an_alias(registry):
     uri, put = registry
     v = put([entry(None, here()["isa"], gpu=here()["gpu"])])
-    where, entries = read_validated_on(f"models:/{MODEL}@production", uri)
-    assert where == f"{MODEL}/{v}" and entries[0]["target"] is None
+    where, entries, provider = read_validated_on(f"models:/{MODEL}@production", uri)
+    assert where == f"{MODEL}/{v}" and entries[0]["target"] is None and provider == "CPUExecutionProvider"
     check = run_node_check(f"{MODEL}/{v}", uri)
     assert check.status == "matched" and check.matched == "build node" and check.version == f"{MODEL}/{v}"
+
+
+def test_run_node_check_mismatches_when_the_registered_version_runs_on_another_execution_provider(registry):
+    uri, put = registry
+    put([entry("l4", here()["isa"], gpu="sm8.9")], alias="gpu", provider="CUDAExecutionProvider")
+    check = run_node_check(f"{MODEL}@gpu", uri)
+    assert check.mismatch and check.differences["execution_provider"]["validated"] == "CUDAExecutionProvider"
 
 
 @pytest.mark.parametrize("ref, words", [(f"{MODEL}@nope", "nope"), ("no-version-here", "neither an alias"),

@@ -219,8 +219,9 @@ def gpu_capabilities(tag_value: str) -> str:
     return " ".join(c for c in caps if c.startswith("sm")) or "none"
 
 
-def fact_differences(node: dict[str, str], validated: dict[str, str]) -> dict[str, dict[str, str]]:
-    """The KERNEL_FACTS in which `node` differs from `validated` (both in `kernel_facts` form).
+def fact_differences(node: dict[str, str], validated: dict[str, str],
+                     compare: tuple[str, ...] = KERNEL_FACTS) -> dict[str, dict[str, str]]:
+    """The KERNEL_FACTS in `compare` in which `node` differs from `validated` (both in `kernel_facts` form).
 
     ISA flags are compared as sets, GPUs as sets of compute capabilities (how many GPUs does not change a
     kernel); "unknown" flags on either side count as a difference (a node that cannot be described is not known to
@@ -231,9 +232,10 @@ def fact_differences(node: dict[str, str], validated: dict[str, str]) -> dict[st
     """
     out: dict[str, dict[str, str]] = {}
     n_isa, v_isa = node.get("isa", "unknown"), validated.get("isa", "unknown")
-    if "unknown" in (n_isa, v_isa) or set(n_isa.split()) - {"none"} != set(v_isa.split()) - {"none"}:
+    if "isa" in compare and ("unknown" in (n_isa, v_isa)
+                             or set(n_isa.split()) - {"none"} != set(v_isa.split()) - {"none"}):
         out["isa"] = {"node": n_isa, "validated": v_isa}
     n_gpu, v_gpu = node.get("gpu", "none"), validated.get("gpu", "none")
-    if set(n_gpu.split()) != set(v_gpu.split()):
+    if "gpu" in compare and set(n_gpu.split()) != set(v_gpu.split()):
         out["gpu"] = {"node": n_gpu, "validated": v_gpu}
     return out
