@@ -9,7 +9,9 @@ gpu. The monitor recomputes the candidate with ONNX Runtime's CPU execution prov
 for a version whose `tailguard.execution_provider` is the CPU's, this node matches when its ISA flags (the ones
 that choose ONNX Runtime's CPU kernels, `tailguard.core.hardware.KERNEL_ISA_FLAGS`; not the CPU model name, not a
 GPU, which a CPU kernel does not use) equal those of a node the variant passed on; a version validated on another
-execution provider (CUDA, TensorRT) is never recomputed the way it serves: a mismatch in `execution_provider`. On a mismatch the monitor stays ready, and says so: /readyz `node_mismatch`, the gauge
+execution provider (CUDA, TensorRT) is never recomputed the way it serves: a mismatch in `execution_provider`.
+
+On a mismatch the monitor stays ready, and says so: /readyz `node_mismatch`, the gauge
 `tailguard_monitor_node_mismatch`, `candidate_source="recomputed_other_node"` on the compared-request counter and on
 sampled-pair records, and the differing facts on every alert record. The live responses of the payload-logger and
 pairs paths are the serving node's own and are never marked.
