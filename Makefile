@@ -81,7 +81,7 @@ clean:
 	rm -rf .tailguard .pytest_cache
 
 golden: $(VENV)
-	for s in minilm:examples/minilm/spec.yaml tiny:tests/data/tiny_spec.yaml; do \
+	for s in minilm:examples/minilm/spec.yaml tiny:tests/data/tiny_spec.yaml targets:tests/data/targets_spec.yaml; do \
 	  $(BIN)/tailguard compile $${s#*:} -o tests/golden/$${s%%:*}.pipeline.yaml && \
 	  sed -i 's|$(CURDIR)|@REPO@|g' tests/golden/$${s%%:*}.pipeline.yaml; done
 

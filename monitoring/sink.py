@@ -123,6 +123,8 @@ def redact_row(record: dict[str, Any], fields: Collection[str], rules: Sequence[
         "_tg_reference": np.asarray(record["reference"], dtype=np.float64).reshape(-1).tolist(),
         "_tg_candidate": np.asarray(record["candidate"], dtype=np.float64).reshape(-1).tolist(),
         "_tg_time": datetime.now(timezone.utc).isoformat(),
+        # live | recomputed | recomputed_other_node (monitoring/node_check.py); None when not recorded (replay)
+        "_tg_candidate_source": record.get("candidate_source"),
     })
     for m, v in record.get("metrics", {}).items():
         row[f"_tg_metric_{m}"] = float(v)

@@ -181,6 +181,10 @@ def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates
         assert len(v.tags["tailguard.sha256"]) == 64 and v.tags["tailguard.source_version"] == "1"
         assert v.tags["tailguard.gates"] == "passed"
         assert v.tags["tailguard.spec_sha256"] == parent.data.tags["tailguard.spec_sha256"] != ""
+        # where it was validated (no serving targets: the build node), for the monitor's node check
+        [node] = json.loads(v.tags["tailguard.validated_on"])
+        assert node["target"] is None and node["placement"] == "build_node" and node["passed"]
+        assert node["isa"] == fp32.data.tags["tailguard.hw.isa"]
     assert alias_version(env) == promoted[0]["version"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -12,9 +13,10 @@ import numpy as np
 
 from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG,
                                      MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG,
-                                     VALIDATION_RESULT_FILE, VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG,
-                                     gate_name_tag, gate_tag)
+                                     TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
+                                     VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
 from tailguard.core.results import StepResult, VariantResult
+from tailguard.core.spec import target_task_name
 from tailguard.core.taskio import task_entry, write_json
 
 
@@ -57,8 +59,14 @@ def parse_baselines(baselines_json: str) -> dict[str, Any]:
 @task_entry("validate")
 def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: str, parent_run_id: str,
          tracking_uri: str, variant_dir: str, reference_dir: str, metrics: Any = None,
-         report_path: str | None = None, reference_model_dir: str | None = None) -> str:
+         report_path: str | None = None, reference_model_dir: str | None = None, target_name: str = "",
+         placement: str = "") -> str:
     """Validate one built variant and log its nested MLflow run (also for skipped/failed builds).
+
+    With `target_name` (spec `serving_targets`) the run is the variant's validation on that serving target: tagged
+    tailguard.target, tailguard.target_placement (`placement`: node_pool on a cluster, this_node in a local run)
+    and tailguard.target_check, and a node that does not match the target's `expect` (`target_check`) validates
+    nothing: the run and its variant_result.json say skipped, with the differences as the reason, never passed.
 
     With `reference_model_dir` (the export step's folder holding the FP32 reference model.onnx) the FP32
     ONNX Runtime reference is timed in this process, interleaved with the variant in rounds on the same
@@ -89,11 +97,17 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     client = mlflow.MlflowClient()
     from tailguard.core.hardware import hardware_tags, node_facts
 
+    facts = node_facts()
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
             BACKEND_TAG: variant.backend, PRECISION_TAG: variant.precision,
             STATUS_TAG: build["status"], GATES_TAG: "not_evaluated",
-            **hardware_tags(node_facts())}  # tailguard.hw.*: the node that validates and times the variant
-    run = client.create_run(exp_id, run_name=variant.name, tags=tags)
+            **hardware_tags(facts)}  # tailguard.hw.*: the node that validates and times the variant
+    mismatch, run_name = [], variant.name
+    if target_name:
+        mismatch, target_tags = target_check(spec, target_name, facts, placement)
+        tags.update(target_tags)
+        run_name = target_task_name(variant.name, target_name).removeprefix("validate-")
+    run = client.create_run(exp_id, run_name=run_name, tags=tags)
     run_id = run.info.run_id
     client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in flat_params(variant).items()])
     summary: dict[str, Any] = {"variant": variant.name, "status": step.status, "reason": step.reason,
@@ -107,6 +121,14 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
         if step.status != "ok":
             client.set_tag(run_id, REASON_TAG, step.reason[:5000])
             log_variant_result(client, run_id, identity)
+            return json.dumps(summary, default=str)
+        if mismatch:  # not the node the target names: nothing validated here, so nothing can pass
+            reason = (f"not validated on serving target {target_name!r}: this node does not match its expect: "
+                      + "; ".join(mismatch))
+            client.set_tag(run_id, STATUS_TAG, "skipped")
+            client.set_tag(run_id, REASON_TAG, reason[:5000])
+            log_variant_result(client, run_id, dataclasses.replace(identity, status="skipped", reason=reason))
+            summary.update(status="skipped", reason=reason)
             return json.dumps(summary, default=str)
         try:
             summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
@@ -122,6 +144,37 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
             _log_failed_result(client, run_id, identity, f"validation raised {type(exc).__name__}: {exc}")
             raise
         return json.dumps(summary, default=str)
+
+
+def target_check(spec: Any, target_name: str, facts: dict[str, Any],
+                 placement: str) -> tuple[list[str], dict[str, str]]:
+    """This node against serving target `target_name`'s `expect` (tailguard.core.hardware.expect_mismatches).
+
+    Args:
+        spec: the Spec (its serving_targets).
+        target_name: a serving target's name.
+        facts: this node's `node_facts()`.
+        placement: node_pool | this_node ("" reads as this_node).
+
+    Returns:
+        (the differences, one line each, [] when the node matches; the run's target tags: TARGET_TAG,
+        TARGET_PLACEMENT_TAG, TARGET_CHECK_TAG = matched | mismatch | no_expect).
+
+    Raises:
+        InputError: no serving target of that name in the spec.
+    """
+    from tailguard.core.errors import InputError
+    from tailguard.core.hardware import expect_mismatches
+
+    target = next((t for t in spec.serving_targets if t.name == target_name), None)
+    if target is None:
+        raise InputError(f"serving target {target_name!r} is not in the spec's serving_targets "
+                         f"{[t.name for t in spec.serving_targets]}", hint="compile the pipeline from this spec again")
+    expect = target.expect.model_dump() if target.expect is not None else {}
+    mismatch = expect_mismatches(facts, **expect)
+    check = "mismatch" if mismatch else ("matched" if any(expect.values()) else "no_expect")
+    return mismatch, {TARGET_TAG: target.name, TARGET_PLACEMENT_TAG: placement or "this_node",
+                      TARGET_CHECK_TAG: check}
 
 
 def log_variant_result(client: Any, run_id: str, result: VariantResult) -> None:

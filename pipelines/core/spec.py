@@ -19,6 +19,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from tailguard.core import metrics as _metrics
 from tailguard.core.errors import FieldError, SpecError
+from tailguard.core.hardware import KERNEL_ISA_FLAGS
 
 API_VERSION = "tailguard/v1"
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # DNS-1123 label: usable as a KFP task name and a K8s name
@@ -729,6 +730,87 @@ class KubeflowSpec(_Model):
     experiment: str | None = Field(None, description="KFP experiment name.")
 
 
+def target_task_name(variant: str, target: str) -> str:
+    """The KFP task that validates `variant` on serving target `target`: 'validate-<variant>-on-<target>'."""
+    return f"validate-{variant}-on-{target}"
+
+
+def target_alias(alias: str, target: str) -> str:
+    """The registry alias of serving target `target`: '<promotion.alias>-<target>', e.g. 'production-avx512'."""
+    return f"{alias}-{target}"
+
+
+class AcceleratorSpec(_Model):
+    """The accelerator a serving target's nodes carry (KFP `set_accelerator_type` / `set_accelerator_limit`)."""
+
+    type: str = Field(description="Accelerator resource, e.g. nvidia.com/gpu (dsl set_accelerator_type value).")
+    count: int = Field(1, ge=1, description="Accelerators per validate task on this target.")
+
+
+class TargetExpect(_Model):
+    """What a serving target's nodes must be, checked against the facts of the node a validate task ran on
+    (tailguard.core.hardware.node_facts): a task on a node that does not match validates nothing and is marked
+    skipped with the differences as its reason, never passed (issue 23)."""
+
+    isa: list[str] = Field(default_factory=list, description=(
+        "ISA flags the node's CPU must have, as /proc/cpuinfo spells them (one of " + ", ".join(KERNEL_ISA_FLAGS)
+        + "), e.g. [avx512_vnni] for a pool of VNNI CPUs."))
+    absent_isa: list[str] = Field(default_factory=list, description=(
+        "ISA flags the node's CPU must not have, e.g. [avx512_vnni, avx_vnni] for a pool of AVX2-only CPUs (whose "
+        "u8 x s8 INT8 kernel differs from a VNNI CPU's)."))
+    compute_capability: list[str] = Field(default_factory=list, description=(
+        "GPU compute capabilities allowed, e.g. ['8.9'] (L4) or ['9.0'] (H100): the node needs a visible GPU and "
+        "every visible GPU must have one of them."))
+
+    @field_validator("isa", "absent_isa")
+    @classmethod
+    def _known_flags(cls, v: list[str]) -> list[str]:
+        unknown = [f for f in v if f not in KERNEL_ISA_FLAGS]
+        if unknown:
+            raise ValueError(f"unknown ISA flag(s) {unknown}: name flags that change kernels, one of "
+                             f"{list(KERNEL_ISA_FLAGS)}")
+        return v
+
+    @field_validator("compute_capability")
+    @classmethod
+    def _capability_form(cls, v: list[str]) -> list[str]:
+        bad = [c for c in v if not re.fullmatch(r"\d+\.\d+", str(c))]
+        if bad:
+            raise ValueError(f"compute capabilities are written major.minor, e.g. '8.9'; got {bad}")
+        return v
+
+
+class ServingTarget(_Model):
+    """A node pool a variant will serve on (issue 23). With `serving_targets`, the validate step of each variant
+    runs once per target that serves it, on that pool (`tailguard compile`), the gates hold per target and
+    promotion moves `<promotion.alias>-<name>` to the fastest variant passing there (docs/spec.md, Serving
+    targets)."""
+
+    name: str = Field(pattern=NAME_RE, description=(
+        "DNS-1123 name: part of the validate task's name (validate-<variant>-on-<name>) and of the per-target "
+        "alias (<promotion.alias>-<name>, e.g. production-avx512)."))
+    node_selector: dict[str, str] = Field(default_factory=dict, description=(
+        "Node labels of the pool (kfp-kubernetes add_node_selector), e.g. {node.kubernetes.io/instance-type: "
+        "c7i.2xlarge}."))
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations for the pool's taints.")
+    accelerator: AcceleratorSpec | None = Field(None, description=(
+        "The pool's accelerator. A target with one serves the GPU variants (TensorRT, a CUDA/TensorRT execution "
+        "provider, `gpu: true`); a target without one serves the CPU variants."))
+    expect: TargetExpect | None = Field(None, description=(
+        "What the pool's nodes must be (ISA flags, compute capability), checked on the node each validate task "
+        "ran on; a node that differs validates nothing (skipped, with the differences), never passes."))
+
+    @property
+    def gpu(self) -> bool:
+        """True when the target carries an accelerator (it serves the GPU variants)."""
+        return self.accelerator is not None
+
+    def serves(self, variant: "VariantSpec") -> bool:
+        """Whether `variant` serves on this target: GPU variants on targets with an accelerator, CPU variants on
+        targets without one."""
+        return variant.needs_gpu == self.gpu
+
+
 # Per-row parity metrics (tailguard.core.parity) the shadow monitor can track and alert on (metric catalogue).
 MONITOR_METRICS: tuple[str, ...] = tuple(r.key for r in _metrics.ROW_METRICS if r.monitored)
 
@@ -1062,6 +1144,12 @@ class Spec(_Model):
     mlflow: MlflowSpec = Field(default_factory=MlflowSpec, description="MLflow tracking/registry location.")
     kubeflow: KubeflowSpec = Field(default_factory=KubeflowSpec, description="Cluster settings.")
     monitoring: MonitoringSpec | None = Field(None, description="Shadow-traffic monitor settings.")
+    serving_targets: list[ServingTarget] = Field(default_factory=list, description=(
+        "Node pools the variants will serve on. Empty (default): each variant is validated once, on the node that "
+        "builds it. Given: the validate step of each variant runs once per target that serves it, the gates hold "
+        "per target, `<promotion.alias>-<target>` moves to the fastest variant passing on that target and "
+        "`promotion.alias` to the fastest one passing on every target that serves it (docs/spec.md, Serving "
+        "targets)."))
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> "Spec":
@@ -1134,6 +1222,7 @@ class Spec(_Model):
                               f"for them, e.g. {example}, or set promotion: {{enabled: false}}")
         if self.monitoring is not None:
             errors.extend(f"{e.loc}: {e.message}" for e in self.monitoring.task_problems(self.model.task))
+        errors.extend(self._target_errors())
         pb = self.promotion.batch_size
         if pb is not None and pb not in self.benchmark.batch_sizes:
             errors.append(f"promotion.batch_size: {pb} is not in benchmark.batch_sizes")
@@ -1143,6 +1232,44 @@ class Spec(_Model):
             # one "<field path>: <problem>" per line; `_field_errors` splits them (a problem may hold "; ")
             raise ValueError(CROSS_FIELD_SEP.join(errors))
         return self
+
+    def _target_errors(self) -> list[str]:
+        """Cross-field problems of `serving_targets` ("<field path>: <problem>" lines)."""
+        if not self.serving_targets:
+            return []
+        errors: list[str] = []
+        names = [t.name for t in self.serving_targets]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            errors.append(f"serving_targets: duplicate target names {dup}")
+        tasks: dict[str, tuple[str, str]] = {}
+        for i, v in enumerate(self.variants):
+            mine = self.targets_for(v)
+            if not mine:
+                kind = "GPU" if v.needs_gpu else "CPU"
+                errors.append(f"variants.{i}: {kind} variant {v.name!r} serves on no target: a {kind} variant is "
+                              f"validated on the serving_targets {'with' if v.needs_gpu else 'without'} an "
+                              f"accelerator; add such a target or remove the variant")
+            if v.search is not None:
+                errors.append(f"variants.{i}.search: a search is not combined with serving_targets yet (its "
+                              "trials would be timed and judged on one pool only); remove the search or the "
+                              "targets")
+            for t in mine:
+                task = target_task_name(v.name, t.name)
+                if len(task) > 63:
+                    errors.append(f"serving_targets: the task name {task!r} is {len(task)} characters, over the "
+                                  "63 of a DNS-1123 label; shorten the variant or target name")
+                elif task in tasks:
+                    errors.append(f"serving_targets: variant {v.name!r} on target {t.name!r} and variant "
+                                  f"{tasks[task][0]!r} on target {tasks[task][1]!r} give the same task name "
+                                  f"{task!r}; rename one")
+                tasks[task] = (v.name, t.name)
+        return errors
+
+    def targets_for(self, variant: VariantSpec) -> list[ServingTarget]:
+        """The serving targets `variant` is validated on, in spec order (`ServingTarget.serves`); [] without
+        serving_targets."""
+        return [t for t in self.serving_targets if t.serves(variant)]
 
     @property
     def optimized_model_name(self) -> str:
@@ -1354,9 +1481,19 @@ def resolve_data_uris(spec: Spec, spec_path: str | Path) -> None:
             ds.uri = str((base / ds.uri).resolve())
 
 
+# Top-level keys added after the first release that `dump_spec` leaves out while they hold their default: the text
+# tasks receive, and so the compiled IR and KFP's cache keys, stay the same for specs that do not use them.
+OMITTED_WHEN_DEFAULT: dict[str, Any] = {"serving_targets": []}
+
+
 def dump_spec(spec: Spec) -> str:
-    """YAML text of a spec (what KFP tasks receive as the `spec_yaml` parameter)."""
-    return yaml.safe_dump(spec.model_dump(mode="json", exclude_none=False), sort_keys=False)
+    """YAML text of a spec (what KFP tasks receive as the `spec_yaml` parameter); the OMITTED_WHEN_DEFAULT keys
+    only when they differ from their default."""
+    doc = spec.model_dump(mode="json", exclude_none=False)
+    for key, default in OMITTED_WHEN_DEFAULT.items():
+        if doc.get(key) == default:
+            doc.pop(key, None)
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def spec_from_yaml(text: str) -> Spec:
