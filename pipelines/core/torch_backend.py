@@ -16,8 +16,8 @@ What a torch variant is, per `compile` mode (the spec's `variants[].compile`):
                   Ahead-Of-Time Compilation for Torch.Export-ed Models"). PyTorch's counterpart of a TensorRT plan.
 
 Every artefact gets a manifest (`tailguard.core.artifacts`, the seam TensorRT engines use too) whose fingerprint is
-the torch version, the device kind, the GPU's name, compute capability and CUDA version (CUDA) or the CPU model and
-kernel ISA flags (CPU), and the sha256 of the build settings and of the source model. `TorchVariantRunner` checks it
+the torch version, the device kind, for an AOTInductor package also the GPU's name, compute capability and CUDA
+version (CUDA) or the CPU's kernel ISA flags (CPU), and the sha256 of the build settings and of the source model. `TorchVariantRunner` checks it
 before loading: a package built for another GPU, CPU or torch version is refused with the fields that differ.
 
 Dynamic shapes: every named axis of the spec's `model.inputs` (e.g. [batch, sequence]) is exported as a dynamic
@@ -194,23 +194,29 @@ def unavailable_reason(config: TorchBuildConfig, *, cpu_isa: Sequence[str] | Non
 
 
 def node_fingerprint(config: TorchBuildConfig) -> dict[str, str]:
-    """What an artefact built here for `config.device` is bound to, without the build hashes.
+    """What an artefact built here for `config` is bound to, without the build hashes.
+
+    Every artefact is bound to the torch version (the `torch.export` archive format and the ATen ops it names) and
+    the device kind. An AOTInductor package holds machine code, so it is also bound to the GPU (name, compute
+    capability, CUDA version) or to the CPU's kernel ISA flags (inductor's C++ uses the vector ISA it finds); an
+    exported program (eager, inductor) is not: the same program.pt2 runs on any GPU or CPU of its device kind
+    (inductor compiles it where it is loaded).
 
     Returns:
-        {"torch_version", "device", "device_name", "compute_capability", "cuda_version", "cpu_isa"}: strings;
-        for CUDA the GPU's name ("NVIDIA H100 80GB HBM3"), compute capability ("9.0") and torch's CUDA version,
-        cpu_isa ""; for CPU the CPU model and its kernel ISA flags (space-separated), the GPU fields "".
+        {"torch_version", "device"} plus, for aot_inductor on CUDA, {"device_name" (e.g. "NVIDIA H100 80GB HBM3"),
+        "compute_capability" ("9.0"), "cuda_version"}, and on CPU {"cpu_isa" (space-separated kernel ISA flags)}.
     """
     torch = _torch()
+    out = {"torch_version": torch.__version__, "device": config.device}
+    if config.compile != "aot_inductor":
+        return out
     if config.device == "cuda":
         major, minor = torch.cuda.get_device_capability(0)
-        return {"torch_version": torch.__version__, "device": "cuda", "device_name": torch.cuda.get_device_name(0),
-                "compute_capability": f"{major}.{minor}", "cuda_version": str(torch.version.cuda), "cpu_isa": ""}
+        return {**out, "device_name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}",
+                "cuda_version": str(torch.version.cuda)}
     from tailguard.core.hardware import cpu_facts
 
-    cpu = cpu_facts()
-    return {"torch_version": torch.__version__, "device": "cpu", "device_name": str(cpu.get("model")),
-            "compute_capability": "", "cuda_version": "", "cpu_isa": " ".join(cpu.get("isa") or [])}
+    return {**out, "cpu_isa": " ".join(cpu_facts().get("isa") or [])}
 
 
 def fingerprint(config: TorchBuildConfig, source_sha256: str, input_signature: Sequence[Mapping[str, Any]]
