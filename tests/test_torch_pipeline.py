@@ -129,3 +129,16 @@ def test_torch_step_is_skipped_with_the_reason_when_the_reference_is_onnx(tmp_pa
                                        calibration=None, model=spec.model, source_sha256="0" * 64,
                                        reference_format="onnx")
     assert result.status == "skipped" and "reference is an ONNX model" in result.reason
+
+
+def test_torch_build_is_served_from_the_cache_when_rerun_with_only_a_gate_changed(run):
+    doc = yaml.safe_load(run["spec"].read_text())
+    doc["gates"] = [{"metric": "nn_top1_agreement", "min": 0.4}]
+    again = run["root"] / "spec-gate.yaml"
+    again.write_text(yaml.safe_dump(doc, sort_keys=False))
+    summary = run["root"] / "summary-gate.json"
+    proc = run["tailguard"]("run", again, "--summary-json", summary)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    tasks = {t["task"]: t for t in json.loads(summary.read_text())["tasks"]["tasks"]}
+    assert tasks["build-torch-eager-fp32"]["cached"] is True  # the exported program, not rebuilt
+    assert tasks["build-torch-aoti-fp16"]["cached"] is False  # a skipped build is never cached
