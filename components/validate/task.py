@@ -225,9 +225,12 @@ def torch_runner(spec: Any, variant: Any, model_file: Path, build: dict[str, Any
         raise VariantUnusable(str(exc)) from None
 
 
-def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict[str, Any] | None:
+def reference_runners(spec: Any, reference_model_dir: str | Path | None, *, beside_torch: bool = False
+                      ) -> dict[str, Any] | None:
     """The baselines timed interleaved with a variant: {"onnx_fp32": OrtRunner of the FP32 reference ONNX}, on
-    the CPU execution provider with the spec's threads as reference-pass times it; None without a folder.
+    the CPU execution provider with the spec's threads as reference-pass times it; None without a folder. Beside
+    a torch variant (`beside_torch`) the session never spin-waits (`OrtRunner(allow_spinning=False)`): its
+    spinning workers would slow the torch runs timed in the same rounds (measured: `OrtRunner`'s docstring).
 
     Raises:
         InputError: the folder has no model.onnx.
@@ -238,7 +241,8 @@ def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict
     from tailguard.core.runtime import OrtRunner
 
     return {"onnx_fp32": OrtRunner(Path(reference_model_dir) / ONNX_FILE,
-                                   intra_op_num_threads=spec.benchmark.intra_op_num_threads)}
+                                   intra_op_num_threads=spec.benchmark.intra_op_num_threads,
+                                   allow_spinning=not beside_torch)}
 
 
 def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
@@ -255,7 +259,7 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     else:
         runner = OrtRunner(model_file, providers=[variant.execution_provider],
                            intra_op_num_threads=spec.benchmark.intra_op_num_threads)
-    baseline_runners = reference_runners(spec, reference_model_dir)
+    baseline_runners = reference_runners(spec, reference_model_dir, beside_torch=variant.backend == "torch")
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
 
     def exact_runner() -> OrtRunner:  # the numerics check's second pass: exact integer accumulation

@@ -49,6 +49,12 @@ class OrtRunner:
             another runtime (torch eager in the reference pass), which otherwise waits on those spinning workers
             (issue 26: torch 2.9x slower on a 2-core node; components/reference/logic.py). Default False: ORT's own
             behaviour, what a server running one session gets.
+        allow_spinning: False sets `session.intra_op.allow_spinning` = "0" (kOrtSessionOptionsConfigAllowIntraOpSpinning):
+            the intra-op workers never spin-wait. For a session timed in rounds beside a torch runner: measured on a
+            2-core Xeon (2026-11-26, a 2-layer encoder, batch 1, 30 alternating runs, 3 repeats) torch took
+            6.6-7.5 ms per run beside a session with `stop_spinning_after_run` and 2.2-2.4 ms beside one without
+            spinning, while the session itself stayed at 0.42-0.50 ms either way; beside a session that had not run
+            yet (its workers spin from creation) torch took 100 ms.
         exact_int8_accumulation: set the session option `session.x64quantprecision` = "1"
             (kOrtSessionOptionsAvx2PrecisionMode in ORT's onnxruntime_session_options_config_keys.h): on x86
             CPUs without VNNI (SSE4.1/AVX2/AVX-512 without VNNI) the u8 x s8 integer GEMM kernels sum pairs of
@@ -63,7 +69,8 @@ class OrtRunner:
 
     def __init__(self, path: str | Path, *, providers: Sequence[str] = ("CPUExecutionProvider",),
                  intra_op_num_threads: int = 0, graph_optimization: str = "all",
-                 stop_spinning_after_run: bool = False, exact_int8_accumulation: bool = False) -> None:
+                 stop_spinning_after_run: bool = False, exact_int8_accumulation: bool = False,
+                 allow_spinning: bool = True) -> None:
         import onnxruntime as ort
 
         path = Path(path)
@@ -80,6 +87,8 @@ class OrtRunner:
         opts.log_severity_level = 3
         if stop_spinning_after_run:  # kOrtSessionOptionsConfigForceSpinningStop (session options config keys)
             opts.add_session_config_entry("session.force_spinning_stop", "1")
+        if not allow_spinning:  # kOrtSessionOptionsConfigAllowIntraOpSpinning (session options config keys)
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if exact_int8_accumulation:  # kOrtSessionOptionsAvx2PrecisionMode (session options config keys)
             opts.add_session_config_entry("session.x64quantprecision", "1")
         try:
