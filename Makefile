@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: wordnet-base (the demo's real text), prometheus (promtool for alert-rule tests).
 DEB_PACKAGES := wordnet-base prometheus
 
-.PHONY: demo test test-fast test-latest lock deb-deps tools benchmark schema golden manifests-spec clean
+.PHONY: demo test test-fast test-latest lock image-locks deb-deps tools benchmark schema golden manifests-spec clean
 
 # The lock: every package of tailguard[dev] (which includes [demo]) pinned with its sha256 hashes, for CPython 3.11
 # on linux x86_64 (torch==2.13.0 is the machine's CPU build, +cpu). `make lock` refreshes it; pyproject.toml keeps
@@ -34,6 +34,12 @@ lock:
 	# dev's self-reference (tailguard[demo]) comes out as an unhashable `tailguard @ file://` entry: drop it
 	sed -i '/^# WARNING: pip install will require the following package to be hashed/,/^    # via tailguard (pyproject.toml)$$/d' $(LOCK)
 	rm -rf .lock-venv
+	@echo "now: make image-locks (the images' hashed requirements follow the new lock)"
+
+# The container images' hashed requirement files (manifests/images/requirements-<image>.lock): each image's
+# dependency closure with the pins and sha256 hashes of $(LOCK). tests/test_images.py fails while they are stale.
+image-locks: $(VENV)
+	$(BIN)/python scripts/image_locks.py
 
 # The test suite on the newest releases the ranges in pyproject.toml allow, in a throwaway venv (not the lock):
 # run it before `make lock`, and when a dependency publishes a release, to learn of a break before users do.
@@ -75,7 +81,7 @@ clean:
 	rm -rf .tailguard .pytest_cache
 
 golden: $(VENV)
-	for s in minilm:examples/minilm/spec.yaml tiny:tests/data/tiny_spec.yaml; do \
+	for s in minilm:examples/minilm/spec.yaml tiny:tests/data/tiny_spec.yaml targets:tests/data/targets_spec.yaml; do \
 	  $(BIN)/tailguard compile $${s#*:} -o tests/golden/$${s%%:*}.pipeline.yaml && \
 	  sed -i 's|$(CURDIR)|@REPO@|g' tests/golden/$${s%%:*}.pipeline.yaml; done
 

@@ -67,6 +67,9 @@ class MonitorCore:
         self.compared_rows = 0
         self.compared_requests = 0
         self.labels_cut = 0
+        # fields added to every alert record when it is logged or read (`alerts`): the service's node check
+        # (monitoring/node_check.py) puts the node's mismatch there; None: nothing added
+        self.alert_notes: Callable[[], dict[str, Any]] | None = None
         if metrics is not None:
             metrics.attach(self.export)
 
@@ -85,7 +88,8 @@ class MonitorCore:
     def observe(self, keys: list[str], decision: Decision, reference: np.ndarray, candidate: np.ndarray | None, *,
                 request_index: int | None = None, request_id: str = "", meta: Mapping[str, Any] | None = None,
                 feeds: Mapping[str, np.ndarray] | None = None, now: datetime | None = None,
-                failure: str | None = None, values: Mapping[str, np.ndarray] | None = None) -> Evaluation:
+                failure: str | None = None, values: Mapping[str, np.ndarray] | None = None,
+                candidate_source: str | None = None) -> Evaluation:
         """Compare one sampled request's outputs row by row and update statistics and alerts (one bet per slice
         and metric on the request: monitoring/stats.py).
 
@@ -108,6 +112,8 @@ class MonitorCore:
                 or None.
             values: this request's rows of `compare_rows` computed for several requests at once (the shadow
                 worker's micro-batch), or None to compute them here.
+            candidate_source: where the candidate output came from (metrics.CANDIDATE_SOURCES: live | recomputed
+                | recomputed_other_node), copied to the sampled-pair records; None (replay): not recorded.
 
         Returns:
             The alerts fired/cleared.
@@ -145,7 +151,8 @@ class MonitorCore:
                        "reference": np.asarray(ref[i]),
                        "candidate": np.asarray(candidate[i]) if failure is None else None,  # type: ignore[index]
                        "metrics": {m: float(values[m][i]) for m in self.cfg.metrics},
-                       "non_finite_candidate": bool(values["non_finite"][i]), "candidate_failure": failure}
+                       "non_finite_candidate": bool(values["non_finite"][i]), "candidate_failure": failure,
+                       "candidate_source": candidate_source}
                 self.on_sample(rec)
         return ev
 
@@ -174,13 +181,14 @@ class MonitorCore:
         return ev
 
     def report(self, ev: Evaluation) -> None:
-        """Count and log fired / cleared alerts."""
+        """Count and log fired / cleared alerts (with `alert_notes`)."""
+        notes = self.alert_notes() if self.alert_notes is not None else {}
         for rec in ev.fired:
             if self.metrics is not None:
                 self.metrics.alerts.labels(rec.model, rec.slice, rec.metric).inc()
-            log.warning("alert fired: %s", json.dumps(rec.to_dict()))
+            log.warning("alert fired: %s", json.dumps({**rec.to_dict(), **notes}))
         for rec in ev.cleared:
-            log.info("alert cleared: %s", json.dumps(rec.to_dict()))
+            log.info("alert cleared: %s", json.dumps({**rec.to_dict(), **notes}))
 
     def export(self) -> SliceExport:
         """The bounded per-slice view Prometheus scrapes (`all`, alerting slices, the max_slices worst)."""
@@ -223,8 +231,9 @@ class MonitorCore:
 
     # ---------------------------------------------------------------------------------------- reports
     def alerts(self) -> list[dict[str, Any]]:
-        """Every alert fired so far (active or cleared), as dicts, in firing order."""
-        return [a.to_dict() for a in self.decider.history]
+        """Every alert fired so far (active or cleared), as dicts, in firing order, with `alert_notes`' fields."""
+        notes = self.alert_notes() if self.alert_notes is not None else {}
+        return [{**a.to_dict(), **notes} for a in self.decider.history]
 
     def slices(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
         """Per-slice statistics plus the sampler's view (traffic counts, frequencies), sorted by slice key.

@@ -37,7 +37,10 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_models_ready",
     "tailguard_monitor_s3_uploads_total",
     "tailguard_monitor_spool_bytes",
+    "tailguard_monitor_sink_parameters_dropped_total",
     "tailguard_monitor_peer_errors_total",
+    "tailguard_monitor_node_mismatch",
+    "tailguard_monitor_candidate_source_total",
 )
 DROP_REASONS = ("queue_full", "reference_error", "reference_timeout", "non_finite", "reference_missing",
                 "candidate_missing", "internal_error", "unmatched", "join_overflow", "sink_full", "sink_error")
@@ -48,6 +51,11 @@ CANDIDATE_FAILURES = ("candidate_error", "candidate_timeout", "candidate_shape")
 # partner within monitoring.logger_join_ttl_s, or was evicted from a full join buffer (monitoring/join.py).
 UPLOAD_STATUSES = ("ok", "spooled", "retried_ok", "dropped")
 ENDPOINTS = ("infer", "pairs", "logger", "grpc")
+# Where a compared request's candidate output came from (label `source` of candidate_source_total, field
+# `candidate_source` of sampled-pair records; monitoring/node_check.py): the served
+# response (live: /pairs, /logger), or recomputed by the monitor (mirror: /infer, gRPC) on a node that matches a node
+# the candidate was validated on or could not be checked (recomputed), or on one that matches none of them.
+CANDIDATE_SOURCES = ("live", "recomputed", "recomputed_other_node")
 ROLES = ("reference", "candidate")
 # Ingest is sub-millisecond; inference spans ms to seconds.
 INGEST_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -132,9 +140,9 @@ class MonitorMetrics:
         registry: registry to register on (default: a new CollectorRegistry).
 
     Attributes: requests, invalid_requests, dropped, queue_depth, inference_seconds, ingest_seconds, alerts,
-        models_ready, s3_uploads, spool_bytes, peer_errors (named like METRIC_NAMES without the
-        `tailguard_monitor_` prefix and `_total` suffix). The per-slice families come from a SliceCollector
-        registered with `attach`.
+        models_ready, s3_uploads, spool_bytes, sink_parameters_dropped, peer_errors, node_mismatch, candidate_source
+        (named like METRIC_NAMES without the `tailguard_monitor_` prefix and `_total` suffix). The per-slice families
+        come from a SliceCollector registered with `attach`.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -158,10 +166,21 @@ class MonitorMetrics:
         self.models_ready = Gauge(p + "models_ready", "1 when the model is loaded.", ["role"], registry=r)
         self.s3_uploads = Counter(p + "s3_uploads", "Sampled-pair batches by outcome.", ["status"], registry=r)
         self.spool_bytes = Gauge(p + "spool_bytes", "Bytes in the local spool waiting for S3.", registry=r)
+        self.sink_parameters_dropped = Counter(p + "sink_parameters_dropped", "Request parameters not written to "
+                                               "S3 (no slice rule reads them), one per parameter and row.",
+                                               registry=r)
         # the combiner's peers (one per --peer, bounded) x combine.PeerError reasons
         self.peer_errors = Counter(p + "peer_errors", "Evidence documents from a peer not merged (or, "
                                    "epoch_flip, merged but served by several processes), by reason "
                                    "(monitoring/combine.py PeerError).", ["peer", "reason"], registry=r)
+        self.node_mismatch = Gauge(p + "node_mismatch", "1 when the candidate outputs this monitor recomputes are "
+                                   "not computed as on any node the candidate passed its gates on (other ISA flags, "
+                                   "or another execution provider; monitoring/node_check.py); 0 otherwise.",
+                                   ["model"], registry=r)
+        self.candidate_source = Counter(p + "candidate_source", "Compared requests by where the candidate's output "
+                                        "came from: live (the served response), recomputed (by the monitor), "
+                                        "recomputed_other_node (by the monitor, on a node unlike the validated ones).",
+                                        ["model", "source"], registry=r)
         self.slices: SliceCollector | None = None
         for reason in DROP_REASONS:  # export zeros so rate() and absent() work from the start
             self.dropped.labels(reason)

@@ -27,7 +27,7 @@ from tailguard.monitoring.compare import compare_rows, reference_non_finite
 from tailguard.monitoring.config import MonitorConfig, resolve_config
 from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.drift import DriftSnapshots
-from tailguard.core.runtime import OrtRunner, Runner, run_dataset
+from tailguard.core.runtime import Runner, run_dataset, runner_for_file
 from tailguard.core.spec import Spec, load_spec
 
 TIMESTAMP_COLUMN = "timestamp"
@@ -122,11 +122,11 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         raise InputError(f"requests: {requests} has no metadata column(s) {missing} used by monitoring slices; "
                          f"columns: {list(ds.frame.columns)}",
                          hint="log the slice metadata with each request, or change monitoring.slice_columns")
-    ref_runner = reference if hasattr(reference, "run") else OrtRunner(reference)  # type: ignore[arg-type]
+    ref_runner = reference if hasattr(reference, "run") else runner_for_file(reference, cfg.inputs)
     if cfg.mon.noise_floor:
         cand_runner = ref_runner
     else:
-        cand_runner = candidate if hasattr(candidate, "run") else OrtRunner(candidate)  # type: ignore[arg-type]
+        cand_runner = candidate if hasattr(candidate, "run") else runner_for_file(candidate, cfg.inputs)
 
     core = MonitorCore(cfg, seed=seed)
     cols = cfg.metadata_columns

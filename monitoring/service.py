@@ -17,7 +17,9 @@ Endpoints:
     GET  /healthz                  200 while the process serves.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
                                    noise-floor mode) and answering, else 503 with what is missing or failing
-                                   (every one of a model's last HEALTH_WINDOW calls failed).
+                                   (every one of a model's last HEALTH_WINDOW calls failed). `node_check` /
+                                   `node_mismatch`: this node against the nodes the candidate was validated on
+                                   (monitoring/node_check.py; a mismatch leaves the monitor ready).
     GET  /v1/alerts, /v1/slices    alert records and per-slice statistics (JSON; /v1/slices?offset=&limit= pages
                                    through every tracked slice in key order, limit <= 10000, default 1000).
 
@@ -57,6 +59,7 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -70,7 +73,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
-from tailguard.core.errors import InputError
+from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
 from tailguard.monitoring.combine import Combiner, PeerError, PollLoop, http_fetch
 from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
@@ -78,11 +81,12 @@ from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimi
 from tailguard.monitoring.compare import compare_rows
 from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
-from tailguard.monitoring.metrics import MonitorMetrics
+from tailguard.monitoring.metrics import CANDIDATE_SOURCES, MonitorMetrics
+from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
 from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, attach_binary, load_json, parse_request,
                                       parse_response_output, split_binary, utf8_text)
 from tailguard.monitoring.sampler import Decision
-from tailguard.core.runtime import OrtRunner, Runner
+from tailguard.core.runtime import Runner, runner_for_file
 from tailguard.core.spec import Spec, load_spec
 
 log = logging.getLogger("tailguard.monitoring.service")
@@ -171,13 +175,16 @@ class MonitorService:
             when the combiner reads its peers; None: no authentication.
         clock: monotonic time source in seconds for the per-column cap on new slice values
             (monitoring.max_new_values_per_minute; tests inject one).
+        node_check: called once at start, in the background, to compare this node with the nodes the candidate
+            was validated on (monitoring/node_check.py `run_node_check`); None: not configured.
     """
 
     def __init__(self, cfg: MonitorConfig, reference: str | Path | Runner | None,
                  candidate: str | Path | Runner | None, *, metrics: MonitorMetrics | None = None,
                  seed: int | None = None, s3_client: Any = None, start: bool = True, evidence_only: bool = False,
                  peers: list[str] | None = None, poll_interval_s: float = 5.0, auth_token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 node_check: Callable[[], NodeCheck] | None = None) -> None:
         if evidence_only and peers:
             raise InputError("--evidence-only and --peer exclude each other: a replica exports evidence, the "
                              "combiner reads it", hint="start replicas with --evidence-only, one combiner with --peer")
@@ -252,13 +259,22 @@ class MonitorService:
         self._admit_lock = threading.Lock()  # admission runs on the HTTP event loop and on gRPC threads
         self._worker: threading.Thread | None = None
         self.processed = 0
+        # the node check (monitoring/node_check.py): pending until its thread has read the registry
+        self._node_check_fn = node_check or (lambda: run_node_check(None))
+        self.node_check = NodeCheck(NodeCheckStatus.PENDING.value, {}, reason="the node check has not finished")
+        self.sources = {s: 0 for s in CANDIDATE_SOURCES}  # compared requests by candidate_source (worker lock)
+        self.metrics.node_mismatch.labels(cfg.model_name).set(0)
+        for s in CANDIDATE_SOURCES:  # zeros from the start, so rate() and absent() work
+            self.metrics.candidate_source.labels(cfg.model_name, s)
+        self.core.alert_notes = self._alert_notes
         if start:
             self.start()
 
     # ----------------------------------------------------------------------------------------- life
     def start(self) -> None:
-        """Load the models in the background and start the worker (and the sink's writer)."""
+        """Load the models and check the node in the background, start the worker (and the sink's writer)."""
         threading.Thread(target=self._load_models, name="tg-load", daemon=True).start()
+        threading.Thread(target=self._check_node, name="tg-node-check", daemon=True).start()
         self._worker = threading.Thread(target=self._work, name="tg-worker", daemon=True)
         self._worker.start()
         if self.sink is not None:
@@ -303,11 +319,45 @@ class MonitorService:
             if src is None:
                 continue
             try:
-                self.runners[role] = src if hasattr(src, "run") else OrtRunner(src)  # type: ignore[arg-type]
+                self.runners[role] = src if hasattr(src, "run") else runner_for_file(src, self.cfg.inputs)
                 self.metrics.models_ready.labels(role).set(1)
-            except InputError as exc:
+            except TailguardError as exc:  # a bad file, or a torch artefact built for another node
                 self.load_errors[role] = exc.message
                 log.error("%s model not loaded: %s", role, exc.message)
+
+    def _check_node(self) -> None:
+        """Run the node check once; set the gauge; warn on a mismatch (the monitor serves whatever the outcome)."""
+        try:
+            check = self._node_check_fn()
+        except Exception as exc:  # noqa: BLE001 - a check that fails leaves the monitor serving, status unknown
+            check = NodeCheck(NodeCheckStatus.UNKNOWN.value, {}, reason=f"the node check failed: {exc}")
+        self.node_check = check
+        self.metrics.node_mismatch.labels(self.cfg.model_name).set(1 if check.mismatch else 0)
+        if check.mismatch:
+            log.warning("node check: %s: %s; candidate outputs this monitor recomputes (mirror path) are marked "
+                        "recomputed_other_node; prefer the payload-logger path (live responses) for INT8 variants",
+                        check.reason, json.dumps(check.differences))
+        elif check.status == NodeCheckStatus.UNKNOWN.value:
+            log.warning("node check: %s", check.reason)
+
+    def _alert_notes(self) -> dict[str, Any]:
+        """Fields added to every alert record while this node matches none of the candidate's validated nodes:
+        `node_mismatch` (the differing facts) and `recomputed_other_node_share` (of the requests compared so far,
+        the share whose candidate output this monitor recomputed on this node; 0 when every one was a live
+        response). Called under the worker lock. {} otherwise."""
+        check = self.node_check
+        if not check.mismatch:
+            return {}
+        total = sum(self.sources.values())
+        share = self.sources["recomputed_other_node"] / total if total else 0.0
+        return {"node_mismatch": check.differences, "recomputed_other_node_share": round(share, 4)}
+
+    def candidate_source(self, live: bool) -> str:
+        """Where a compared request's candidate output came from: live (the served response), else recomputed
+        here, `recomputed_other_node` when the node check found a mismatch (metrics.CANDIDATE_SOURCES)."""
+        if live:
+            return "live"
+        return "recomputed_other_node" if self.node_check.mismatch else "recomputed"
 
     @property
     def needs_candidate(self) -> bool:
@@ -316,7 +366,9 @@ class MonitorService:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, details): ready once the reference and (if configured) the candidate are loaded, and not while
-        every one of a model's last HEALTH_WINDOW calls failed (`failing` names the model and the last reason)."""
+        every one of a model's last HEALTH_WINDOW calls failed (`failing` names the model and the last reason).
+        A node mismatch does not make the monitor unready: `node_mismatch` names the differing facts
+        ({fact: {node, validated}}; null when none) and `node_check` holds the whole check."""
         need = ["reference"] + (["candidate"] if self.needs_candidate else [])
         missing = [r for r in need if self.runners[r] is None]
         failing = {}
@@ -325,9 +377,11 @@ class MonitorService:
             if self.runners[r] is not None and len(window) == HEALTH_WINDOW and all(window):
                 failing[r] = f"the last {HEALTH_WINDOW} calls failed (last: {window[-1]})"
         ready = not missing and not failing
+        check = self.node_check
         return ready, {"ready": ready, "missing": missing, "failing": failing, "errors": self.load_errors,
                              "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
                              "noise_floor": self.cfg.mon.noise_floor, "role": self.core.role,
+                             "node_check": check.to_dict(), "node_mismatch": check.differences or None,
                              **({"peers": self.combiner.status()} if self.combiner is not None else {})}
 
     # --------------------------------------------------------------------------------------- ingest
@@ -651,9 +705,13 @@ class MonitorService:
                     if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):
                         self._drop(reason or "reference_error")
                         continue
+                    source = None if self.cfg.mon.noise_floor else self.candidate_source(it.candidate is not None)
+                    if source is not None:
+                        self.sources[source] += 1
+                        self.metrics.candidate_source.labels(self.cfg.model_name, source).inc()
                     self.core.observe(it.keys, it.decision, ref, cand, request_index=it.index,
                                       request_id=it.request_id, meta=it.meta, feeds=it.feeds, failure=reason,
-                                      values=shared.get(n))
+                                      values=shared.get(n), candidate_source=source)
 
     def _compare_group(self, judged: list[tuple[_Item, np.ndarray]],
                        seconds: list[tuple[np.ndarray | None, str | None]]) -> dict[int, dict[str, np.ndarray]]:
@@ -938,9 +996,13 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,
                    seed: int | None = None, start: bool = True, evidence_only: bool = False,
                    peers: list[str] | None = None, poll_interval_s: float = 5.0,
-                   auth_token_file: str | Path | None = None) -> MonitorService:
+                   auth_token_file: str | Path | None = None, candidate_version: str | None = None,
+                   tracking_uri: str | None = None) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
     `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).
+    `candidate_version` (`--candidate-version NAME@ALIAS`, read from the registry at `tracking_uri`) is the
+    registry version the candidate file came from: the node check (monitoring/node_check.py) compares this node
+    with the nodes it was validated on; None: the check is not configured.
 
     Raises:
         SpecError: a bad spec or monitoring section (exit 2).
@@ -951,13 +1013,15 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     cfg: MonitorConfig = resolve_config(spec_obj, source=source)
     token = load_auth_token(cfg.mon, auth_token_file)
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
-                          peers=peers, poll_interval_s=poll_interval_s, auth_token=token)
+                          peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
+                          node_check=lambda: run_node_check(candidate_version, tracking_uri))
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
           host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
           poll_interval_s: float = 5.0, grpc_port: int | None = None,
-          auth_token_file: str | Path | None = None) -> None:
+          auth_token_file: str | Path | None = None, candidate_version: str | None = None,
+          tracking_uri: str | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -977,6 +1041,9 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
             admission; None: HTTP only.
         auth_token_file: file holding the bearer token every endpoint but /healthz requires (overrides
             monitoring.auth_token_file / auth_token_env); None: the spec's source, or no authentication.
+        candidate_version: the candidate's registry version (NAME@ALIAS, NAME/VERSION or models:/...), whose
+            `tailguard.validated_on` tag the node check compares this node with; None: not checked.
+        tracking_uri: the MLflow registry holding it (None: $MLFLOW_TRACKING_URI).
 
     Raises:
         SpecError: bad spec (exit 2).
@@ -985,7 +1052,8 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
     import uvicorn
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
-                             poll_interval_s=poll_interval_s, auth_token_file=auth_token_file)
+                             poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
+                             candidate_version=candidate_version, tracking_uri=tracking_uri)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
                     "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")

@@ -4,11 +4,14 @@ A batch is one Parquet object laid out like validation data, so it can be replay
 (`tailguard monitor replay --requests batch.parquet`): one column per model input (the row's values, flattened;
 None when redacted), one column per request parameter (its value as text, `'<redacted>'` when redacted), and
 monitor columns prefixed `_tg_`: request id, request index, row, weight, slices, reference and candidate outputs
-(flattened), per-row metrics, a UTC time stamp, and `_tg_meta`: every request parameter as a JSON object
-({name: text}, redacted alike). A parameter named like a model input or starting with `_tg_` gets no column of its
-own (it would overwrite that column): it is kept in `_tg_meta` only. Redaction covers the slice keys too: a slice
-that reads a redacted field is written `<name>=<redacted>` in `_tg_slices`. Text that UTF-8 cannot encode (lone
-surrogates) is written with "?" in their place.
+(flattened), per-row metrics, a UTC time stamp, and `_tg_meta`: the written request parameters as a JSON object
+({name: text}, redacted alike). Only parameters that a slice rule reads (the spec's slice columns) are written:
+the caller chooses parameter names, and each distinct name would be a Parquet column (128 names x 500 rows could
+make ~64k columns in one object), so every other parameter is dropped and counted in
+`tailguard_monitor_sink_parameters_dropped_total` (one per parameter and row). A parameter named like a model input
+or starting with `_tg_` gets no column of its own (it would overwrite that column): it is kept in `_tg_meta` only.
+Redaction covers the slice keys too: a slice that reads a redacted field is written `<name>=<redacted>` in
+`_tg_slices`. Text that UTF-8 cannot encode (lone surrogates) is written with "?" in their place.
 
 The writer thread is supervised: a row that cannot be written (or converted) is dropped alone and counted in
 `tailguard_monitor_dropped_total{reason="sink_error"}`, the rest of its batch is written, and no error ends the
@@ -83,18 +86,20 @@ def redact_slices(keys: Sequence[str], fields: Collection[str], rules: Sequence[
 
 
 def redact_row(record: dict[str, Any], fields: Collection[str], rules: Sequence[tuple[str, str]] = (),
-               pairs: Sequence[tuple[int, int]] = ()) -> dict[str, Any]:
+               pairs: Sequence[tuple[int, int]] = (), params: Collection[str] | None = None) -> dict[str, Any]:
     """One sampled-pair record as a flat Parquet row, with `fields` (input names or parameters) redacted.
 
     Args:
         record: a record from MonitorCore.observe (inputs, meta, slices, reference, candidate, metrics, ...).
         fields: names to redact.
         rules: (name, column) per slice rule, pairs: rule indices of pair keys (see `redact_slices`).
+        params: the request parameters written (`sink_parameters(rules)`: the slice columns); the others are
+            left out of the row and of `_tg_meta` (`dropped_parameters` counts them). None: every parameter.
 
     Returns:
         {column: value}: input columns (list of numbers, None if redacted), parameter columns
         ('<redacted>' if redacted, else the value as text; none for a parameter named like an input or `_tg_*`),
-        `_tg_*` monitor columns (`_tg_meta`: every parameter, JSON; `_tg_slices`: redacted slice keys).
+        `_tg_*` monitor columns (`_tg_meta`: the written parameters, JSON; `_tg_slices`: redacted slice keys).
     """
     row: dict[str, Any] = {}
     inputs = record.get("inputs", {})
@@ -102,6 +107,8 @@ def redact_row(record: dict[str, Any], fields: Collection[str], rules: Sequence[
         row[k] = None if k in fields else np.asarray(v).reshape(-1).tolist()
     meta: dict[str, str | None] = {}
     for k, v in record.get("meta", {}).items():
+        if params is not None and k not in params:
+            continue
         name = _utf8(str(k))
         meta[name] = REDACTED if k in fields or name in fields else (None if v is None else _utf8(str(v)))
         if name not in inputs and not name.startswith(MONITOR_PREFIX):  # never overwrite an input / monitor column
@@ -116,10 +123,22 @@ def redact_row(record: dict[str, Any], fields: Collection[str], rules: Sequence[
         "_tg_reference": np.asarray(record["reference"], dtype=np.float64).reshape(-1).tolist(),
         "_tg_candidate": np.asarray(record["candidate"], dtype=np.float64).reshape(-1).tolist(),
         "_tg_time": datetime.now(timezone.utc).isoformat(),
+        # live | recomputed | recomputed_other_node (monitoring/node_check.py); None when not recorded (replay)
+        "_tg_candidate_source": record.get("candidate_source"),
     })
     for m, v in record.get("metrics", {}).items():
         row[f"_tg_metric_{m}"] = float(v)
     return row
+
+
+def sink_parameters(rules: Sequence[tuple[str, str]]) -> frozenset[str]:
+    """The request parameters the S3 sink writes: the columns the slice rules read ((name, column) pairs)."""
+    return frozenset(column for _, column in rules)
+
+
+def dropped_parameters(record: dict[str, Any], params: Collection[str]) -> int:
+    """How many of a record's request parameters `redact_row(..., params=params)` leaves out."""
+    return sum(1 for k in record.get("meta", {}) if k not in params)
 
 
 def parquet_bytes(rows: list[dict[str, Any]]) -> bytes:
@@ -147,12 +166,14 @@ class PairSink:
         spool_max_bytes: spool bound (bytes).
         redact_fields: input names / parameters to redact.
         model: model name (part of the object key).
-        metrics: collectors (s3_uploads_total, spool_bytes, dropped_total{reason="sink_full"|"sink_error"}).
+        metrics: collectors (s3_uploads_total, spool_bytes, dropped_total{reason="sink_full"|"sink_error"},
+            sink_parameters_dropped_total).
         client: a boto3 S3 client (default: `make_s3_client(s3)`).
         max_pending: records waiting for the writer thread; more are refused (counted in `refused` and
             dropped_total{reason="sink_full"}).
         clock: monotonic clock (s), for tests.
-        slice_rules: (name, column) of the slice rules (MonitorConfig.rules), for redacting slice keys.
+        slice_rules: (name, column) of the slice rules (MonitorConfig.rules), for redacting slice keys; their
+            columns are the only request parameters written (`sink_parameters`).
         slice_pairs: (i, j) rule indices of the pair keys (MonitorConfig.pairs).
     """
 
@@ -168,6 +189,7 @@ class PairSink:
         self.redact = set(redact_fields)
         self.slice_rules = [(str(n), str(c)) for n, c in slice_rules]
         self.slice_pairs = [(int(i), int(j)) for i, j in slice_pairs]
+        self.params = sink_parameters(self.slice_rules)
         self.model = model
         self.metrics = metrics or MonitorMetrics()
         self.client = client if client is not None else make_s3_client(s3)
@@ -188,7 +210,10 @@ class PairSink:
         """Queue one record without blocking; False (counted in `refused` and dropped_total) when the queue is full
         (reason sink_full) or the record cannot be made a row (reason sink_error). Never raises."""
         try:
-            row = redact_row(record, self.redact, self.slice_rules, self.slice_pairs)
+            row = redact_row(record, self.redact, self.slice_rules, self.slice_pairs, params=self.params)
+            dropped = dropped_parameters(record, self.params)
+            if dropped:
+                self.metrics.sink_parameters_dropped.inc(dropped)
         except Exception as exc:  # a malformed record must not reach the caller (the service's worker)
             log.warning("sampled pair not written to S3: %s", str(exc).splitlines()[0][:200] if str(exc) else exc)
             self.refused += 1

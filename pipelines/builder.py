@@ -5,6 +5,8 @@ node-pool settings):
 
     check-data -> resolve -> fetch-reference -> export -> reference-pass
                                                       \\-> build-<variant> -> validate-<variant>  (one pair per variant)
+                                                         (with `serving_targets`: validate-<variant>-on-<target>, one
+                                                          per target serving the variant, on the target's pool)
                                                                         -> search-<variant>  (with `search:` only)
     register-and-promote  (after every validate and search task; logs reference-pass's baselines to the parent
                            run, reads the nested MLflow runs)
@@ -36,7 +38,7 @@ the compiled IR and in kfp.local's logs (`named`).
 
 from typing import Any, Callable
 
-from tailguard.core.spec import Spec, VariantSpec
+from tailguard.core.spec import ServingTarget, Spec, VariantSpec, target_task_name
 
 PARAMS = ("spec_yaml", "tracking_uri", "model_version", "pipeline_run")
 
@@ -66,10 +68,10 @@ def step_spec_yaml(spec: Spec, variant: "str | None" = None) -> str:
     them reads gets a fixed canonical value, so that changing it leaves their inputs, and so KFP's cache key,
     unchanged: `gates` [] with `promotion` {enabled: false} (valid without a parity gate), `monitoring` and
     `cost` None, `metadata.labels` {}, `mlflow`, `kubeflow`, the rest of `analysis`, the variant's `search`
-    settings and `data.expectations` at their defaults, `model.version` "latest" (the concrete version reaches
-    them as fetch-reference's artifact), and `variants`: only the build's own variant, or for export and
-    reference-pass one canonical FP32 variant (CANONICAL_VARIANT). Checked against the spec fields the task and
-    logic modules of components/export, components/reference and components/quantize read.
+    settings, `serving_targets` and `data.expectations` at their defaults, `model.version` "latest" (the
+    concrete version reaches them as fetch-reference's artifact), and `variants`: only the build's own variant, or
+    for export and reference-pass one canonical FP32 variant (CANONICAL_VARIANT). Checked against the spec fields
+    the task and logic modules of components/export, components/reference and components/quantize read.
 
     Args:
         spec: a validated spec.
@@ -98,7 +100,8 @@ def step_spec_yaml(spec: Spec, variant: "str | None" = None) -> str:
         if mine[0].get("search") is not None:
             mine[0]["search"] = {}
         doc["variants"] = mine
-    doc.update(gates=[], promotion={"enabled": False}, monitoring=None, cost=None, mlflow={}, kubeflow={})
+    doc.update(gates=[], promotion={"enabled": False}, monitoring=None, cost=None, mlflow={}, kubeflow={},
+               serving_targets=[])
     return dump_spec(parse_spec(doc))
 
 
@@ -130,10 +133,12 @@ def named(component: Any, name: str) -> Any:
     return clone
 
 
-def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: bool, cache: bool = True) -> Any:
+def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: bool, cache: bool = True,
+                    target: "ServingTarget | None" = None) -> Any:
     """Display name (= the task name, `named`), caching (on the cluster, for pure tasks unless `cache` is False;
     off locally: kfp.local has no cache, tailguard.core.cache serves local runs), and (for the cluster) image, GPU
-    resources, node pool and secrets."""
+    resources, node pool and secrets. With `target` (a validate task on a serving target) the node pool and
+    accelerator are the target's (`_place_on_target`) instead of `kubeflow.gpu`'s."""
     task.set_display_name(name)
     task.set_caching_options(cluster and cache and is_pure(name))
     if not cluster:
@@ -146,7 +151,9 @@ def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: boo
     for secret in spec.kubeflow.secrets:
         kubernetes.use_secret_as_env(task, secret_name=secret.name,
                                      secret_key_to_env={key: env for env, key in secret.env.items()})
-    if gpu:
+    if target is not None:
+        _place_on_target(task, target)
+    elif gpu:
         pool = spec.kubeflow.gpu
         task.set_accelerator_type(pool.accelerator_type)
         task.set_accelerator_limit(pool.count)
@@ -155,6 +162,20 @@ def _configure_task(task: Any, spec: Spec, *, name: str, gpu: bool, cluster: boo
         for t in pool.tolerations:
             kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
     return task
+
+
+def _place_on_target(task: Any, target: ServingTarget) -> None:
+    """Schedule `task` on serving target `target`'s pool (kfp-kubernetes, as the GPU settings): its accelerator
+    (type and count), node selector and tolerations."""
+    from kfp import kubernetes
+
+    if target.accelerator is not None:
+        task.set_accelerator_type(target.accelerator.type)
+        task.set_accelerator_limit(target.accelerator.count)
+    for label, value in target.node_selector.items():
+        kubernetes.add_node_selector(task, label_key=label, label_value=value)
+    for t in target.tolerations:
+        kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
 
 
 def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | None" = None,
@@ -183,12 +204,12 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     from tailguard.components.check_data.component import check_data
     from tailguard.components.export.component import export
     from tailguard.components.finalize.component import finalize_run
-    from tailguard.components.quantize.component import build_variant
+    from tailguard.components.quantize.component import build_torch_variant, build_variant
     from tailguard.components.reference.component import reference_pass
     from tailguard.components.register.component import register_and_promote
     from tailguard.components.resolve.component import fetch_reference, resolve
     from tailguard.components.search.component import search_variant
-    from tailguard.components.validate.component import validate_variant
+    from tailguard.components.validate.component import validate_variant, validate_variant_on_target
 
     variants: list[VariantSpec] = list(spec.variants)
     # compile-time constants of the pure tasks (see the module docstring, Caching); each build gets its own
@@ -198,10 +219,11 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     if exit_handler is None:
         exit_handler = cluster
 
-    def task(component: Any, name: str, gpu: bool = False, **inputs: Any) -> Any:
+    def task(component: Any, name: str, gpu: bool = False, target: "ServingTarget | None" = None,
+             **inputs: Any) -> Any:
         """The task `name` of `component` with `inputs`, configured (`named`, `_configure_task`)."""
         return _configure_task(named(component, name)(**inputs), spec, name=name, gpu=gpu, cluster=cluster,
-                               cache=cache)
+                               cache=cache, target=target)
 
     def steps(chk: Any, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run: str) -> Any:
         """Every task after check-data `chk` but the exit handler; returns register-and-promote's task."""
@@ -218,14 +240,24 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
                    reference=fetch.outputs["reference"], onnx_model=exp.outputs["onnx_model"])
         validations, searches = [], []
         for v in variants:
-            build = task(build_variant, f"build-{v.name}", v.needs_gpu, spec_yaml=step_spec_yaml(spec, v.name),
-                         variant_name=v.name,
-                         onnx_model=exp.outputs["onnx_model"])
-            val = task(validate_variant, f"validate-{v.name}", v.needs_gpu, spec_yaml=spec_yaml,
-                       variant_name=v.name, build=build.outputs["Output"], baselines=ref.outputs["Output"],
-                       parent_run_id=parent_run_id, tracking_uri=tracking_uri,
-                       variant_model=build.outputs["variant_model"], reference_outputs=ref.outputs["outputs"],
-                       reference_model=exp.outputs["onnx_model"])
+            if v.backend == "torch":  # built from the torch reference itself, not from the ONNX export
+                build = task(build_torch_variant, f"build-{v.name}", v.needs_gpu,
+                             spec_yaml=step_spec_yaml(spec, v.name), variant_name=v.name,
+                             resolved=fetch.outputs["resolved"], reference=fetch.outputs["reference"])
+            else:
+                build = task(build_variant, f"build-{v.name}", v.needs_gpu, spec_yaml=step_spec_yaml(spec, v.name),
+                             variant_name=v.name,
+                             onnx_model=exp.outputs["onnx_model"])
+            inputs = dict(spec_yaml=spec_yaml, variant_name=v.name, build=build.outputs["Output"],
+                          baselines=ref.outputs["Output"], parent_run_id=parent_run_id, tracking_uri=tracking_uri,
+                          variant_model=build.outputs["variant_model"], reference_outputs=ref.outputs["outputs"],
+                          reference_model=exp.outputs["onnx_model"])
+            if spec.serving_targets:  # one validation per serving target, on its pool (no search: spec check)
+                validations += [task(validate_variant_on_target, target_task_name(v.name, t.name), v.needs_gpu,
+                                     target=t, target_name=t.name, placement="node_pool" if cluster else "this_node",
+                                     **inputs) for t in spec.targets_for(v)]
+                continue
+            val = task(validate_variant, f"validate-{v.name}", v.needs_gpu, **inputs)
             validations.append(val)
             if v.search is not None:
                 # after its validation (it reads the verdict and logs under the variant's run); runs where the

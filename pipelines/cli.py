@@ -172,6 +172,15 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     uri = redact_uri(tracking_uri_for(s))
     console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")
     console.print(f"report: report.html of the parent run, or `tailguard report {summary.parent_run_id} -o FILE`")
+    for e in summary.target_aliases:  # serving targets: one alias per target, moved before the default one
+        if e["outcome"] == "promoted":
+            console.print(f"[green]promoted[/green] {summary.optimized_model} v{e['version']} ({e['variant']}) as "
+                          f"@{e['alias']} (fastest passing on target {e['target']})")
+        else:
+            where = f"v{e['alias_version']}" if e.get("alias_version") else "nowhere"
+            why = "superseded by a concurrent run" if e["outcome"] == "superseded" else \
+                f"no variant passed on target {e['target']}"
+            console.print(f"@{e['alias']} stays at {where}: {why}")
     if summary.promoted_version:
         console.print(f"[green]promoted[/green] {summary.optimized_model} v{summary.promoted_version} "
                       f"({summary.promoted_variant}) as @{summary.alias}")
@@ -182,6 +191,10 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
                       "stays")
         raise typer.Exit(EXIT_OK)
     if not summary.any_passed:
+        if summary.serving_targets:
+            err_console.print(f"[red]no variant passed every gate on every serving target[/red]: @{summary.alias} "
+                              "did not move (reasons in the table)")
+            raise typer.Exit(EXIT_NO_PASSING_VARIANT)
         err_console.print("[red]no variant passed every gate[/red]: no alias moved (reasons in the table)")
         raise typer.Exit(EXIT_NO_PASSING_VARIANT)
     console.print("promotion is off: variants registered, no alias moved")
@@ -394,7 +407,8 @@ def demo(skip_monitor: bool = typer.Option(False, "--skip-monitor", help="Skip t
 @handle_errors
 def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its monitoring section)."),
                    reference: Path = typer.Option(..., "--reference", help="FP32 reference .onnx."),
-                   candidate: Path = typer.Option(..., "--candidate", help="Candidate (promoted) .onnx."),
+                   candidate: Path = typer.Option(..., "--candidate", help=(
+                       "Candidate (promoted): .onnx, or a torch variant's .pt2 with its manifest beside it.")),
                    requests: Path = typer.Option(..., "--requests", help="Parquet of logged requests."),
                    out: Path = typer.Option(..., "--out", help="Folder for alerts.json and slices.json."),
                    seed: int = typer.Option(0, "--seed", help="Sampler seed (replays are deterministic).")) -> None:
@@ -410,8 +424,9 @@ def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its
 @handle_errors
 def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its monitoring section)."),
                   reference: Optional[Path] = typer.Option(None, "--reference", help="FP32 reference .onnx."),
-                  candidate: Optional[Path] = typer.Option(None, "--candidate",
-                                                           help="Candidate .onnx (omit: pairs-only monitor)."),
+                  candidate: Optional[Path] = typer.Option(None, "--candidate", help=(
+                      "Candidate: .onnx, or a torch variant's .pt2 with its manifest beside it (omit: pairs-only "
+                      "monitor).")),
                   host: str = typer.Option("127.0.0.1", "--host", help="Bind address."),
                   port: int = typer.Option(8080, "--port", help="Port."),
                   evidence_only: bool = typer.Option(False, "--evidence-only", help=(
@@ -428,7 +443,14 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                   auth_token_file: Optional[Path] = typer.Option(None, "--auth-token-file", help=(
                       "File holding the bearer token every endpoint but /healthz requires (a mounted Secret; "
                       "overrides monitoring.auth_token_file / auth_token_env; docs/deploy.md, Monitor trust "
-                      "model)."))) -> None:
+                      "model).")),
+                  candidate_version: Optional[str] = typer.Option(None, "--candidate-version", help=(
+                      "The candidate's registry version (NAME@ALIAS, NAME/VERSION or models:/...): at start the "
+                      "monitor compares its node with the nodes that version was validated on (tag "
+                      "tailguard.validated_on); a mismatch shows in /readyz node_mismatch and the "
+                      "tailguard_monitor_node_mismatch gauge (docs/deploy.md).")),
+                  tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help=(
+                      "MLflow registry for --candidate-version (default: $MLFLOW_TRACKING_URI)."))) -> None:
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
@@ -439,7 +461,8 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
 
         err_console.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
-          poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file)
+          poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
+          candidate_version=candidate_version, tracking_uri=tracking_uri)
 
 
 # ------------------------------------------------------------------------------------------- trigger

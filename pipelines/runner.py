@@ -90,8 +90,10 @@ def _redirect(log_path: Path, on_event: Callable[[str, str], None] | None) -> It
 
 def task_count(spec: Spec) -> int:
     """Number of tasks in the spec's pipeline: 5 fixed (check-data, resolve, fetch-reference, export,
-    reference-pass) + 2 per variant + 1 per variant with a search + register-and-promote."""
-    return 6 + 2 * len(spec.variants) + sum(v.search is not None for v in spec.variants)
+    reference-pass) + 2 per variant (build, validate; with `serving_targets` 1 + one validate per target serving
+    it) + 1 per variant with a search + register-and-promote."""
+    validations = sum(len(spec.targets_for(v)) or 1 for v in spec.variants)
+    return 6 + len(spec.variants) + validations + sum(v.search is not None for v in spec.variants)
 
 
 def run_local(spec: Spec, *, model_version: str | None = None,
@@ -527,11 +529,22 @@ def worst_slice_cell(v: Any) -> str:
     return f"{ws['slice']}={ws['value']}: {observed:.3f} (n={ws['support']})"
 
 
+def target_status(v: Any) -> str:
+    """A variant's verdict per serving target, "avx512: passed, avx2: failed gates, arm: skipped" ("" without
+    targets): passed | failed gates | the status (skipped: the node did not match the target's expect)."""
+    def word(e: dict[str, Any]) -> str:
+        return "passed" if e.get("passed") else ("failed gates" if e.get("status") == "ok" else str(e.get("status")))
+
+    return ", ".join(f"{t}: {word(e)}" for t, e in (getattr(v, "targets", None) or {}).items())
+
+
 def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
     """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms, agreement and accuracy (overall, from
     the variant's result; None when not measured), worst slice (`worst_slice_cell`), discovered slices (the worst
     significant ones), gates (failed ones by their `gate_ids` id), registered (the version registered, if any) and
-    promoted (only the version the alias was moved to by this run)."""
+    promoted (only the version the alias, or a per-target alias `<alias>-<target>`, was moved to by this run). With
+    serving targets, the status of a variant that did not pass everywhere names each target's verdict
+    (`target_status`)."""
     ids = gate_ids(summary)
     rows = []
     for v in summary.variants:
@@ -540,7 +553,8 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
         overall = v.overall or {}
         agreement = next((overall[m] for m in AGREEMENT_METRICS if overall.get(m) is not None), None)
         rows.append({
-            "variant": v.variant, "status": v.status if v.status != "ok" else ("passed" if v.passed else "failed gates"),
+            "variant": v.variant, "status": v.status if v.status != "ok" else (
+                "passed" if v.passed else target_status(v) or "failed gates"),
             "x torch": v.speedup_vs_torch, "x onnx fp32": v.speedup_vs_onnx_fp32, "p50 ms": v.p50_ms,
             "p99 ms": v.p99_ms, "agreement": agreement, "accuracy": overall.get("accuracy"),
             "worst slice": worst_slice_cell(v),
@@ -554,7 +568,8 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
             # ("reused v1 (same sha256)": an existing version holds this artefact; register.registration_policy)
             "registered": (v.registration_note if v.registration == "reused" else f"v{v.version}") if v.version
             else "",
-            "promoted": f"@{summary.alias} -> v{v.version}" if v.promoted else "",
+            "promoted": ", ".join(([f"@{summary.alias} -> v{v.version}"] if v.promoted else [])
+                                  + [f"@{a} -> v{v.version}" for a in getattr(v, "target_aliases", None) or []]),
         })
     return rows
 

@@ -15,7 +15,9 @@ from tailguard.core.spec import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 REPO_TOKEN = "@REPO@"
-EXAMPLES = {"minilm": ROOT / "examples" / "minilm" / "spec.yaml", "tiny": ROOT / "tests" / "data" / "tiny_spec.yaml"}
+EXAMPLES = {"minilm": ROOT / "examples" / "minilm" / "spec.yaml", "tiny": ROOT / "tests" / "data" / "tiny_spec.yaml",
+            # serving_targets: one validate task per (variant, target) on the target's pool (issue 23)
+            "targets": ROOT / "tests" / "data" / "targets_spec.yaml"}
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

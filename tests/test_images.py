@@ -250,3 +250,93 @@ def test_requirements_reader_rejects_unpinned_line_when_parsed(tmp_path):
     f.write_text("numpy>=1\n")
     with pytest.raises(ValueError, match="not pinned"):
         read_requirements(f)
+
+
+# ------------------------------------------------------------------------------------- hashed requirements
+def _image_locks_module():
+    import importlib.util
+
+    if "image_locks" in sys.modules:
+        return sys.modules["image_locks"]
+    spec = importlib.util.spec_from_file_location("image_locks", ROOT / "scripts" / "image_locks.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["image_locks"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _pip_installs(dockerfile: Path) -> list[str]:
+    """Every `pip install ...` command of a Dockerfile (continuation lines joined, split at &&)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    cmds = [c.strip() for ln in text.splitlines() if ln.upper().startswith("RUN ") for c in ln[4:].split("&&")]
+    return [re.sub(r"\s+", " ", c) for c in cmds if re.search(r"\bpip install\b", c)]
+
+
+def test_image_locks_are_what_requirements_lock_gives_when_regenerated():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "image_locks.py"), "--check"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("image", sorted(IMAGE_SCOPES))
+def test_image_lock_pins_every_distribution_with_a_hash_when_read(image):
+    mod = _image_locks_module()
+    locked = mod.read_lock(IMAGES / f"requirements-{image}.lock")
+    project = mod.read_lock(ROOT / "requirements.lock")
+    assert len(locked) > 100
+    for name, (version, hashes) in locked.items():
+        assert hashes and all(re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", h) for h in hashes), name
+        assert (version, hashes) == project[name], f"{name}: differs from requirements.lock"
+    installed, _, _ = read_requirements(IMAGES / IMAGE_SCOPES[image][0])
+    unhashed = mod.IMAGES[image].unhashed
+    assert installed - unhashed <= set(locked), "a top-level requirement is missing from the lock"
+    assert "setuptools" in locked  # the build backend: tailguard is installed with --no-build-isolation
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_installs_from_hashes_only_when_parsed(dockerfile):
+    installs = _pip_installs(dockerfile)
+    lock = f"requirements-{dockerfile.stem}.lock"
+    first = installs[0]
+    assert "--require-hashes" in first and "--no-deps" in first and first.endswith(lock), first
+    for cmd in installs[1:]:
+        if cmd.endswith("/opt/tailguard"):  # the project itself, its backend from the hashed lock
+            assert "--no-deps" in cmd and "--no-build-isolation" in cmd, cmd
+        else:  # the GPU image's CUDA layer (scripts/image_locks.py IMAGES["gpu"].unhashed), by version only
+            assert dockerfile.stem == "gpu" and cmd.endswith("requirements-gpu.txt"), cmd
+
+
+def _dockerignore_admits(patterns: list[str], path: str) -> bool:
+    """Docker's rule: the last pattern that matches decides; `!` admits. `**` matches across folders."""
+    import fnmatch
+
+    admitted = True
+    for p in patterns:
+        neg = p.startswith("!")
+        glob = p[1:] if neg else p
+        if fnmatch.fnmatch(path, glob.replace("**", "*")) or fnmatch.fnmatch(path, glob.rstrip("/*") + "/*"):
+            admitted = neg
+    return admitted
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerignore_admits_every_file_the_dockerfile_copies_when_parsed(dockerfile):
+    ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    patterns = [ln.strip() for ln in ignore.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    sources = [src for ln in text.splitlines() if ln.upper().startswith("COPY ") for src in ln.split()[1:-1]]
+    assert any(s.endswith(".lock") for s in sources)
+    for src in sources:
+        probe = src.rstrip("/") + ("/x.py" if src.endswith("/") else "")
+        assert _dockerignore_admits(patterns, probe), f"{ignore.name} keeps {src} out of the build context"
+
+
+def test_image_locks_refuse_a_top_level_pin_that_differs_from_requirements_lock(tmp_path, monkeypatch):
+    mod = _image_locks_module()
+    for f in IMAGES.glob("requirements-*.txt"):
+        (tmp_path / f.name).write_text(f.read_text())
+    monitor = tmp_path / "requirements-monitor.txt"
+    monitor.write_text(monitor.read_text().replace("onnxruntime==1.32.0", "onnxruntime==1.31.1"))
+    monkeypatch.setattr(mod, "IMAGES_DIR", tmp_path)
+    with pytest.raises(mod.LockError, match=r"onnxruntime==1.31.1 but requirements.lock has 1.32.0"):
+        mod.render("monitor", mod.read_lock())

@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
@@ -76,7 +77,8 @@ def _objects(client, bucket=BUCKET):
 def _sink(port, tmp_path, bucket=BUCKET, **kw):
     s3 = MonitorS3Spec(bucket=bucket, prefix="pairs", endpoint_url=f"http://127.0.0.1:{port}", batch_rows=5,
                        retry_interval_s=3600)
-    args = dict(redact_fields=["user", "x"], model="tiny-clf")
+    # the slice rules read `domain` and `user`: the parameters the sink writes (sink_parameters)
+    args = dict(redact_fields=["user", "x"], model="tiny-clf", slice_rules=[("domain", "domain"), ("u", "user")])
     args.update(kw)
     spool_max = args.pop("spool_max_bytes", 10 * 2**20)
     return PairSink(s3, tmp_path / "spool", spool_max, **args)
@@ -221,7 +223,7 @@ def test_sink_redacts_slice_keys_when_redacted_field_is_slice_column(s3_bucket, 
                                                     "domain=web&u=<redacted>"]] * 5
     assert "alice" not in df.to_json()
     # without a layout, keys named like a redacted field are redacted too
-    sink = _sink(port, tmp_path / "b", bucket, redact_fields=["domain"])
+    sink = _sink(port, tmp_path / "b", bucket, redact_fields=["domain"], slice_rules=())
     row = sink.pending.get_nowait() if sink.submit(recs[0]) else None
     assert list(row["_tg_slices"]) == ["all", "domain=<redacted>", "u=alice0", "domain=<redacted>"]
 
@@ -254,8 +256,36 @@ def test_sink_keeps_input_column_when_request_parameter_named_like_input(s3_buck
     assert [list(v) for v in df.sort_values("_tg_request_index")["x"]] == [[float(i)] * 4 for i in range(8)]
     assert (df["_tg_weight"] == 1.0).all()
     metas = [json.loads(m) for m in df.sort_values("_tg_request_index")["_tg_meta"]]
-    assert metas[1] == {"domain": "web", "x": "evil", "_tg_weight": "w"} and metas[0] == {"domain": "web"}
+    assert metas == [{"domain": "web"}] * 8  # x and _tg_weight are no slice column: not written at all
+    assert _params_dropped(svc.metrics) == 2 * 4
     assert _dropped(svc.metrics, "sink_error") == 0
+
+
+def _params_dropped(metrics):
+    return metrics.registry.get_sample_value("tailguard_monitor_sink_parameters_dropped_total")
+
+
+def test_sink_writes_only_slice_column_parameters_and_counts_the_rest_when_requests_carry_many_names(s3_bucket,
+                                                                                                     tmp_path):
+    port, client, bucket = s3_bucket
+    import json
+
+    # 127 caller-chosen parameter names per request beside `domain` (ingest takes at most 128), new ones each
+    # time: each would be a Parquet column
+    bodies = [json.dumps(request_json({"x": np.full((1, 4), i, np.float32)},
+                                      {"domain": "web", **{f"p{i}_{j}": "v" for j in range(127)}},
+                                      request_id=f"r{i}")).encode() for i in range(8)]
+    svc = _serve_to_s3(tmp_path, port, bucket, {}, bodies)
+    keys, df = _objects(client, bucket)
+    assert len(df) == 8 and svc.sink.spooled() == []
+    params = [c for c in df.columns if c not in ("x", "domain") and not c.startswith("_tg_")]
+    assert params == [] and (df["domain"] == "web").all()
+    assert all(json.loads(m) == {"domain": "web"} for m in df["_tg_meta"])
+    for k in keys:  # every object's schema: the input, the slice column and the monitor's own columns
+        schema = pq.read_schema(io.BytesIO(client.get_object(Bucket=bucket, Key=k)["Body"].read()))
+        assert len(schema.names) < 20, schema.names
+    assert _params_dropped(svc.metrics) == 8 * 127
+    assert "tailguard_monitor_sink_parameters_dropped_total 1016.0" in svc.metrics.exposition().decode()
 
 
 def test_sink_writes_every_row_when_parameters_have_lone_surrogates(s3_bucket, tmp_path):
@@ -264,7 +294,7 @@ def test_sink_writes_every_row_when_parameters_have_lone_surrogates(s3_bucket, t
             ' "parameters": {"domain": "a\\udfff", "\\udc00k": "v\\ud800"}}').encode()
     svc = _serve_to_s3(tmp_path, port, bucket, {}, [body] * 3)
     _, df = _objects(client, bucket)
-    assert len(df) == 3 and (df["domain"] == "a?").all() and (df["?k"] == "v?").all()
+    assert len(df) == 3 and (df["domain"] == "a?").all() and "?k" not in df.columns  # no slice reads it
     assert (df["_tg_request_id"] == "r?").all() and [list(s) for s in df["_tg_slices"]] == [["all", "domain=a?"]] * 3
     assert svc.sink.spooled() == []
 

@@ -67,6 +67,30 @@ def write_spec(root: Path, **overrides) -> Path:
     return path
 
 
+def register_tiny_encoder(home: Path) -> str:
+    """Register the seeded tiny encoder (state dict + class) as 'tiny-encoder' in the store under `home` (as
+    TAILGUARD_HOME); returns the store's tracking URI. The process's TAILGUARD_HOME is restored after."""
+    old = os.environ.get("TAILGUARD_HOME")
+    os.environ["TAILGUARD_HOME"] = str(home)
+    try:
+        from tailguard.core.home import default_tracking_uri
+        from tailguard.core.tracking import configure
+        from tailguard.models import MeanPooledEncoder
+        from tailguard.registration import register_reference
+
+        uri = default_tracking_uri()
+        configure(uri, "registration")
+        torch.manual_seed(0)
+        register_reference("tiny-encoder", state_dict=MeanPooledEncoder(**TINY_KWARGS).state_dict(),
+                           class_path="tailguard.models:MeanPooledEncoder", init_kwargs=TINY_KWARGS)
+        return uri
+    finally:
+        if old is None:
+            os.environ.pop("TAILGUARD_HOME", None)
+        else:
+            os.environ["TAILGUARD_HOME"] = old
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
@@ -157,6 +181,10 @@ def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates
         assert len(v.tags["tailguard.sha256"]) == 64 and v.tags["tailguard.source_version"] == "1"
         assert v.tags["tailguard.gates"] == "passed"
         assert v.tags["tailguard.spec_sha256"] == parent.data.tags["tailguard.spec_sha256"] != ""
+        # where it was validated (no serving targets: the build node), for the monitor's node check
+        [node] = json.loads(v.tags["tailguard.validated_on"])
+        assert node["target"] is None and node["placement"] == "build_node" and node["passed"]
+        assert node["isa"] == fp32.data.tags["tailguard.hw.isa"]
     assert alias_version(env) == promoted[0]["version"]
 
 

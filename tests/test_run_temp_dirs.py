@@ -13,7 +13,7 @@ import mlflow
 import pytest
 import torch
 
-from tests.test_pipeline_local import TINY_KWARGS, make_rows, write_spec
+from tests.test_pipeline_local import make_rows, register_tiny_encoder, write_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,24 +25,7 @@ def run(tmp_path_factory):
     tmp.mkdir()
     make_rows(80, 0).to_parquet(root / "validation.parquet")
     make_rows(24, 1).to_parquet(root / "calibration.parquet")
-    old = os.environ.get("TAILGUARD_HOME")
-    os.environ["TAILGUARD_HOME"] = str(home)
-    try:
-        from tailguard.core.home import default_tracking_uri
-        from tailguard.core.tracking import configure
-        from tailguard.models import MeanPooledEncoder
-        from tailguard.registration import register_reference
-
-        uri = default_tracking_uri()
-        configure(uri, "registration")
-        torch.manual_seed(0)
-        register_reference("tiny-encoder", state_dict=MeanPooledEncoder(**TINY_KWARGS).state_dict(),
-                           class_path="tailguard.models:MeanPooledEncoder", init_kwargs=TINY_KWARGS)
-    finally:
-        if old is None:
-            os.environ.pop("TAILGUARD_HOME", None)
-        else:
-            os.environ["TAILGUARD_HOME"] = old
+    uri = register_tiny_encoder(home)
     spec = write_spec(root, variants=[
         {"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"},
         {"name": "ort-int8-dynamic", "backend": "onnxruntime", "precision": "int8",

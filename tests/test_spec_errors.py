@@ -235,3 +235,30 @@ def test_spec_refuses_a_promotion_select_other_than_fastest_passing_when_given()
     doc = _doc()
     doc.setdefault("promotion", {})["select"] = "cheapest_passing"
     assert "promotion.select" in _locs(doc)
+
+
+# ------------------------------------------------------------------------------------------- size limits
+def _grown(field: str, n: int) -> dict:
+    doc = _doc()
+    first = doc[field][0]
+    doc[field] = [{**first, **({"name": f"{field[0]}{i}"} if field != "gates" else {})} for i in range(n)]
+    return doc
+
+
+@pytest.mark.parametrize("field, most", [("variants", 32), ("slices", 32), ("gates", 128)])
+def test_spec_check_exits_2_naming_the_field_when_a_list_passes_its_limit(tmp_path, field, most):
+    p = tmp_path / "big.yaml"
+    p.write_text(yaml.safe_dump(_grown(field, most + 1)))
+    r = runner.invoke(app, ["spec", "check", "--no-data", str(p)])
+    assert r.exit_code == 2, r.output
+    assert f"{field}: {most + 1} given, at most {most} are allowed" in r.output
+    assert "Traceback" not in r.output
+    parse_spec(_grown(field, most))  # the limit itself is allowed
+
+
+def test_spec_rejects_a_long_slice_name_and_too_many_slice_groups_with_their_field_paths():
+    doc = _doc()
+    doc["slices"][0]["name"] = "s" * 65
+    doc["slices"].append({"name": "other", "column": "other", "max_groups": 1001})
+    locs = _locs(doc)
+    assert "slices.0.name" in locs and "slices.1.max_groups" in locs

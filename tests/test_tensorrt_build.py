@@ -512,21 +512,32 @@ def test_build_task_profile_comes_from_the_spec_and_enters_the_cache_key_when_th
     assert "calibration" in build_task.cache_parts(spec, by["trt-int8"], onnx_dir, prof)  # INT8 calibrates
 
 
-def test_log_engine_files_registers_a_tensorrt_plan_with_its_manifest_when_validated(onnx_file, tmp_path,
-                                                                                      monkeypatch, store):
-    # real MLflow store (sqlite under tmp_path, tests/test_results.py's fixture); the plan's bytes come from a
-    # stand-in GPU build
+def test_validated_tensorrt_plan_is_registered_with_its_manifest_and_fingerprint_when_logged_as_files(
+        onnx_file, tmp_path, monkeypatch, store):
+    # real MLflow store (sqlite under tmp_path, tests/test_results.py's fixture), the validate step's own
+    # log_validated_model and the register step's register_artifact_folder; the plan's bytes come from a stand-in
+    # GPU build
     import mlflow
 
-    from tailguard.components.validate.task import log_engine_files
+    from tailguard.components.register.logic import backend_tags, register_artifact_folder
+    from tailguard.components.validate.logic import ValidationResult
+    from tailguard.components.validate.task import log_validated_model
 
     monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))
     res = tb.build_tensorrt_engine(variant(), onnx_file, tmp_path / "out", None, Model, profile=_profile(),
                                    probe=lambda: dict(H100), trt=FakeTRT, build=lambda *a: (b"PLAN" * 8, None, []))
     client, _, run_id = store
-    uri = log_engine_files(client, run_id, Path(res.artifact))
-    mv = mlflow.register_model(uri, "mlp-optimized")
-    got = Path(mlflow.artifacts.download_artifacts(f"models:/mlp-optimized/{mv.version}", dst_path=str(tmp_path / "dl")))
+    work = tmp_path / "work"
+    work.mkdir()
+    result = ValidationResult("trt", "classification", 10, {"top1_agreement": 1.0},
+                              {1: {"latency_ms.p50": 1.0, "latency_ms.p99": 2.0}}, [], [], True, 0, [1])
+    out = log_validated_model(client, run_id, result, work_dir=work, model_file=Path(res.artifact),
+                              execution_provider="CUDAExecutionProvider", onnx=False)
+    tags = backend_tags(variant(), client.get_run(run_id).data.tags)
+    assert json.loads(tags["tailguard.artifact_fingerprint"])["device_name"] == H100["device_name"]
+    mv = register_artifact_folder(client, "mlp-optimized", out["model_uri"], run_id, tags)
+    got = Path(mlflow.artifacts.download_artifacts(f"models:/mlp-optimized/{mv.version}",
+                                                   dst_path=str(tmp_path / "dl")))
     assert sorted(p.name for p in got.iterdir()) == ["trt.plan", "trt.plan.json"]
     assert verify_engine(got / "trt.plan", fingerprint(onnx_file, res.details["build_config"],
                                                        probe=lambda: dict(H100)))

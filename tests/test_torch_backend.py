@@ -69,9 +69,9 @@ def test_torch_runner_refuses_with_the_field_when_the_manifest_names_another_tor
     copy.write_bytes(build.path.read_bytes())
     manifest = json.loads(manifest_path(build.path).read_text())
     manifest["fingerprint"]["torch_version"] = "2.11.0+cu130"
-    manifest["fingerprint"]["device_name"] = "NVIDIA H100 80GB HBM3"
+    manifest["fingerprint"]["device"] = "cuda"
     manifest_path(copy).write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactMismatchError, match=r"device_name: 'NVIDIA H100 80GB HBM3' != .*torch_version: "
+    with pytest.raises(ArtifactMismatchError, match=r"device: 'cuda' != 'cpu'.*torch_version: "
                                                     r"'2.11.0\+cu130' != "):
         TorchVariantRunner(copy, cfg, SPECS, source_sha256="a" * 64)
 
@@ -143,7 +143,7 @@ def test_torch_aot_inductor_package_runs_on_cpu_close_to_the_module_when_batch_i
     build = build_torch_variant(_model(), _batch(4, 12), SPECS, cfg, tmp_path, source_sha256="c" * 64)
     assert build.path.name == "package.pt2" and build.compile_seconds > 0
     manifest = json.loads(manifest_path(build.path).read_text())
-    assert manifest["kind"] == "AOTInductor package" and manifest["fingerprint"]["cpu_isa"] is not None
+    assert manifest["kind"] == "AOTInductor package" and manifest["fingerprint"]["cpu_isa"]  # bound to the ISA
     runner = TorchVariantRunner(build.path, cfg, SPECS, source_sha256="c" * 64)
     reference = EagerModuleRunner(_model(), SPECS)
     for rows, length in ((1, 3), (9, 33)):
@@ -161,3 +161,31 @@ def test_cuda_graph_cache_replays_equal_outputs_and_keeps_at_most_max_graphs():
         with torch.inference_mode():
             torch.testing.assert_close(graphs(*args)[0], model(*args))
     assert len(graphs.graphs) == 2 and graphs.captures == 4  # (1, 5) was evicted, then captured again
+
+
+def test_torch_probe_load_reports_the_childs_exit_when_the_package_cannot_load(tmp_path):
+    from tailguard.core.artifacts import write_manifest
+    from tailguard.core.torch_backend import fingerprint, probe_load, signature
+
+    cfg = TorchBuildConfig(precision="fp32", compile="aot_inductor", device="cpu")
+    package = tmp_path / "package.pt2"
+    package.write_bytes(b"not a zip archive")  # a manifest that matches the bytes: the loader itself fails
+    write_manifest(package, fingerprint(cfg, "d" * 64, signature(SPECS)), kind=cfg.artifact_kind)
+    reason = probe_load(package, cfg, SPECS, source_sha256="d" * 64, feeds=_batch(2, 5))
+    assert reason is not None and "probe process ended with exit code 1" in reason
+
+
+def test_validate_torch_runner_fails_the_variant_naming_the_field_when_built_for_another_node(eager_build,
+                                                                                             tmp_path):
+    from tailguard.components.validate.task import VariantUnusable, torch_runner
+
+    _, build = eager_build
+    copy = tmp_path / build.path.name
+    copy.write_bytes(build.path.read_bytes())
+    manifest = json.loads(manifest_path(build.path).read_text())
+    manifest["fingerprint"]["torch_version"] = "2.11.0+cu130"
+    manifest_path(copy).write_text(json.dumps(manifest))
+    variant = NS(precision="fp32", torch_compile="eager", torch_device="cpu", cuda_graphs=False)
+    spec = NS(model=NS(inputs=SPECS, pad_values={}), benchmark=NS(intra_op_num_threads=0))
+    with pytest.raises(VariantUnusable, match=r"torch_version: '2.11.0\+cu130' != "):
+        torch_runner(spec, variant, copy, {"details": {"source_sha256": "a" * 64}}, None)

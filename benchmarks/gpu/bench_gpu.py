@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 BASELINE = "torch-eager-fp32"
+ORT = "ort-fp32"  # the demo spec's fused ONNX Runtime FP32 variant, timed beside the torch variants on a CPU
 TARGET_SPEEDUP = 3.0  # issue 28's target at batch 1 on an H100-class GPU
 PACKAGES = ("torch", "triton", "transformers", "numpy", "onnx", "onnxruntime", "pydantic", "tailguard")
 
@@ -121,6 +122,9 @@ def write_tiny_bundle(out: Path, *, rows: int = 240, seed: int = 0) -> Path:
     doc["data"]["expectations"] = []
     doc["model"]["source"]["init_kwargs"] = kwargs
     doc["model"]["outputs"][0]["shape"] = ["batch", kwargs["hidden_size"]]
+    for v in doc["variants"]:  # the BERT fusion's attention shape is the tiny model's
+        if (v.get("graph_optimization") or {}).get("num_heads"):
+            v["graph_optimization"].update(num_heads=kwargs["num_attention_heads"], hidden_size=kwargs["hidden_size"])
     (out / "spec.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     (out / "bundle.json").write_text(json.dumps({"model": "tiny random MeanPooledEncoder (CPU dry run)",
                                                  "init_kwargs": kwargs, "validation_rows": rows}))
@@ -158,6 +162,24 @@ def _example(validation: Any, input_specs: Any, pad_values: Any) -> dict[str, np
 
     idx = np.argsort(-validation.lengths, kind="stable")[:4]
     return make_batch(validation, idx, input_specs, pad_values=pad_values)
+
+
+def ort_fp32_runner(factory: Any, spec: Any, example: dict[str, np.ndarray], out: Path) -> Any:
+    """The spec's `ort-fp32` variant as the pipeline builds it: the export step's ONNX export (checked against torch
+    elsewhere; here only written), then the `quantize.onnxruntime` step (BERT fusion), in an ONNX Runtime session
+    whose workers never spin-wait (`OrtRunner(allow_spinning=False)`: spinning workers slow the torch runs timed in
+    the same rounds; the validate step times torch variants beside the same kind of session)."""
+    from tailguard.components.export.logic import export_onnx
+    from tailguard.core.runtime import OrtRunner
+    from tailguard.core.steps import get_step
+
+    variant = next(v for v in spec.variants if v.name == ORT)
+    export_onnx(factory(), spec.model, example, out / "fp32" / "model.onnx")
+    built = get_step("quantize.onnxruntime")(variant, out / "fp32" / "model.onnx", out / "built", calibration=None,
+                                             model=spec.model)
+    if built.status != "ok":
+        raise RuntimeError(f"{ORT} build {built.status}: {built.reason}")
+    return OrtRunner(built.artifact, allow_spinning=False)
 
 
 def _build_child(bundle: str, example_npz: str, config: dict[str, Any], out_dir: str, source_sha: str,
@@ -230,11 +252,13 @@ def asdict_config(config: Any) -> dict[str, Any]:
 
 def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, rounds: int,
         max_seconds: float, batch_sizes: list[int], checkpoint: Any = None,
-        build_deadline: float = float("inf")) -> dict[str, Any]:
+        build_deadline: float = float("inf"), with_ort: bool = False) -> dict[str, Any]:
     """Build, validate and time `variants` on `device`; returns the JSON report (module docstring).
     `checkpoint(rows)`, when given, is called with the variant rows after the builds and after validation (so a
     run cut short by a time limit still leaves what it measured); no build starts after `build_deadline` seconds
-    (the variants left are skipped, so that validation and timing of the others still fit a time limit)."""
+    (the variants left are skipped, so that validation and timing of the others still fit a time limit); with
+    `with_ort`, the spec's ort-fp32 variant (exported and BERT-fused by the pipeline's own export and build steps)
+    is validated and timed in the same rounds, and every ratio is also given against it (speedup_vs_ort_fp32)."""
     import torch
 
     from tailguard.components.validate.logic import validate_variant
@@ -311,6 +335,16 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
         print(f"[{time.perf_counter() - t_start:7.1f}s] built {v.name}: {row['status']} {row.get('reason', '')}",
               flush=True)
 
+    if with_ort:  # the pipeline's promoted ORT FP32 (BERT-fused) variant, timed in the same rounds
+        t0 = time.perf_counter()
+        rows[ORT] = {"name": ORT, "backend": "onnxruntime", "precision": "fp32", "compile": "ort-bert-fusion",
+                     "cuda_graphs": False, "device": "cpu"}
+        try:
+            runners[ORT] = ort_fp32_runner(factory, spec, example, work / ORT)
+            rows[ORT].update(status="ok", build={"wall_seconds": round(time.perf_counter() - t0, 3)})
+        except Exception as exc:
+            rows[ORT].update(status="failed", reason=_failure(exc))
+            traceback.print_exc()
     if checkpoint:
         checkpoint(rows)
     for name in list(runners):
@@ -349,10 +383,10 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
             for bs, r in per_bs.items():
                 entry = {k: r[k] for k in ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean",
                                            "throughput_per_s", "n_iterations")}
-                if name != BASELINE:
-                    s = speed_ratio(timed[BASELINE][bs]["samples_ms"], r["samples_ms"], 0.95)
-                    entry.update({"speedup_vs_torch_eager": s["ratio"], "speedup_vs_torch_eager.lb95": s["lower"],
-                                  "speedup_vs_torch_eager.ub95": s["upper"]})
+                for base, key in ((BASELINE, "speedup_vs_torch_eager"), (ORT, "speedup_vs_ort_fp32")):
+                    if name != base and base in timed:
+                        s = speed_ratio(timed[base][bs]["samples_ms"], r["samples_ms"], 0.95)
+                        entry.update({key: s["ratio"], f"{key}.lb95": s["lower"], f"{key}.ub95": s["upper"]})
                 perf[str(bs)] = entry
             rows[name]["perf"] = perf
         timing_method = next(iter(timed[BASELINE].values()))["method"]
@@ -362,13 +396,15 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
     best: dict[str, Any] = {}
     for bs in batch_sizes:
         cands = [(r["perf"][str(bs)]["speedup_vs_torch_eager"], n) for n, r in rows.items()
-                 if n != BASELINE and r.get("passed") and "perf" in r]
+                 if n not in (BASELINE, ORT) and r.get("passed") and "perf" in r]
         if cands:
             ratio, name = max(cands)
             p = rows[name]["perf"][str(bs)]
             best[str(bs)] = {"variant": name, "speedup": ratio, "lb95": p["speedup_vs_torch_eager.lb95"],
                              "ub95": p["speedup_vs_torch_eager.ub95"], "latency_ms.p50": p["latency_ms.p50"],
-                             "baseline_latency_ms.p50": rows[BASELINE]["perf"][str(bs)]["latency_ms.p50"]}
+                             "baseline_latency_ms.p50": rows[BASELINE]["perf"][str(bs)]["latency_ms.p50"],
+                             **({k: p[k] for k in ("speedup_vs_ort_fp32", "speedup_vs_ort_fp32.lb95",
+                                                   "speedup_vs_ort_fp32.ub95") if k in p})}
         else:
             best[str(bs)] = None
     gpu = None
@@ -441,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--out", type=Path, required=True, help="the JSON report")
     ap.add_argument("--work", type=Path, default=None, help="folder for artefacts (default: a temporary one)")
+    ap.add_argument("--with-ort", action="store_true",
+                    help="also build the spec's ort-fp32 (export + BERT fusion, CPU) and time it in the same rounds")
     ap.add_argument("--build-deadline", type=float, default=float("inf"),
                     help="seconds after which no further variant is built (the rest are skipped)")
     args = ap.parse_args(argv)
@@ -469,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = run(bundle, device, catalogue, work, rounds=args.rounds, max_seconds=args.max_seconds,
-                     batch_sizes=batch_sizes, build_deadline=args.build_deadline,
+                     batch_sizes=batch_sizes, build_deadline=args.build_deadline, with_ort=args.with_ort,
                      checkpoint=lambda rows: _write(args.out.with_name(args.out.stem + ".partial.json"),
                                                     {"partial": True, "variants": list(rows.values())}))
     _write(args.out, report)

@@ -59,7 +59,7 @@ from tailguard.core.steps import get_step, register_step
 
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
-STEP_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt"}
+STEP_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt", "torch": "compile.torch"}
 
 # ORT graph optimization levels by spec name, and the matching `opt_level` of onnxruntime.transformers.optimizer
 # (0 disables ORT's own pass; 99 = ORT_ENABLE_ALL).

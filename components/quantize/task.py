@@ -132,6 +132,68 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
     return json.dumps(d, default=str)
 
 
+def torch_cache_parts(spec: Any, variant: Any, resolved: Any) -> dict[str, Any] | None:
+    """What a torch build reads, for the cache key: the reference (`cache.reference_parts`: format, files, class
+    source), the variant, the model section, the calibration rows it takes the export example from, and the node
+    (machine, torch version, GPUs): the artefact is bound to them (its manifest), so a build is never served to
+    another kind of node.
+
+    Returns:
+        The parts, or None when an input cannot be hashed: then no caching.
+    """
+    from tailguard.core.cache import dataset_parts, machine_parts, reference_parts
+    from tailguard.core.hardware import gpu_facts, library_versions
+
+    reference, calibration = reference_parts(resolved, spec), dataset_parts(spec.data.calibration)
+    if reference is None or calibration is None:
+        return None
+    return {**reference, "variant": variant.model_dump(mode="json", exclude={"search"}),
+            "model": spec.model.model_dump(mode="json", exclude={"version", "registered_name", "description"}),
+            "calibration": calibration, "machine": machine_parts(), "torch": library_versions(("torch",)),
+            "gpus": gpu_facts() if variant.torch_device == "cuda" else None}
+
+
+@task_entry("build-variant")
+def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, reference_dir: str, out_dir: str) -> str:
+    """Build torch variant `variant_name` from the registered torch reference into `out_dir` (the
+    `compile.torch` step; components/quantize/torch_step.py). Served from the local cache like `main`.
+
+    Returns:
+        JSON StepResult plus "variant" and "cached"; `artifact` is the artefact's file name relative to `out_dir`.
+    """
+    from tailguard.core.cache import cached_step
+    from tailguard.core.reference import load_resolved
+    from tailguard.core.spec import spec_from_yaml
+
+    spec = spec_from_yaml(spec_yaml)
+    variant = next(v for v in spec.variants if v.name == variant_name)
+    resolved = load_resolved(resolved_json, reference_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def build() -> dict[str, Any]:
+        from tailguard.core.data import load_calibration
+        from tailguard.core.hardware import node_facts
+        from tailguard.core.reference import load_torch_reference
+        from tailguard.core.steps import get_step
+
+        result = get_step("compile.torch")(variant, lambda: load_torch_reference(resolved, spec.model), out,
+                                           calibration=load_calibration(spec), model=spec.model,
+                                           source_sha256=resolved.sha256 or "", reference_format=resolved.format)
+        if result.artifact:
+            result.artifact = str(Path(result.artifact).resolve().relative_to(out.resolve()))
+        d = result.to_dict()
+        d["variant"] = variant.name
+        d["hardware"] = node_facts()
+        write_json(out / "build.json", d)
+        return d
+
+    d = cached_step("build", torch_cache_parts(spec, variant, resolved), out, build, label=f"build {variant_name}",
+                    cacheable=lambda r: r.get("status") == "ok")
+    write_json(out / "build.json", d)
+    return json.dumps(d, default=str)
+
+
 def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path, profile: dict | None = None) -> dict[str, Any]:
     """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant" and
     "hardware" (`tailguard.core.hardware.node_facts()` of this node: CPU model, ISA flags, cores, GPUs, versions)."""

@@ -31,11 +31,14 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, BACKEND_TAG, EXECUTION_PROVIDER_TAG,
-                                     GATE_NAME_PREFIX, GATES_TAG, NOTE_TAG, PRECISION_TAG, PROMOTION_REASON_TAG,
-                                     PROMOTION_TAG, REPORT_ERROR_TAG, RUN_ID_TAG, SEARCH_OF_TAG, SHA256_TAG,
-                                     SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG,
-                                     SUPERSEDED_BY_TAG, TRIAL_RUN_TAG, VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
+from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG,
+                                     COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG,
+                                     GATE_NAME_PREFIX, GATES_TAG, HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG, NOTE_TAG,
+                                     PRECISION_TAG, PROMOTION_REASON_TAG, PROMOTION_TAG, REPORT_ERROR_TAG, RUN_ID_TAG,
+                                     SEARCH_OF_TAG, SHA256_TAG, SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG,
+                                     SPEC_SHA256_TAG, SUPERSEDED_BY_TAG, TARGET_ALIASES_TAG, TARGET_CHECK_TAG,
+                                     TARGET_PLACEMENT_TAG, TARGET_TAG, TRIAL_RUN_TAG, VALIDATED_ON_TAG,
+                                     VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
 from tailguard.core.reference import alias_version
 from tailguard.core.results import ResultFormatError, VariantResult
 
@@ -69,6 +72,13 @@ class VariantSummary:
         hardware_dependent: the validate step's numerics check (VariantResult.hardware_dependent): True when the
             gates or the worst slice differ between the node's INT8 kernels and exact integer accumulation; None
             when not checked. numerics: its summary (VariantResult.numerics), None when not recorded.
+        targets: with spec `serving_targets`, the variant's verdict per target that serves it ({target: {status,
+            passed, reason, run_id, p50_ms, p99_ms (ms, at `batch_size`), placement (node_pool | this_node), check
+            (matched | mismatch | no_expect), hardware {cpu, isa, gpu}}}), `target_rows`; {} without targets. The
+            row's own `passed` is then "passed on every target that serves it", its p50_ms/p99_ms and speedups
+            those of its slowest target (by p50), its gates the worst status of each gate over the targets, its
+            other metrics (overall, worst slice, numerics) the first validated target's.
+        target_aliases: the per-target aliases (`<alias>-<target>`) this run moved to the variant's version.
     """
 
     variant: str
@@ -94,6 +104,8 @@ class VariantSummary:
     registration_note: str = ""
     hardware_dependent: bool | None = None
     numerics: dict[str, Any] | None = None
+    targets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    target_aliases: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -121,6 +133,10 @@ class RunSummary:
             cpu model / isa flags / cores, gpus, os, library versions), from reference-pass; None when unknown.
         warnings: run-level warnings, e.g. an unstable torch baseline (components/reference/logic.py
             `time_baselines`); [] when none.
+        serving_targets: the spec's serving target names, spec order ([] without targets).
+        target_aliases: one entry per serving target: {target, alias (`<alias>-<target>`), variant (the fastest
+            variant passing on the target, or None), version, outcome (promoted | superseded | not_promoted),
+            alias_version (where the alias points after this run)}; [] without targets.
     """
 
     parent_run_id: str
@@ -140,6 +156,8 @@ class RunSummary:
     tasks: dict[str, Any] | None = None
     hardware: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    serving_targets: list[str] = field(default_factory=list)
+    target_aliases: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -310,10 +328,109 @@ def versions_by_sha256(client: Any, model_name: str) -> dict[str, str]:
             return out
 
 
+def backend_tags(variant: Any, run_tags: dict[str, str]) -> dict[str, str]:
+    """The registered version's backend-specific tags: the ONNX Runtime execution provider (onnxruntime), the
+    TensorRT plan's fingerprint (tensorrt: TensorRT version, GPU, compute capability, CUDA; from the validated run's
+    ARTIFACT_FINGERPRINT_TAG), or the torch variant's compile mode, device, CUDA graphs and the artefact's
+    fingerprint (torch version, device name, compute capability or CPU ISA flags)."""
+    if variant.backend == "tensorrt":
+        return {ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, "")}
+    if variant.backend != "torch":
+        return {EXECUTION_PROVIDER_TAG: variant.execution_provider}
+    return {COMPILE_TAG: variant.torch_compile, DEVICE_TAG: variant.torch_device,
+            CUDA_GRAPHS_TAG: str(variant.cuda_graphs).lower(),
+            ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, "")}
+
+
+def register_artifact_folder(client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str]) -> Any:
+    """Register a run's artefact folder (`runs:/<run>/<path>`, not an MLflow model: no MLmodel file) as a new
+    version of `name`, with `MlflowClient.create_model_version(source=<the run's artifact URI>/<path>)`;
+    `mlflow.register_model` only takes logged MLflow models. `models:/name/N` downloads the folder.
+
+    Returns:
+        The ModelVersion.
+    """
+    from mlflow.exceptions import MlflowException
+
+    path = model_uri.removeprefix(f"runs:/{run_id}/").strip("/")
+    source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + path
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    return client.create_model_version(name, source=source, run_id=run_id, tags=tags)
+
+
 def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
     """The passing variant with the lowest p50 latency (ties: spec order). None when none passed."""
     passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
     return min(passing, key=lambda v: v.p50_ms) if passing else None
+
+
+def node_of(tags: dict[str, str]) -> dict[str, str]:
+    """The validating node's facts from a variant run's tailguard.hw.* tags, in `tailguard.core.hardware.
+    kernel_facts` form: {"cpu": model name, "isa": "avx2 fma ..." | "unknown", "gpu": "sm8.9" | "none"}."""
+    from tailguard.core.hardware import gpu_capabilities
+
+    return {"cpu": tags.get(HW_CPU_TAG, "unknown"), "isa": tags.get(HW_ISA_TAG, "unknown"),
+            "gpu": gpu_capabilities(tags.get(HW_GPU_TAG, "none"))}
+
+
+def target_entry(r: VariantResult | str, tags: dict[str, str], run_id: str | None, batch_size: int) -> dict[str, Any]:
+    """One target's entry of `VariantSummary.targets`: the verdict of the variant's validation on it.
+
+    Args:
+        r: the run's VariantResult, or why there is none to trust (the words `read_variant_result` returned).
+        tags: the run's tags (tailguard.target_placement, tailguard.target_check, tailguard.hw.*); {} without a run.
+        run_id: the run, None when no validation run was logged.
+        batch_size: the promotion batch size (p50_ms / p99_ms are taken there, ms).
+    """
+    if isinstance(r, str):
+        return {"status": "failed", "passed": False, "reason": r, "run_id": run_id, "p50_ms": None, "p99_ms": None,
+                "placement": tags.get(TARGET_PLACEMENT_TAG), "check": tags.get(TARGET_CHECK_TAG),
+                "hardware": node_of(tags) if tags else None}
+    return {"status": r.status, "passed": r.passed, "reason": r.reason, "run_id": run_id,
+            "p50_ms": r.perf_value(batch_size, "latency_ms.p50"), "p99_ms": r.perf_value(batch_size, "latency_ms.p99"),
+            "placement": tags.get(TARGET_PLACEMENT_TAG), "check": tags.get(TARGET_CHECK_TAG),
+            "hardware": node_of(tags)}
+
+
+# A gate's status over several targets is its worst one (failed, then insufficient data, then passed); a gate that
+# does not apply to the variant does not apply on any target.
+GATE_STATUS_RANK = {"not_applicable": 0, "passed": 1, "insufficient_data": 2, "failed": 3}
+
+
+def merge_gate_statuses(per_target: list[dict[str, str]]) -> dict[str, str]:
+    """{gate key: worst status over `per_target`} (GATE_STATUS_RANK; an unknown status ranks as failed), keys in
+    first-seen order."""
+    out: dict[str, str] = {}
+    for gates in per_target:
+        for key, status in gates.items():
+            if key not in out or GATE_STATUS_RANK.get(status, 3) > GATE_STATUS_RANK.get(out[key], 3):
+                out[key] = status
+    return out
+
+
+def fastest_on_target(rows: list[VariantSummary], target: str) -> VariantSummary | None:
+    """The row with the lowest p50 on `target` among those that passed there (ties: spec order); None when none
+    did. The per-target alias `<alias>-<target>` moves to it."""
+    passing = [r for r in rows if (r.targets.get(target) or {}).get("passed")
+               and r.targets[target].get("p50_ms") is not None]
+    return min(passing, key=lambda r: r.targets[target]["p50_ms"]) if passing else None
+
+
+def validated_on(row: VariantSummary, tags: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The `tailguard.validated_on` tag of a registered variant (JSON list; the monitor compares its own node with
+    the nodes a variant passed on, monitoring/node_check.py): with serving targets one entry per target,
+    {target, status, passed, placement, cpu, isa, gpu}; without, one entry {target: null, ..., placement:
+    "build_node"} from the validation run's `tags`."""
+    if row.targets:
+        return [{"target": t, "status": e["status"], "passed": bool(e["passed"]), "placement": e.get("placement"),
+                 **(e.get("hardware") or {"cpu": "unknown", "isa": "unknown", "gpu": "none"})}
+                for t, e in row.targets.items()]
+    return [{"target": None, "status": row.status, "passed": row.passed, "placement": "build_node",
+             **node_of(tags or {})}]
 
 
 def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, source_version: str,
@@ -322,6 +439,12 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
 
     Registration policy and artefact reuse (same sha256: the existing version is used, never a second one):
     module docstring. Rows that get no version say why (`VariantSummary.registration_note`).
+
+    With spec `serving_targets` each variant has one validation run per target that serves it (tag
+    tailguard.target); its row's `targets` holds each verdict, and the row passes only when it passed on every one
+    of them. `promotion.alias` moves to the fastest variant passing on every target that serves it (p50 of its
+    slowest target), and each target's alias `<alias>-<target>` to the fastest variant passing on that target
+    (p50 there), before the default alias; a target where nothing passed keeps its alias where it was.
 
     Args:
         spec: the Spec.
@@ -337,6 +460,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from tailguard.core.spec import target_alias
     from tailguard.core.tracking import store_lock
 
     client = mlflow.MlflowClient()
@@ -344,14 +468,20 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     at_start = client.get_run(parent_run_id).data.tags.get(ALIAS_AT_START_TAG)
     expected = (at_start or None) if at_start is not None else \
         alias_version(client, spec.optimized_model_name, spec.promotion.alias)
+    targets = [t.name for t in spec.serving_targets]
+    # the per-target aliases are compare-and-set against where they pointed when this step started
+    expected_targets = {t: alias_version(client, spec.optimized_model_name, target_alias(spec.promotion.alias, t))
+                        for t in targets}
     runs = client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
                               max_results=1000)
-    by_variant = {r.data.tags.get(VARIANT_TAG): r for r in runs}
+    by_variant = {r.data.tags.get(VARIANT_TAG): r for r in runs if not r.data.tags.get(TARGET_TAG)}
+    by_target = {(r.data.tags.get(VARIANT_TAG), r.data.tags.get(TARGET_TAG)): r for r in runs
+                 if r.data.tags.get(TARGET_TAG)}
     bs = spec.promotion.batch_size or spec.benchmark.batch_sizes[0]
     summary = RunSummary(parent_run_id=parent_run_id, experiment_id=experiment_id,
                          source_model=spec.model.registered_name, source_version=str(source_version),
                          optimized_model=spec.optimized_model_name, alias=spec.promotion.alias,
-                         promotion_enabled=spec.promotion.enabled, batch_size=bs)
+                         promotion_enabled=spec.promotion.enabled, batch_size=bs, serving_targets=targets)
     try:
         client.get_registered_model(spec.optimized_model_name)
     except MlflowException:
@@ -362,15 +492,15 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     # One spec fingerprint per run: the one resolve put on the parent run (sha256 of the spec YAML the tasks got).
     spec_sha = client.get_run(parent_run_id).data.tags.get(SPEC_SHA256_TAG, "")
     built: list[tuple[VariantSummary, VariantResult, Any, str]] = []  # rows with a logged model, spec order
+    nodes: dict[str, list[dict[str, Any]]] = {}  # row name -> its tailguard.validated_on entries
 
-    def add_row(name: str, v: Any, run: Any) -> None:
-        run_id = run.info.run_id
-        r = read_variant_result(client, run_id)
+    def result_of(name: str, run: Any) -> VariantResult | str:
+        r = read_variant_result(client, run.info.run_id)
         if isinstance(r, VariantResult) and r.variant != name:
-            r = f"{VARIANT_RESULT_FILE} on run {run_id} is the result of {r.variant!r}, not of {name!r}"
-        if isinstance(r, str):  # no result to trust: failed, not registered (a died task never passes)
-            summary.variants.append(VariantSummary(name, v.backend, v.precision, "failed", reason=r, run_id=run_id))
-            return
+            r = f"{VARIANT_RESULT_FILE} on run {run.info.run_id} is the result of {r.variant!r}, not of {name!r}"
+        return r
+
+    def row_of(name: str, v: Any, r: VariantResult, run_id: str) -> VariantSummary:
         row = VariantSummary(
             variant=name, backend=v.backend, precision=v.precision, status=r.status, reason=r.reason,
             passed=r.passed, run_id=run_id,
@@ -384,11 +514,67 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             r.warnings)  # + the build's (components/quantize: fusion, attention MatMuls, exporter warnings)
         if row.status == "ok":  # INT8 numerics: 8-bit weights on x86, the numerics check's flag
             row.warnings += numerics_warnings(v, r.hardware_dependent, r.numerics)
+        return row
+
+    def add_row(name: str, v: Any, run: Any, node_tags: dict[str, str] | None = None) -> None:
+        """The row of candidate `name` from its run; `node_tags`: the run whose tailguard.hw.* tags name the node
+        it was validated on (default `run`; a '<V>-searched' run is the search's, on V's node)."""
+        run_id = run.info.run_id
+        r = result_of(name, run)
+        if isinstance(r, str):  # no result to trust: failed, not registered (a died task never passes)
+            summary.variants.append(VariantSummary(name, v.backend, v.precision, "failed", reason=r, run_id=run_id))
+            return
+        row = row_of(name, v, r, run_id)
+        nodes[name] = validated_on(row, node_tags if node_tags is not None else run.data.tags)
         if row.status == "ok" and r.model_uri:
             built.append((row, r, v, run_id))  # registered after the selection (registration policy)
         summary.variants.append(row)
 
+    def add_target_row(v: Any) -> None:
+        """One row for variant `v` from its validation on each target that serves it (`VariantSummary.targets`)."""
+        entries: dict[str, dict[str, Any]] = {}
+        results: dict[str, tuple[VariantResult, str]] = {}
+        for t in spec.targets_for(v):
+            run = by_target.get((v.name, t.name))
+            if run is None:
+                entries[t.name] = target_entry("no validation run was logged", {}, None, bs)
+                continue
+            r = result_of(v.name, run)
+            entries[t.name] = target_entry(r, run.data.tags, run.info.run_id, bs)
+            if isinstance(r, VariantResult):
+                results[t.name] = (r, run.info.run_id)
+        validated = [t for t, (r, _) in results.items() if r.status == "ok"]
+        base = validated[0] if validated else next(iter(results), None)
+        if base is None:  # no target left a result: failed, not registered
+            reason = "; ".join(f"{t}: {e['reason']}" for t, e in entries.items())
+            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, "failed", reason=reason,
+                                                   targets=entries))
+            return
+        r, run_id = results[base]
+        row = row_of(v.name, v, r, run_id)
+        row.targets = entries
+        row.passed = all(e["passed"] for e in entries.values())
+        if not row.passed and row.status == "ok":
+            row.reason = "not passed on every serving target: " + "; ".join(
+                f"{t}: {e['reason'] or e['status']}" for t, e in entries.items() if not e["passed"])
+        row.gates = merge_gate_statuses([results[t][0].gate_statuses() for t in validated])
+        timed = [t for t in validated if entries[t]["p50_ms"] is not None]
+        if timed:  # perf of the slowest target: what the variant guarantees on every pool it serves
+            slow = results[max(timed, key=lambda t: entries[t]["p50_ms"])][0]
+            row.p50_ms, row.p99_ms = slow.perf_value(bs, "latency_ms.p50"), slow.perf_value(bs, "latency_ms.p99")
+            row.speedup_vs_torch = slow.perf_value(bs, "speedup_vs_torch")
+            row.speedup_vs_onnx_fp32 = slow.perf_value(bs, "speedup_vs_onnx_fp32")
+        if any(results[t][0].hardware_dependent for t in validated):
+            row.hardware_dependent = True
+        nodes[v.name] = validated_on(row)
+        if row.status == "ok" and r.model_uri:
+            built.append((row, r, v, run_id))
+        summary.variants.append(row)
+
     for v in spec.variants:
+        if targets:
+            add_target_row(v)
+            continue
         run = by_variant.get(v.name)
         if run is None:
             summary.variants.append(VariantSummary(v.name, v.backend, v.precision, "failed",
@@ -399,17 +585,19 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             continue
         searched = by_variant.get(searched_name(v.name))
         if searched is not None and searched.data.tags.get(SEARCH_OF_TAG) == v.name:
-            add_row(searched_name(v.name), v, searched)
+            add_row(searched_name(v.name), v, searched, node_tags=run.data.tags)  # the search ran on V's node
         found = _search_json(client, run.info.run_id)
         if found is not None:
             summary.searches.append(found)
     chosen = select_fastest_passing([row for row, *_ in built])
+    by_target_choice = {t: fastest_on_target([row for row, *_ in built], t) for t in targets}
+    picked = {id(row) for row in by_target_choice.values() if row is not None}
     policy = spec.promotion.register_variants
     # under a lock on a local store: two runs of one machine never register the same artefact twice
     with store_lock(mlflow.get_tracking_uri(), f"register-{spec.optimized_model_name}"):
         existing = versions_by_sha256(client, spec.optimized_model_name)
         for row, r, v, run_id in built:
-            wanted, why = registration_policy(policy, row, row is chosen)
+            wanted, why = registration_policy(policy, row, row is chosen or id(row) in picked)
             if not wanted:
                 row.registration, row.registration_note = Registration.NOT_REGISTERED.value, why
                 continue
@@ -421,19 +609,40 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                       f"(same sha256 {r.sha256[:12]})", file=sys.stderr)
                 continue
             extra = {SEARCH_OF_TAG: r.search_of, TRIAL_RUN_TAG: r.trial_run_id or ""} if r.search_of else {}
-            mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags={
-                VARIANT_TAG: row.variant, BACKEND_TAG: v.backend, PRECISION_TAG: v.precision,
-                EXECUTION_PROVIDER_TAG: v.execution_provider,
-                SOURCE_MODEL_TAG: spec.model.registered_name,
-                SOURCE_VERSION_TAG: str(source_version),
-                SOURCE_SHA256_TAG: source_sha256 or "",
-                GATES_TAG: "passed" if row.passed else "failed",
-                SHA256_TAG: r.sha256 or "",
-                SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id, **extra})
+            tags = {VARIANT_TAG: row.variant, BACKEND_TAG: v.backend, PRECISION_TAG: v.precision,
+                    **backend_tags(v, client.get_run(run_id).data.tags),
+                    SOURCE_MODEL_TAG: spec.model.registered_name,
+                    SOURCE_VERSION_TAG: str(source_version),
+                    SOURCE_SHA256_TAG: source_sha256 or "",
+                    GATES_TAG: "passed" if row.passed else "failed",
+                    SHA256_TAG: r.sha256 or "",
+                    SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id,
+                    VALIDATED_ON_TAG: validated_on_text(nodes.get(row.variant, [])), **extra}
+            if v.backend in ("torch", "tensorrt"):  # a node-bound artefact folder, not an MLflow model: by source
+                mv = register_artifact_folder(client, spec.optimized_model_name, r.model_uri, run_id, tags)
+            else:
+                mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags=tags)
             row.version = str(mv.version)
             row.registration, row.registration_note = Registration.REGISTERED.value, f"v{row.version}"
             if r.sha256:
                 existing[r.sha256] = row.version
+    if spec.promotion.enabled:
+        # Per-target aliases first, each to the fastest variant passing on its target (its p50 there), then the
+        # default alias below, last. They do not tag the parent run's promotion outcome: that is the default alias'.
+        for t in targets:
+            alias_t, pick = target_alias(spec.promotion.alias, t), by_target_choice[t]
+            entry: dict[str, Any] = {"target": t, "alias": alias_t, "variant": None, "version": None,
+                                     "outcome": "not_promoted", "alias_version": expected_targets[t]}
+            if pick is not None and pick.version is not None:
+                result = promote(client, model_name=spec.optimized_model_name, alias=alias_t,
+                                 version=str(pick.version), parent_run_id=parent_run_id, batch_size=bs,
+                                 expected=expected_targets[t], tracking_uri=mlflow.get_tracking_uri(), record=False)
+                entry.update(variant=pick.variant, version=pick.version, outcome=result.outcome,
+                             alias_version=result.alias_version)
+                if result.outcome == "promoted":
+                    pick.target_aliases.append(alias_t)
+                    _record_nodes(client, spec.optimized_model_name, pick, nodes)
+            summary.target_aliases.append(entry)
     if chosen is not None and spec.promotion.enabled:
         # The alias moves last, after every variant is registered: a failure before this line moves nothing.
         result = promote(client, model_name=spec.optimized_model_name, alias=spec.promotion.alias,
@@ -443,10 +652,37 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
         if result.outcome == "promoted":
             chosen.promoted = True
             summary.promoted_variant, summary.promoted_version = chosen.variant, chosen.version
+            _record_nodes(client, spec.optimized_model_name, chosen, nodes)
     else:
         summary.alias_version = alias_version(client, spec.optimized_model_name, spec.promotion.alias)
+    if targets:
+        client.set_tag(parent_run_id, TARGET_ALIASES_TAG,
+                       json.dumps({e["alias"]: e["alias_version"] for e in summary.target_aliases}))
     log_run_report(client, summary.to_dict(), tracking_uri=mlflow.get_tracking_uri())
     return summary
+
+
+VALIDATED_ON_MAX_CHARS = 5000  # MLflow's limit on a model version tag value
+
+
+def validated_on_text(entries: list[dict[str, Any]]) -> str:
+    """`validated_on` entries as the tag's JSON text; past VALIDATED_ON_MAX_CHARS the CPU model names are dropped
+    (the monitor compares the ISA flags and GPUs only), then the entries that did not pass."""
+    text = json.dumps(entries, separators=(",", ":"))
+    if len(text) > VALIDATED_ON_MAX_CHARS:
+        text = json.dumps([{k: v for k, v in e.items() if k != "cpu"} for e in entries], separators=(",", ":"))
+    if len(text) > VALIDATED_ON_MAX_CHARS:
+        text = json.dumps([{k: v for k, v in e.items() if k != "cpu"} for e in entries if e.get("passed")],
+                          separators=(",", ":"))[:VALIDATED_ON_MAX_CHARS]
+    return text
+
+
+def _record_nodes(client: Any, model_name: str, row: VariantSummary, nodes: dict[str, list[dict[str, Any]]]) -> None:
+    """Set `tailguard.validated_on` on the version an alias just moved to (a reused version holds the tag of the
+    run that registered it: this run's validation is the one the alias now stands on)."""
+    if row.registration == Registration.REUSED.value and row.version is not None:
+        client.set_model_version_tag(model_name, str(row.version), VALIDATED_ON_TAG,
+                                     validated_on_text(nodes.get(row.variant, [])))
 
 
 @dataclass
@@ -499,7 +735,7 @@ def _holder_wins(client: Any, model_name: str, holder: str, *, version: str, bat
 
 
 def promote(client: Any, *, model_name: str, alias: str, version: str, parent_run_id: str, batch_size: int,
-            expected: str | None, tracking_uri: str) -> Promotion:
+            expected: str | None, tracking_uri: str, record: bool = True) -> Promotion:
     """Move `alias` to `version`, compare-and-set: only if the alias still points where it pointed when the run
     decided (`expected`, None = nowhere); else re-decide against the version it now points to (`_holder_wins`).
 
@@ -511,6 +747,8 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
     written under the same lock, so they stay true: this run's parent run gets tailguard.promotion (promoted |
     superseded) and tailguard.alias_version; when this run takes the alias from a version another run promoted
     while this one ran, that run's parent is re-tagged superseded (tailguard.superseded_by = this run).
+    `record` False (a per-target alias, `<alias>-<target>`) writes none of these run tags: the parent run's
+    promotion outcome is the default alias', and the summary's `target_aliases` records the per-target ones.
     """
     from mlflow.exceptions import MlflowException
 
@@ -522,12 +760,13 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
         if holder is not None and holder != expected and holder != version:
             keep, reason = _holder_wins(client, model_name, holder, version=version, batch_size=batch_size)
             if keep:
-                _tag(client, parent_run_id, "superseded", holder, reason)
+                if record:
+                    _tag(client, parent_run_id, "superseded", holder, reason)
                 return Promotion("superseded", holder, reason)
             try:  # the run that promoted `holder` no longer holds the alias: say so on its parent run
                 other = client.get_run(client.get_run(client.get_model_version(model_name, holder)
                                                       .tags[RUN_ID_TAG]).data.tags["mlflow.parentRunId"])
-                if other.info.run_id != parent_run_id:
+                if record and other.info.run_id != parent_run_id:
                     _tag(client, other.info.run_id, "superseded", version, f"v{version} of run {parent_run_id} "
                          f"took the alias: {reason.replace(f'v{holder} is', 'it was')}")
                     client.set_tag(other.info.run_id, SUPERSEDED_BY_TAG, parent_run_id)
@@ -537,9 +776,11 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
         now = alias_version(client, model_name, alias)
         if now != version:  # a remote store has no lock: another run moved the alias between our read and set
             why = f"v{now} took the alias right after this run set it (a concurrent run on a remote store)"
-            _tag(client, parent_run_id, "superseded", now, why)
+            if record:
+                _tag(client, parent_run_id, "superseded", now, why)
             return Promotion("superseded", now, why)
-        _tag(client, parent_run_id, "promoted", version, reason)
+        if record:
+            _tag(client, parent_run_id, "promoted", version, reason)
         return Promotion("promoted", version, reason)
 
 

@@ -29,7 +29,10 @@ MLflow metric names (`ValidationResult.mlflow_metrics`, docs/architecture.md "ML
                                       bs<N>.n_iterations
     slice.<slice>.<value>.<metric>    per slice group, and slice.<slice>.<value>.support; <value> is
                                       sanitised to [A-Za-z0-9_.- ] (every other character, '/' included,
-                                      becomes '_'; a key clash after that gets a suffix _2, _3, ...)
+                                      becomes '_'; a key clash after that gets a suffix _2, _3, ...); a value
+                                      that would make "slice.<slice>.<value>" longer than 160 characters is
+                                      cut and ends with -h<16 hex of its sha256> (`slice_key_prefix`), so no
+                                      key passes MLflow's 250-character limit
     discovered.count                  slices worst-slice discovery marked significant (only when it ran)
     discovered.<i>.drop               for the i-th worst significant discovered slice, i = 1..5: its drop
     discovered.<i>.support            (metric units, > 0 = worse than the rest), support (rows) and
@@ -52,6 +55,7 @@ Values that are None or NaN (a metric not measured, a group with no rows) are le
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -150,12 +154,12 @@ def integer_kernel_nodes(model_path: str | Path | None) -> list[str] | None:
 
     Returns:
         Node names (op type where a node has no name), graph order; None when the path is not an .onnx file
-        (a folder, None, a TensorRT plan): unknown, so the exact pass is run where one is asked for.
+        (a folder, a torch artefact, a TensorRT plan, None): unknown, so the exact pass is run when one is asked for.
 
     Raises:
         InputError: the file is not a loadable ONNX model.
     """
-    if model_path is None or not Path(model_path).is_file() or Path(model_path).suffix != ".onnx":
+    if model_path is None or Path(model_path).suffix != ".onnx" or not Path(model_path).is_file():
         return None
     import onnx
 
@@ -269,6 +273,34 @@ def sanitize_key_part(value: str) -> str:
     '/' is replaced too although MLflow allows it: MLflow rejects keys that change under path normalisation.
     """
     return _KEY_BAD.sub("_", str(value)) or "_"
+
+
+# MLflow refuses metric keys longer than 250 characters (mlflow/utils/validation.py MAX_ENTITY_KEY_LENGTH). The
+# longest key made from a slice group is "exact." + prefix + a clash suffix "_NN" + "." + metric; with the prefix
+# "slice.<slice>.<value>" at most SLICE_KEY_PREFIX_MAX characters, every metric name up to 80 characters fits
+# (the longest per-slice metric today: nn_top1_margin_agreement, 24).
+SLICE_KEY_PREFIX_MAX = 160
+SLICE_KEY_HASH_HEX = 16  # hex digits of sha256 kept in a shortened value (64 bits)
+
+
+def slice_key_prefix(slice_name: str, value: Any) -> str:
+    """The MLflow key prefix of one slice group, "slice.<slice>.<value>", at most SLICE_KEY_PREFIX_MAX characters.
+
+    The value is sanitised (`sanitize_key_part`). When the prefix would be longer, the value is shortened, stably:
+    its sanitised text cut to fit, then "-h" and the first SLICE_KEY_HASH_HEX hex digits of the sha256 of the raw
+    value's UTF-8 bytes (so two long values with the same beginning get different keys, and a value always gets
+    the same key). slices.csv, result.json and the report keep the full value.
+
+    Example: a 300-character value "aaa...a" of slice "topic" gives
+    "slice.topic.aaa...a-h<16 hex>" (160 characters).
+    """
+    head = f"slice.{slice_name}."
+    part = sanitize_key_part(value)
+    if len(head) + len(part) <= SLICE_KEY_PREFIX_MAX:
+        return head + part
+    digest = hashlib.sha256(str(value).encode("utf-8", "surrogatepass")).hexdigest()[:SLICE_KEY_HASH_HEX]
+    keep = max(SLICE_KEY_PREFIX_MAX - len(head) - len(digest) - 2, 0)
+    return f"{head}{part[:keep]}-h{digest}"
 
 
 def _perf_row(perf: dict | None, bs: int) -> dict | None:
@@ -418,7 +450,7 @@ def _slice_keys(records: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]
     used: set[str] = set()
     out = []
     for rec in records:
-        base = f"slice.{rec['slice']}.{sanitize_key_part(rec['value'])}"
+        base = slice_key_prefix(rec["slice"], rec["value"])
         key, n = base, 1
         while key in used:
             n += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -10,10 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from tailguard.core.contract import (BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG, MODEL_URI_TAG, NUMERICS_TAG,
-                                     PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG, VALIDATION_RESULT_FILE,
+from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG,
+                                     MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG,
+                                     TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
                                      VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
 from tailguard.core.results import StepResult, VariantResult
+from tailguard.core.spec import target_task_name
 from tailguard.core.taskio import task_entry, write_json
 
 
@@ -56,8 +59,14 @@ def parse_baselines(baselines_json: str) -> dict[str, Any]:
 @task_entry("validate")
 def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: str, parent_run_id: str,
          tracking_uri: str, variant_dir: str, reference_dir: str, metrics: Any = None,
-         report_path: str | None = None, reference_model_dir: str | None = None) -> str:
+         report_path: str | None = None, reference_model_dir: str | None = None, target_name: str = "",
+         placement: str = "") -> str:
     """Validate one built variant and log its nested MLflow run (also for skipped/failed builds).
+
+    With `target_name` (spec `serving_targets`) the run is the variant's validation on that serving target: tagged
+    tailguard.target, tailguard.target_placement (`placement`: node_pool on a cluster, this_node in a local run)
+    and tailguard.target_check, and a node that does not match the target's `expect` (`target_check`) validates
+    nothing: the run and its variant_result.json say skipped, with the differences as the reason, never passed.
 
     With `reference_model_dir` (the export step's folder holding the FP32 reference model.onnx) the FP32
     ONNX Runtime reference is timed in this process, interleaved with the variant in rounds on the same
@@ -88,11 +97,17 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     client = mlflow.MlflowClient()
     from tailguard.core.hardware import hardware_tags, node_facts
 
+    facts = node_facts()
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
             BACKEND_TAG: variant.backend, PRECISION_TAG: variant.precision,
             STATUS_TAG: build["status"], GATES_TAG: "not_evaluated",
-            **hardware_tags(node_facts())}  # tailguard.hw.*: the node that validates and times the variant
-    run = client.create_run(exp_id, run_name=variant.name, tags=tags)
+            **hardware_tags(facts)}  # tailguard.hw.*: the node that validates and times the variant
+    mismatch, run_name = [], variant.name
+    if target_name:
+        mismatch, target_tags = target_check(spec, target_name, facts, placement)
+        tags.update(target_tags)
+        run_name = target_task_name(variant.name, target_name).removeprefix("validate-")
+    run = client.create_run(exp_id, run_name=run_name, tags=tags)
     run_id = run.info.run_id
     client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in flat_params(variant).items()])
     summary: dict[str, Any] = {"variant": variant.name, "status": step.status, "reason": step.reason,
@@ -107,14 +122,59 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
             client.set_tag(run_id, REASON_TAG, step.reason[:5000])
             log_variant_result(client, run_id, identity)
             return json.dumps(summary, default=str)
+        if mismatch:  # not the node the target names: nothing validated here, so nothing can pass
+            reason = (f"not validated on serving target {target_name!r}: this node does not match its expect: "
+                      + "; ".join(mismatch))
+            client.set_tag(run_id, STATUS_TAG, "skipped")
+            client.set_tag(run_id, REASON_TAG, reason[:5000])
+            log_variant_result(client, run_id, dataclasses.replace(identity, status="skipped", reason=reason))
+            summary.update(status="skipped", reason=reason)
+            return json.dumps(summary, default=str)
         try:
             summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
                                      Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path,
                                      reference_model_dir, identity=identity))
+        except VariantUnusable as exc:  # this variant fails; the run goes on with the others
+            reason = f"variant {variant.name} cannot run on this node: {exc}"
+            client.set_tag(run_id, STATUS_TAG, "failed")
+            client.set_tag(run_id, REASON_TAG, reason[:5000])
+            _log_failed_result(client, run_id, identity, reason)
+            summary.update(status="failed", reason=reason)
         except Exception as exc:
             _log_failed_result(client, run_id, identity, f"validation raised {type(exc).__name__}: {exc}")
             raise
         return json.dumps(summary, default=str)
+
+
+def target_check(spec: Any, target_name: str, facts: dict[str, Any],
+                 placement: str) -> tuple[list[str], dict[str, str]]:
+    """This node against serving target `target_name`'s `expect` (tailguard.core.hardware.expect_mismatches).
+
+    Args:
+        spec: the Spec (its serving_targets).
+        target_name: a serving target's name.
+        facts: this node's `node_facts()`.
+        placement: node_pool | this_node ("" reads as this_node).
+
+    Returns:
+        (the differences, one line each, [] when the node matches; the run's target tags: TARGET_TAG,
+        TARGET_PLACEMENT_TAG, TARGET_CHECK_TAG = matched | mismatch | no_expect).
+
+    Raises:
+        InputError: no serving target of that name in the spec.
+    """
+    from tailguard.core.errors import InputError
+    from tailguard.core.hardware import expect_mismatches
+
+    target = next((t for t in spec.serving_targets if t.name == target_name), None)
+    if target is None:
+        raise InputError(f"serving target {target_name!r} is not in the spec's serving_targets "
+                         f"{[t.name for t in spec.serving_targets]}", hint="compile the pipeline from this spec again")
+    expect = target.expect.model_dump() if target.expect is not None else {}
+    mismatch = expect_mismatches(facts, **expect)
+    check = "mismatch" if mismatch else ("matched" if any(expect.values()) else "no_expect")
+    return mismatch, {TARGET_TAG: target.name, TARGET_PLACEMENT_TAG: placement or "this_node",
+                      TARGET_CHECK_TAG: check}
 
 
 def log_variant_result(client: Any, run_id: str, result: VariantResult) -> None:
@@ -135,9 +195,42 @@ def _log_failed_result(client: Any, run_id: str, identity: VariantResult, reason
         pass
 
 
-def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict[str, Any] | None:
+class VariantUnusable(Exception):
+    """The built variant cannot be loaded on this node (a torch artefact built for another node or torch version,
+    or one whose native loader crashed a probe process): the variant fails with the reason, the run goes on."""
+
+
+def torch_runner(spec: Any, variant: Any, model_file: Path, build: dict[str, Any], ds: Any) -> Any:
+    """The torch variant's runner: its manifest checked against this node (and, for an AOTInductor package, a
+    load-and-run probe in a child process first, `torch_backend.probe_load`), then loaded here.
+
+    Raises:
+        VariantUnusable: the manifest check failed or the probe process crashed (the reason names which).
+    """
+    from tailguard.core.artifacts import ArtifactMismatchError
+    from tailguard.core.data import make_batch
+    from tailguard.core.torch_backend import TorchVariantRunner, config_of, probe_load
+
+    config = config_of(variant)
+    source = (build.get("details") or {}).get("source_sha256", "")
+    try:
+        if config.compile == "aot_inductor":
+            feeds = make_batch(ds, np.arange(min(2, ds.n_rows)), spec.model.inputs, pad_values=spec.model.pad_values)
+            crash = probe_load(model_file, config, spec.model.inputs, source_sha256=source, feeds=feeds)
+            if crash:
+                raise VariantUnusable(crash)
+        return TorchVariantRunner(model_file, config, spec.model.inputs, source_sha256=source,
+                                  intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    except ArtifactMismatchError as exc:
+        raise VariantUnusable(str(exc)) from None
+
+
+def reference_runners(spec: Any, reference_model_dir: str | Path | None, *, beside_torch: bool = False
+                      ) -> dict[str, Any] | None:
     """The baselines timed interleaved with a variant: {"onnx_fp32": OrtRunner of the FP32 reference ONNX}, on
-    the CPU execution provider with the spec's threads as reference-pass times it; None without a folder.
+    the CPU execution provider with the spec's threads as reference-pass times it; None without a folder. Beside
+    a torch variant (`beside_torch`) the session never spin-waits (`OrtRunner(allow_spinning=False)`): its
+    spinning workers would slow the torch runs timed in the same rounds (measured: `OrtRunner`'s docstring).
 
     Raises:
         InputError: the folder has no model.onnx.
@@ -148,7 +241,8 @@ def reference_runners(spec: Any, reference_model_dir: str | Path | None) -> dict
     from tailguard.core.runtime import OrtRunner
 
     return {"onnx_fp32": OrtRunner(Path(reference_model_dir) / ONNX_FILE,
-                                   intra_op_num_threads=spec.benchmark.intra_op_num_threads)}
+                                   intra_op_num_threads=spec.benchmark.intra_op_num_threads,
+                                   allow_spinning=not beside_torch)}
 
 
 def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
@@ -159,9 +253,12 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     from tailguard.core.runtime import OrtRunner
 
     model_file = variant_dir / build["artifact"]
-    runner = variant_runner(spec, variant, build, variant_dir, reference_model_dir)
-    baseline_runners = reference_runners(spec, reference_model_dir)
     ds = load_validation(spec)
+    if variant.backend == "torch":
+        runner = torch_runner(spec, variant, model_file, build, ds)
+    else:
+        runner = variant_runner(spec, variant, build, variant_dir, reference_model_dir)
+    baseline_runners = reference_runners(spec, reference_model_dir, beside_torch=variant.backend == "torch")
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
 
     def exact_runner() -> OrtRunner:  # the numerics check's second pass: exact integer accumulation
@@ -177,7 +274,8 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
             shutil.copytree(variant_dir / "sensitivity", work / "sensitivity")
         return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
                                    execution_provider=variant.execution_provider, metrics=metrics,
-                                   report_path=report_path, identity=identity)
+                                   report_path=report_path, identity=identity,
+                                   onnx=variant.backend == "onnxruntime")  # torch, TensorRT: the file + manifest
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -332,7 +430,7 @@ def onnx_pip_requirements(execution_provider: str) -> list[str]:
 
 def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path, model_file: Path,
                         execution_provider: str, metrics: Any = None, report_path: str | None = None,
-                        identity: VariantResult | None = None) -> dict[str, Any]:
+                        identity: VariantResult | None = None, onnx: bool = True) -> dict[str, Any]:
     """Log a validated model to its run the way the register step reads it.
 
     Logs `log_validation`'s metrics and tags, result.json (`result.to_dict()`, written first so the logged copy
@@ -346,9 +444,12 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         run_id: the run (tags tailguard.variant, tailguard.status already set by the caller).
         result: the model's ValidationResult.
         work_dir: the folder validate_variant wrote into.
-        model_file: the validated .onnx file (logged with the onnx flavor), or a TensorRT plan (logged as files
-            with its manifest, `log_engine_files`).
+        model_file: the validated .onnx file, or (with `onnx` False) a node-bound artefact with its manifest
+            `<file>.json` beside it (a torch program.pt2 / package.pt2, a TensorRT plan).
         execution_provider: the ONNX Runtime EP the model is meant for (saved with the MLflow model).
+        onnx: True: log with mlflow.onnx.log_model (an MLflow model); False: log the artefact and its manifest as
+            the run's "model" folder (registered by the register step with create_model_version) and tag the
+            artefact's fingerprint (ARTIFACT_FINGERPRINT_TAG).
         metrics: optional KFP Output[Metrics].
         report_path: optional path the report.html is copied to (a KFP Output[HTML]).
         identity: the candidate's name, backend, precision and search fields for variant_result.json (its
@@ -358,7 +459,6 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         {passed, reason, model_uri, overall, perf, gates, worst_slice} for the task's output JSON.
     """
     import mlflow
-    import onnx
 
     passed, reason = log_validation(client, run_id, result, metrics=metrics)
     d = result.to_dict()
@@ -373,16 +473,26 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         shutil.copyfile(Path(work_dir) / "report.html", report_path)
     sha = _sha256(Path(model_file))
     client.set_tag(run_id, SHA256_TAG, sha)
-    if Path(model_file).suffix != ".onnx":  # a TensorRT plan: the file and its manifest, no MLflow flavor
-        model_uri = log_engine_files(client, run_id, Path(model_file))
-    else:
+    if onnx:
+        import onnx as onnx_lib
+
         with mlflow.start_run(run_id=run_id):
             # explicit requirements: without them MLflow infers them in a subprocess that imports the flavor
             # (measured 3.5 of the validate task's 9 s on the tiny MLP)
-            info = mlflow.onnx.log_model(onnx_model=onnx.load(str(model_file)), name="model",
-                                         save_as_external_data=False, onnx_execution_providers=[execution_provider],
+            info = mlflow.onnx.log_model(onnx_model=onnx_lib.load(str(model_file)), name="model",
+                                         save_as_external_data=False,
+                                         onnx_execution_providers=[execution_provider],
                                          pip_requirements=onnx_pip_requirements(execution_provider))
         model_uri = info.model_uri
+    else:
+        from tailguard.core.artifacts import manifest_path
+
+        manifest = manifest_path(model_file)
+        client.log_artifact(run_id, str(model_file), artifact_path="model")
+        client.log_artifact(run_id, str(manifest), artifact_path="model")
+        client.set_tag(run_id, ARTIFACT_FINGERPRINT_TAG,
+                       json.dumps(json.loads(manifest.read_text()).get("fingerprint", {}), sort_keys=True)[:5000])
+        model_uri = f"runs:/{run_id}/model"
     client.set_tag(run_id, MODEL_URI_TAG, model_uri)
     identity = identity or VariantResult(variant=result.variant, backend="", precision="", status="ok")
     log_variant_result(client, run_id, variant_result(identity, result, passed=passed, reason=reason,
@@ -390,27 +500,6 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
     return {"passed": passed, "reason": reason, "model_uri": model_uri,
             "overall": d.get("overall"), "perf": d.get("perf"), "gates": d.get("gates"),
             "worst_slice": d.get("worst_slice")}
-
-
-def log_engine_files(client: Any, run_id: str, model_file: Path) -> str:
-    """Log a compiled artefact that no MLflow flavor reads (a TensorRT plan) with its manifest `<file>.json` as an
-    MLflow LoggedModel named "model" of run `run_id` (`mlflow.initialize_logged_model`, the files, READY); returns
-    its URI `models:/<model_id>`, which register hands `mlflow.register_model` (MLflow 3 registers a runs:/ URI only
-    when it names a logged model)."""
-    import mlflow
-
-    from tailguard.core.artifacts import manifest_path
-
-    run = client.get_run(run_id)
-    logged = mlflow.initialize_logged_model(name="model", source_run_id=run_id,
-                                            experiment_id=run.info.experiment_id)
-    with tempfile.TemporaryDirectory(prefix="tailguard-engine-") as tmp:
-        for f in (model_file, manifest_path(model_file)):
-            if f.is_file():
-                shutil.copyfile(f, Path(tmp) / f.name)
-        client.log_model_artifacts(logged.model_id, tmp)
-    mlflow.finalize_logged_model(logged.model_id, "READY")
-    return logged.model_uri
 
 
 def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason: str, run_id: str,

@@ -17,14 +17,18 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/tailguard
 
-COPY manifests/images/requirements-common.txt manifests/images/requirements-cpu.txt /opt/tailguard/requirements/
-RUN pip install --no-cache-dir -r /opt/tailguard/requirements/requirements-cpu.txt
+# Every distribution pinned with its sha256 hashes (generated from requirements.lock by scripts/image_locks.py):
+# pip refuses a file whose hash differs, and --no-deps installs nothing the lock does not list.
+COPY manifests/images/requirements-cpu.lock /opt/tailguard/requirements/
+RUN pip install --no-cache-dir --require-hashes --no-deps -r /opt/tailguard/requirements/requirements-cpu.lock
 
 COPY pyproject.toml README.md /opt/tailguard/
 COPY pipelines/ /opt/tailguard/pipelines/
 COPY components/ /opt/tailguard/components/
 COPY monitoring/ /opt/tailguard/monitoring/
-RUN pip install --no-cache-dir --no-deps /opt/tailguard \
+# --no-build-isolation: the build backend (setuptools) is the hashed one above, not a fresh download
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /opt/tailguard \
+    && pip check \
     && python -c "import tailguard.trigger, tailguard.components, tailguard.monitoring" \
     && groupadd --gid 10001 tailguard \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp/tailguard --shell /usr/sbin/nologin tailguard

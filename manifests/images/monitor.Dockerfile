@@ -13,15 +13,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/tailguard
 
-COPY manifests/images/requirements-monitor.txt /opt/tailguard/requirements/
-RUN pip install --no-cache-dir -r /opt/tailguard/requirements/requirements-monitor.txt
+# Every distribution pinned with its sha256 hashes (generated from requirements.lock by scripts/image_locks.py).
+COPY manifests/images/requirements-monitor.lock /opt/tailguard/requirements/
+RUN pip install --no-cache-dir --require-hashes --no-deps -r /opt/tailguard/requirements/requirements-monitor.lock
 
 COPY pyproject.toml README.md /opt/tailguard/
 COPY pipelines/ /opt/tailguard/pipelines/
 COPY components/ /opt/tailguard/components/
 COPY monitoring/ /opt/tailguard/monitoring/
-# --no-deps: the monitor's own, slimmer, pinned set above (no torch, KFP or Great Expectations).
-RUN pip install --no-cache-dir --no-deps /opt/tailguard \
+# --no-deps: the monitor's own, slimmer, pinned set above (no torch, KFP or Great Expectations);
+# --no-build-isolation: the build backend (setuptools) is the hashed one above.
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /opt/tailguard \
     && python -c "import tailguard.monitoring" \
     && groupadd --gid 10001 tailguard \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp/tailguard --shell /usr/sbin/nologin tailguard

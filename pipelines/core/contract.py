@@ -50,6 +50,7 @@ OUTCOME_TAG = "tailguard.outcome"          # promoted | not_promoted | failed (s
 FAILURE_TAG = "tailguard.failure"          # the failed task's name
 PROMOTED_VARIANT_TAG = "tailguard.promoted_variant"  # the promoted variant's name or "none"
 PROMOTED_VERSION_TAG = "tailguard.promoted_version"  # its registry version or "none"
+TARGET_ALIASES_TAG = "tailguard.target_aliases"  # JSON {alias: version | null} of the per-target aliases after a run
 
 # ------------------------------------------------------------------------------------------------ variant-run tags
 VARIANT_TAG = "tailguard.variant"
@@ -61,7 +62,7 @@ DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significan
 COVERAGE_TAG = "tailguard.quantization_coverage"  # INT8: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'
 NUMERICS_TAG = "tailguard.numerics"        # consistent | hardware_dependent | not_checked (validate's numerics check)
 BACKEND_TAG = "tailguard.backend"          # the variant's backend (onnxruntime | tensorrt | torch)
-PRECISION_TAG = "tailguard.precision"      # fp32 | fp16 | int8
+PRECISION_TAG = "tailguard.precision"      # fp32 | fp16 | bf16 | int8
 REASON_TAG = "tailguard.reason"            # why a build, validation or trial failed or was skipped
 ROLE_TAG = "tailguard.role"                # "reference" on the run that registered an FP32 reference
 # the node that validated (and timed) the variant, from tailguard.core.hardware.hardware_tags
@@ -69,6 +70,10 @@ HW_CPU_TAG = "tailguard.hw.cpu"            # CPU model name, e.g. 'AMD EPYC 7B13
 HW_ISA_TAG = "tailguard.hw.isa"            # kernel-relevant ISA flags, e.g. 'avx2 fma f16c avx512f avx512_vnni'
 HW_CORES_TAG = "tailguard.hw.cores"        # CPUs the task could run on
 HW_GPU_TAG = "tailguard.hw.gpu"            # '<name> sm<major.minor>; ...' or 'none'
+# serving targets (spec serving_targets, issue 23): on a variant run validated on one target
+TARGET_TAG = "tailguard.target"            # the serving target's name (absent without serving_targets)
+TARGET_PLACEMENT_TAG = "tailguard.target_placement"  # node_pool (cluster: the target's pool) | this_node (local run)
+TARGET_CHECK_TAG = "tailguard.target_check"  # matched | mismatch | no_expect (the node vs the target's `expect`)
 
 # ------------------------------------------------------------------------------------------------ search tags
 SEARCH_OF_TAG = "tailguard.search_of"      # on trial runs and on the <V>-searched run: the searched variant V
@@ -84,7 +89,13 @@ SHA256_TAG = "tailguard.sha256"            # a version's artefact fingerprint (h
 OUTPUTS_TAG = "tailguard.outputs"          # a registered reference's recorded output signature (JSON)
 RUN_ID_TAG = "tailguard.run_id"            # a registered variant's validated run
 EXECUTION_PROVIDER_TAG = "tailguard.execution_provider"  # a registered variant's ONNX Runtime execution provider
+COMPILE_TAG = "tailguard.compile"          # a registered torch variant's compile mode (eager | inductor | aot_inductor)
+DEVICE_TAG = "tailguard.device"            # a registered torch variant's device (cpu | cuda)
+CUDA_GRAPHS_TAG = "tailguard.cuda_graphs"  # a registered torch variant replays CUDA graphs (true | false)
+ARTIFACT_FINGERPRINT_TAG = "tailguard.artifact_fingerprint"  # a node-bound artefact's fingerprint (JSON: torch or
+#                                            TensorRT version, device name, compute capability or CPU ISA flags)
 PROMOTION_REASON_TAG = "tailguard.promotion_reason"  # why a version was or was not promoted
+VALIDATED_ON_TAG = "tailguard.validated_on"  # JSON list: the nodes a registered variant was validated on (per target)
 
 # ------------------------------------------------------------------------------------------------ model-file metadata
 QUANTIZATION_COVERAGE_KEY = "tailguard.quantization_coverage"  # INT8 .onnx metadata_props key: MAC coverage (JSON)

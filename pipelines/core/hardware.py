@@ -156,3 +156,88 @@ def hardware_tags(facts: dict[str, Any]) -> dict[str, str]:
     return {HW_CPU_TAG: str(cpu.get("model", "unknown"))[:500], HW_ISA_TAG: isa_text(facts),
             HW_CORES_TAG: str(cpu.get("cores", "")),
             HW_GPU_TAG: "; ".join(f"{g['name']} sm{g['compute_capability']}" for g in gpus) or "none"}
+
+
+def expect_mismatches(facts: dict[str, Any], *, isa: Any = (), absent_isa: Any = (),
+                      compute_capability: Any = ()) -> list[str]:
+    """How this node differs from what a serving target expects (spec `serving_targets[].expect`), one line per
+    difference; [] when it matches (issue 23, item 3).
+
+    Args:
+        facts: `node_facts()` of the node a validate task runs on.
+        isa: ISA flags the node's CPU must have (names of KERNEL_ISA_FLAGS).
+        absent_isa: ISA flags it must not have.
+        compute_capability: GPU compute capabilities allowed ("8.9"); every visible GPU must have one of them.
+
+    Returns:
+        e.g. ["isa: the node lacks avx512_vnni (node: avx2 fma f16c)"]; a node whose ISA flags are unknown (no
+        /proc/cpuinfo) does not match an `isa` / `absent_isa` expectation (unknown is never taken as a match).
+    """
+    out: list[str] = []
+    node_isa = (facts.get("cpu") or {}).get("isa")
+    if isa or absent_isa:
+        if node_isa is None:
+            out.append("isa: the node's ISA flags are unknown (no /proc/cpuinfo), so isa/absent_isa cannot hold")
+        else:
+            missing = [f for f in isa if f not in node_isa]
+            extra = [f for f in absent_isa if f in node_isa]
+            if missing:
+                out.append(f"isa: the node lacks {' '.join(missing)} (node: {isa_text(facts)})")
+            if extra:
+                out.append(f"absent_isa: the node has {' '.join(extra)} (node: {isa_text(facts)})")
+    if compute_capability:
+        allowed = [str(c) for c in compute_capability]
+        gpus = facts.get("gpus") or []
+        if not gpus:
+            out.append(f"compute_capability: no GPU is visible on the node (expected sm {', '.join(allowed)})")
+        else:
+            other = sorted({g["compute_capability"] for g in gpus if g["compute_capability"] not in allowed})
+            if other:
+                out.append(f"compute_capability: the node's GPU is sm {', '.join(other)} (expected sm "
+                           f"{', '.join(allowed)})")
+    return out
+
+
+# The facts that choose INT8/FP16 kernels, compared between a monitor's node and the nodes a variant was validated
+# on: the ISA flags (the CPU model name alone does not change ONNX Runtime's kernels) and the GPUs' compute
+# capabilities. Keys of `kernel_facts`.
+KERNEL_FACTS = ("isa", "gpu")
+
+
+def kernel_facts(facts: dict[str, Any]) -> dict[str, str]:
+    """The node's facts as the registry records the nodes a variant was validated on (the `tailguard.validated_on`
+    version tag): {"cpu": model name, "isa": `isa_text` ("avx2 fma f16c" | "none" | "unknown"), "gpu":
+    "sm8.9 sm8.9" (one compute capability per visible GPU) or "none"}."""
+    gpus = facts.get("gpus") or []
+    return {"cpu": str((facts.get("cpu") or {}).get("model", "unknown")), "isa": isa_text(facts),
+            "gpu": " ".join(f"sm{g['compute_capability']}" for g in gpus) or "none"}
+
+
+def gpu_capabilities(tag_value: str) -> str:
+    """The compute capabilities of a `tailguard.hw.gpu` tag value ("NVIDIA L4 sm8.9; NVIDIA L4 sm8.9" or "none") in
+    `kernel_facts` form ("sm8.9 sm8.9" or "none")."""
+    caps = [part.strip().rsplit(" ", 1)[-1] for part in (tag_value or "").split(";")
+            if part.strip() and part.strip() != "none"]
+    return " ".join(c for c in caps if c.startswith("sm")) or "none"
+
+
+def fact_differences(node: dict[str, str], validated: dict[str, str],
+                     compare: tuple[str, ...] = KERNEL_FACTS) -> dict[str, dict[str, str]]:
+    """The KERNEL_FACTS in `compare` in which `node` differs from `validated` (both in `kernel_facts` form).
+
+    ISA flags are compared as sets, GPUs as sets of compute capabilities (how many GPUs does not change a
+    kernel); "unknown" flags on either side count as a difference (a node that cannot be described is not known to
+    match).
+
+    Returns:
+        {fact: {"node": value, "validated": value}}; {} when they match.
+    """
+    out: dict[str, dict[str, str]] = {}
+    n_isa, v_isa = node.get("isa", "unknown"), validated.get("isa", "unknown")
+    if "isa" in compare and ("unknown" in (n_isa, v_isa)
+                             or set(n_isa.split()) - {"none"} != set(v_isa.split()) - {"none"}):
+        out["isa"] = {"node": n_isa, "validated": v_isa}
+    n_gpu, v_gpu = node.get("gpu", "none"), validated.get("gpu", "none")
+    if "gpu" in compare and set(n_gpu.split()) != set(v_gpu.split()):
+        out["gpu"] = {"node": n_gpu, "validated": v_gpu}
+    return out

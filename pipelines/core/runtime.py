@@ -1,4 +1,5 @@
-"""Inference runners (the one seam every step runs models through) and the GPU availability seam.
+"""Inference runners (the one seam every step runs models through) and the GPU availability seam; torch variants'
+runners live in tailguard.core.torch_backend (`runner_for_file` picks one by the file).
 
 A runner maps a feed {input name: (batch, ...) array} to the list of output arrays, in
 `model.outputs` order. ONNX Runtime and torch are CPU-importable; TensorRT, CUDA and
@@ -52,6 +53,12 @@ class OrtRunner:
             another runtime (torch eager in the reference pass), which otherwise waits on those spinning workers
             (issue 26: torch 2.9x slower on a 2-core node; components/reference/logic.py). Default False: ORT's own
             behaviour, what a server running one session gets.
+        allow_spinning: False sets `session.intra_op.allow_spinning` = "0" (kOrtSessionOptionsConfigAllowIntraOpSpinning):
+            the intra-op workers never spin-wait. For a session timed in rounds beside a torch runner: measured on a
+            2-core Xeon (2026-11-26, a 2-layer encoder, batch 1, 30 alternating runs, 3 repeats) torch took
+            6.6-7.5 ms per run beside a session with `stop_spinning_after_run` and 2.2-2.4 ms beside one without
+            spinning, while the session itself stayed at 0.42-0.50 ms either way; beside a session that had not run
+            yet (its workers spin from creation) torch took 100 ms.
         exact_int8_accumulation: set the session option `session.x64quantprecision` = "1"
             (kOrtSessionOptionsAvx2PrecisionMode in ORT's onnxruntime_session_options_config_keys.h): on x86
             CPUs without VNNI (SSE4.1/AVX2/AVX-512 without VNNI) the u8 x s8 integer GEMM kernels sum pairs of
@@ -67,7 +74,8 @@ class OrtRunner:
 
     def __init__(self, path: str | Path, *, providers: Sequence[Any] = ("CPUExecutionProvider",),
                  intra_op_num_threads: int = 0, graph_optimization: str = "all",
-                 stop_spinning_after_run: bool = False, exact_int8_accumulation: bool = False) -> None:
+                 stop_spinning_after_run: bool = False, exact_int8_accumulation: bool = False,
+                 allow_spinning: bool = True) -> None:
         import onnxruntime as ort
 
         path = Path(path)
@@ -84,6 +92,8 @@ class OrtRunner:
         opts.log_severity_level = 3
         if stop_spinning_after_run:  # kOrtSessionOptionsConfigForceSpinningStop (session options config keys)
             opts.add_session_config_entry("session.force_spinning_stop", "1")
+        if not allow_spinning:  # kOrtSessionOptionsConfigAllowIntraOpSpinning (session options config keys)
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if exact_int8_accumulation:  # kOrtSessionOptionsAvx2PrecisionMode (session options config keys)
             opts.add_session_config_entry("session.x64quantprecision", "1")
         providers = [p if isinstance(p, str) else (p[0], dict(p[1])) for p in providers]
@@ -132,6 +142,33 @@ class TorchRunner:
         elif isinstance(out, dict):
             out = tuple(out.values())
         return [o.detach().cpu().numpy() for o in out]
+
+
+def runner_for_file(path: str | Path, input_specs: Sequence, *, intra_op_num_threads: int = 0) -> Runner:
+    """A runner for a model file given by path (the monitor's reference and candidate, `monitor replay`): an .onnx
+    file runs on ONNX Runtime (CPU); a torch artefact (program.pt2 / package.pt2 with its `<file>.json` manifest,
+    as `tailguard fetch` writes a torch variant) runs on the torch backend after its manifest check.
+
+    Args:
+        path: the model file.
+        input_specs: the spec's model.inputs.
+        intra_op_num_threads: CPU threads (0: all cores for ORT, torch's setting for torch).
+
+    Raises:
+        InputError: a missing file, or a file that is neither (names the file and what is accepted).
+        ArtifactMismatchError: a torch artefact built for another node or torch version.
+    """
+    p = Path(path)
+    if p.suffix == ".onnx":
+        return OrtRunner(p, intra_op_num_threads=intra_op_num_threads)
+    if p.with_name(p.name + ".json").is_file():
+        from tailguard.core.torch_backend import runner_for_artifact
+
+        return runner_for_artifact(p, input_specs, intra_op_num_threads=intra_op_num_threads)
+    if not p.is_file():
+        raise InputError(f"model file not found: {p}")
+    raise InputError(f"{p}: not a model tailguard can run: give an .onnx file, or a torch variant's .pt2 with its "
+                     f"manifest {p.name}.json beside it", hint="`tailguard fetch MODEL@ALIAS -o DIR` writes both")
 
 
 def run_dataset(runner: Runner, ds: Dataset, input_specs: Sequence, *, batch_size: int,

@@ -19,12 +19,21 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from tailguard.core import metrics as _metrics
 from tailguard.core.errors import FieldError, SpecError
+from tailguard.core.hardware import KERNEL_ISA_FLAGS
 
 API_VERSION = "tailguard/v1"
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # DNS-1123 label: usable as a KFP task name and a K8s name
+# Size limits (issue 22): each variant is a chain of KFP tasks (pods, and nodes in one Argo Workflow object, which
+# etcd caps at ~1.5 MB), each slice group x parity metric an MLflow metric and a report row, each gate a check per
+# variant. These bound one run's pods, metrics and report; a spec past one is refused (exit 2, naming the field).
+MAX_VARIANTS = 32
+MAX_SLICES = 32
+MAX_SLICE_GROUPS = 1000  # slices[].max_groups
+MAX_SLICE_NAME = 64  # characters; with it every slice metric key fits MLflow's 250 (validate.logic.slice_key_prefix)
+MAX_GATES = 128
 
 Task = Literal["classification", "embedding", "regression", "generic"]
-Precision = Literal["fp32", "fp16", "int8"]
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
 
 # The metric tables below are computed from the metric catalogue (tailguard.core.metrics, one row per metric with
 # its direction, aggregate, kind, tasks and units); the names stay because code and users import them.
@@ -306,12 +315,13 @@ class SliceSpec(_Model):
     """A declared slice: rows grouped by a metadata column's value, bins or quantiles."""
 
     name: str = Field(description="Slice name used in metric keys: slice.<name>.<value>.<metric>.",
-                      pattern=r"^[A-Za-z0-9_\-]+$")
+                      pattern=r"^[A-Za-z0-9_\-]+$", max_length=MAX_SLICE_NAME)
     column: str = Field(description="Metadata column in the validation data.")
     values: list[str | int] | None = Field(None, description="Only these values (default: every value seen).")
     bins: list[float] | None = Field(None, min_length=2, description="Bin edges, left-closed [a, b).")
     quantiles: int | None = Field(None, ge=2, le=100, description="Number of equal-frequency bins.")
-    max_groups: int = Field(100, ge=1, description="At most this many groups; the rest go to 'other'.")
+    max_groups: int = Field(100, ge=1, le=MAX_SLICE_GROUPS, description=(
+        "At most this many groups; the rest go to 'other'."))
 
     @model_validator(mode="after")
     def _one_kind(self) -> "SliceSpec":
@@ -446,8 +456,11 @@ class VariantSpec(_Model):
     """One inference variant to build and validate: backend x precision x calibration."""
 
     name: str = Field(description="Unique, DNS-1123 (a KFP task and MLflow run name).", pattern=NAME_RE)
-    backend: Literal["onnxruntime", "tensorrt"] = Field(description="Inference engine.")
-    precision: Precision = Field(description="Numeric precision of weights/compute.")
+    backend: Literal["onnxruntime", "tensorrt", "torch"] = Field(description=(
+        "Inference engine: onnxruntime (from the exported FP32 ONNX), tensorrt (GPU node pools), or torch "
+        "(PyTorch-native, from the registered torch reference: eager, inductor or an AOTInductor package)."))
+    precision: Precision = Field(description=(
+        "Numeric precision of weights/compute. bf16: torch only (CUDA, or a CPU with AVX512-BF16/AMX-BF16)."))
     execution_provider: str = Field("CPUExecutionProvider", description="ONNX Runtime execution provider.")
     graph_optimization: GraphOptimizationSpec = Field(default_factory=GraphOptimizationSpec,
                                                       description="Graph optimization before quantization.")
@@ -455,6 +468,16 @@ class VariantSpec(_Model):
     fp16_op_block_list: list[str] = Field(default_factory=lambda: ["Cast"], description=(
         "fp16 only: op types kept in fp32 (Cast must stay: converting it breaks type inference)."))
     gpu: bool | None = Field(None, description="Runs on a GPU node pool (default: tensorrt or a CUDA/TensorRT EP).")
+    compile: Literal["eager", "inductor", "aot_inductor"] | None = Field(None, description=(
+        "torch only (default eager): eager runs the torch.export program op by op; inductor compiles it with "
+        "torch.compile when loaded (build time measured, cache warmed); aot_inductor builds an AOTInductor package "
+        "(.pt2: compiled kernels for one device kind and torch build, checked against its manifest before load)."))
+    device: Literal["cpu", "cuda"] | None = Field(None, description=(
+        "torch only (default cuda): where the variant is built, validated and served. cuda runs on the "
+        "kubeflow.gpu node pool and is skipped, with the reason, on a node without a CUDA device."))
+    cuda_graphs: bool = Field(False, description=(
+        "torch with device cuda only: replay the model as CUDA graphs, one captured per input shape (at most 64, "
+        "least recently used evicted), removing per-kernel launch overhead."))
     search: "SearchSpec | None" = Field(None, description=(
         "INT8 on onnxruntime only: when this variant fails its gates, search mixed-precision configurations "
         "for the fastest one that passes every gate (components/search/README.md)."))
@@ -477,6 +500,30 @@ class VariantSpec(_Model):
 
     @model_validator(mode="after")
     def _precision_rules(self) -> "VariantSpec":
+        torch_fields = [f for f in ("compile", "device") if getattr(self, f) is not None]
+        if self.cuda_graphs:
+            torch_fields.append("cuda_graphs")
+        if self.backend == "torch":
+            onnx_fields = [name for name, value, default in (
+                ("execution_provider", self.execution_provider, "CPUExecutionProvider"),
+                ("graph_optimization", self.graph_optimization, GraphOptimizationSpec()),
+                ("fp16_op_block_list", self.fp16_op_block_list, ["Cast"])) if value != default]
+            if onnx_fields:
+                raise ValueError(f"{', '.join(onnx_fields)}: {'these apply' if len(onnx_fields) > 1 else 'it applies'}"
+                                 " to backend onnxruntime, not torch")
+            if self.precision == "int8":
+                raise ValueError("precision int8 is not offered on backend torch: use onnxruntime (dynamic or "
+                                 "static QDQ) or tensorrt")
+            if self.precision == "fp16" and self.device == "cpu":
+                raise ValueError("fp16 on device cpu: torch has no fast fp16 CPU kernels; use bf16 (a CPU with "
+                                 "AVX512-BF16/AMX) or device: cuda")
+            if self.cuda_graphs and self.device == "cpu":
+                raise ValueError("cuda_graphs needs device: cuda")
+        elif torch_fields:
+            raise ValueError(f"{', '.join(torch_fields)}: {'these apply' if len(torch_fields) > 1 else 'it applies'} "
+                             "to backend torch only")
+        elif self.precision == "bf16":
+            raise ValueError(f"precision bf16 is offered on backend torch only (not {self.backend})")
         if self.search is not None and (self.precision != "int8" or self.backend != "onnxruntime"):
             raise ValueError("search applies to precision int8 on backend onnxruntime only")
         if self.precision == "int8" and self.backend == "onnxruntime" and self.quantization is None:
@@ -486,10 +533,23 @@ class VariantSpec(_Model):
         return self
 
     @property
+    def torch_device(self) -> str:
+        """The torch backend's device: `device`, default "cuda"."""
+        return self.device or "cuda"
+
+    @property
+    def torch_compile(self) -> str:
+        """The torch backend's compile mode: `compile`, default "eager"."""
+        return self.compile or "eager"
+
+    @property
     def needs_gpu(self) -> bool:
-        """True for TensorRT or a CUDA/TensorRT execution provider, unless `gpu` says otherwise."""
+        """True for TensorRT, a CUDA/TensorRT execution provider or a torch variant on cuda, unless `gpu` says
+        otherwise."""
         if self.gpu is not None:
             return self.gpu
+        if self.backend == "torch":
+            return self.torch_device == "cuda"
         return self.backend == "tensorrt" or self.execution_provider in (
             "CUDAExecutionProvider", "TensorrtExecutionProvider")
 
@@ -713,6 +773,87 @@ class KubeflowSpec(_Model):
     gpu: GpuPoolSpec = Field(default_factory=GpuPoolSpec, description="GPU node pool for GPU steps.")
     secrets: list[SecretRef] = Field(default_factory=list, description="Secrets as env vars, never parameters.")
     experiment: str | None = Field(None, description="KFP experiment name.")
+
+
+def target_task_name(variant: str, target: str) -> str:
+    """The KFP task that validates `variant` on serving target `target`: 'validate-<variant>-on-<target>'."""
+    return f"validate-{variant}-on-{target}"
+
+
+def target_alias(alias: str, target: str) -> str:
+    """The registry alias of serving target `target`: '<promotion.alias>-<target>', e.g. 'production-avx512'."""
+    return f"{alias}-{target}"
+
+
+class AcceleratorSpec(_Model):
+    """The accelerator a serving target's nodes carry (KFP `set_accelerator_type` / `set_accelerator_limit`)."""
+
+    type: str = Field(description="Accelerator resource, e.g. nvidia.com/gpu (dsl set_accelerator_type value).")
+    count: int = Field(1, ge=1, description="Accelerators per validate task on this target.")
+
+
+class TargetExpect(_Model):
+    """What a serving target's nodes must be, checked against the facts of the node a validate task ran on
+    (tailguard.core.hardware.node_facts): a task on a node that does not match validates nothing and is marked
+    skipped with the differences as its reason, never passed (issue 23)."""
+
+    isa: list[str] = Field(default_factory=list, description=(
+        "ISA flags the node's CPU must have, as /proc/cpuinfo spells them (one of " + ", ".join(KERNEL_ISA_FLAGS)
+        + "), e.g. [avx512_vnni] for a pool of VNNI CPUs."))
+    absent_isa: list[str] = Field(default_factory=list, description=(
+        "ISA flags the node's CPU must not have, e.g. [avx512_vnni, avx_vnni] for a pool of AVX2-only CPUs (whose "
+        "u8 x s8 INT8 kernel differs from a VNNI CPU's)."))
+    compute_capability: list[str] = Field(default_factory=list, description=(
+        "GPU compute capabilities allowed, e.g. ['8.9'] (L4) or ['9.0'] (H100): the node needs a visible GPU and "
+        "every visible GPU must have one of them."))
+
+    @field_validator("isa", "absent_isa")
+    @classmethod
+    def _known_flags(cls, v: list[str]) -> list[str]:
+        unknown = [f for f in v if f not in KERNEL_ISA_FLAGS]
+        if unknown:
+            raise ValueError(f"unknown ISA flag(s) {unknown}: name flags that change kernels, one of "
+                             f"{list(KERNEL_ISA_FLAGS)}")
+        return v
+
+    @field_validator("compute_capability")
+    @classmethod
+    def _capability_form(cls, v: list[str]) -> list[str]:
+        bad = [c for c in v if not re.fullmatch(r"\d+\.\d+", str(c))]
+        if bad:
+            raise ValueError(f"compute capabilities are written major.minor, e.g. '8.9'; got {bad}")
+        return v
+
+
+class ServingTarget(_Model):
+    """A node pool a variant will serve on (issue 23). With `serving_targets`, the validate step of each variant
+    runs once per target that serves it, on that pool (`tailguard compile`), the gates hold per target and
+    promotion moves `<promotion.alias>-<name>` to the fastest variant passing there (docs/spec.md, Serving
+    targets)."""
+
+    name: str = Field(pattern=NAME_RE, description=(
+        "DNS-1123 name: part of the validate task's name (validate-<variant>-on-<name>) and of the per-target "
+        "alias (<promotion.alias>-<name>, e.g. production-avx512)."))
+    node_selector: dict[str, str] = Field(default_factory=dict, description=(
+        "Node labels of the pool (kfp-kubernetes add_node_selector), e.g. {node.kubernetes.io/instance-type: "
+        "c7i.2xlarge}."))
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations for the pool's taints.")
+    accelerator: AcceleratorSpec | None = Field(None, description=(
+        "The pool's accelerator. A target with one serves the GPU variants (TensorRT, a CUDA/TensorRT execution "
+        "provider, `gpu: true`); a target without one serves the CPU variants."))
+    expect: TargetExpect | None = Field(None, description=(
+        "What the pool's nodes must be (ISA flags, compute capability), checked on the node each validate task "
+        "ran on; a node that differs validates nothing (skipped, with the differences), never passes."))
+
+    @property
+    def gpu(self) -> bool:
+        """True when the target carries an accelerator (it serves the GPU variants)."""
+        return self.accelerator is not None
+
+    def serves(self, variant: "VariantSpec") -> bool:
+        """Whether `variant` serves on this target: GPU variants on targets with an accelerator, CPU variants on
+        targets without one."""
+        return variant.needs_gpu == self.gpu
 
 
 # Per-row parity metrics (tailguard.core.parity) the shadow monitor can track and alert on (metric catalogue).
@@ -1031,11 +1172,15 @@ class Spec(_Model):
     metadata: Metadata = Field(description="Name and labels.")
     model: ModelSpec = Field(description="The FP32 reference in the MLflow registry.")
     data: DataSpec = Field(description="Calibration and validation data.")
-    slices: list[SliceSpec] = Field(default_factory=list, description="Declared slices.")
-    variants: list[VariantSpec] = Field(min_length=1, description="Variants to build and validate.")
-    gates: list[GateSpec] = Field(default_factory=list, description=(
+    # The count limits are checked in _cross_field (a clear message, and the other checks still run on the
+    # lists); maxItems tells editors.
+    slices: list[SliceSpec] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_SLICES}, description=(
+        f"Declared slices (at most {MAX_SLICES})."))
+    variants: list[VariantSpec] = Field(min_length=1, json_schema_extra={"maxItems": MAX_VARIANTS}, description=(
+        f"Variants to build and validate (at most {MAX_VARIANTS})."))
+    gates: list[GateSpec] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_GATES}, description=(
         "Every gate must pass for promotion (a gate with insufficient data does not pass). While promotion is "
-        "enabled, every variant needs at least one parity gate (overall or per_slice)."))
+        f"enabled, every variant needs at least one parity gate (overall or per_slice). At most {MAX_GATES}."))
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec, description=(
         "Tail samples, worst-slice discovery and bootstrap settings."))
     benchmark: BenchmarkSpec = Field(default_factory=BenchmarkSpec, description="Latency measurement.")
@@ -1044,12 +1189,23 @@ class Spec(_Model):
     mlflow: MlflowSpec = Field(default_factory=MlflowSpec, description="MLflow tracking/registry location.")
     kubeflow: KubeflowSpec = Field(default_factory=KubeflowSpec, description="Cluster settings.")
     monitoring: MonitoringSpec | None = Field(None, description="Shadow-traffic monitor settings.")
+    serving_targets: list[ServingTarget] = Field(default_factory=list, description=(
+        "Node pools the variants will serve on. Empty (default): each variant is validated once, on the node that "
+        "builds it. Given: the validate step of each variant runs once per target that serves it, the gates hold "
+        "per target, `<promotion.alias>-<target>` moves to the fastest variant passing on that target and "
+        "`promotion.alias` to the fastest one passing on every target that serves it (docs/spec.md, Serving "
+        "targets)."))
 
     @model_validator(mode="after")
     def _cross_field(self, info: ValidationInfo) -> "Spec":
         if info.context and info.context.get(SKIP_CROSS_FIELD):  # validate_spec's partial spec (errors known)
             return self
         errors: list[str] = []
+        for fld, n, most in (("variants", len(self.variants), MAX_VARIANTS), ("slices", len(self.slices), MAX_SLICES),
+                             ("gates", len(self.gates), MAX_GATES)):
+            if n > most:
+                errors.append(f"{fld}: {n} given, at most {most} are allowed (they bound one run's pods, MLflow "
+                              f"metrics and report); split the spec into several specs")
         names = [v.name for v in self.variants]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -1111,6 +1267,7 @@ class Spec(_Model):
                               f"for them, e.g. {example}, or set promotion: {{enabled: false}}")
         if self.monitoring is not None:
             errors.extend(f"{e.loc}: {e.message}" for e in self.monitoring.task_problems(self.model.task))
+        errors.extend(self._target_errors())
         pb = self.promotion.batch_size
         if pb is not None and pb not in self.benchmark.batch_sizes:
             errors.append(f"promotion.batch_size: {pb} is not in benchmark.batch_sizes")
@@ -1120,6 +1277,44 @@ class Spec(_Model):
             # one "<field path>: <problem>" per line; `_field_errors` splits them (a problem may hold "; ")
             raise ValueError(CROSS_FIELD_SEP.join(errors))
         return self
+
+    def _target_errors(self) -> list[str]:
+        """Cross-field problems of `serving_targets` ("<field path>: <problem>" lines)."""
+        if not self.serving_targets:
+            return []
+        errors: list[str] = []
+        names = [t.name for t in self.serving_targets]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            errors.append(f"serving_targets: duplicate target names {dup}")
+        tasks: dict[str, tuple[str, str]] = {}
+        for i, v in enumerate(self.variants):
+            mine = self.targets_for(v)
+            if not mine:
+                kind = "GPU" if v.needs_gpu else "CPU"
+                errors.append(f"variants.{i}: {kind} variant {v.name!r} serves on no target: a {kind} variant is "
+                              f"validated on the serving_targets {'with' if v.needs_gpu else 'without'} an "
+                              f"accelerator; add such a target or remove the variant")
+            if v.search is not None:
+                errors.append(f"variants.{i}.search: a search is not combined with serving_targets yet (its "
+                              "trials would be timed and judged on one pool only); remove the search or the "
+                              "targets")
+            for t in mine:
+                task = target_task_name(v.name, t.name)
+                if len(task) > 63:
+                    errors.append(f"serving_targets: the task name {task!r} is {len(task)} characters, over the "
+                                  "63 of a DNS-1123 label; shorten the variant or target name")
+                elif task in tasks:
+                    errors.append(f"serving_targets: variant {v.name!r} on target {t.name!r} and variant "
+                                  f"{tasks[task][0]!r} on target {tasks[task][1]!r} give the same task name "
+                                  f"{task!r}; rename one")
+                tasks[task] = (v.name, t.name)
+        return errors
+
+    def targets_for(self, variant: VariantSpec) -> list[ServingTarget]:
+        """The serving targets `variant` is validated on, in spec order (`ServingTarget.serves`); [] without
+        serving_targets."""
+        return [t for t in self.serving_targets if t.serves(variant)]
 
     @property
     def optimized_model_name(self) -> str:
@@ -1331,9 +1526,19 @@ def resolve_data_uris(spec: Spec, spec_path: str | Path) -> None:
             ds.uri = str((base / ds.uri).resolve())
 
 
+# Top-level keys added after the first release that `dump_spec` leaves out while they hold their default: the text
+# tasks receive, and so the compiled IR and KFP's cache keys, stay the same for specs that do not use them.
+OMITTED_WHEN_DEFAULT: dict[str, Any] = {"serving_targets": []}
+
+
 def dump_spec(spec: Spec) -> str:
-    """YAML text of a spec (what KFP tasks receive as the `spec_yaml` parameter)."""
-    return yaml.safe_dump(spec.model_dump(mode="json", exclude_none=False), sort_keys=False)
+    """YAML text of a spec (what KFP tasks receive as the `spec_yaml` parameter); the OMITTED_WHEN_DEFAULT keys
+    only when they differ from their default."""
+    doc = spec.model_dump(mode="json", exclude_none=False)
+    for key, default in OMITTED_WHEN_DEFAULT.items():
+        if doc.get(key) == default:
+            doc.pop(key, None)
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def spec_from_yaml(text: str) -> Spec:

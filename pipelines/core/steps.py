@@ -17,6 +17,7 @@ from tailguard.core.results import StepResult
 # Modules whose import registers steps; `load_all()` imports them so the registry is complete.
 STEP_MODULES = (
     "tailguard.components.quantize.logic",
+    "tailguard.components.quantize.torch_step",
 )
 
 _REGISTRY: dict[str, Callable[..., "StepResult"]] = {}

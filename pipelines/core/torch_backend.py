@@ -16,8 +16,8 @@ What a torch variant is, per `compile` mode (the spec's `variants[].compile`):
                   Ahead-Of-Time Compilation for Torch.Export-ed Models"). PyTorch's counterpart of a TensorRT plan.
 
 Every artefact gets a manifest (`tailguard.core.artifacts`, the seam TensorRT engines use too) whose fingerprint is
-the torch version, the device kind, the GPU's name, compute capability and CUDA version (CUDA) or the CPU model and
-kernel ISA flags (CPU), and the sha256 of the build settings and of the source model. `TorchVariantRunner` checks it
+the torch version, the device kind, for an AOTInductor package also the GPU's name, compute capability and CUDA
+version (CUDA) or the CPU's kernel ISA flags (CPU), and the sha256 of the build settings and of the source model. `TorchVariantRunner` checks it
 before loading: a package built for another GPU, CPU or torch version is refused with the fields that differ.
 
 Dynamic shapes: every named axis of the spec's `model.inputs` (e.g. [batch, sequence]) is exported as a dynamic
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tailguard.core.artifacts import config_sha256, verify_artifact, write_manifest
+from tailguard.core.artifacts import ArtifactMismatchError, config_sha256, verify_artifact, write_manifest
 from tailguard.core.errors import InputError, MissingDependencyError, TailguardError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -116,6 +116,13 @@ class TorchBuildConfig:
     def build_settings(self) -> dict[str, Any]:
         """The settings the artefact depends on (cuda_graphs is a load-time choice: the same file serves both)."""
         return {"precision": self.precision, "compile": self.compile, "device": self.device}
+
+
+def config_of(variant: Any) -> TorchBuildConfig:
+    """The TorchBuildConfig of a spec's torch variant (`VariantSpec`: precision, torch_compile, torch_device,
+    cuda_graphs)."""
+    return TorchBuildConfig(precision=variant.precision, compile=variant.torch_compile, device=variant.torch_device,
+                            cuda_graphs=variant.cuda_graphs)
 
 
 @dataclass
@@ -187,23 +194,29 @@ def unavailable_reason(config: TorchBuildConfig, *, cpu_isa: Sequence[str] | Non
 
 
 def node_fingerprint(config: TorchBuildConfig) -> dict[str, str]:
-    """What an artefact built here for `config.device` is bound to, without the build hashes.
+    """What an artefact built here for `config` is bound to, without the build hashes.
+
+    Every artefact is bound to the torch version (the `torch.export` archive format and the ATen ops it names) and
+    the device kind. An AOTInductor package holds machine code, so it is also bound to the GPU (name, compute
+    capability, CUDA version) or to the CPU's kernel ISA flags (inductor's C++ uses the vector ISA it finds); an
+    exported program (eager, inductor) is not: the same program.pt2 runs on any GPU or CPU of its device kind
+    (inductor compiles it where it is loaded).
 
     Returns:
-        {"torch_version", "device", "device_name", "compute_capability", "cuda_version", "cpu_isa"}: strings;
-        for CUDA the GPU's name ("NVIDIA H100 80GB HBM3"), compute capability ("9.0") and torch's CUDA version,
-        cpu_isa ""; for CPU the CPU model and its kernel ISA flags (space-separated), the GPU fields "".
+        {"torch_version", "device"} plus, for aot_inductor on CUDA, {"device_name" (e.g. "NVIDIA H100 80GB HBM3"),
+        "compute_capability" ("9.0"), "cuda_version"}, and on CPU {"cpu_isa" (space-separated kernel ISA flags)}.
     """
     torch = _torch()
+    out = {"torch_version": torch.__version__, "device": config.device}
+    if config.compile != "aot_inductor":
+        return out
     if config.device == "cuda":
         major, minor = torch.cuda.get_device_capability(0)
-        return {"torch_version": torch.__version__, "device": "cuda", "device_name": torch.cuda.get_device_name(0),
-                "compute_capability": f"{major}.{minor}", "cuda_version": str(torch.version.cuda), "cpu_isa": ""}
+        return {**out, "device_name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}",
+                "cuda_version": str(torch.version.cuda)}
     from tailguard.core.hardware import cpu_facts
 
-    cpu = cpu_facts()
-    return {"torch_version": torch.__version__, "device": "cpu", "device_name": str(cpu.get("model")),
-            "compute_capability": "", "cuda_version": "", "cpu_isa": " ".join(cpu.get("isa") or [])}
+    return {**out, "cpu_isa": " ".join(cpu_facts().get("isa") or [])}
 
 
 def fingerprint(config: TorchBuildConfig, source_sha256: str, input_signature: Sequence[Mapping[str, Any]]
@@ -365,7 +378,7 @@ def build_torch_variant(module: "torch.nn.Module", example: Mapping[str, np.ndar
             torch.export.save(program, str(partial))
             if config.compile == "inductor":  # compile here: time it, fail at build rather than at load, and
                 t0 = time.perf_counter()     # leave inductor's on-disk cache warm for the loads on this node
-                fn = _compiled_call(program.module(), config, input_specs)
+                fn = _compiled_call(program.module())
                 dtype = torch_dtype(config.precision)
                 for rows in (None, 1):  # batch >= 2 and batch 1: dynamo specialises size 1, a second graph
                     fn(*[_to_tensor(example[s.name][:rows], config.device, dtype) for s in input_specs])
@@ -393,10 +406,9 @@ def build_torch_variant(module: "torch.nn.Module", example: Mapping[str, np.ndar
 
 
 # ------------------------------------------------------------------------------------------------ running
-def _compiled_call(module: Any, config: TorchBuildConfig, input_specs: Sequence[Any]) -> Callable[..., Any]:
+def _compiled_call(module: Any) -> Callable[..., Any]:
     """torch.compile (inductor, dynamic shapes) of an exported program's module."""
-    torch = _torch()
-    return torch.compile(module, backend="inductor", dynamic=True)
+    return _torch().compile(module, backend="inductor", dynamic=True)
 
 
 def load_callable(path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any]) -> Callable[..., Any]:
@@ -408,7 +420,7 @@ def load_callable(path: str | Path, config: TorchBuildConfig, input_specs: Seque
     program = torch.export.load(str(path))
     module = program.module()
     if config.compile == "inductor":
-        return _compiled_call(module, config, input_specs)
+        return _compiled_call(module)
     return module
 
 
@@ -515,6 +527,77 @@ class TorchVariantRunner:
         with torch.inference_mode():
             outs = self.graphs(*args) if self.graphs is not None else _flatten(self.fn(*args))
         return [(o.float() if o.is_floating_point() else o).cpu().numpy() for o in outs]
+
+
+def _probe_child(path: str, config: dict[str, Any], input_specs: list[dict[str, Any]], source_sha256: str,
+                 feeds: dict[str, np.ndarray]) -> None:
+    """Child process of `probe_load`: load the artefact and run one batch (a crash ends only this process)."""
+    import faulthandler
+    from types import SimpleNamespace
+
+    faulthandler.enable()
+    specs = [SimpleNamespace(**s) for s in input_specs]
+    TorchVariantRunner(path, TorchBuildConfig(**config), specs, source_sha256=source_sha256).run(feeds)
+
+
+def probe_load(path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any], *, source_sha256: str,
+               feeds: Mapping[str, np.ndarray], timeout_s: float = 600.0) -> str | None:
+    """Load and run an artefact once in a child process (spawned) before this process loads it: a native loader
+    that crashes the interpreter (seen: SIGSEGV in `aoti_load_package`, torch 2.11 on an H200, 2026-11-26) then
+    fails the variant with the reason instead of ending the task.
+
+    Args:
+        path, config, input_specs, source_sha256: as `TorchVariantRunner`.
+        feeds: one batch {input: (batch, ...) array}.
+        timeout_s: seconds before the child is killed (a hang counts as a failure).
+
+    Returns:
+        None when the child loaded and ran the batch; else the reason (its exit code or signal, or the timeout).
+        A manifest mismatch in the child is a non-zero exit: the caller's own load then raises the full message.
+    """
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_probe_child, args=(str(path), asdict(config), signature(input_specs), source_sha256, dict(feeds)))
+    proc.start()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return f"loading {config.artifact_kind} {Path(path).name} did not finish within {timeout_s:g} s"
+    if proc.exitcode == 0:
+        return None
+    how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit code {proc.exitcode}"
+    return (f"loading and running {config.artifact_kind} {Path(path).name} in a probe process ended with {how} "
+            f"(torch {_torch().__version__}; its stack is in the task log)")
+
+
+def runner_for_artifact(path: str | Path, input_specs: Sequence[Any], *, intra_op_num_threads: int = 0,
+                        cuda_graphs: bool | None = None) -> TorchVariantRunner:
+    """A TorchVariantRunner for an artefact found on its own (a registry download, the monitor's candidate): the
+    settings and the source digest come from its manifest, the node check from this node.
+
+    Args:
+        path: program.pt2 or package.pt2 with its `<path>.json` manifest beside it.
+        input_specs: the spec's model.inputs (their signature is part of the fingerprint).
+        intra_op_num_threads: CPU threads (0: leave torch's setting).
+        cuda_graphs: override the recorded CUDA-graph setting (None: as built).
+
+    Raises:
+        ArtifactMismatchError: no or unreadable manifest, a changed file, or another node / torch build.
+    """
+    from tailguard.core.artifacts import read_manifest
+
+    manifest = read_manifest(path, kind="torch artefact")
+    recorded = dict((manifest.get("facts") or {}).get("config") or {})
+    if not recorded:
+        raise ArtifactMismatchError(f"torch artefact {path}: its manifest records no build settings",
+                                    hint="rebuild it with this tailguard version")
+    if cuda_graphs is not None:
+        recorded["cuda_graphs"] = cuda_graphs
+    config = TorchBuildConfig(**recorded)
+    return TorchVariantRunner(path, config, input_specs, source_sha256=manifest["fingerprint"].get("source_sha256", ""),
+                              intra_op_num_threads=intra_op_num_threads)
 
 
 class EagerModuleRunner:
