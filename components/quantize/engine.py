@@ -12,9 +12,10 @@ An INT8 calibration cache (`IInt8Calibrator.write_calibration_cache`) is only va
 same calibration rows, the same calibrator and TensorRT version: `calibration_cache_key` names the cache file
 after all of them, so a changed input never reuses stale scales.
 
-Nothing here imports TensorRT or CUDA. The node's facts come through one seam, `probe_device`, which imports
-tensorrt and torch.cuda lazily and which tests replace with a plain dict (the GPU build itself belongs to the
-TensorRT issue: `logic._build_tensorrt_engine`).
+Nothing here imports TensorRT or CUDA. The node's facts come through one seam, `probe_device`
+(`tailguard.core.runtime.tensorrt_device_facts`, which imports tensorrt and torch.cuda lazily; the validate step's
+`TensorRTRunner` uses the same facts) and which tests replace with a plain dict. The GPU build itself:
+components/quantize/tensorrt_build.py.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any, Callable
 from tailguard.core.artifacts import config_sha256, verify_artifact
 from tailguard.core.artifacts import write_manifest as write_artifact_manifest
 from tailguard.core.cache import file_sha256
+from tailguard.core.runtime import TENSORRT_ENGINE_KIND
 
-KIND = "TensorRT engine"
+KIND = TENSORRT_ENGINE_KIND
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,9 @@ def probe_device() -> dict[str, str]:
     Raises:
         MissingDependencyError: TensorRT or a CUDA-enabled torch is not importable (a CPU node).
     """
-    from tailguard.core.runtime import require_tensorrt
+    from tailguard.core.runtime import tensorrt_device_facts
 
-    trt = require_tensorrt()
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(0)
-    return {"tensorrt_version": trt.__version__, "device_name": torch.cuda.get_device_name(0),
-            "compute_capability": f"{major}.{minor}", "cuda_version": str(torch.version.cuda)}
+    return tensorrt_device_facts()
 
 
 def fingerprint(onnx_path: str | Path, build_config: dict[str, Any], *,

@@ -87,7 +87,7 @@ def step_name_for(variant: Any) -> str:
 
 
 def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None,
-                  model: Any, calibration_batch_size: int = 8) -> StepResult:
+                  model: Any, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
     """Build one variant from the FP32 ONNX reference, through the step registered for its backend.
 
     Args:
@@ -99,6 +99,8 @@ def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, c
         calibration: calibration rows (needed by static INT8 only; `tailguard.core.data.load_dataset`).
         model: `tailguard.core.spec.ModelSpec` (inputs, pad_values).
         calibration_batch_size: rows per calibration batch (`spec.data.calibration.batch_size`).
+        profile: the TensorRT optimization profile (`tensorrt_build.spec_profile`) of a variant on backend tensorrt
+            or on TensorrtExecutionProvider; None for the others.
 
     Returns:
         StepResult: ok (artifact = the .onnx file, details = facts of the build), failed (ORT tooling broke for
@@ -109,7 +111,7 @@ def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, c
         UnknownStepError: no step is registered for the variant's backend.
     """
     return get_step(step_name_for(variant))(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
-                                            calibration_batch_size=calibration_batch_size)
+                                            calibration_batch_size=calibration_batch_size, profile=profile)
 
 
 def _check_inputs(variant: Any, fp32_onnx: str | Path, calibration: Dataset | None) -> Path:
@@ -135,7 +137,7 @@ def _check_inputs(variant: Any, fp32_onnx: str | Path, calibration: Dataset | No
 # --------------------------------------------------------------------------------------------- TensorRT
 @register_step("compile.tensorrt")
 def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None = None,
-                     model: Any = None, calibration_batch_size: int = 8) -> StepResult:
+                     model: Any = None, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
     """Build a TensorRT engine for `variant`: skipped with the reason where no GPU or TensorRT is present.
 
     TensorRT is never imported at module level; `tailguard.core.runtime.tensorrt_unavailable_reason` is the seam.
@@ -151,23 +153,25 @@ def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *
     if reason:
         return StepResult("skipped", reason=f"TensorRT variant {variant.name} needs a GPU with TensorRT: {reason}",
                           details={"backend": "tensorrt", "precision": variant.precision})
-    return _build_tensorrt_engine(variant, Path(fp32_onnx), Path(out_dir), calibration, model)
+    return _build_tensorrt_engine(variant, Path(fp32_onnx), Path(out_dir), calibration, model,
+                                  calibration_batch_size=calibration_batch_size, profile=profile)
 
 
 def _build_tensorrt_engine(variant: Any, fp32_onnx: Path, out_dir: Path, calibration: Dataset | None,
-                           model: Any) -> StepResult:
-    """The GPU seam: the real engine build (tensorrt imported here, lazily) is not implemented (no GPU has been lent to this project: the TensorRT issue); until then the
-    variant is skipped visibly even on a GPU node."""
-    return StepResult("skipped", reason=(f"TensorRT variant {variant.name}: building TensorRT engines is not "
-                                         "implemented in this tailguard version (GPU and TensorRT are present)"),
-                      details={"backend": "tensorrt", "precision": variant.precision})
+                           model: Any, *, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
+    """The engine build on a GPU node with TensorRT (`tensorrt_build.build_tensorrt_engine`; tensorrt imported
+    there, lazily)."""
+    from tailguard.components.quantize.tensorrt_build import build_tensorrt_engine
+
+    return build_tensorrt_engine(variant, fp32_onnx, out_dir, calibration, model, profile=profile,
+                                 calibration_batch_size=calibration_batch_size)
 
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime
 @register_step("quantize.onnxruntime")
 def quantize_onnxruntime(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *,
                          calibration: Dataset | None = None, model: Any = None,
-                         calibration_batch_size: int = 8) -> StepResult:
+                         calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
     """Build an ONNX Runtime variant (fp32-optimized, fp16, int8 dynamic, int8 static). See `build_variant`.
 
     Raises:
@@ -185,8 +189,11 @@ def quantize_onnxruntime(variant: Any, fp32_onnx: str | Path, out_dir: str | Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{variant.name}.onnx"
+    from tailguard.components.quantize.tensorrt_build import ort_providers
+
     details: dict[str, Any] = {"backend": "onnxruntime", "precision": variant.precision,
-                               "execution_provider": variant.execution_provider}
+                               "execution_provider": variant.execution_provider,
+                               "providers": ort_providers(variant, profile)}
     log = out / "build.log"
     progress = {"stage": "setup"}
     captured = io.StringIO()  # ORT's tools print progress and log warnings: kept in build.log, not on the console
@@ -225,6 +232,10 @@ def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | No
         if variant.precision == "fp32":
             progress["stage"] = "save"
             _save_self_contained(optimized, target)
+        elif variant.precision == "fp16" and variant.execution_provider == "TensorrtExecutionProvider":
+            progress["stage"] = "save"  # TensorRT runs FP16 from the FP32 graph (trt_fp16_enable, `ort_providers`)
+            _save_self_contained(optimized, target)
+            details["fp16"] = {"mode": "TensorRT EP trt_fp16_enable on the FP32 graph"}
         elif variant.precision == "fp16":
             progress["stage"] = "fp16 conversion"
             _to_fp16(variant, optimized, target, details)
@@ -259,7 +270,7 @@ def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | No
         progress["stage"] = "summary"
         details.update(_summary(target, details.get("excluded_nodes", [])))
         progress["stage"] = "load check"
-        _load_check(target, variant.execution_provider)
+        _load_check(target, details["providers"])
     return None
 
 
@@ -283,6 +294,14 @@ def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any])
     go = variant.graph_optimization
     level, after = optimization_levels(variant)
     info: dict[str, Any] = {"level": go.level, "fusion": go.fusion}
+    provider = variant.execution_provider
+    if provider == "TensorrtExecutionProvider":
+        # ORT cannot save a graph partitioned to a compiling EP, and extended/all write EP-specific contrib ops
+        # TensorRT does not parse: save the provider-independent basic level (ORT "Graph Optimizations": basic
+        # runs before partitioning, for every EP); TensorRT fuses the rest itself.
+        provider = "CPUExecutionProvider"
+        if level in ("extended", "all"):
+            info["saved_level"] = level = "basic"
     if after is not None:
         info.update(before_quantization=level, after_quantization=after,
                     note=(f"quantize first, then fuse: level {level!r} ran before quantization; the {after!r} "
@@ -296,7 +315,7 @@ def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any])
         info["fused_ops_reported"] = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
         opt.save_model_to_file(str(dst), use_external_data_format=opt.model.ByteSize() >= TWO_GB)
     elif level != "disabled":
-        _ort_optimize(src, dst, level, variant.execution_provider)
+        _ort_optimize(src, dst, level, provider)
     else:
         shutil.copyfile(src, dst)
     counts = _op_counts(dst)
@@ -863,13 +882,18 @@ def _quantized_node_names(path: Path) -> set[str]:
     return {n.name for n in proto.graph.node if n.op_type not in QDQ_OP_TYPES and test(n)}
 
 
-def _load_check(path: Path, provider: str) -> None:
-    """Open the built model once on its execution provider: a variant that cannot load is a failed build."""
+def _load_check(path: Path, providers: list) -> None:
+    """Open the built model once on its execution provider, with the options it will run with (`ort_providers`,
+    cache paths in the variant's folder): a variant that cannot load, or whose first provider ONNX Runtime drops,
+    is a failed build. On the TensorRT EP this builds the engines into the engine cache the validate step reuses."""
     import onnxruntime as ort
+
+    from tailguard.core.runtime import require_active_provider, resolve_provider_paths
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    ort.InferenceSession(str(path), sess_options=opts, providers=[provider])
+    resolved = resolve_provider_paths(providers, path.parent)
+    require_active_provider(ort.InferenceSession(str(path), sess_options=opts, providers=resolved), resolved)
 
 
 def _write_calibration(calibration: Dataset | None, model: Any, out: Path) -> None:

@@ -19,17 +19,18 @@ from tailguard.core.taskio import task_entry, write_json
 from tailguard.core.contract import ONNX_FILE  # export's output file
 
 
-def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path) -> dict[str, Any] | None:
+def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path, profile: dict | None = None) -> dict[str, Any] | None:
     """What a build reads, for the cache key (tailguard.core.cache.cache_key): the FP32 model's bytes, the variant
-    (all but its `search` section, which a build does not read), the model section (inputs, pad values), and for
-    a static INT8 build or a sensitivity ranking the calibration section and the calibration file's SHA-256.
+    (all but its `search` section, which a build does not read), the model section (inputs, pad values), the
+    TensorRT optimization profile (`profile`, when the variant has one), and for a static INT8 build, a TensorRT
+    INT8 build or a sensitivity ranking the calibration section and the calibration file's SHA-256.
 
     Returns:
         The parts, or None when an input cannot be hashed (a remote calibration file): then no caching.
     """
     from tailguard.core.cache import data_sha256, dir_sha256
 
-    static = variant.quantization is not None and variant.quantization.mode == "static"
+    static = _needs_calibration(variant)
     sens = _wants_sensitivity(spec, variant)
     parts: dict[str, Any] = {
         "fp32_onnx": dir_sha256(onnx_dir, prefix=ONNX_FILE),
@@ -37,6 +38,8 @@ def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path) -> dict[str, Any]
         "model": spec.model.model_dump(mode="json", exclude={"version", "registered_name", "description"}),
         "sensitivity": spec.analysis.sensitivity.model_dump(mode="json") if sens else None,
     }
+    if profile is not None:
+        parts["tensorrt_profile"] = profile
     if static or sens:
         digest = data_sha256(spec.data.calibration.uri)
         if digest is None:
@@ -71,6 +74,28 @@ def skip_torch_in_ort_tools() -> bool:
     return True
 
 
+def _needs_calibration(variant: Any) -> bool:
+    """Static INT8 on ONNX Runtime, or INT8 on TensorRT (its entropy calibrator): the build reads calibration rows."""
+    static = variant.quantization is not None and variant.quantization.mode == "static"
+    return static or (variant.backend == "tensorrt" and variant.precision == "int8")
+
+
+def tensorrt_profile(spec: Any, variant: Any) -> dict | None:
+    """The optimization profile of a variant on backend tensorrt or on TensorrtExecutionProvider
+    (`tensorrt_build.spec_profile`, from the spec and the validation rows); None for every other variant (no rows
+    are read then).
+
+    Raises:
+        InputError: the variant's tensorrt section contradicts the spec or the data (names the field).
+    """
+    if not variant.uses_tensorrt:
+        return None
+    from tailguard.components.quantize.tensorrt_build import spec_profile
+    from tailguard.core.data import load_validation
+
+    return spec_profile(spec, variant, load_validation(spec))
+
+
 def _wants_sensitivity(spec: Any, variant: Any) -> bool:
     return (spec.analysis.sensitivity.enabled and variant.precision == "int8" and variant.backend == "onnxruntime"
             and variant.search is None)
@@ -95,10 +120,12 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    def build() -> dict[str, Any]:
-        return _build(spec, variant, Path(onnx_dir), out)
+    profile = tensorrt_profile(spec, variant)
 
-    parts = cache_parts(spec, variant, onnx_dir)
+    def build() -> dict[str, Any]:
+        return _build(spec, variant, Path(onnx_dir), out, profile)
+
+    parts = cache_parts(spec, variant, onnx_dir, profile)
     d = cached_step("build", parts, out, build, label=f"build {variant_name}",
                     cacheable=lambda r: r.get("status") == "ok")
     write_json(out / "build.json", d)
@@ -167,20 +194,20 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
     return json.dumps(d, default=str)
 
 
-def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path) -> dict[str, Any]:
+def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path, profile: dict | None = None) -> dict[str, Any]:
     """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant" and
     "hardware" (`tailguard.core.hardware.node_facts()` of this node: CPU model, ISA flags, cores, GPUs, versions)."""
     skip_torch_in_ort_tools()
     from tailguard.components.quantize.logic import build_variant
 
-    needs_calibration = variant.quantization is not None and variant.quantization.mode == "static"
     calibration = None
-    if needs_calibration:  # tailguard.core.data imports pandas: only a build that reads rows loads it
+    if _needs_calibration(variant):  # tailguard.core.data imports pandas: only a build that reads rows loads it
         from tailguard.core.data import load_calibration
 
         calibration = load_calibration(spec)
     result = build_variant(variant, str(onnx_dir / ONNX_FILE), str(out), calibration=calibration,
-                           model=spec.model, calibration_batch_size=spec.data.calibration.batch_size)
+                           model=spec.model, calibration_batch_size=spec.data.calibration.batch_size,
+                           profile=profile)
     if result.artifact:
         result.artifact = str(Path(result.artifact).resolve().relative_to(out.resolve()))
     if result.status == "ok" and _wants_sensitivity(spec, variant):

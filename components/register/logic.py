@@ -329,9 +329,12 @@ def versions_by_sha256(client: Any, model_name: str) -> dict[str, str]:
 
 
 def backend_tags(variant: Any, run_tags: dict[str, str]) -> dict[str, str]:
-    """The registered version's backend-specific tags: the ONNX Runtime execution provider (onnxruntime,
-    tensorrt), or the torch variant's compile mode, device, CUDA graphs and the artefact's fingerprint (torch
-    version, device name, compute capability or CPU ISA flags; from the validated run's ARTIFACT_FINGERPRINT_TAG)."""
+    """The registered version's backend-specific tags: the ONNX Runtime execution provider (onnxruntime), the
+    TensorRT plan's fingerprint (tensorrt: TensorRT version, GPU, compute capability, CUDA; from the validated run's
+    ARTIFACT_FINGERPRINT_TAG), or the torch variant's compile mode, device, CUDA graphs and the artefact's
+    fingerprint (torch version, device name, compute capability or CPU ISA flags)."""
+    if variant.backend == "tensorrt":
+        return {ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, "")}
     if variant.backend != "torch":
         return {EXECUTION_PROVIDER_TAG: variant.execution_provider}
     return {COMPILE_TAG: variant.torch_compile, DEVICE_TAG: variant.torch_device,
@@ -615,7 +618,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                     SHA256_TAG: r.sha256 or "",
                     SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id,
                     VALIDATED_ON_TAG: validated_on_text(nodes.get(row.variant, [])), **extra}
-            if v.backend == "torch":  # a node-bound artefact folder, not an MLflow model: registered by source
+            if v.backend in ("torch", "tensorrt"):  # a node-bound artefact folder, not an MLflow model: by source
                 mv = register_artifact_folder(client, spec.optimized_model_name, r.model_uri, run_id, tags)
             else:
                 mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags=tags)

@@ -154,7 +154,7 @@ def integer_kernel_nodes(model_path: str | Path | None) -> list[str] | None:
 
     Returns:
         Node names (op type where a node has no name), graph order; None when the path is not an .onnx file
-        (a folder, a torch artefact, None): unknown, so the exact pass is run when one is asked for.
+        (a folder, a torch artefact, a TensorRT plan, None): unknown, so the exact pass is run when one is asked for.
 
     Raises:
         InputError: the file is not a loadable ONNX model.

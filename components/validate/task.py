@@ -257,13 +257,12 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     if variant.backend == "torch":
         runner = torch_runner(spec, variant, model_file, build, ds)
     else:
-        runner = OrtRunner(model_file, providers=[variant.execution_provider],
-                           intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+        runner = variant_runner(spec, variant, build, variant_dir, reference_model_dir)
     baseline_runners = reference_runners(spec, reference_model_dir, beside_torch=variant.backend == "torch")
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
 
     def exact_runner() -> OrtRunner:  # the numerics check's second pass: exact integer accumulation
-        return OrtRunner(model_file, providers=[variant.execution_provider],
+        return OrtRunner(model_file, providers=ort_session_providers(variant, build, variant_dir),
                          intra_op_num_threads=spec.benchmark.intra_op_num_threads, exact_int8_accumulation=True)
 
     try:
@@ -276,9 +275,62 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
         return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
                                    execution_provider=variant.execution_provider, metrics=metrics,
                                    report_path=report_path, identity=identity,
-                                   onnx=variant.backend != "torch")
+                                   onnx=variant.backend == "onnxruntime")  # torch, TensorRT: the file + manifest
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def ort_session_providers(variant: Any, build: dict[str, Any], variant_dir: Path) -> list[Any]:
+    """The providers (with options) an ONNX Runtime variant was built and load-checked with (build.json
+    `details.providers`, `tensorrt_build.ort_providers`), cache folders resolved under `variant_dir`; a build.json
+    without them (an older build) gives the bare execution provider."""
+    from tailguard.core.runtime import resolve_provider_paths
+
+    recorded = (build.get("details") or {}).get("providers")
+    return resolve_provider_paths(recorded or [variant.execution_provider], variant_dir)
+
+
+def tensorrt_expected_fingerprint(build: dict[str, Any], reference_model_dir: str | Path | None, *,
+                                  facts: Any = None) -> dict[str, Any]:
+    """The fingerprint a TensorRT plan must carry to run here (`TensorRTRunner`'s `expected`): this node's
+    TensorRT version, GPU, compute capability and CUDA version (`tensorrt_device_facts`, or `facts()`), the sha256
+    of the FP32 ONNX in `reference_model_dir` (else the recorded one) and the sha256 of the build config recorded
+    in build.json.
+
+    Raises:
+        InputError: build.json has no build_config (not a TensorRT build of this tailguard).
+        MissingDependencyError: no TensorRT / CUDA here.
+    """
+    from tailguard.core.artifacts import config_sha256
+    from tailguard.core.cache import file_sha256
+    from tailguard.core.contract import ONNX_FILE
+    from tailguard.core.errors import InputError
+    from tailguard.core.runtime import tensorrt_device_facts
+
+    details = build.get("details") or {}
+    if not isinstance(details.get("build_config"), dict):
+        raise InputError("build.json of a TensorRT variant has no details.build_config",
+                         hint="rebuild the variant with this tailguard version")
+    onnx = Path(reference_model_dir) / ONNX_FILE if reference_model_dir else None
+    onnx_sha = file_sha256(onnx) if onnx is not None and onnx.is_file() else (
+        (details.get("fingerprint") or {}).get("onnx_sha256"))
+    return {**(facts or tensorrt_device_facts)(), "onnx_sha256": onnx_sha,
+            "build_config_sha256": config_sha256(details["build_config"])}
+
+
+def variant_runner(spec: Any, variant: Any, build: dict[str, Any], variant_dir: Path,
+                   reference_model_dir: str | Path | None) -> Any:
+    """The runner of a built variant: a `TensorRTRunner` for backend tensorrt (the plan checked against its manifest
+    and this node before TensorRT deserializes it), else an `OrtRunner` on the providers and options it was built
+    with (`ort_session_providers`)."""
+    from tailguard.core.runtime import OrtRunner, TensorRTRunner
+
+    model_file = variant_dir / build["artifact"]
+    if variant.backend == "tensorrt":
+        return TensorRTRunner(model_file, tensorrt_expected_fingerprint(build, reference_model_dir),
+                              output_names=[o.name for o in spec.model.outputs])
+    return OrtRunner(model_file, providers=ort_session_providers(variant, build, variant_dir),
+                     intra_op_num_threads=spec.benchmark.intra_op_num_threads)
 
 
 def log_coverage(client: Any, run_id: str, build: dict[str, Any]) -> None:
@@ -393,7 +445,7 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
         result: the model's ValidationResult.
         work_dir: the folder validate_variant wrote into.
         model_file: the validated .onnx file, or (with `onnx` False) a node-bound artefact with its manifest
-            `<file>.json` beside it (a torch program.pt2 / package.pt2).
+            `<file>.json` beside it (a torch program.pt2 / package.pt2, a TensorRT plan).
         execution_provider: the ONNX Runtime EP the model is meant for (saved with the MLflow model).
         onnx: True: log with mlflow.onnx.log_model (an MLflow model); False: log the artefact and its manifest as
             the run's "model" folder (registered by the register step with create_model_version) and tag the

@@ -22,12 +22,20 @@ WORKDIR /opt/tailguard
 # scripts/image_locks.py for this base's Python 3.12); then the CUDA layer, pinned by version only: torch (CUDA
 # build), onnxruntime-gpu and the nvidia-* wheels they pull are not in requirements.lock, which is resolved on CPU
 # (docs/deploy.md, "Images"). pip check fails the build if the second step moved anything the first pinned.
+# The last check fails the build when what tailguard's GPU steps need is not there: TensorRT 10.x from the base
+# (components/quantize/tensorrt_build.py builds with the FP16/INT8 flags and the entropy calibrator TensorRT 11
+# removed) and onnxruntime-gpu's CUDA and TensorRT execution providers. Whether those providers load with this
+# base's CUDA/cuDNN/TensorRT is only known on a GPU node: the runner refuses a session without them
+# (tailguard.core.runtime.require_active_provider).
 COPY manifests/images/requirements-common.txt manifests/images/requirements-gpu.txt \
      manifests/images/requirements-gpu.lock /opt/tailguard/requirements/
 RUN python3 -m pip install --no-cache-dir --require-hashes --no-deps -r /opt/tailguard/requirements/requirements-gpu.lock \
     && python3 -m pip install --no-cache-dir -r /opt/tailguard/requirements/requirements-gpu.txt \
     && python3 -m pip check \
-    && python3 -c "import tensorrt, onnxruntime; print(tensorrt.__version__, onnxruntime.get_available_providers())"
+    && python3 -c "import tensorrt, onnxruntime as ort; \
+v = tensorrt.__version__; p = ort.get_available_providers(); print('tensorrt', v, 'providers', p); \
+assert v.split('.')[0] == '10', 'TensorRT 10.x expected, got ' + v; \
+assert {'TensorrtExecutionProvider', 'CUDAExecutionProvider'} <= set(p), 'onnxruntime-gpu providers missing: ' + str(p)"
 
 COPY pyproject.toml README.md /opt/tailguard/
 COPY pipelines/ /opt/tailguard/pipelines/

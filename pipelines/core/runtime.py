@@ -3,7 +3,8 @@ runners live in tailguard.core.torch_backend (`runner_for_file` picks one by the
 
 A runner maps a feed {input name: (batch, ...) array} to the list of output arrays, in
 `model.outputs` order. ONNX Runtime and torch are CPU-importable; TensorRT, CUDA and
-onnxruntime-gpu are imported lazily in `tensorrt_unavailable_reason` / `require_tensorrt`.
+onnxruntime-gpu are imported lazily in `tensorrt_unavailable_reason` / `require_tensorrt` /
+`TensorRTRunner`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import importlib
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from tailguard.core.errors import InputError, MissingDependencyError
+from tailguard.core.errors import InputError, MissingDependencyError, TailguardError
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build task that reads no rows must not load it
     from tailguard.core.data import Dataset
@@ -40,7 +41,10 @@ class OrtRunner:
 
     Args:
         path: .onnx file (external data beside it is found by ORT).
-        providers: execution providers, in preference order (default CPU).
+        providers: execution providers, in preference order (default CPU): names, or (name, {option: value})
+            pairs (`resolve_provider_paths`, ONNX Runtime's `providers=[(name, options), ...]` form). The first one
+            must be active in the session (`require_active_provider`): ONNX Runtime otherwise falls back to the
+            next provider (down to the CPU) with a log line only.
         intra_op_num_threads: 0 = all cores.
         graph_optimization: ORT GraphOptimizationLevel name: disabled|basic|extended|all.
         stop_spinning_after_run: set the session option `session.force_spinning_stop` = "1": the intra-op
@@ -65,9 +69,10 @@ class OrtRunner:
 
     Raises:
         InputError: the file is missing or not a loadable ONNX model (names the file).
+        ProviderFallbackError: ONNX Runtime dropped the first requested provider.
     """
 
-    def __init__(self, path: str | Path, *, providers: Sequence[str] = ("CPUExecutionProvider",),
+    def __init__(self, path: str | Path, *, providers: Sequence[Any] = ("CPUExecutionProvider",),
                  intra_op_num_threads: int = 0, graph_optimization: str = "all",
                  stop_spinning_after_run: bool = False, exact_int8_accumulation: bool = False,
                  allow_spinning: bool = True) -> None:
@@ -91,11 +96,13 @@ class OrtRunner:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if exact_int8_accumulation:  # kOrtSessionOptionsAvx2PrecisionMode (session options config keys)
             opts.add_session_config_entry("session.x64quantprecision", "1")
+        providers = [p if isinstance(p, str) else (p[0], dict(p[1])) for p in providers]
         try:
-            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=list(providers))
+            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
         except Exception as exc:  # ORT raises Fail/InvalidGraph/InvalidProtobuf/...; all mean the same to a user
             raise InputError(f"cannot load ONNX model {path}: {str(exc).splitlines()[0][:300]}",
                              hint="the file is corrupt or not an ONNX model; rebuild or re-register it") from None
+        require_active_provider(self.session, providers)
         self.path = path
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -217,6 +224,57 @@ def require_tensorrt() -> Any:
         raise MissingDependencyError("tensorrt", "tensorrt") from None
 
 
+class ProviderFallbackError(TailguardError):
+    """ONNX Runtime opened a session without the execution provider asked for first (it falls back to the next one,
+    down to the CPU, logging only). Exit code 1 (runtime): the node lacks the provider's libraries (CUDA, cuDNN,
+    TensorRT) or they do not match the onnxruntime-gpu build."""
+
+
+def provider_name(entry: Any) -> str:
+    """The provider name of a `providers` entry: "X" or ("X", {options})."""
+    return entry if isinstance(entry, str) else entry[0]
+
+
+def require_active_provider(session: Any, providers: Sequence[Any]) -> None:
+    """Raise when the first requested provider is not among `session.get_providers()`.
+
+    Raises:
+        ProviderFallbackError: names the provider asked for and the ones ONNX Runtime activated.
+    """
+    if not providers:
+        return
+    wanted = provider_name(providers[0])
+    active = list(session.get_providers())
+    if wanted not in active:
+        raise ProviderFallbackError(
+            f"ONNX Runtime did not activate {wanted} (active: {', '.join(active)}): it would have run on "
+            f"{active[0] if active else 'nothing'} instead",
+            hint=f"{wanted} needs onnxruntime-gpu with matching CUDA/cuDNN{' and TensorRT' if 'Tensorrt' in wanted else ''} "
+                 "libraries on a GPU node (the GPU image: manifests/images/gpu.Dockerfile)")
+
+
+PATH_OPTIONS = ("trt_engine_cache_path", "trt_timing_cache_path")  # folders, relative to the model's folder
+
+
+def resolve_provider_paths(providers: Sequence[Any], base_dir: str | Path) -> list[Any]:
+    """`providers` as recorded in build.json (`[[name, {option: value}], ...]`, cache folders relative to the
+    variant's folder) in ONNX Runtime's form `[(name, {option: value}), ...]` with the folders made absolute under
+    `base_dir` and created. Plain names pass through."""
+    out: list[Any] = []
+    for entry in providers:
+        if isinstance(entry, str):
+            out.append(entry)
+            continue
+        name, opts = entry[0], dict(entry[1])
+        for key in PATH_OPTIONS:
+            if key in opts:
+                folder = Path(base_dir) / str(opts[key])
+                folder.mkdir(parents=True, exist_ok=True)
+                opts[key] = str(folder)
+        out.append((name, opts))
+    return out
+
+
 def ort_providers_unavailable_reason(provider: str) -> str | None:
     """None when ONNX Runtime offers `provider` here, else the reason."""
     import onnxruntime as ort
@@ -227,3 +285,92 @@ def ort_providers_unavailable_reason(provider: str) -> str | None:
         gpu = gpu_unavailable_reason()
         return f"{gpu + '; ' if gpu else ''}{provider} needs onnxruntime-gpu (pip install 'tailguard[gpu]')"
     return f"execution provider {provider} is not available; have {ort.get_available_providers()}"
+
+
+# ----------------------------------------------------------------------------------------- TensorRT plans
+TENSORRT_ENGINE_KIND = "TensorRT engine"  # the manifest's `kind` (tailguard.core.artifacts)
+
+
+def tensorrt_device_facts() -> dict[str, str]:
+    """This node's TensorRT version, GPU name, compute capability and CUDA version: the device half of a TensorRT
+    engine's fingerprint (components/quantize/engine.py `EngineFingerprint`).
+
+    Raises:
+        MissingDependencyError: TensorRT or a CUDA-enabled torch is not importable (a CPU node).
+    """
+    trt = require_tensorrt()
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("torch (CUDA build)", "gpu") from None
+    if not torch.cuda.is_available():
+        raise MissingDependencyError("a CUDA device for torch", "gpu")
+    major, minor = torch.cuda.get_device_capability(0)
+    return {"tensorrt_version": trt.__version__, "device_name": torch.cuda.get_device_name(0),
+            "compute_capability": f"{major}.{minor}", "cuda_version": str(torch.version.cuda)}
+
+
+class TensorRTRunner:
+    """A serialized TensorRT engine (plan), checked against its manifest before it is deserialized.
+
+    The check comes first (`tailguard.core.artifacts.verify_artifact`: the plan's sha256 and the fingerprint of the
+    node it was built on, against `expected`), so a changed plan or one built for another GPU / TensorRT version is
+    refused with the differing fields, on any node, before TensorRT is imported. Then the plan is deserialized
+    (`trt.Runtime.deserialize_cuda_engine`) and each batch runs through one execution context: input shapes set
+    (`set_input_shape`; the engine's optimization profile must cover them), inputs and outputs in torch CUDA tensors
+    (`set_tensor_address`), `execute_async_v3` on the current torch stream, outputs copied back.
+
+    Args:
+        path: the .plan file (its manifest `<plan>.json` beside it).
+        expected: the fingerprint this node would give the same build ({field: value}: the recorded one with this
+            node's `tensorrt_device_facts`).
+        output_names: output tensor names in model.outputs order (default: the engine's output order).
+
+    Raises:
+        ArtifactMismatchError: no manifest, a changed plan or another node's plan.
+        MissingDependencyError: TensorRT or CUDA torch missing (after the manifest check).
+        InputError: the plan cannot be deserialized.
+    """
+
+    def __init__(self, path: str | Path, expected: Mapping[str, Any], *,
+                 output_names: Sequence[str] | None = None) -> None:
+        from tailguard.core.artifacts import verify_artifact
+
+        self.path = Path(path)
+        self.manifest = verify_artifact(self.path, expected, kind=TENSORRT_ENGINE_KIND)
+        trt = require_tensorrt()
+        import torch
+
+        self.trt, self.torch = trt, torch
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.engine = trt.Runtime(self.logger).deserialize_cuda_engine(self.path.read_bytes())
+        if self.engine is None:
+            raise InputError(f"TensorRT could not deserialize {self.path}",
+                             hint="rebuild the engine on this node (tailguard run rebuilds it)")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.input_names = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.output_names = list(output_names) if output_names else [n for n in names if n not in self.input_names]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Run one batch on the GPU; feeds not used by the engine are ignored."""
+        trt, torch = self.trt, self.torch
+        keep = []
+        for name in self.input_names:
+            host = np.ascontiguousarray(feeds[name], dtype=trt.nptype(self.engine.get_tensor_dtype(name)))
+            dev = torch.from_numpy(host).cuda()
+            keep.append(dev)
+            self.context.set_input_shape(name, tuple(host.shape))
+            self.context.set_tensor_address(name, int(dev.data_ptr()))
+        outs = []
+        for name in self.output_names:
+            shape = tuple(self.context.get_tensor_shape(name))
+            dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(name)))
+            dev = torch.empty(shape, dtype=getattr(torch, dtype.name), device="cuda")  # float32 -> torch.float32
+            outs.append(dev)
+            self.context.set_tensor_address(name, int(dev.data_ptr()))
+        stream = torch.cuda.current_stream()
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError(f"TensorRT execute_async_v3 failed on {self.path.name}")
+        stream.synchronize()
+        return [o.cpu().numpy() for o in outs]

@@ -423,6 +423,35 @@ class SearchSpec(_Model):
     space: SearchSpace = Field(default_factory=SearchSpace, description="Configurations tried.")
 
 
+class TensorRTSpec(_Model):
+    """TensorRT build settings of a variant on backend tensorrt or on ONNX Runtime's TensorrtExecutionProvider
+    (components/quantize/tensorrt_build.py). The optimization profile's shapes come from the spec and the data
+    unless set here: batch 1 .. the largest of benchmark.batch_sizes and data.validation.batch_size (optimized for
+    promotion.batch_size, default the first benchmark batch size); every named axis after batch 1 .. the longest
+    validation row (optimized for the median one). An input outside the profile fails at run time (TensorRT refuses
+    it), so serving traffic longer than the validation data needs `max_lengths`."""
+
+    max_batch_size: int | None = Field(None, ge=1, description=(
+        "Largest batch of the optimization profile (default: the largest batch the validate step runs)."))
+    max_lengths: dict[str, int] = Field(default_factory=dict, description=(
+        "Largest size of each named axis of model.inputs (e.g. {sequence: 512}); default: the longest validation "
+        "row."))
+    workspace_mib: int | None = Field(None, ge=1, description=(
+        "Builder workspace memory pool limit (MiB): IBuilderConfig.set_memory_pool_limit(WORKSPACE) / ONNX "
+        "Runtime's trt_max_workspace_size; default: TensorRT's (the device's memory)."))
+    builder_optimization_level: int | None = Field(None, ge=0, le=5, description=(
+        "TensorRT builder optimization level 0-5 (default: TensorRT's, 3); higher builds longer and may run "
+        "faster."))
+
+    @field_validator("max_lengths")
+    @classmethod
+    def _positive(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = [k for k, n in v.items() if n < 1]
+        if bad:
+            raise ValueError(f"max_lengths must be positive ints; got {', '.join(f'{k}: {v[k]}' for k in bad)}")
+        return v
+
+
 class VariantSpec(_Model):
     """One inference variant to build and validate: backend x precision x calibration."""
 
@@ -452,6 +481,22 @@ class VariantSpec(_Model):
     search: "SearchSpec | None" = Field(None, description=(
         "INT8 on onnxruntime only: when this variant fails its gates, search mixed-precision configurations "
         "for the fastest one that passes every gate (components/search/README.md)."))
+    tensorrt: TensorRTSpec | None = Field(None, description=(
+        "backend tensorrt, or onnxruntime on TensorrtExecutionProvider: optimization profile bounds, workspace "
+        "and builder optimization level (default: from the data and TensorRT's defaults)."))
+
+    @model_validator(mode="after")
+    def _tensorrt_section(self) -> "VariantSpec":
+        if self.tensorrt is not None and not self.uses_tensorrt:
+            raise ValueError("tensorrt applies to backend tensorrt or to execution_provider TensorrtExecutionProvider "
+                             f"(this variant: backend {self.backend}, execution_provider {self.execution_provider})")
+        return self
+
+    @property
+    def uses_tensorrt(self) -> bool:
+        """True for backend tensorrt or an ONNX Runtime variant on TensorrtExecutionProvider."""
+        return self.backend == "tensorrt" or (self.backend == "onnxruntime"
+                                              and self.execution_provider == "TensorrtExecutionProvider")
 
     @model_validator(mode="after")
     def _precision_rules(self) -> "VariantSpec":
