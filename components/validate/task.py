@@ -196,8 +196,9 @@ def _log_failed_result(client: Any, run_id: str, identity: VariantResult, reason
 
 
 class VariantUnusable(Exception):
-    """The built variant cannot be loaded on this node (a torch artefact built for another node or torch version,
-    or one whose native loader crashed a probe process): the variant fails with the reason, the run goes on."""
+    """The built variant cannot be loaded on this node (a torch artefact or TensorRT plan built for another node or
+    library version, or a torch package whose native loader crashed a probe process): the variant fails with the
+    reason, the run goes on."""
 
 
 def torch_runner(spec: Any, variant: Any, model_file: Path, build: dict[str, Any], ds: Any) -> Any:
@@ -252,12 +253,18 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
     from tailguard.core.data import load_validation
     from tailguard.core.runtime import OrtRunner
 
+    from tailguard.core.artifacts import ArtifactMismatchError
+
     model_file = variant_dir / build["artifact"]
-    ds = load_validation(spec)
-    if variant.backend == "torch":
+    if variant.backend == "torch":  # the probe of an AOTInductor package runs a validation batch
+        ds = load_validation(spec)
         runner = torch_runner(spec, variant, model_file, build, ds)
     else:
-        runner = variant_runner(spec, variant, build, variant_dir, reference_model_dir)
+        try:
+            runner = variant_runner(spec, variant, build, variant_dir, reference_model_dir)
+        except ArtifactMismatchError as exc:  # a TensorRT plan built for another node: the variant fails
+            raise VariantUnusable(str(exc)) from None
+        ds = load_validation(spec)
     baseline_runners = reference_runners(spec, reference_model_dir, beside_torch=variant.backend == "torch")
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
 
