@@ -252,11 +252,13 @@ def asdict_config(config: Any) -> dict[str, Any]:
 
 def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, rounds: int,
         max_seconds: float, batch_sizes: list[int], checkpoint: Any = None,
-        build_deadline: float = float("inf"), with_ort: bool = False) -> dict[str, Any]:
+        build_deadline: float = float("inf"), validate_deadline: float = float("inf"),
+        with_ort: bool = False) -> dict[str, Any]:
     """Build, validate and time `variants` on `device`; returns the JSON report (module docstring).
     `checkpoint(rows)`, when given, is called with the variant rows after the builds and after validation (so a
     run cut short by a time limit still leaves what it measured); no build starts after `build_deadline` seconds
-    (the variants left are skipped, so that validation and timing of the others still fit a time limit); with
+    (the variants left are skipped, so that validation and timing of the others still fit a time limit), and no
+    validation after `validate_deadline` seconds (those variants are skipped and not timed); with
     `with_ort`, the spec's ort-fp32 variant (exported and BERT-fused by the pipeline's own export and build steps)
     is validated and timed in the same rounds, and every ratio is also given against it (speedup_vs_ort_fp32)."""
     import torch
@@ -349,6 +351,10 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
         checkpoint(rows)
     for name in list(runners):
         row = rows[name]
+        if name != BASELINE and time.perf_counter() - t_start > validate_deadline:
+            row.update(status="skipped", reason=f"not validated: past --validate-deadline ({validate_deadline:g} s)")
+            runners.pop(name)
+            continue
         try:
             t0 = time.perf_counter()
             res = validate_variant(vspec, name, runners[name], reference, validation, work / "validate" / name)
@@ -477,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--out", type=Path, required=True, help="the JSON report")
     ap.add_argument("--work", type=Path, default=None, help="folder for artefacts (default: a temporary one)")
+    ap.add_argument("--validate-deadline", type=float, default=float("inf"),
+                    help="seconds after which no further variant is validated (the rest are skipped, not timed)")
     ap.add_argument("--with-ort", action="store_true",
                     help="also build the spec's ort-fp32 (export + BERT fusion, CPU) and time it in the same rounds")
     ap.add_argument("--build-deadline", type=float, default=float("inf"),
@@ -507,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = run(bundle, device, catalogue, work, rounds=args.rounds, max_seconds=args.max_seconds,
-                     batch_sizes=batch_sizes, build_deadline=args.build_deadline, with_ort=args.with_ort,
+                     batch_sizes=batch_sizes, build_deadline=args.build_deadline,
+                     validate_deadline=args.validate_deadline, with_ort=args.with_ort,
                      checkpoint=lambda rows: _write(args.out.with_name(args.out.stem + ".partial.json"),
                                                     {"partial": True, "variants": list(rows.values())}))
     _write(args.out, report)
