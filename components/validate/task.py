@@ -362,4 +362,5 @@ def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason
         discovered=discovered_summary(result.discovered) if result.discovery is not None else [],
         quantized_mac_fraction=None if frac is None or np.isnan(float(frac)) else float(frac),
         hardware_dependent=None if num is None else num.get("hardware_dependent"),
+        rows=int(result.rows), rows_used=None if getattr(result, "rows_used", None) is None else int(result.rows_used),
         numerics=None if num is None else {k: v for k, v in num.items() if k not in ("exact_overall", "exact_gates")})
