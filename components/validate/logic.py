@@ -577,6 +577,39 @@ def _run_blocks(runner: Runner, validation: Dataset, spec: Spec, variant_name: s
 
 
 @dataclass
+class Measurements:
+    """A variant's measurements that do not depend on its gates (issue 25, item 4): the outputs of the rows scored
+    and the timing rounds. The validate step keys them on the variant's model bytes, the data, the benchmark
+    section and the node (components/validate/task.py `measurement_parts`), so a re-run whose only change is in
+    `gates` or `promotion` decides on them again (`validate_variant(measurements=)`) instead of measuring again:
+    the stopping rules are replayed on the stored rows and rounds and give what a fresh run would on the same
+    ones; more rows or rounds are measured only when the new gates need them.
+
+    Attributes:
+        order: int64 (rows scored,): validation rows in the order scored (a prefix of the seeded permutation;
+            0..rows-1 when sequential validation is off).
+        block_sizes: rows per scored block, summing to order.size.
+        outputs: the variant's first output for `order`, (rows scored, ...).
+        exact_outputs: the exact-accumulation pass (numerics check) for the first rows of `order`, or None.
+        timing: {runner name: {batch size: the `interleaved_benchmark` row (samples_ms included)}}, or None.
+        changed: set when validation measured something new (the caller stores it again).
+    """
+
+    order: np.ndarray | None = None
+    block_sizes: list[int] = field(default_factory=list)
+    outputs: np.ndarray | None = None
+    exact_outputs: np.ndarray | None = None
+    timing: dict[str, dict[int, dict[str, Any]]] | None = None
+    changed: bool = False
+
+    def blocks(self) -> list[np.ndarray]:
+        """`order` split into its scored blocks."""
+        if self.order is None:
+            return []
+        return list(np.split(self.order, np.cumsum(self.block_sizes)[:-1])) if self.block_sizes else []
+
+
+@dataclass
 class SequentialScoring:
     """What `score_sequentially` scored: the rows in scoring order, their outputs, the blocks and the gate plans."""
 
@@ -592,7 +625,8 @@ class SequentialScoring:
 
 def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.ndarray, validation: Dataset,
                        labels: np.ndarray | None, groups: list, *,
-                       discovery_candidates: list | None = None) -> SequentialScoring:
+                       discovery_candidates: list | None = None,
+                       measurements: Measurements | None = None) -> SequentialScoring:
     """Score the validation rows in a seeded shuffled order, `analysis.sequential.block_rows` at a time, until the
     gates are decided (`sequential.should_stop`; never before `min_rows` rows) or the rows run out.
 
@@ -605,6 +639,8 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
         labels: per-row labels (classification / embedding accuracy) or None.
         groups: `slice_groups` over every row.
         discovery_candidates: `discovery.candidate_slices` over every row (None: computed when needed).
+        measurements: stored outputs of earlier scored blocks (`Measurements`): they are used block by block
+            before the runner is asked for more; blocks scored beyond them are added to it (`changed`).
 
     Returns:
         SequentialScoring (rows in scoring order, their outputs, blocks, decided plans).
@@ -616,12 +652,22 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
     perm = np.random.default_rng(seq.seed).permutation(n).astype(np.int64)
     plans = plan_gates(spec, variant_name, validation.frame, groups, discovery_candidates=discovery_candidates)
     floor = min(seq.min_rows, n)
+    stored_blocks, stored_outs = [], []
+    m = measurements
+    if m is not None and m.order is not None and m.outputs is not None and \
+            np.array_equal(m.order, perm[:m.order.size]):
+        stored_blocks = m.blocks()
+        stored_outs = list(np.split(m.outputs, np.cumsum(m.block_sizes)[:-1])) if m.block_sizes else []
     blocks: list[np.ndarray] = []
     outs: list[np.ndarray] = []
     scored = 0
     while scored < n:
-        block = perm[scored:scored + seq.block_rows]
-        out = _run_first_output(runner, validation.subset(block), spec, variant_name)
+        k = len(blocks)
+        if k < len(stored_blocks):
+            block, out = stored_blocks[k], stored_outs[k]
+        else:
+            block = perm[scored:scored + seq.block_rows]
+            out = _run_first_output(runner, validation.subset(block), spec, variant_name)
         per_row = _per_row(spec, ref, out, labels, block)
         blocks.append(block)
         outs.append(out)
@@ -630,7 +676,12 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
             p.update(per_row, block, scored, scored >= floor)
         if scored >= floor and should_stop(plans, seq.stop):
             break
-    return SequentialScoring(perm[:scored], np.concatenate(outs), blocks, plans)
+    result = SequentialScoring(perm[:scored], np.concatenate(outs), blocks, plans)
+    if m is not None and len(blocks) > len(stored_blocks):  # scored past the stored rows: they grow
+        m.order, m.outputs = result.order, result.outputs
+        m.block_sizes = [int(b.size) for b in blocks]
+        m.changed = True
+    return result
 
 
 def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: str) -> Any:
@@ -684,6 +735,62 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
     return decide
 
 
+def _exact_outputs(runner: Runner, validation: Dataset, spec: Spec, variant_name: str, blocks: list[np.ndarray],
+                   measurements: Measurements | None) -> np.ndarray:
+    """The exact pass's outputs over `blocks`: the stored ones for the rows they cover, the runner for the rest
+    (added to `measurements`)."""
+    m = measurements
+    have = m.exact_outputs if m is not None and m.exact_outputs is not None else None
+    n_have = 0 if have is None else have.shape[0]
+    done, parts = 0, []
+    for b in blocks:
+        if done + b.size <= n_have:
+            parts.append(have[done:done + b.size])
+        else:
+            parts.append(_run_first_output(runner, validation.subset(b), spec, variant_name))
+        done += b.size
+    out = np.concatenate(parts)
+    if m is not None and out.shape[0] > n_have and m.order is not None and out.shape[0] <= m.order.size:
+        m.exact_outputs, m.changed = out, True
+    return out
+
+
+def _timed(spec: Spec, runners: dict[str, Runner], validation: Dataset, decide: Any,
+           measurements: Measurements | None) -> dict[str, dict[int, dict[str, Any]]]:
+    """`interleaved_benchmark` of `runners` at every benchmark batch size, replaying the stored rounds where the
+    stopping rule can be decided on them (`latency.replay_interleaved`) and timing only the other batch sizes;
+    what is timed is stored in `measurements`."""
+    from tailguard.core.latency import replay_interleaved
+
+    names = list(runners)
+    out: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+    stored = measurements.timing if measurements is not None and measurements.timing else {}
+    missing = []
+    for bs in spec.benchmark.batch_sizes:
+        rows = None
+        if all(bs in (stored.get(n) or {}) for n in names):
+            rows = replay_interleaved({n: stored[n][bs] for n in names}, bs, spec.benchmark, decide)
+        if rows is None:
+            missing.append(bs)
+        else:
+            for n in names:
+                out[n][bs] = rows[n]
+    if missing:
+        bench = spec.benchmark.model_copy(update={"batch_sizes": missing})
+        fresh = interleaved_benchmark(runners, validation, spec.model.inputs, bench,
+                                      pad_values=spec.model.pad_values, decide=decide)
+        for n in names:
+            out[n].update(fresh[n])
+        if measurements is not None:
+            timing = {n: dict(stored.get(n) or {}) for n in names}
+            for n in names:
+                for bs, row in fresh[n].items():
+                    timing[n][bs] = {k: v for k, v in row.items()}
+            measurements.timing, measurements.changed = timing, True
+    # the rows are handed on and decorated (speed ratios, cost): copies, never the stored ones
+    return {n: {bs: dict(r) for bs, r in rows.items()} for n, rows in out.items()}
+
+
 def _in_row_order(order: np.ndarray, outputs: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Outputs scored in `order` put back in validation-row order: (outputs (n_rows, ...), None) when every row
     was scored, else (outputs of the scored rows sorted by row, their sorted row indices)."""
@@ -725,7 +832,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                      validation: Dataset, out_dir: str | Path, *, reference_perf: dict | None = None,
                      torch_perf: dict | None = None, model_path: str | Path | None = None,
                      baseline_runners: dict[str, Runner] | None = None,
-                     exact_runner_factory: Callable[[], Runner] | None = None) -> ValidationResult:
+                     exact_runner_factory: Callable[[], Runner] | None = None,
+                     measurements: Measurements | None = None) -> ValidationResult:
     """Validate one variant against the FP32 reference and the spec's gates.
 
     Args:
@@ -754,6 +862,10 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
             build metrics, and the two passes compared (`compare_numerics`); the session is freed after. None,
             or a graph without integer kernels (FP32/FP16: the option cannot change a float kernel): the check
             is `not_checked` with the reason.
+        measurements: the variant's stored outputs and timing rounds (`Measurements`, issue 25 item 4): used
+            instead of measuring again wherever they suffice (outputs of rows already scored, exact-pass outputs,
+            timing rounds the stopping rule can be replayed on); what is measured anew is added to it and
+            `changed` is set, for the caller to store.
 
     Returns:
         The ValidationResult (also written to out_dir/result.json).
@@ -779,11 +891,20 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     groups_all = slice_groups(validation.frame, spec.slices)
     scoring = None
     if spec.analysis.sequential.enabled and n_rows:
-        scoring = score_sequentially(spec, variant_name, runner, ref, validation, labels, groups_all)
+        scoring = score_sequentially(spec, variant_name, runner, ref, validation, labels, groups_all,
+                                     measurements=measurements)
     idx = None  # the rows scored (sorted global indices) when scoring stopped before the last row
     frame, groups = validation.frame, groups_all
     if scoring is None:
-        cand = _run_first_output(runner, validation, spec, variant_name)
+        m = measurements
+        if m is not None and m.outputs is not None and m.order is not None and \
+                np.array_equal(m.order, np.arange(n_rows)):
+            cand = m.outputs
+        else:
+            cand = _run_first_output(runner, validation, spec, variant_name)
+            if m is not None:
+                m.order, m.outputs, m.block_sizes, m.exact_outputs = np.arange(n_rows), cand, [n_rows], None
+                m.changed = True
     else:
         cand, idx = _in_row_order(scoring.order, scoring.outputs, n_rows)
         if idx is not None:
@@ -805,9 +926,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     interleaved: dict[str, Any] = {}
     if baseline_runners:
         base_name = "onnx_fp32" if "onnx_fp32" in baseline_runners else next(iter(baseline_runners))
-        timed = interleaved_benchmark({"variant": runner, **baseline_runners}, validation, spec.model.inputs,
-                                      spec.benchmark, pad_values=spec.model.pad_values,
-                                      decide=timing_rule(spec, variant_name, baseline=base_name, target="variant"))
+        timed = _timed(spec, {"variant": runner, **baseline_runners}, validation,
+                       timing_rule(spec, variant_name, baseline=base_name, target="variant"), measurements)
         perf = timed.pop("variant")
         interleaved = timed
         add_speed_ratios(perf, interleaved, samples=spec.analysis.bootstrap.samples,
@@ -854,7 +974,7 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
             exact_cand = _run_first_output(exact_runner, validation, spec, variant_name)
             exact_plans = None
         else:  # the same rows in the same blocks (batches) as the native pass, decided the same way
-            exact_out = _run_blocks(exact_runner, validation, spec, variant_name, scoring.blocks)
+            exact_out = _exact_outputs(exact_runner, validation, spec, variant_name, scoring.blocks, measurements)
             exact_cand, _ = _in_row_order(scoring.order, exact_out, n_rows)
             exact_plans = _replay(spec, variant_name, validation, labels, groups_all, ref, scoring.blocks,
                                   exact_out)

@@ -310,21 +310,84 @@ def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_spec
             if over:
                 stopped_early, stopped_by = True, "max_seconds"
                 break
-        rounds = len(samples[names[0]])
-        method = (f"{bench.warmup} warm-up + {rounds} timed rounds of batch {bs} (seed {bench.seed}) interleaved "
-                  f"with {', '.join(n for n in names)} (order alternating A B / B A per round, same batch per "
-                  f"round), one clock per run, np.percentile linear")
-        if decide is not None:
-            taken += stopped_by == "iterations"  # the budget's own look (decide is not asked there)
-            method += (f"; stopped by {stopped_by} at look {taken} of {len(grid)} (bounds Bonferroni-corrected "
-                       f"over {len(grid)} looks)")
+        rows = _interleaved_rows({n: np.asarray(samples[n], dtype=np.float64) / 1e6 for n in names}, bs, bench,
+                                 stopped_early, stopped_by if decide is not None else None,
+                                 taken + (stopped_by == "iterations"), len(grid))
         for n in names:
-            ms = np.asarray(samples[n], dtype=np.float64) / 1e6
-            out[n][bs] = _summary(ms, bs, bench.warmup, stopped_early, method)
-            if decide is not None:
-                out[n][bs].update(n_looks=len(grid), looks=taken, stopped_by=stopped_by)
-            add_quantile_bounds(out[n][bs])
+            out[n][bs] = rows[n]
     return out
+
+
+def _interleaved_rows(samples_ms: Mapping[str, np.ndarray], bs: int, bench: BenchmarkSpec, stopped_early: bool,
+                      stopped_by: str | None, looks_taken: int, n_looks: int) -> dict[str, dict[str, Any]]:
+    """The per-runner rows of one batch size of `interleaved_benchmark` from its rounds (ms per runner, paired by
+    position); `stopped_by` None: timed without looks (no n_looks / looks / stopped_by keys)."""
+    names = list(samples_ms)
+    rounds = len(samples_ms[names[0]])
+    method = (f"{bench.warmup} warm-up + {rounds} timed rounds of batch {bs} (seed {bench.seed}) interleaved "
+              f"with {', '.join(n for n in names)} (order alternating A B / B A per round, same batch per "
+              f"round), one clock per run, np.percentile linear")
+    if stopped_by is not None:
+        method += (f"; stopped by {stopped_by} at look {looks_taken} of {n_looks} (bounds Bonferroni-corrected "
+                   f"over {n_looks} looks)")
+    out = {}
+    for n in names:
+        row = _summary(np.asarray(samples_ms[n], dtype=np.float64), bs, bench.warmup, stopped_early, method)
+        if stopped_by is not None:
+            row.update(n_looks=n_looks, looks=looks_taken, stopped_by=stopped_by)
+        add_quantile_bounds(row)
+        out[n] = row
+    return out
+
+
+def replay_interleaved(rows: Mapping[str, dict[str, Any]], bs: int, bench: BenchmarkSpec,
+                       decide: Decide | None) -> dict[str, dict[str, Any]] | None:
+    """The rows `interleaved_benchmark` would have returned for batch size `bs` with the stopping rule `decide`,
+    from rounds timed before (a cached timing, e.g. under other gates), or None when those rounds are too few for
+    it (they stopped by another rule before this one would have).
+
+    Replays the run round by round on the stored samples: the same looks (`timing_looks`), the same `max_seconds`
+    budget (from the cumulative times of the stored rounds), the same calls of `decide` on the rounds so far. The
+    result is exactly what a timing with `decide` would give on those rounds (a rule that stops earlier uses a
+    prefix of them).
+
+    Args:
+        rows: {runner: the stored row of `bs`}, each with `samples_ms` (paired by position) and, when timed with
+            looks, `stopped_by`.
+        bs: the batch size.
+        bench: the benchmark section now (its warmup, iterations, max_seconds, precision must be those of the
+            stored timing; callers key the cache on it).
+        decide: the stopping rule now, or None (the full budget).
+
+    Returns:
+        {runner: row} for `bs`, or None.
+    """
+    names = list(rows)
+    samples = {n: np.asarray(rows[n].get("samples_ms") or [], dtype=np.float64) for n in names}
+    total = len(samples[names[0]]) if names else 0
+    if total == 0 or any(len(v) != total for v in samples.values()):
+        return None
+    stored = rows[names[0]].get("stopped_by")  # None: stored without looks (the full budget)
+    spent = np.cumsum(np.sum([samples[n] for n in names], axis=0))
+    grid = timing_looks(bench) if decide is not None else []
+    taken = 0
+    budget_ms = bench.max_seconds * 1e3
+    for r in range(1, total + 1):
+        over = bool(spent[r - 1] >= budget_ms) and r >= MIN_SAMPLES and r < bench.iterations
+        if decide is not None and r < bench.iterations and (over or (taken < len(grid) and r == grid[taken])):
+            taken += 1
+            if decide(bs, {n: v[:r] for n, v in samples.items()}, taken, len(grid)):
+                return _interleaved_rows({n: v[:r] for n, v in samples.items()}, bs, bench, True, "decided", taken,
+                                         len(grid))
+        if over:
+            return _interleaved_rows({n: v[:r] for n, v in samples.items()}, bs, bench, True,
+                                     "max_seconds" if decide is not None else None, taken, len(grid))
+    if total < bench.iterations:  # stored stopped by another rule ("decided") before the budget: too few rounds
+        return None
+    if decide is None and stored is not None and stored != "iterations":
+        return None
+    return _interleaved_rows(samples, bs, bench, False, "iterations" if decide is not None else None, taken + 1
+                             if decide is not None else 0, len(grid))
 
 
 def precision_reached(samples: Mapping[str, np.ndarray], precision: float, look: int, n_looks: int, *,
