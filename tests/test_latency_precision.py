@@ -132,10 +132,25 @@ def test_timing_rule_stops_when_every_confident_speed_gate_at_the_batch_size_is_
     gate = {"metric": "speedup_vs_onnx_fp32", "min": 1.5, "confidence": 0.95, "batch_size": 1}
     out = _time(0.1, BENCH, timing_rule(_spec([gate], 0.001), "v", baseline="onnx_fp32", target="variant"))
     assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] <= 40
-    # the same precision without the gate: nothing to decide early, the budget
+    # without the gate this batch size decides nothing: it stops at its first look (10 rounds), bounds and all
     out = _time(0.1, BENCH, timing_rule(_spec([], 0.001), "v", baseline="onnx_fp32", target="variant"))
-    assert out["variant"][1]["stopped_by"] == "iterations"
+    assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] == 10
     assert timing_rule(_spec([], None), "v", baseline="onnx_fp32", target="variant") is None
+
+
+def test_timing_rule_keeps_timing_what_no_interval_of_the_rounds_can_decide_yet():
+    # a p99 point gate: its order-statistic upper bound needs over 400 rounds at the corrected level, so the
+    # budget (400) decides it as before; the p50 that picks a search's trial is timed to the precision or budget
+    p99 = {"metric": "latency_ms.p99", "max": 1000.0, "batch_size": 1}
+    out = _time(0.1, BENCH, timing_rule(_spec([p99], 0.001), "v", baseline="onnx_fp32", target="variant"))
+    assert out["variant"][1]["stopped_by"] == "iterations"
+    out = _time(0.1, BENCH, timing_rule(_spec([], 0.001), "v", baseline="onnx_fp32", target="variant",
+                                        p50_decides=True))
+    assert out["variant"][1]["stopped_by"] == "iterations"
+    # a p50 gate far from the variant's 5 ms is decided within the first looks
+    p50 = {"metric": "latency_ms.p50", "max": 50.0, "batch_size": 1}
+    out = _time(0.1, BENCH, timing_rule(_spec([p50], 0.001), "v", baseline="onnx_fp32", target="variant"))
+    assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] <= 20
 
 
 def test_corrected_intervals_cover_the_true_ratio_at_their_level_when_timing_stops_at_the_precision():

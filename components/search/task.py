@@ -184,7 +184,7 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
         result = validate_variant(trial_spec, variant.name, runner, reference_outputs, validation, d,
                                   reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
                                   model_path=model_path, baseline_runners=baseline_runners,
-                                  measurements=measurements)
+                                  measurements=measurements, p50_decides=True)
         save(measurements)
         result.passed = verdict(result)[0]  # the validate step's verdict: non-finite outputs fail too
         return result

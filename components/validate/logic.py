@@ -684,53 +684,75 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
     return result
 
 
-def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: str) -> Any:
+def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: str,
+                p50_decides: bool | None = None) -> Any:
     """The stopping rule of a variant's timing measured to `benchmark.precision` (None when it is not set: the
-    full budget): at a look, stop when the speed ratio target vs `baseline` is within the precision
-    (`latency.precision_reached`), or when this batch size has speed gates with a `confidence` and every one is
-    decided: its bound at `look_confidence(confidence, looks)` is on the passing side of the threshold, or the
-    opposite bound is on the failing side (`gates._ratio_bound_gate` decides on the same bound).
+    full budget, as before). At a look, timing a batch size stops when
+
+    - the speed ratio target vs `baseline` is within the precision (`latency.precision_reached`), or
+    - every decision this batch size's timing makes is decided: each latency gate at the batch size (applicable to
+      the variant) has its bound, at `look_confidence(level, looks)`, on one side of its threshold: a speed-ratio
+      gate (`speedup_vs_<baseline>`, interleaved) on the paired-bootstrap bound at its `confidence` (95% for a
+      gate without one: the point ratio then lies on the same side), a `latency_ms.p<q>` gate on the order-statistic
+      bound of that quantile (`stats.order_statistic_bound`). Gates no interval of the rounds decides
+      (throughput, cost, latency_ms.mean, speedup_vs_torch: its baseline is timed in reference-pass) and, with
+      `p50_decides`, the p50 at the promotion batch size (it picks a search's trial, or the variant to promote with
+      `promotion.margin: null`) are decided only by the precision or the budget. A batch size that decides nothing
+      stops at its first look: its figures carry their (wide) corrected bounds and the rounds used.
 
     Args:
-        spec: the spec (benchmark.precision, gates, analysis.bootstrap).
+        spec: the spec (benchmark.precision, gates, promotion, analysis.bootstrap).
         variant_name: gates' `variants`.
         baseline: the interleaved baseline the precision is about ("onnx_fp32"), or None (the target's p50).
         target: the variant's runner name in the timing ("variant", or "runner" for `latency.benchmark`).
+        p50_decides: the p50 at the promotion batch size decides something (default: `promotion.margin` is None,
+            the promotion then picks the lowest validation p50; the search passes True: it picks its trial so).
     """
     from tailguard.core.latency import precision_reached, speed_ratio
-    from tailguard.core.spec import RATIO_METRICS
-    from tailguard.core.stats import look_confidence
+    from tailguard.core.spec import BATCHED_METRICS
+    from tailguard.core.stats import look_confidence, order_statistic_bound
 
     precision = spec.benchmark.precision
     if precision is None:
         return None
+    if p50_decides is None:
+        p50_decides = spec.promotion.margin is None
     boot = spec.analysis.bootstrap
-    gates = [g for g in spec.gates if g.metric in RATIO_METRICS and g.confidence is not None
+    promotion_bs = spec.promotion.batch_size or spec.benchmark.batch_sizes[0]
+    gates = [g for g in spec.gates if g.metric in BATCHED_METRICS
              and (g.variants is None or variant_name in g.variants)]
+
+    def gate_decided(g: Any, samples: Any, n_looks: int) -> bool:
+        thr = g.min if g.min is not None else g.max
+        if thr is None:
+            return False
+        level = look_confidence(g.confidence or 0.95, n_looks)
+        if g.metric.startswith("speedup_vs_"):
+            name = g.metric.removeprefix("speedup_vs_")
+            if name not in samples:
+                return False
+            try:
+                r = speed_ratio(samples[name], samples[target], level, samples=boot.samples, seed=boot.seed)
+            except InputError:
+                return False
+            lo, hi = r["lower"], r["upper"]
+        elif g.metric.startswith("latency_ms.p") and g.metric[len("latency_ms.p"):].replace(".", "", 1).isdigit():
+            q = float(g.metric[len("latency_ms.p"):]) / 100.0
+            if not 0.0 < q < 1.0:
+                return False
+            lo = order_statistic_bound(samples[target], q, level, "lower")
+            hi = order_statistic_bound(samples[target], q, level, "upper")
+        else:
+            return False
+        return (lo >= thr or hi < thr) if g.min is not None else (hi <= thr or lo > thr)
 
     def decide(bs: int, samples: Any, look: int, n_looks: int) -> bool:
         if precision_reached(samples, precision, look, n_looks, baseline=baseline, target=target,
                              boot_samples=boot.samples, seed=boot.seed):
             return True
-        mine = [g for g in gates if spec.gate_batch_size(g) == bs]
-        if not mine:
+        if p50_decides and bs == promotion_bs:
             return False
-        for g in mine:
-            name = g.metric.removeprefix("speedup_vs_")
-            if name not in samples:
-                return False
-            try:
-                r = speed_ratio(samples[name], samples[target], look_confidence(g.confidence, n_looks),
-                                samples=boot.samples, seed=boot.seed)
-            except InputError:
-                return False
-            if g.min is not None:
-                decided = r["lower"] >= g.min or r["upper"] < g.min
-            else:
-                decided = r["upper"] <= g.max or r["lower"] > g.max
-            if not decided:
-                return False
-        return True
+        return all(gate_decided(g, samples, n_looks) for g in gates if spec.gate_batch_size(g) == bs)
 
     return decide
 
@@ -833,7 +855,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                      torch_perf: dict | None = None, model_path: str | Path | None = None,
                      baseline_runners: dict[str, Runner] | None = None,
                      exact_runner_factory: Callable[[], Runner] | None = None,
-                     measurements: Measurements | None = None) -> ValidationResult:
+                     measurements: Measurements | None = None,
+                     p50_decides: bool | None = None) -> ValidationResult:
     """Validate one variant against the FP32 reference and the spec's gates.
 
     Args:
@@ -866,6 +889,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
             instead of measuring again wherever they suffice (outputs of rows already scored, exact-pass outputs,
             timing rounds the stopping rule can be replayed on); what is measured anew is added to it and
             `changed` is set, for the caller to store.
+        p50_decides: the p50 at the promotion batch size decides something (`timing_rule`; the search passes
+            True), so with `benchmark.precision` it is timed to the precision or the budget.
 
     Returns:
         The ValidationResult (also written to out_dir/result.json).
@@ -927,7 +952,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     if baseline_runners:
         base_name = "onnx_fp32" if "onnx_fp32" in baseline_runners else next(iter(baseline_runners))
         timed = _timed(spec, {"variant": runner, **baseline_runners}, validation,
-                       timing_rule(spec, variant_name, baseline=base_name, target="variant"), measurements)
+                       timing_rule(spec, variant_name, baseline=base_name, target="variant",
+                                   p50_decides=p50_decides), measurements)
         perf = timed.pop("variant")
         interleaved = timed
         add_speed_ratios(perf, interleaved, samples=spec.analysis.bootstrap.samples,
@@ -936,7 +962,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
             reference_perf = interleaved["onnx_fp32"]
     else:
         perf = benchmark(runner, validation, spec.model.inputs, spec.benchmark, pad_values=spec.model.pad_values,
-                         decide=timing_rule(spec, variant_name, baseline=None, target="runner"))
+                         decide=timing_rule(spec, variant_name, baseline=None, target="runner",
+                                            p50_decides=p50_decides))
     for bs, row in perf.items():
         if spec.cost is not None:
             row["usd_per_1m_inferences"] = cost_per_1m(spec.cost.usd_per_hour, row["throughput_per_s"])

@@ -31,6 +31,7 @@ Formulas and sources are in each function's docstring.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Literal
@@ -79,6 +80,7 @@ def _out(a: np.ndarray) -> float | np.ndarray:
     return float(a) if np.ndim(a) == 0 else a
 
 
+@functools.lru_cache(maxsize=256)  # pure; sequential validation asks for the same level hundreds of times
 def z_value(confidence: float, two_sided: bool = False) -> float:
     """Standard normal quantile for a confidence level: Phi^-1(confidence) one-sided, Phi^-1(1 - (1 -
     confidence) / 2) two-sided (`scipy.stats.norm.ppf`); e.g. 0.95 -> 1.6449 one-sided, 1.9600 two-sided.
