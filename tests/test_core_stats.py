@@ -439,3 +439,17 @@ def test_order_statistic_bound_covers_the_quantile_at_its_level_when_sampling_a_
     hits = sum(S.order_statistic_bound(rng.exponential(size=50), 0.5, 0.9, "lower") <= math.log(2)
                for _ in range(2000))
     assert hits / 2000 >= st.binom.ppf(0.001, 2000, 0.9) / 2000
+
+
+def test_order_statistic_bound_equals_the_scipy_stats_binomial_rule_when_samples_are_random():
+    rng = np.random.default_rng(4)
+    for n in (1, 9, 50, 333):
+        x = rng.exponential(size=n)
+        s = np.sort(x)
+        for q in (0.1, 0.5, 0.99):
+            for conf in (0.9, 0.99):
+                j = np.arange(1, n + 1)
+                lo = np.nonzero(st.binom.sf(j - 1, n, q) >= conf)[0]
+                hi = np.nonzero(st.binom.cdf(j - 1, n, q) >= conf)[0]
+                assert S.order_statistic_bound(x, q, conf, "lower") == (s[lo[-1]] if lo.size else -math.inf)
+                assert S.order_statistic_bound(x, q, conf, "upper") == (s[hi[0]] if hi.size else math.inf)

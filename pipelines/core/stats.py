@@ -835,10 +835,11 @@ def order_statistic_bound(samples: np.ndarray, q: float, confidence: float, side
         raise ValueError("order_statistic_bound needs at least one sample")
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q!r}")
-    j = np.arange(1, n + 1)
-    binom = _st().binom
+    from scipy import special  # the binomial tails without importing scipy.stats (a second on a task's start)
+
+    j = np.arange(1, n + 1, dtype=np.float64)
     if side == "lower":
-        ok = np.nonzero(binom.sf(j - 1, n, q) >= confidence)[0]  # P(Bin >= j) = sf(j - 1)
+        ok = np.nonzero(special.bdtrc(j - 1, n, q) >= confidence)[0]  # P(Bin >= j) = P(Bin > j - 1)
         return float(x[ok[-1]]) if ok.size else -math.inf
-    ok = np.nonzero(binom.cdf(j - 1, n, q) >= confidence)[0]
+    ok = np.nonzero(special.bdtr(j - 1, n, q) >= confidence)[0]  # P(Bin <= j - 1)
     return float(x[ok[0]]) if ok.size else math.inf
