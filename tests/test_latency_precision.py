@@ -12,8 +12,8 @@ import pytest
 
 from tailguard.components.validate.logic import timing_rule
 from tailguard.core.data import Dataset
-from tailguard.core.latency import (add_speed_ratios, interleaved_benchmark, precision_reached, replay_interleaved,
-                                    speed_ratio, timing_looks)
+from tailguard.core.latency import (DECISION_MIN_ROUNDS, add_speed_ratios, interleaved_benchmark, precision_reached,
+                                    replay_interleaved, speed_ratio, timing_looks)
 from tailguard.core.spec import BenchmarkSpec, TensorSpec, parse_spec
 from tailguard.core.stats import look_confidence
 
@@ -62,7 +62,10 @@ def test_timing_stops_at_a_look_when_the_ratio_is_within_the_precision():
     out = _time(0.02, BENCH, _rule(0.03))
     row = out["variant"][1]
     assert timing_looks(BENCH) == [10, 20, 40, 80, 160, 320, 400]
-    assert row["stopped_by"] == "decided" and row["n_iterations"] in (10, 20) and row["n_looks"] == 7
+    # precise after 10 rounds already, but no interval of fewer than DECISION_MIN_ROUNDS (30) rounds decides: the
+    # first look past it (40)
+    assert DECISION_MIN_ROUNDS == 30
+    assert row["stopped_by"] == "decided" and row["n_iterations"] == 40 and row["n_looks"] == 7
     assert row["n_iterations"] == out["onnx_fp32"][1]["n_iterations"] and "at look" in row["method"]
 
 
@@ -131,7 +134,7 @@ def test_timing_rule_stops_when_every_confident_speed_gate_at_the_batch_size_is_
     # a 2x speed-up against a gate at 1.5: decided long before a 0.1% precision would be reached
     gate = {"metric": "speedup_vs_onnx_fp32", "min": 1.5, "confidence": 0.95, "batch_size": 1}
     out = _time(0.1, BENCH, timing_rule(_spec([gate], 0.001), "v", baseline="onnx_fp32", target="variant"))
-    assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] <= 40
+    assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] == 40
     # without the gate this batch size decides nothing: it stops at its first look (10 rounds), bounds and all
     out = _time(0.1, BENCH, timing_rule(_spec([], 0.001), "v", baseline="onnx_fp32", target="variant"))
     assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] == 10
@@ -150,7 +153,7 @@ def test_timing_rule_keeps_timing_what_no_interval_of_the_rounds_can_decide_yet(
     # a p50 gate far from the variant's 5 ms is decided within the first looks
     p50 = {"metric": "latency_ms.p50", "max": 50.0, "batch_size": 1}
     out = _time(0.1, BENCH, timing_rule(_spec([p50], 0.001), "v", baseline="onnx_fp32", target="variant"))
-    assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] <= 20
+    assert out["variant"][1]["stopped_by"] == "decided" and out["variant"][1]["n_iterations"] == 40
 
 
 def test_corrected_intervals_cover_the_true_ratio_at_their_level_when_timing_stops_at_the_precision():

@@ -119,7 +119,7 @@ def _setup(tmp_path, layers):
                  "validation": {"uri": str(tmp_path / "v.parquet")}},
         "variants": [{"name": n, "backend": "onnxruntime", "precision": p} for n, p, _ in layers],
         "gates": [{"metric": "abs_error.max", "max": 1.0}],
-        "benchmark": {"batch_sizes": [1], "warmup": 5, "iterations": 200, "max_seconds": 20}})
+        "benchmark": {"batch_sizes": [1], "warmup": 100, "iterations": 200, "max_seconds": 20}})
     rows = [_row(n, p, 1.0) for n, p, _ in layers]
     results = {n: VariantResult(n, "onnxruntime", p, "ok", passed=True,
                                 model_uri=str(_chain(tmp_path / n, k))) for n, p, k in layers}

@@ -445,7 +445,8 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
     the fastest's advantage over every other is decided against 1 + margin or the budget ends.
 
     Method: `tailguard.core.latency.interleaved_benchmark` over every row's ONNX model (downloaded from its logged
-    MLflow model) on ONNX Runtime with its execution provider and the spec's threads, the validation rows, the
+    MLflow model) on ONNX Runtime with its execution provider and the spec's threads, each session stopping its
+    workers' spinning when a Run returns (`OrtRunner(stop_spinning_after_run=True)`), the validation rows, the
     spec's `benchmark` section at `batch_size`; looks at 10, 20, 40, ... rounds (`latency.timing_looks`); at each
     look the leader is the lowest median and each other variant's ratio median(other) / median(leader) gets
     one-sided 95% bounds corrected for the looks (`latency.speed_ratio` at `look_confidence(0.95, looks)`,
@@ -463,7 +464,8 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
     Returns:
         {"leader": name, "ratios": {name: {"name", "ratio", "lower", "upper"}} for every other row, "rounds",
         "confidence" (per look), "stopped_by", "batch_size", "method"}; None when a row cannot be timed here
-        (not onnxruntime, no logged model, a model that does not load).
+        (not onnxruntime, no logged model, a model that does not load) or the budget allows fewer than
+        `latency.DECISION_MIN_ROUNDS` rounds. No look before that many rounds decides.
     """
     import tempfile
 
@@ -472,7 +474,7 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
 
     from tailguard.core.data import load_validation
     from tailguard.core.errors import TailguardError
-    from tailguard.core.latency import interleaved_benchmark, speed_ratio
+    from tailguard.core.latency import DECISION_MIN_ROUNDS, interleaved_benchmark, speed_ratio
     from tailguard.core.runtime import OrtRunner
     from tailguard.core.stats import look_confidence
 
@@ -494,6 +496,8 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
         return leader, ratios, level
 
     def decide(bs: int, samples: Any, look: int, n_looks: int) -> bool:
+        if len(next(iter(samples.values()))) < DECISION_MIN_ROUNDS:
+            return False
         leader, ratios, _ = judge(samples, n_looks)
         return all(r["lower"] > 1.0 + margin or r["upper"] < 1.0 + margin for r in ratios.values())
 
@@ -506,8 +510,11 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
                 if not files:
                     return None
                 v = variants[r.variant]
+                # several ORT sessions take turns in one process: each stops spinning when its Run returns, so
+                # the next one is not timed against the previous one's spinning workers (core/latency.py)
                 runners[r.variant] = OrtRunner(files[0], providers=[v.execution_provider],
-                                               intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+                                               intra_op_num_threads=spec.benchmark.intra_op_num_threads,
+                                               stop_spinning_after_run=True)
             ds = load_validation(spec)
             timed = interleaved_benchmark(runners, ds, spec.model.inputs, bench, pad_values=spec.model.pad_values,
                                           decide=decide)
@@ -517,6 +524,10 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
             return None
     samples = {n: np.asarray(t[batch_size]["samples_ms"], dtype=np.float64) for n, t in timed.items()}
     first = next(iter(timed.values()))[batch_size]
+    if first["n_iterations"] < DECISION_MIN_ROUNDS:  # the budget allowed too few rounds to be confident of anything
+        print(f"tailguard register: no paired promotion comparison: {first['n_iterations']} rounds in the benchmark "
+              f"budget, fewer than {DECISION_MIN_ROUNDS}", file=sys.stderr)
+        return None
     leader, ratios, level = judge(samples, int(first.get("n_looks") or 1))
     return {"leader": leader, "ratios": ratios, "rounds": int(first["n_iterations"]), "confidence": level,
             "stopped_by": first.get("stopped_by"), "batch_size": batch_size,

@@ -697,8 +697,9 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
       bound of that quantile (`stats.order_statistic_bound`). Gates no interval of the rounds decides
       (throughput, cost, latency_ms.mean, speedup_vs_torch: its baseline is timed in reference-pass) and, with
       `p50_decides`, the p50 at the promotion batch size (it picks a search's trial, or the variant to promote with
-      `promotion.margin: null`) are decided only by the precision or the budget. A batch size that decides nothing
-      stops at its first look: its figures carry their (wide) corrected bounds and the rounds used.
+      `promotion.margin: null`) are decided only by the precision or the budget. No interval of fewer than
+      `latency.DECISION_MIN_ROUNDS` (30) rounds decides anything. A batch size that decides nothing stops at its
+      first look: its figures carry their (wide) corrected bounds and the rounds used.
 
     Args:
         spec: the spec (benchmark.precision, gates, promotion, analysis.bootstrap).
@@ -708,7 +709,7 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
         p50_decides: the p50 at the promotion batch size decides something (default: `promotion.margin` is None,
             the promotion then picks the lowest validation p50; the search passes True: it picks its trial so).
     """
-    from tailguard.core.latency import precision_reached, speed_ratio
+    from tailguard.core.latency import DECISION_MIN_ROUNDS, precision_reached, speed_ratio
     from tailguard.core.spec import BATCHED_METRICS
     from tailguard.core.stats import look_confidence, order_statistic_bound
 
@@ -752,7 +753,10 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
             return True
         if p50_decides and bs == promotion_bs:
             return False
-        return all(gate_decided(g, samples, n_looks) for g in gates if spec.gate_batch_size(g) == bs)
+        mine = [g for g in gates if spec.gate_batch_size(g) == bs]
+        if mine and len(samples[target]) < DECISION_MIN_ROUNDS:  # no decision on a handful of rounds
+            return False
+        return all(gate_decided(g, samples, n_looks) for g in mine)
 
     return decide
 

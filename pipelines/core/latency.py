@@ -54,6 +54,11 @@ from tailguard.core.stats import median_ratio as _median_ratio
 MIN_SAMPLES = 10  # timed samples kept even past max_seconds, so the percentiles mean something
 POOL_SIZE = 32  # distinct pre-built batches cycled through per batch size
 LOOK_GROWTH = 2.0  # rounds double between the looks of a timing that may stop early (10, 20, 40, ...)
+# No interval of fewer rounds decides anything (a gate, the precision, a promotion): the percentile bootstrap of a
+# median ratio under-covers badly on a handful of rounds (two identical ONNX models came out "1.9x apart, lower bound
+# 1.035" on 10 rounds of ~50 us runs; Efron & Tibshirani 1993, ch. 13: the percentile interval's coverage is only
+# asymptotic). A timing with nothing to decide may still stop at its first look.
+DECISION_MIN_ROUNDS = 30
 # decide(batch size, {runner: samples in ms so far}, look number (1-based), looks possible) -> stop now?
 Decide = Callable[[int, Mapping[str, np.ndarray], int, int], bool]
 
@@ -395,7 +400,7 @@ def precision_reached(samples: Mapping[str, np.ndarray], precision: float, look:
     """Whether the timing of one batch size is within `precision` at this look: the interval of the speed ratio
     baseline / target (`speed_ratio`, one-sided 95% ends corrected for `n_looks` looks) has a relative half-width
     (upper - lower) / 2 / ratio <= precision; without a baseline among `samples`, the interval of the target's
-    p50 (`stats.order_statistic_bound`, same level) relative to the p50.
+    p50 (`stats.order_statistic_bound`, same level) relative to the p50. Never before DECISION_MIN_ROUNDS rounds.
 
     Args:
         samples: {runner: ms per round so far}, as `decide` receives them.
@@ -407,6 +412,8 @@ def precision_reached(samples: Mapping[str, np.ndarray], precision: float, look:
     """
     level = look_confidence(RATIO_DEFAULT_CONFIDENCE, n_looks)
     v = np.asarray(samples[target], dtype=np.float64)
+    if v.size < DECISION_MIN_ROUNDS:
+        return False
     if baseline is not None and baseline in samples:
         try:
             r = speed_ratio(samples[baseline], v, level, samples=boot_samples, seed=seed)
