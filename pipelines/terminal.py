@@ -140,6 +140,12 @@ def print_summary(summary: Any) -> None:
         console.print(part)
     for key, gid in gate_ids(summary).items():  # soft_wrap: the key is never cut, the terminal wraps the line
         console.print(Text.assemble(f"  {gid} = ", (key, "dim")), soft_wrap=True)
+    if reason := getattr(summary, "promotion_reason", ""):  # how the variant to promote was chosen
+        console.print(Text.assemble(("promotion", "bold"), f": {reason}"), soft_wrap=True)
+    scored = [f"{v.variant} {v.rows_used}/{v.rows}" for v in variants
+              if getattr(v, "rows_used", None) is not None and getattr(v, "rows", None)]
+    if scored:  # sequential validation: the rows each variant needed before its gates were decided
+        console.print(Text("rows scored: " + ", ".join(scored), style="dim"), soft_wrap=True)
     from rich.markup import escape
 
     flagged: dict[str, list[str]] = {}  # warning -> variants: the exporter's warnings hold for every variant

@@ -368,7 +368,7 @@ def test_reference_pass_imports_no_mlflow_when_run_in_its_own_process(env):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_local_rerun_with_one_gate_changed_serves_reference_pass_from_the_cache_and_logs_its_baselines(env):
+def test_local_rerun_with_one_gate_changed_serves_reference_pass_and_measurements_from_the_cache(env):
     from tailguard.core.home import default_tracking_uri
     from tailguard.core.tracking import configure
 
@@ -398,6 +398,13 @@ def test_local_rerun_with_one_gate_changed_serves_reference_pass_from_the_cache_
     assert cached[0]["reference-pass"] is False and cached[1]["reference-pass"] is True
     assert cached[1]["export"] is True and cached[1]["build-ort-fp32"] is True
     assert cached[0]["fetch-reference"] is False and cached[1]["fetch-reference"] is True
+    # issue 25 item 4: the gate-only change re-decides on the variant's stored outputs and timing rounds
+    assert cached[0]["validate-ort-fp32"] is False and cached[1]["validate-ort-fp32"] is True
+    rows = [next(v for v in s["variants"] if v["variant"] == "ort-fp32") for s in runs]
+    assert rows[1]["p50_ms"] == rows[0]["p50_ms"] and rows[1]["p99_ms"] == rows[0]["p99_ms"]  # the same rounds
+    assert rows[1]["rows_used"] == rows[0]["rows_used"] and rows[0]["rows"] == 40
+    assert rows[0]["gates"] == {"top1_agreement>=0.9": "passed"} and rows[1]["gates"] == {"top1_agreement>=0.5":
+                                                                                          "passed"}
     client = mlflow.MlflowClient(default_tracking_uri())
     parents = [client.get_run(s["parent_run_id"]) for s in runs]
     for parent in parents:

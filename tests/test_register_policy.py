@@ -68,6 +68,13 @@ def _run(tmp_path, client, exp, spec, variants=VARIANTS):
     return register_and_promote(spec, parent_run_id=parent, experiment_id=exp, source_version="1")
 
 
+def _policy_spec(**promotion):
+    """The spec these tests register under: the selection by lowest validation p50 (`promotion.margin: null`),
+    since the variants' latencies here are numbers written into their results, not models that can be timed
+    (the confident selection is tested in tests/test_promotion.py)."""
+    return _spec(margin=None, **promotion)
+
+
 def _versions(client):
     return sorted((int(v.version), v.tags["tailguard.variant"])
                   for v in client.search_model_versions(f"name = '{MODEL}'"))
@@ -78,7 +85,7 @@ def test_register_and_promote_registers_the_artefact_once_and_reuses_it_when_the
     from tailguard.runner import summary_rows
 
     client, exp, _ = store
-    spec = _spec()
+    spec = _policy_spec()
     summaries = [_run(tmp_path, client, exp, spec) for _ in range(3)]
 
     # promoted (default): only the selected variant, fp16 (fastest passing), and its bytes only once
@@ -102,7 +109,7 @@ def test_register_and_promote_registers_the_artefact_once_and_reuses_it_when_the
 def test_register_and_promote_leaves_failing_and_unselected_variants_out_when_the_policy_is_the_default(
         tmp_path, store):
     client, exp, _ = store
-    rows = {v.variant: v for v in _run(tmp_path, client, exp, _spec()).variants}
+    rows = {v.variant: v for v in _run(tmp_path, client, exp, _policy_spec()).variants}
     fp32, int8 = rows["ort-fp32"], rows["ort-int8"]
     assert (int8.passed, int8.version, int8.registration) == (False, None, "not_registered")
     assert int8.registration_note == "not registered: failed its gates (promotion.register_variants: promoted)"
@@ -113,7 +120,7 @@ def test_register_and_promote_leaves_failing_and_unselected_variants_out_when_th
 
 def test_register_and_promote_registers_the_failing_variant_when_register_variants_is_all(tmp_path, store):
     client, exp, _ = store
-    summary = _run(tmp_path, client, exp, _spec(register_variants="all"))
+    summary = _run(tmp_path, client, exp, _policy_spec(register_variants="all"))
     rows = {v.variant: v for v in summary.variants}
     assert _versions(client) == [(1, "ort-fp32"), (2, "ort-fp16"), (3, "ort-int8")]
     assert client.get_model_version(MODEL, rows["ort-int8"].version).tags["tailguard.gates"] == "failed"
@@ -122,7 +129,7 @@ def test_register_and_promote_registers_the_failing_variant_when_register_varian
 
 def test_register_and_promote_registers_only_passing_variants_when_register_variants_is_passing(tmp_path, store):
     client, exp, _ = store
-    rows = {v.variant: v for v in _run(tmp_path, client, exp, _spec(register_variants="passing")).variants}
+    rows = {v.variant: v for v in _run(tmp_path, client, exp, _policy_spec(register_variants="passing")).variants}
     assert _versions(client) == [(1, "ort-fp32"), (2, "ort-fp16")]
     assert (rows["ort-int8"].version, rows["ort-int8"].registration) == (None, "not_registered")
 
@@ -133,7 +140,7 @@ def test_register_and_promote_reuses_the_version_within_a_run_when_two_variants_
     promoted one (fp16, faster) gets the alias on that shared version."""
     client, exp, _ = store
     same = (("ort-fp32", 5.0, 0.99, "Identity"), ("ort-fp16", 3.0, 0.99, "Identity"), ("ort-int8", 1.0, 0.5, "Neg"))
-    summary = _run(tmp_path, client, exp, _spec(register_variants="all"), same)
+    summary = _run(tmp_path, client, exp, _policy_spec(register_variants="all"), same)
     rows = {v.variant: v for v in summary.variants}
     assert _versions(client) == [(1, "ort-fp32"), (2, "ort-int8")]
     assert (rows["ort-fp16"].version, rows["ort-fp16"].registration) == ("1", "reused")

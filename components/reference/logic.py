@@ -113,6 +113,8 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Any, spe
     With a torch reference the two are timed interleaved in rounds on the same batches
     (`tailguard.core.latency.interleaved_benchmark`, as the validate step times a variant against the ONNX FP32
     reference): one `benchmark.max_seconds` budget per batch size covers both, and a load change hits both alike.
+    With `benchmark.precision` a batch size stops once the torch / ONNX ratio's interval (an ONNX reference: the
+    ONNX p50's interval) is within it (`latency.precision_reached`, bounds corrected for the looks).
     The ORT session is built here (`onnx_baseline_runner`) with `session.force_spinning_stop` so that torch is
     not timed waiting on ORT's spinning workers (why and the figures: the module comment above TORCH_SEGMENTS).
     Each torch row then gets the stability check (`torch_stability`): `segment_p50_ms`, `segment_spread`,
@@ -134,17 +136,30 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Any, spe
     Raises:
         InputError: the model file is missing or unloadable, or the validation set has no rows.
     """
-    from tailguard.core.latency import benchmark, interleaved_benchmark
+    from tailguard.core.latency import benchmark, interleaved_benchmark, precision_reached
 
     threads = spec.benchmark.intra_op_num_threads
     onnx_runner = onnx_baseline_runner(onnx_path, threads, beside_torch=torch_runner is not None)
+    precision = getattr(spec.benchmark, "precision", None)
+
+    def rule(baseline: str | None, target: str) -> Any:
+        """Measured to benchmark.precision (None: the full budget): the torch / ONNX ratio's interval, or the ONNX
+        p50's alone, within the precision (`latency.precision_reached`, corrected for the looks)."""
+        if precision is None:
+            return None
+        boot = spec.analysis.bootstrap
+        return lambda bs, samples, look, n_looks: precision_reached(
+            samples, precision, look, n_looks, baseline=baseline, target=target, boot_samples=boot.samples,
+            seed=boot.seed)
+
     if torch_runner is None:
         return {"rows": ds.n_rows, "torch": None, "warnings": [],
                 "onnx_fp32": benchmark(onnx_runner, ds, spec.model.inputs, spec.benchmark,
-                                       pad_values=spec.model.pad_values)}
+                                       pad_values=spec.model.pad_values, decide=rule(None, "runner"))}
     kw = {"clock": clock} if clock is not None else {}
     timed = interleaved_benchmark({"onnx_fp32": onnx_runner, "torch": torch_runner}, ds, spec.model.inputs,
-                                  spec.benchmark, pad_values=spec.model.pad_values, **kw)
+                                  spec.benchmark, pad_values=spec.model.pad_values,
+                                  decide=rule("torch", "onnx_fp32"), **kw)
     warnings: list[str] = []
     for name in timed:
         for row in timed[name].values():

@@ -6,7 +6,7 @@ after every variant's validation (and search) finished; it registers first and m
 variant that passed every gate. Registry aliases, not the deprecated stages.
 
 What gets a registry version (`registration_policy`; every variant's MLflow run and logged model stay either
-way, the runs are the record): `promoted` (default) only the variant `select_fastest_passing` chose, `passing`
+way, the runs are the record): `promoted` (default) only the variant `decide_promotion` chose, `passing`
 every variant that passed every gate, `all` every built variant, failing ones included. An artefact is never
 registered twice: a variant whose model file has the sha256 of an existing version of the optimized model (tag
 tailguard.sha256) reuses that version (the lowest such number); the alias is set on it when it is promoted, and
@@ -15,7 +15,7 @@ the summary row says "reused vN (same sha256)".
 A variant V with a `search` section whose search chose a trial contributes one more candidate, '<V>-searched'
 (the chosen trial's run, a direct child of the parent run tagged tailguard.search_of = V): registered like the
 others (backend, precision and execution provider of V; tags tailguard.search_of and tailguard.trial_run_id)
-and competing in `select_fastest_passing`.
+and competing in `decide_promotion` (the fastest passing variant, with confidence: docs/spec.md).
 
 Each row and the promotion decision come from the candidate's variant_result.json (`tailguard.core.results.
 VariantResult`, written by the validate or search step on the candidate's run), not from its tags or metric
@@ -29,6 +29,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG,
@@ -79,6 +80,8 @@ class VariantSummary:
             those of its slowest target (by p50), its gates the worst status of each gate over the targets, its
             other metrics (overall, worst slice, numerics) the first validated target's.
         target_aliases: the per-target aliases (`<alias>-<target>`) this run moved to the variant's version.
+        rows, rows_used: validation rows, and the rows scored before its gates were decided (sequential
+            validation); None when not recorded.
     """
 
     variant: str
@@ -106,6 +109,8 @@ class VariantSummary:
     numerics: dict[str, Any] | None = None
     targets: dict[str, dict[str, Any]] = field(default_factory=dict)
     target_aliases: list[str] = field(default_factory=list)
+    rows: int | None = None
+    rows_used: int | None = None
 
 
 @dataclass
@@ -137,6 +142,9 @@ class RunSummary:
         target_aliases: one entry per serving target: {target, alias (`<alias>-<target>`), variant (the fastest
             variant passing on the target, or None), version, outcome (promoted | superseded | not_promoted),
             alias_version (where the alias points after this run)}; [] without targets.
+        promotion_rule: how the variant to promote was chosen (`PromotionRule`), "" before a choice.
+        promotion_reason: the choice in words (the summary's promotion line).
+        promotion_comparison: the paired timing of the passing variants (`compare_passing`), None when none ran.
     """
 
     parent_run_id: str
@@ -158,6 +166,9 @@ class RunSummary:
     warnings: list[str] = field(default_factory=list)
     serving_targets: list[str] = field(default_factory=list)
     target_aliases: list[dict[str, Any]] = field(default_factory=list)
+    promotion_rule: str = ""
+    promotion_reason: str = ""
+    promotion_comparison: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -292,7 +303,7 @@ def registration_policy(policy: str, row: VariantSummary, selected: bool) -> tup
     Args:
         policy: promoted | passing | all (spec `promotion.register_variants`).
         row: a built variant's summary row (status ok, a logged model).
-        selected: `row` is the variant `select_fastest_passing` chose (it gets the alias when promotion is on).
+        selected: `row` is the variant `decide_promotion` chose (it gets the alias when promotion is on).
 
     Returns:
         (register, reason): reason is "" when it is registered, else the words for the summary row.
@@ -362,12 +373,6 @@ def register_artifact_folder(client: Any, name: str, model_uri: str, run_id: str
     return client.create_model_version(name, source=source, run_id=run_id, tags=tags)
 
 
-def select_fastest_passing(candidates: list[VariantSummary]) -> VariantSummary | None:
-    """The passing variant with the lowest p50 latency (ties: spec order). None when none passed."""
-    passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
-    return min(passing, key=lambda v: v.p50_ms) if passing else None
-
-
 def node_of(tags: dict[str, str]) -> dict[str, str]:
     """The validating node's facts from a variant run's tailguard.hw.* tags, in `tailguard.core.hardware.
     kernel_facts` form: {"cpu": model name, "isa": "avx2 fma ..." | "unknown", "gpu": "sm8.9" | "none"}."""
@@ -431,6 +436,226 @@ def validated_on(row: VariantSummary, tags: dict[str, str] | None = None) -> lis
                 for t, e in row.targets.items()]
     return [{"target": None, "status": row.status, "passed": row.passed, "placement": "build_node",
              **node_of(tags or {})}]
+# Promotion decided with confidence (issue 25, item 5). The more exact the arithmetic, the less a variant can drift
+# from the FP32 reference on inputs validation did not see: among variants whose speeds are within the margin,
+# this order decides.
+EXACTNESS = ("fp32", "fp16", "int8")
+
+
+class PromotionRule(str, Enum):
+    """How `decide_promotion` chose (RunSummary.promotion_rule)."""
+
+    NONE_PASSED = "none_passed"          # no variant passed every gate
+    ONLY_PASSING = "only_passing"        # one variant passed: nothing to compare
+    FASTEST_P50 = "fastest_p50"          # promotion.margin null: the lowest validation p50
+    CONFIDENT = "confident"              # the fastest is confidently faster than every other by the margin
+    HOLDER = "holder"                    # within the margin of the fastest: the current alias holder stays
+    MOST_EXACT = "most_exact"            # within the margin of the fastest: the most exact of them
+
+
+@dataclass
+class PromotionDecision:
+    """What `decide_promotion` chose and why.
+
+    Attributes:
+        chosen: the row to promote, or None.
+        rule: a PromotionRule value.
+        reason: the decision in words (the summary's promotion line).
+        comparison: the paired timing (`compare_passing`'s dict: leader, per candidate ratio / lower / upper,
+            rounds, confidence, stopped_by, method), or None when none ran.
+        tied: the candidates within the margin of the fastest (names), [] when the fastest was confident.
+    """
+
+    chosen: VariantSummary | None
+    rule: str
+    reason: str
+    comparison: dict[str, Any] | None = None
+    tied: list[str] = field(default_factory=list)
+
+
+def _exactness(row: VariantSummary) -> int:
+    return EXACTNESS.index(row.precision) if row.precision in EXACTNESS else len(EXACTNESS)
+
+
+def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, holder: str | None = None,
+                     compare: Any = None) -> PromotionDecision:
+    """Choose the variant to promote, with confidence, not by noise (docs/spec.md, Gates and promotion).
+
+    Rule: among the variants that passed every gate,
+    1. one passing variant: it;
+    2. `margin` None: the lowest validation p50 (the rule before issue 25);
+    3. else the passing variants are timed interleaved in one process (`compare(rows)`, paired rounds at the
+       promotion batch size, `compare_passing`); the fastest (lowest median) takes the alias when, against every
+       other passing variant, the lower one-sided 95% bound of its speed ratio (corrected for the looks) is above
+       1 + margin;
+    4. otherwise the variants not confidently slower than the fastest by the margin are tied: the current alias
+       holder keeps the alias if it is one of them (`holder`: the name of the passing row holding the artefact the
+       alias points to), else the most exact of them (EXACTNESS: fp32, then fp16, then int8; ties: the order of
+       `candidates`). Without a comparison (`compare` None or it returns None: a variant that cannot be timed
+       here) every passing variant is tied.
+
+    Args:
+        candidates: the run's rows (spec order; '<V>-searched' after V).
+        margin: spec `promotion.margin` (e.g. 0.03), or None.
+        holder: the passing row that holds the alias now, or None.
+        compare: callable(list of passing rows) -> comparison dict {"leader": name, "ratios": {name: {"ratio",
+            "lower", "upper"}}, ...} or None.
+
+    Returns:
+        PromotionDecision.
+    """
+    passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
+    if not passing:
+        return PromotionDecision(None, PromotionRule.NONE_PASSED.value, "no variant passed every gate")
+    if len(passing) == 1:
+        return PromotionDecision(passing[0], PromotionRule.ONLY_PASSING.value,
+                                 f"{passing[0].variant} is the only variant that passed every gate")
+    if margin is None:
+        best = min(passing, key=lambda v: v.p50_ms)
+        return PromotionDecision(best, PromotionRule.FASTEST_P50.value,
+                                 f"{best.variant} has the lowest validation p50 ({best.p50_ms:.4g} ms; "
+                                 "promotion.margin: null, no paired comparison)")
+    comparison = compare(passing) if compare is not None else None
+    by_name = {v.variant: v for v in passing}
+    if not comparison:
+        tied = list(passing)
+        why = "no paired comparison could be timed here"
+        leader = None
+    else:
+        leader = by_name[comparison["leader"]]
+        ratios = comparison["ratios"]
+        slower = {n for n, r in ratios.items() if n != leader.variant and r["lower"] > 1.0 + margin}
+        tied = [v for v in passing if v.variant not in slower]
+        if len(tied) == 1:
+            nxt = min((r for n, r in ratios.items() if n != leader.variant), key=lambda r: r["ratio"])
+            return PromotionDecision(
+                leader, PromotionRule.CONFIDENT.value,
+                f"{leader.variant} is the fastest passing variant with confidence: at least "
+                f"{(nxt['lower'] - 1) * 100:.1f}% faster than the next ({nxt['name']}: {nxt['ratio']:.3f}x, lower "
+                f"95% bound {nxt['lower']:.3f} > 1 + margin {margin:g}) over {comparison['rounds']} paired rounds",
+                comparison, [])
+        close = [f"{v.variant} ({ratios[v.variant]['ratio']:.3f}x, lower bound {ratios[v.variant]['lower']:.3f})"
+                 for v in tied if v is not leader]
+        why = (f"{leader.variant} is fastest but not confidently by more than {margin:.0%} over "
+               + ", ".join(close) + f" ({comparison['rounds']} paired rounds)")
+    names = [v.variant for v in tied]
+    if holder is not None and holder in names:
+        return PromotionDecision(by_name[holder], PromotionRule.HOLDER.value,
+                                 f"{why}: the alias holder {holder} keeps it", comparison, names)
+    exact = min(tied, key=lambda v: (_exactness(v), passing.index(v)))
+    return PromotionDecision(exact, PromotionRule.MOST_EXACT.value,
+                             f"{why}: the most exact of them, {exact.variant} ({exact.precision}), is promoted",
+                             comparison, names)
+
+
+def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, VariantResult], variants: dict[str, Any],
+                    *, margin: float, batch_size: int) -> dict[str, Any] | None:
+    """Time the passing variants interleaved in this process, paired rounds at the promotion batch size, until
+    the fastest's advantage over every other is decided against 1 + margin or the budget ends.
+
+    Method: `tailguard.core.latency.interleaved_benchmark` over every row's model (downloaded from its logged
+    MLflow model or artefact folder): ONNX models on ONNX Runtime with their execution provider and the spec's
+    threads, each session stopping its workers' spinning when a Run returns (`OrtRunner(stop_spinning_after_run=
+    True)`, and never spinning beside a torch variant), torch CPU artefacts through `runner_for_file` (manifest
+    checked), the validation rows, the
+    spec's `benchmark` section at `batch_size`; looks at 10, 20, 40, ... rounds (`latency.timing_looks`); at each
+    look the leader is the lowest median and each other variant's ratio median(other) / median(leader) gets
+    one-sided 95% bounds corrected for the looks (`latency.speed_ratio` at `look_confidence(0.95, looks)`,
+    paired bootstrap); timing stops when every ratio's lower bound is above 1 + margin (confident) or its upper
+    bound below it (within the margin), else at the budget.
+
+    Args:
+        spec: the spec (benchmark, model inputs, data.validation, analysis.bootstrap).
+        rows: the passing rows.
+        results: their VariantResults by row name (model_uri).
+        variants: their spec VariantSpecs by row name (backend, execution provider).
+        margin: promotion.margin.
+        batch_size: the promotion batch size.
+
+    Returns:
+        {"leader": name, "ratios": {name: {"name", "ratio", "lower", "upper"}} for every other row, "rounds",
+        "confidence" (per look), "stopped_by", "batch_size", "method"}; None when a row cannot be timed here
+        (not a CPU variant of onnxruntime or torch, no logged model, a model that does not load) or the budget
+        allows fewer than
+        `latency.DECISION_MIN_ROUNDS` rounds. No look before that many rounds decides.
+    """
+    import tempfile
+
+    import mlflow
+    import numpy as np
+
+    from tailguard.core.data import load_validation
+    from tailguard.core.errors import TailguardError
+    from tailguard.core.latency import DECISION_MIN_ROUNDS, interleaved_benchmark, speed_ratio
+    from tailguard.core.runtime import OrtRunner, runner_for_file
+    from tailguard.core.stats import look_confidence
+
+    def timeable(v: Any) -> bool:  # the register task runs on a CPU node: CPU variants only
+        return v.backend == "onnxruntime" and v.execution_provider == "CPUExecutionProvider" or (
+            v.backend == "torch" and v.torch_device == "cpu")
+
+    if any(not timeable(variants[r.variant]) or not results[r.variant].model_uri for r in rows):
+        return None
+    beside_torch = any(variants[r.variant].backend == "torch" for r in rows)
+    boot = spec.analysis.bootstrap
+    bench = spec.benchmark.model_copy(update={"batch_sizes": [batch_size]})
+    state: dict[str, Any] = {}
+
+    def judge(samples: Any, n_looks: int) -> tuple[str, dict[str, dict[str, float]], float]:
+        level = look_confidence(0.95, n_looks)
+        med = {n: float(np.median(v)) for n, v in samples.items()}
+        leader = min(med, key=lambda n: (med[n], list(med).index(n)))
+        ratios = {}
+        for n in samples:
+            if n != leader:
+                r = speed_ratio(samples[n], samples[leader], level, samples=boot.samples, seed=boot.seed)
+                ratios[n] = {"name": n, "ratio": r["ratio"], "lower": r["lower"], "upper": r["upper"]}
+        return leader, ratios, level
+
+    def decide(bs: int, samples: Any, look: int, n_looks: int) -> bool:
+        if len(next(iter(samples.values()))) < DECISION_MIN_ROUNDS:
+            return False
+        leader, ratios, _ = judge(samples, n_looks)
+        return all(r["lower"] > 1.0 + margin or r["upper"] < 1.0 + margin for r in ratios.values())
+
+    with tempfile.TemporaryDirectory(prefix="tailguard-promotion-") as tmp:
+        runners = {}
+        try:
+            for r in rows:
+                local = mlflow.artifacts.download_artifacts(results[r.variant].model_uri, dst_path=f"{tmp}/{r.variant}")
+                v = variants[r.variant]
+                files = sorted(Path(local).rglob("*.pt2" if v.backend == "torch" else "*.onnx"))
+                if not files:
+                    return None
+                if v.backend == "torch":  # the artefact's manifest is checked on this node first
+                    runners[r.variant] = runner_for_file(files[0], spec.model.inputs,
+                                                         intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+                    continue
+                # several ORT sessions take turns in one process: each stops spinning when its Run returns, so
+                # the next one is not timed against the previous one's spinning workers (core/latency.py); beside
+                # a torch runner they never spin (OrtRunner allow_spinning)
+                runners[r.variant] = OrtRunner(files[0], providers=[v.execution_provider],
+                                               intra_op_num_threads=spec.benchmark.intra_op_num_threads,
+                                               stop_spinning_after_run=True, allow_spinning=not beside_torch)
+            ds = load_validation(spec)
+            timed = interleaved_benchmark(runners, ds, spec.model.inputs, bench, pad_values=spec.model.pad_values,
+                                          decide=decide)
+        except (TailguardError, OSError, mlflow.exceptions.MlflowException) as exc:
+            print(f"tailguard register: no paired promotion comparison: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return None
+    samples = {n: np.asarray(t[batch_size]["samples_ms"], dtype=np.float64) for n, t in timed.items()}
+    first = next(iter(timed.values()))[batch_size]
+    if first["n_iterations"] < DECISION_MIN_ROUNDS:  # the budget allowed too few rounds to be confident of anything
+        print(f"tailguard register: no paired promotion comparison: {first['n_iterations']} rounds in the benchmark "
+              f"budget, fewer than {DECISION_MIN_ROUNDS}", file=sys.stderr)
+        return None
+    leader, ratios, level = judge(samples, int(first.get("n_looks") or 1))
+    return {"leader": leader, "ratios": ratios, "rounds": int(first["n_iterations"]), "confidence": level,
+            "stopped_by": first.get("stopped_by"), "batch_size": batch_size,
+            "p50_ms": {n: float(np.median(v)) for n, v in samples.items()},
+            "method": (f"{first['method']}; leader = lowest median; ratio = median(other) / median(leader), "
+                       f"one-sided bounds at {level * 100:.4g}% per look (95% over the looks), paired bootstrap")}
 
 
 def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, source_version: str,
@@ -509,7 +734,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             speedup_vs_onnx_fp32=r.perf_value(bs, "speedup_vs_onnx_fp32"),
             worst_slice=r.worst_slice, discovered=list(r.discovered), gates=r.gate_statuses(),
             quantized_mac_fraction=r.quantized_mac_fraction, overall=dict(r.overall),
-            hardware_dependent=r.hardware_dependent, numerics=r.numerics)
+            hardware_dependent=r.hardware_dependent, numerics=r.numerics, rows=r.rows, rows_used=r.rows_used)
         row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction) + list(
             r.warnings)  # + the build's (components/quantize: fusion, attention MatMuls, exporter warnings)
         if row.status == "ok":  # INT8 numerics: 8-bit weights on x86, the numerics check's flag
@@ -589,9 +814,18 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
         found = _search_json(client, run.info.run_id)
         if found is not None:
             summary.searches.append(found)
-    chosen = select_fastest_passing([row for row, *_ in built])
     by_target_choice = {t: fastest_on_target([row for row, *_ in built], t) for t in targets}
     picked = {id(row) for row in by_target_choice.values() if row is not None}
+    decision = decide_promotion(
+        [row for row, *_ in built], margin=spec.promotion.margin,
+        holder=_holder_row(client, spec.optimized_model_name, expected, built),
+        compare=lambda rows: compare_passing(spec, rows, {row.variant: r for row, r, *_ in built},
+                                             {row.variant: v for row, _, v, _ in built},
+                                             margin=float(spec.promotion.margin or 0.0), batch_size=bs))
+    chosen = decision.chosen
+    summary.promotion_rule, summary.promotion_reason = decision.rule, decision.reason
+    summary.promotion_comparison = decision.comparison
+    print(f"tailguard register: promotion: {decision.reason}", file=sys.stderr)
     policy = spec.promotion.register_variants
     # under a lock on a local store: two runs of one machine never register the same artefact twice
     with store_lock(mlflow.get_tracking_uri(), f"register-{spec.optimized_model_name}"):
@@ -685,6 +919,21 @@ def _record_nodes(client: Any, model_name: str, row: VariantSummary, nodes: dict
                                      validated_on_text(nodes.get(row.variant, [])))
 
 
+def _holder_row(client: Any, model_name: str, version: str | None,
+                built: list[tuple[VariantSummary, VariantResult, Any, str]]) -> str | None:
+    """The name of the passing row whose artefact (sha256) is the version the alias pointed to when the run
+    started, or None (no alias, a version without a sha256 tag, no passing row holding it)."""
+    from mlflow.exceptions import MlflowException
+
+    if not version:
+        return None
+    try:
+        sha = (client.get_model_version(model_name, version).tags or {}).get(SHA256_TAG)
+    except MlflowException:
+        return None
+    return next((row.variant for row, r, *_ in built if sha and r.sha256 == sha and row.passed), None)
+
+
 @dataclass
 class Promotion:
     """What `promote` did: outcome promoted | superseded, the version holding the alias after it, and why."""
@@ -707,7 +956,7 @@ def _holder_wins(client: Any, model_name: str, holder: str, *, version: str, bat
 
     A newer source model version (tag tailguard.source_version) wins; for the same source version the faster
     passing variant wins (`passed` and p50 at `batch_size` from the variant_result.json of each version's
-    validation run, select_fastest_passing; ties: the holder). A holder that cannot be judged (no source version,
+    validation run; ties: the holder). A holder that cannot be judged (no source version,
     no result file or no latency recorded, e.g. promoted by hand) keeps the alias: an unknown promotion is not
     overwritten.
     """

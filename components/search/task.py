@@ -152,7 +152,9 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
 
     Each trial runs on its own execution provider with spec.benchmark.intra_op_num_threads, over the same
     validation rows and FP32 reference outputs as the validate step, against the same latency baselines, timed
-    at the batch sizes the decision reads only (`decision_spec`). Gates
+    at the batch sizes the decision reads only (`decision_spec`); its rows are scored sequentially and stop as
+    soon as its verdict is known (`analysis.sequential`, so a clearly failing trial costs its build and a few
+    hundred rows), and under `tailguard run` its measurements go through the local cache. Gates
     are matched with the SPEC variant's name (`variant.name`), so gates that list variants judge a trial of V
     by V's gates; files go to work_root/<trial name>/. As in the validate step, a trial with non-finite outputs
     fails whatever its gates say (`ValidationResult.passed` is set to False).
@@ -161,7 +163,7 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
         (evaluate, work dirs by trial name) -- the dict fills as trials are evaluated.
     """
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.components.validate.task import reference_runners, verdict
+    from tailguard.components.validate.task import load_measurements, reference_runners, verdict
     from tailguard.core.runtime import OrtRunner
 
     dirs: dict[str, Path] = {}
@@ -176,9 +178,14 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
         if d.exists():
             shutil.rmtree(d)
         dirs[trial_variant.name] = d
+        # a trial's outputs and timing rounds are keyed on its model bytes like a variant's (the local cache):
+        # a re-run that builds the same trial decides on them again
+        measurements, save = load_measurements(trial_spec, trial_variant, model_path, reference_model_dir)
         result = validate_variant(trial_spec, variant.name, runner, reference_outputs, validation, d,
                                   reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
-                                  model_path=model_path, baseline_runners=baseline_runners)
+                                  model_path=model_path, baseline_runners=baseline_runners,
+                                  measurements=measurements, p50_decides=True)
+        save(measurements)
         result.passed = verdict(result)[0]  # the validate step's verdict: non-finite outputs fail too
         return result
 

@@ -231,6 +231,68 @@ def _per_row(per_sample: dict[str, np.ndarray], task: str, metric: str, rows: in
     return x, tested, note
 
 
+def candidate_slices(frame: pd.DataFrame, spec: DiscoverySpec,
+                     exclude_columns: Sequence[str] = ()) -> list[tuple[str, str, np.ndarray]]:
+    """Every candidate slice `discover_slices` tests on this metadata, before any per-row value is seen.
+
+    The candidates depend on the metadata only (columns, groups, support, the pair rules and cap of the module
+    docstring), so sequential validation (`sequential.py`) can bound every one of them while rows are still being
+    scored: a discovered gate whose threshold every candidate clears passes whichever of them discovery marks
+    significant on all rows.
+
+    Args:
+        frame: the validation metadata (all rows), shape (rows, columns).
+        spec: `analysis.discovery`.
+        exclude_columns: as `discover_slices`.
+
+    Returns:
+        [(slice, value, mask)] in `discover_slices`' candidate order: slice "col" or "colA&colB", value its label,
+        mask a bool array of shape (rows,); [] when discovery is disabled or nothing qualifies. Its length is
+        `DiscoveryResult.tested`.
+
+    Raises:
+        InputError: as `discover_slices` for `spec.columns`.
+    """
+    if not spec.enabled:
+        return []
+    rows = len(frame)
+    columns: list[_Column] = []
+    for c in _select_columns(frame, spec, exclude_columns):
+        enc = _encode(frame[c].reset_index(drop=True), str(c), spec)
+        if isinstance(enc, str):
+            if spec.columns is not None and enc != "constant":
+                raise InputError(f"analysis.discovery.columns: column {str(c)!r} cannot be searched: {enc}",
+                                 hint="drop it from analysis.discovery.columns")
+            continue
+        columns.append(enc)
+    lo, hi = spec.min_support, rows - spec.min_support
+    out: list[tuple[str, str, np.ndarray]] = []
+    supports = []
+    for col in columns:
+        n = np.bincount(col.codes, minlength=len(col.labels))
+        supports.append(n)
+        for g in np.nonzero((n >= lo) & (n <= hi))[0]:
+            out.append((col.name, col.labels[g], col.codes == g))
+    if not spec.pairs:
+        return out
+    pairs: list[tuple[int, str, str, np.ndarray]] = []
+    for ai in range(len(columns)):
+        for bi in range(ai + 1, len(columns)):
+            a, b = columns[ai], columns[bi]
+            gb = len(b.labels)
+            code = a.codes * gb + b.codes
+            n = np.bincount(code, minlength=len(a.labels) * gb)
+            ga, gbb = np.divmod(np.arange(n.size), gb)
+            keep = np.nonzero((n >= lo) & (n <= hi) & (n != supports[ai][ga]) & (n != supports[bi][gbb]))[0]
+            for cell in keep:
+                pairs.append((int(n[cell]), f"{a.name}{PAIR_SEP}{b.name}",
+                              f"{a.labels[ga[cell]]}{PAIR_SEP}{b.labels[gbb[cell]]}", code == cell))
+    if len(pairs) > MAX_PAIR_CANDIDATES:
+        order = np.sort(np.argsort(-np.array([p[0] for p in pairs]), kind="stable")[:MAX_PAIR_CANDIDATES])
+        pairs = [pairs[i] for i in order]
+    return out + [(sl, val, mask) for _, sl, val, mask in pairs]
+
+
 def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, task: str, spec: DiscoverySpec,
                     exclude_columns: Sequence[str] = ()) -> DiscoveryResult:
     """Find the metadata slices (and pairs of them) where per-row parity is significantly worse than the rest.

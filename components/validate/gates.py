@@ -9,6 +9,8 @@ Statuses:
     insufficient_data    per-slice / discovered gate where no group reaches `min_support` rows: nothing could
                          be judged.
     not_applicable       the gate's `variants` list does not name this variant.
+    undecided            sequential validation (`sequential.py`) stopped scoring rows because another gate had
+                         failed the variant before this one was decided (never set by `evaluate_gates`).
 
 Rules:
     overall parity gate   observed = overall[metric].
@@ -84,7 +86,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .discovery import DiscoveryResult
     from tailguard.core.slices import SliceGroup
 
-GateStatus = Literal["passed", "failed", "insufficient_data", "not_applicable"]
+GateStatus = Literal["passed", "failed", "insufficient_data", "not_applicable", "undecided"]
 
 
 @dataclass
@@ -114,7 +116,8 @@ class GateResult:
         estimate: the point value of the metric (per slice: of the worst judged group), or None.
         bound: the one-sided confidence bound used (confidence gates), else None.
         confidence: the gate's confidence level, else None.
-        decided_on: "point" (the point estimate was compared) or "bound".
+        decided_on: "point" (the point estimate was compared), "bound", or "sequential" (decided before the last
+            validation row on the confidence sequence of its all-rows value, `sequential.early_result`).
     """
 
     gate: str
@@ -442,6 +445,11 @@ def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: 
         return GateResult(**kw, observed=None, passed=False, status="failed", method=method,
                           detail={"reason": reason})
     bsp = ctx.spec.analysis.bootstrap
+    n_looks = int(row.get("n_looks") or 1)
+    if n_looks > 1:  # timed to a precision: the bound at the level corrected for the looks (core/latency.py)
+        from tailguard.core.stats import look_confidence
+
+        level = look_confidence(level, n_looks)
     try:
         r = speed_ratio(paired, row["samples_ms"], level, samples=bsp.samples, seed=bsp.seed)
     except InputError as exc:
@@ -450,6 +458,9 @@ def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: 
     b = r["lower"] if side == "lower" else r["upper"]
     ok = _ok(b, op, thr)
     method += f"; decided on the one-sided {level * 100:g}% {side} bound of the " + r["method"]
+    if n_looks > 1:
+        method += (f" ({gate.confidence * 100:g}% corrected for the {n_looks} looks of a timing measured to "
+                   f"benchmark.precision)")
     return GateResult(**kw, observed=b, passed=ok, status="passed" if ok else "failed", method=method,
                       estimate=r["ratio"], bound=b, detail={"rounds": r["rounds"], "lower": r["lower"],
                                                             "upper": r["upper"]})
@@ -589,8 +600,8 @@ def all_passed(results: list[GateResult]) -> bool:
         results: `evaluate_gates` output.
 
     Returns:
-        True when no gate failed and none was insufficient_data: a gate the validation set could not judge is
-        not a passed gate. not_applicable gates are ignored.
+        True when no gate failed and none was insufficient_data or undecided: a gate the validation set could not
+        judge is not a passed gate. not_applicable gates are ignored.
     """
-    return not any(r.status in ("failed", "insufficient_data") for r in results)
+    return not any(r.status in ("failed", "insufficient_data", "undecided") for r in results)
 

@@ -20,13 +20,16 @@ MLflow metric names (`ValidationResult.mlflow_metrics`, docs/architecture.md "ML
     peak_rss_mb, model_size_mb        overall resources (MiB), when measured
     quantized_mac_fraction            INT8 builds: MACs in INT8 / all MACs (gates.build_metrics)
     non_finite_rows                   validation rows whose candidate output had NaN/inf
+    rows_used                         validation rows scored (fewer than all when sequential validation
+                                      decided every gate first, `analysis.sequential`)
     gates_passed                      1.0 when the variant passed its gates, else 0.0
     <perf metric>                     at the FIRST benchmark batch size (the gates' default):
                                       latency_ms.p50/.p95/.p99/.mean, throughput_per_s,
                                       usd_per_1m_inferences, speedup_vs_torch, speedup_vs_onnx_fp32,
-                                      speedup_vs_onnx_fp32.lb95/.ub95 (when timed interleaved)
+                                      speedup_vs_onnx_fp32.lb95/.ub95 (when timed interleaved),
+                                      latency_ms.p50.lb95/.ub95, latency_ms.p99.ub95 (order statistics)
     bs<N>.<perf metric>               the same at every batch size N (first one included), plus
-                                      bs<N>.n_iterations
+                                      bs<N>.n_iterations and, timed to benchmark.precision, bs<N>.looks
     slice.<slice>.<value>.<metric>    per slice group, and slice.<slice>.<value>.support; <value> is
                                       sanitised to [A-Za-z0-9_.- ] (every other character, '/' included,
                                       becomes '_'; a key clash after that gets a suffix _2, _3, ...); a value
@@ -55,6 +58,7 @@ Values that are None or NaN (a metric not measured, a group with no rows) are le
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -85,7 +89,9 @@ PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.m
              "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32",
              # bounds of the speed ratios when the baselines were timed interleaved (latency.add_speed_ratios)
              "speedup_vs_torch.lb95", "speedup_vs_torch.ub95", "speedup_vs_onnx_fp32.lb95",
-             "speedup_vs_onnx_fp32.ub95")
+             "speedup_vs_onnx_fp32.ub95",
+             # distribution-free bounds of the p50 / p99 (latency.add_quantile_bounds)
+             "latency_ms.p50.lb95", "latency_ms.p50.ub95", "latency_ms.p99.ub95")
 _KEY_BAD = re.compile(r"[^A-Za-z0-9_.\- ]")
 DISCOVERED_METRICS_TOP = 5  # discovered.<i>.* MLflow metrics for the i = 1..5 worst significant slices
 # per task: the per-row value that ranks worst_samples.csv, and whether low values are the bad ones
@@ -316,7 +322,7 @@ class ValidationResult:
     Attributes:
         variant: variant name.
         task: the spec's model.task.
-        rows: validation rows compared.
+        rows: rows of the validation set.
         overall: overall-scope metrics: the parity metrics (`parity.aggregate`), plus "peak_rss_mb" (MiB)
             and "model_size_mb" (MiB) when measured.
         perf: {batch size: `latency.benchmark` entry + "usd_per_1m_inferences" (USD, when the spec has a cost
@@ -342,6 +348,11 @@ class ValidationResult:
             None in results written before it existed.
         exact_slices: the exact pass's per-slice table records (same columns as `slices`); [] when it did not
             run.
+        rows_used: validation rows scored: `rows` unless sequential validation (`analysis.sequential`) stopped
+            earlier, when every metric, table and gate is over the rows scored (the parity gates decided on the
+            confidence sequence, `sequential.py`); None in results written before it existed.
+        sequential: `sequential.describe` (settings, rows used, each gate's mode and the rows at which it was
+            decided) when sequential validation ran, else None.
     """
 
     variant: str
@@ -360,6 +371,8 @@ class ValidationResult:
     discovery: dict[str, Any] | None = None
     numerics: dict[str, Any] | None = None
     exact_slices: list[dict[str, Any]] = field(default_factory=list)
+    rows_used: int | None = None
+    sequential: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (perf keys become strings in JSON; `from_dict` turns them back)."""
@@ -369,7 +382,8 @@ class ValidationResult:
                 "non_finite_rows": self.non_finite_rows, "batch_sizes": list(self.batch_sizes),
                 "files": dict(self.files), "worst_slice": self.worst_slice,
                 "discovered": list(self.discovered), "discovery": self.discovery, "numerics": self.numerics,
-                "exact_slices": list(self.exact_slices)}
+                "exact_slices": list(self.exact_slices), "rows_used": self.rows_used,
+                "sequential": self.sequential}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ValidationResult":
@@ -380,7 +394,8 @@ class ValidationResult:
                    non_finite_rows=int(d["non_finite_rows"]), batch_sizes=[int(b) for b in d["batch_sizes"]],
                    files=dict(d.get("files", {})), worst_slice=d.get("worst_slice"),
                    discovered=list(d.get("discovered") or []), discovery=d.get("discovery"),
-                   numerics=d.get("numerics"), exact_slices=list(d.get("exact_slices") or []))
+                   numerics=d.get("numerics"), exact_slices=list(d.get("exact_slices") or []),
+                   rows_used=d.get("rows_used"), sequential=d.get("sequential"))
 
     @classmethod
     def load(cls, path: str | Path) -> "ValidationResult":
@@ -410,6 +425,7 @@ class ValidationResult:
         for k, v in self.overall.items():
             put(k, v)
         put("non_finite_rows", self.non_finite_rows)
+        put("rows_used", self.rows_used)
         put("gates_passed", 1.0 if self.passed else 0.0)
         first = self.batch_sizes[0] if self.batch_sizes else None
         for bs in self.batch_sizes:
@@ -419,6 +435,7 @@ class ValidationResult:
                 if bs == first:
                     put(k, row.get(k))
             put(f"bs{bs}.n_iterations", row.get("n_iterations"))
+            put(f"bs{bs}.looks", row.get("looks"))
         for key, rec in _slice_keys(self.slices):
             for k, v in rec.items():
                 if k not in ("slice", "value"):
@@ -559,23 +576,323 @@ def _run_first_output(runner: Runner, validation: Dataset, spec: Spec, variant_n
     return outputs[0]
 
 
-def _score(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray | None, groups: list
-           ) -> tuple[dict[str, np.ndarray], dict[str, float], pd.DataFrame]:
-    """(per-row values (rows,), overall parity metrics, per-slice table) of candidate outputs `cand` against the
-    reference `ref` (both (rows, ...), float)."""
+def _per_row(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray | None,
+             rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Per-row parity values of candidate outputs `cand` against the reference. `rows` None: `cand` covers every
+    row of `ref` (rows, ...). Otherwise `cand` holds the rows `rows` (global indices) only and each gets the values
+    it gets among all rows (embedding neighbours searched in the full FP32 set, `per_sample_metrics(query_rows=)`)."""
     task = spec.model.task
     emb = spec.analysis.embedding
-    per_sample = per_sample_metrics(task, ref, cand, labels=labels,
-                                    **({"recall_k": emb.recall_k, "knn_k": emb.knn_k,
-                                        "margin_tolerance": emb.margin_tolerance} if task == "embedding" else {}))
+    kw: dict[str, Any] = ({"recall_k": emb.recall_k, "knn_k": emb.knn_k, "margin_tolerance": emb.margin_tolerance}
+                          if task == "embedding" else {})
+    if rows is None:
+        return per_sample_metrics(task, ref, cand, labels=labels, **kw)
+    if task == "embedding":
+        kw.update(reference_index=ref, query_rows=rows, index_labels=labels)
+    return per_sample_metrics(task, ref[rows], cand, labels=None if labels is None else labels[rows], **kw)
+
+
+def _score(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray | None, groups: list,
+           rows: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], dict[str, float], pd.DataFrame]:
+    """(per-row values (rows,), overall parity metrics, per-slice table) of candidate outputs `cand` against the
+    reference `ref` (both (rows, ...), float); `rows`: as `_per_row`, with `groups` over those rows."""
+    task = spec.model.task
+    per_sample = _per_row(spec, ref, cand, labels, rows)
     return per_sample, aggregate(task, per_sample), per_slice_table(task, per_sample, groups)
+
+
+def _run_blocks(runner: Runner, validation: Dataset, spec: Spec, variant_name: str,
+                blocks: list[np.ndarray]) -> np.ndarray:
+    """The variant's first output over the rows of `blocks` (global row indices), block after block, each block
+    length-sorted into batches as `run_dataset` does: (sum of block sizes, ...), in block order."""
+    return np.concatenate([_run_first_output(runner, validation.subset(b), spec, variant_name) for b in blocks])
+
+
+@dataclass
+class Measurements:
+    """A variant's measurements that do not depend on its gates (issue 25, item 4): the outputs of the rows scored
+    and the timing rounds. The validate step keys them on the variant's model bytes, the data, the benchmark
+    section and the node (components/validate/task.py `measurement_parts`), so a re-run whose only change is in
+    `gates` or `promotion` decides on them again (`validate_variant(measurements=)`) instead of measuring again:
+    the stopping rules are replayed on the stored rows and rounds and give what a fresh run would on the same
+    ones; more rows or rounds are measured only when the new gates need them.
+
+    Attributes:
+        order: int64 (rows scored,): validation rows in the order scored (a prefix of the seeded permutation;
+            0..rows-1 when sequential validation is off).
+        block_sizes: rows per scored block, summing to order.size.
+        outputs: the variant's first output for `order`, (rows scored, ...).
+        exact_outputs: the exact-accumulation pass (numerics check) for the first rows of `order`, or None.
+        timing: {runner name: {batch size: the `interleaved_benchmark` row (samples_ms included)}}, or None.
+        changed: set when validation measured something new (the caller stores it again).
+    """
+
+    order: np.ndarray | None = None
+    block_sizes: list[int] = field(default_factory=list)
+    outputs: np.ndarray | None = None
+    exact_outputs: np.ndarray | None = None
+    timing: dict[str, dict[int, dict[str, Any]]] | None = None
+    changed: bool = False
+
+    def blocks(self) -> list[np.ndarray]:
+        """`order` split into its scored blocks."""
+        if self.order is None:
+            return []
+        return list(np.split(self.order, np.cumsum(self.block_sizes)[:-1])) if self.block_sizes else []
+
+
+@dataclass
+class SequentialScoring:
+    """What `score_sequentially` scored: the rows in scoring order, their outputs, the blocks and the gate plans."""
+
+    order: np.ndarray            # int64 (rows_used,), global row indices in the order scored
+    outputs: np.ndarray          # the variant's first output for `order`, (rows_used, ...)
+    blocks: list[np.ndarray]     # the blocks of `order`
+    plans: list[Any]             # sequential.GatePlan per gate
+
+    @property
+    def rows_used(self) -> int:
+        return int(self.order.size)
+
+
+def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.ndarray, validation: Dataset,
+                       labels: np.ndarray | None, groups: list, *,
+                       discovery_candidates: list | None = None,
+                       measurements: Measurements | None = None) -> SequentialScoring:
+    """Score the validation rows in a seeded shuffled order, `analysis.sequential.block_rows` at a time, until the
+    gates are decided (`sequential.should_stop`; never before `min_rows` rows) or the rows run out.
+
+    Args:
+        spec: the validated spec (analysis.sequential, gates, data.validation.batch_size).
+        variant_name: the variant (gate `variants`).
+        runner: the variant's runner.
+        ref: the FP32 reference's first output over every row, (rows, ...).
+        validation: the validation set.
+        labels: per-row labels (classification / embedding accuracy) or None.
+        groups: `slice_groups` over every row.
+        discovery_candidates: `discovery.candidate_slices` over every row (None: computed when needed).
+        measurements: stored outputs of earlier scored blocks (`Measurements`): they are used block by block
+            before the runner is asked for more; blocks scored beyond them are added to it (`changed`).
+
+    Returns:
+        SequentialScoring (rows in scoring order, their outputs, blocks, decided plans).
+    """
+    from .sequential import plan_gates, should_stop
+
+    seq = spec.analysis.sequential
+    n = validation.n_rows
+    perm = np.random.default_rng(seq.seed).permutation(n).astype(np.int64)
+    plans = plan_gates(spec, variant_name, validation.frame, groups, discovery_candidates=discovery_candidates)
+    floor = min(seq.min_rows, n)
+    stored_blocks, stored_outs = [], []
+    m = measurements
+    if m is not None and m.order is not None and m.outputs is not None and \
+            np.array_equal(m.order, perm[:m.order.size]):
+        stored_blocks = m.blocks()
+        stored_outs = list(np.split(m.outputs, np.cumsum(m.block_sizes)[:-1])) if m.block_sizes else []
+    blocks: list[np.ndarray] = []
+    outs: list[np.ndarray] = []
+    scored = 0
+    while scored < n:
+        k = len(blocks)
+        if k < len(stored_blocks):
+            block, out = stored_blocks[k], stored_outs[k]
+        else:
+            block = perm[scored:scored + seq.block_rows]
+            out = _run_first_output(runner, validation.subset(block), spec, variant_name)
+        per_row = _per_row(spec, ref, out, labels, block)
+        blocks.append(block)
+        outs.append(out)
+        scored += block.size
+        for p in plans:
+            p.update(per_row, block, scored, scored >= floor)
+        if scored >= floor and should_stop(plans, seq.stop):
+            break
+    result = SequentialScoring(perm[:scored], np.concatenate(outs), blocks, plans)
+    if m is not None and len(blocks) > len(stored_blocks):  # scored past the stored rows: they grow
+        m.order, m.outputs = result.order, result.outputs
+        m.block_sizes = [int(b.size) for b in blocks]
+        m.changed = True
+    return result
+
+
+def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: str,
+                p50_decides: bool | None = None) -> Any:
+    """The stopping rule of a variant's timing measured to `benchmark.precision` (None when it is not set: the
+    full budget, as before). At a look, timing a batch size stops when
+
+    - the speed ratio target vs `baseline` is within the precision (`latency.precision_reached`), or
+    - every decision this batch size's timing makes is decided: each latency gate at the batch size (applicable to
+      the variant) has its bound, at `look_confidence(level, looks)`, on one side of its threshold: a speed-ratio
+      gate (`speedup_vs_<baseline>`, interleaved) on the paired-bootstrap bound at its `confidence` (95% for a
+      gate without one: the point ratio then lies on the same side), a `latency_ms.p<q>` gate on the order-statistic
+      bound of that quantile (`stats.order_statistic_bound`). Gates no interval of the rounds decides
+      (throughput, cost, latency_ms.mean, speedup_vs_torch: its baseline is timed in reference-pass) and, with
+      `p50_decides`, the p50 at the promotion batch size (it picks a search's trial, or the variant to promote with
+      `promotion.margin: null`) are decided only by the precision or the budget. No interval of fewer than
+      `latency.DECISION_MIN_ROUNDS` (30) rounds decides anything. A batch size that decides nothing stops at its
+      first look: its figures carry their (wide) corrected bounds and the rounds used.
+
+    Args:
+        spec: the spec (benchmark.precision, gates, promotion, analysis.bootstrap).
+        variant_name: gates' `variants`.
+        baseline: the interleaved baseline the precision is about ("onnx_fp32"), or None (the target's p50).
+        target: the variant's runner name in the timing ("variant", or "runner" for `latency.benchmark`).
+        p50_decides: the p50 at the promotion batch size decides something (default: `promotion.margin` is None,
+            the promotion then picks the lowest validation p50; the search passes True: it picks its trial so).
+    """
+    from tailguard.core.latency import DECISION_MIN_ROUNDS, precision_reached, speed_ratio
+    from tailguard.core.spec import BATCHED_METRICS
+    from tailguard.core.stats import look_confidence, order_statistic_bound
+
+    precision = spec.benchmark.precision
+    if precision is None:
+        return None
+    if p50_decides is None:
+        p50_decides = spec.promotion.margin is None
+    boot = spec.analysis.bootstrap
+    promotion_bs = spec.promotion.batch_size or spec.benchmark.batch_sizes[0]
+    gates = [g for g in spec.gates if g.metric in BATCHED_METRICS
+             and (g.variants is None or variant_name in g.variants)]
+
+    def gate_decided(g: Any, samples: Any, n_looks: int) -> bool:
+        thr = g.min if g.min is not None else g.max
+        if thr is None:
+            return False
+        level = look_confidence(g.confidence or 0.95, n_looks)
+        if g.metric.startswith("speedup_vs_"):
+            name = g.metric.removeprefix("speedup_vs_")
+            if name not in samples:
+                return False
+            try:
+                r = speed_ratio(samples[name], samples[target], level, samples=boot.samples, seed=boot.seed)
+            except InputError:
+                return False
+            lo, hi = r["lower"], r["upper"]
+        elif g.metric.startswith("latency_ms.p") and g.metric[len("latency_ms.p"):].replace(".", "", 1).isdigit():
+            q = float(g.metric[len("latency_ms.p"):]) / 100.0
+            if not 0.0 < q < 1.0:
+                return False
+            lo = order_statistic_bound(samples[target], q, level, "lower")
+            hi = order_statistic_bound(samples[target], q, level, "upper")
+        else:
+            return False
+        return (lo >= thr or hi < thr) if g.min is not None else (hi <= thr or lo > thr)
+
+    def decide(bs: int, samples: Any, look: int, n_looks: int) -> bool:
+        if precision_reached(samples, precision, look, n_looks, baseline=baseline, target=target,
+                             boot_samples=boot.samples, seed=boot.seed):
+            return True
+        if p50_decides and bs == promotion_bs:
+            return False
+        mine = [g for g in gates if spec.gate_batch_size(g) == bs]
+        if mine and len(samples[target]) < DECISION_MIN_ROUNDS:  # no decision on a handful of rounds
+            return False
+        return all(gate_decided(g, samples, n_looks) for g in mine)
+
+    return decide
+
+
+def _exact_outputs(runner: Runner, validation: Dataset, spec: Spec, variant_name: str, blocks: list[np.ndarray],
+                   measurements: Measurements | None) -> np.ndarray:
+    """The exact pass's outputs over `blocks`: the stored ones for the rows they cover, the runner for the rest
+    (added to `measurements`)."""
+    m = measurements
+    have = m.exact_outputs if m is not None and m.exact_outputs is not None else None
+    n_have = 0 if have is None else have.shape[0]
+    done, parts = 0, []
+    for b in blocks:
+        if done + b.size <= n_have:
+            parts.append(have[done:done + b.size])
+        else:
+            parts.append(_run_first_output(runner, validation.subset(b), spec, variant_name))
+        done += b.size
+    out = np.concatenate(parts)
+    if m is not None and out.shape[0] > n_have and m.order is not None and out.shape[0] <= m.order.size:
+        m.exact_outputs, m.changed = out, True
+    return out
+
+
+def _timed(spec: Spec, runners: dict[str, Runner], validation: Dataset, decide: Any,
+           measurements: Measurements | None) -> dict[str, dict[int, dict[str, Any]]]:
+    """`interleaved_benchmark` of `runners` at every benchmark batch size, replaying the stored rounds where the
+    stopping rule can be decided on them (`latency.replay_interleaved`) and timing only the other batch sizes;
+    what is timed is stored in `measurements`."""
+    from tailguard.core.latency import replay_interleaved
+
+    names = list(runners)
+    out: dict[str, dict[int, dict[str, Any]]] = {n: {} for n in names}
+    stored = measurements.timing if measurements is not None and measurements.timing else {}
+    missing = []
+    for bs in spec.benchmark.batch_sizes:
+        rows = None
+        if all(bs in (stored.get(n) or {}) for n in names):
+            rows = replay_interleaved({n: stored[n][bs] for n in names}, bs, spec.benchmark, decide)
+        if rows is None:
+            missing.append(bs)
+        else:
+            for n in names:
+                out[n][bs] = rows[n]
+    if missing:
+        bench = spec.benchmark.model_copy(update={"batch_sizes": missing})
+        fresh = interleaved_benchmark(runners, validation, spec.model.inputs, bench,
+                                      pad_values=spec.model.pad_values, decide=decide)
+        for n in names:
+            out[n].update(fresh[n])
+        if measurements is not None:
+            timing = {n: dict(stored.get(n) or {}) for n in names}
+            for n in names:
+                for bs, row in fresh[n].items():
+                    timing[n][bs] = {k: v for k, v in row.items()}
+            measurements.timing, measurements.changed = timing, True
+    # the rows are handed on and decorated (speed ratios, cost): copies, never the stored ones
+    return {n: {bs: dict(r) for bs, r in rows.items()} for n, rows in out.items()}
+
+
+def _in_row_order(order: np.ndarray, outputs: np.ndarray, n_rows: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Outputs scored in `order` put back in validation-row order: (outputs (n_rows, ...), None) when every row
+    was scored, else (outputs of the scored rows sorted by row, their sorted row indices)."""
+    if order.size == n_rows:
+        out = np.empty_like(outputs)
+        out[order] = outputs
+        return out, None
+    o = np.argsort(order, kind="stable")
+    return outputs[o], order[o]
+
+
+def _replay(spec: Spec, variant_name: str, validation: Dataset, labels: np.ndarray | None, groups_all: list,
+            ref: np.ndarray, blocks: list[np.ndarray], outputs: np.ndarray) -> list[Any]:
+    """The gate plans decided on `outputs` (rows of `blocks`, concatenated) block by block, as
+    `score_sequentially` decides them (the exact-accumulation pass of the numerics check)."""
+    from .sequential import plan_gates
+
+    plans = plan_gates(spec, variant_name, validation.frame, groups_all)
+    floor = min(spec.analysis.sequential.min_rows, validation.n_rows)
+    scored = 0
+    for block in blocks:
+        per_row = _per_row(spec, ref, outputs[scored:scored + block.size], labels, block)
+        scored += block.size
+        for p in plans:
+            p.update(per_row, block, scored, scored >= floor)
+    return plans
+
+
+def _early_gates(plans: list[Any], gates: list[GateResult], rows_used: int, n_rows: int,
+                 spec: Spec) -> list[GateResult]:
+    """The gate results of a validation that stopped before the last row: each parity gate's sequential decision
+    (`sequential.early_result`) in place of its evaluation on the rows scored."""
+    from .sequential import early_result
+
+    return [early_result(p, g, rows_used, n_rows, spec) for p, g in zip(plans, gates)]
 
 
 def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_outputs: list[np.ndarray],
                      validation: Dataset, out_dir: str | Path, *, reference_perf: dict | None = None,
                      torch_perf: dict | None = None, model_path: str | Path | None = None,
                      baseline_runners: dict[str, Runner] | None = None,
-                     exact_runner_factory: Callable[[], Runner] | None = None) -> ValidationResult:
+                     exact_runner_factory: Callable[[], Runner] | None = None,
+                     measurements: Measurements | None = None,
+                     p50_decides: bool | None = None) -> ValidationResult:
     """Validate one variant against the FP32 reference and the spec's gates.
 
     Args:
@@ -604,6 +921,12 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
             build metrics, and the two passes compared (`compare_numerics`); the session is freed after. None,
             or a graph without integer kernels (FP32/FP16: the option cannot change a float kernel): the check
             is `not_checked` with the reason.
+        measurements: the variant's stored outputs and timing rounds (`Measurements`, issue 25 item 4): used
+            instead of measuring again wherever they suffice (outputs of rows already scored, exact-pass outputs,
+            timing rounds the stopping rule can be replayed on); what is measured anew is added to it and
+            `changed` is set, for the caller to store.
+        p50_decides: the p50 at the promotion batch size decides something (`timing_rule`; the search passes
+            True), so with `benchmark.precision` it is timed to the precision or the budget.
 
     Returns:
         The ValidationResult (also written to out_dir/result.json).
@@ -625,23 +948,48 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     labels = _labels(spec, validation)
 
     t_native = time.perf_counter()
-    cand = _run_first_output(runner, validation, spec, variant_name)
-    groups = slice_groups(validation.frame, spec.slices)
-    per_sample, overall, table = _score(spec, ref, cand, labels, groups)
+    n_rows = validation.n_rows
+    groups_all = slice_groups(validation.frame, spec.slices)
+    scoring = None
+    if spec.analysis.sequential.enabled and n_rows:
+        scoring = score_sequentially(spec, variant_name, runner, ref, validation, labels, groups_all,
+                                     measurements=measurements)
+    idx = None  # the rows scored (sorted global indices) when scoring stopped before the last row
+    frame, groups = validation.frame, groups_all
+    if scoring is None:
+        m = measurements
+        if m is not None and m.outputs is not None and m.order is not None and \
+                np.array_equal(m.order, np.arange(n_rows)):
+            cand = m.outputs
+        else:
+            cand = _run_first_output(runner, validation, spec, variant_name)
+            if m is not None:
+                m.order, m.outputs, m.block_sizes, m.exact_outputs = np.arange(n_rows), cand, [n_rows], None
+                m.changed = True
+    else:
+        cand, idx = _in_row_order(scoring.order, scoring.outputs, n_rows)
+        if idx is not None:
+            frame = validation.frame.iloc[idx].reset_index(drop=True)
+            groups = [dataclasses.replace(g, mask=g.mask[idx], support=int(g.mask[idx].sum())) for g in groups_all]
+    per_sample, overall, table = _score(spec, ref, cand, labels, groups, idx)
     native_seconds = time.perf_counter() - t_native
     discovery = None
     if spec.analysis.discovery.enabled:
         from .discovery import discover_slices
 
         label = spec.data.validation.label_column
-        discovery = discover_slices(validation.frame, per_sample, task=task, spec=spec.analysis.discovery,
+        discovery = discover_slices(frame, per_sample, task=task, spec=spec.analysis.discovery,
                                     exclude_columns=[label] if label is not None else [])
-    worst = worst_samples(task, per_sample, validation.frame, spec.analysis.worst_k)
+    worst = worst_samples(task, per_sample, frame, spec.analysis.worst_k)
+    if idx is not None:  # positions in the validation set, not in the rows scored
+        worst["row"] = idx[worst["row"].to_numpy()]
 
     interleaved: dict[str, Any] = {}
     if baseline_runners:
-        timed = interleaved_benchmark({"variant": runner, **baseline_runners}, validation, spec.model.inputs,
-                                      spec.benchmark, pad_values=spec.model.pad_values)
+        base_name = "onnx_fp32" if "onnx_fp32" in baseline_runners else next(iter(baseline_runners))
+        timed = _timed(spec, {"variant": runner, **baseline_runners}, validation,
+                       timing_rule(spec, variant_name, baseline=base_name, target="variant",
+                                   p50_decides=p50_decides), measurements)
         perf = timed.pop("variant")
         interleaved = timed
         add_speed_ratios(perf, interleaved, samples=spec.analysis.bootstrap.samples,
@@ -649,7 +997,9 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
         if "onnx_fp32" in interleaved:
             reference_perf = interleaved["onnx_fp32"]
     else:
-        perf = benchmark(runner, validation, spec.model.inputs, spec.benchmark, pad_values=spec.model.pad_values)
+        perf = benchmark(runner, validation, spec.model.inputs, spec.benchmark, pad_values=spec.model.pad_values,
+                         decide=timing_rule(spec, variant_name, baseline=None, target="runner",
+                                            p50_decides=p50_decides))
     for bs, row in perf.items():
         if spec.cost is not None:
             row["usd_per_1m_inferences"] = cost_per_1m(spec.cost.usd_per_hour, row["throughput_per_s"])
@@ -668,6 +1018,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     t_gates = time.perf_counter()
     gates = evaluate_gates(spec, variant_name, overall, table, perf, per_sample=per_sample, groups=groups,
                            discovered=discovery)
+    if idx is not None:  # stopped before the last row: the parity gates are the sequential decisions
+        gates = _early_gates(scoring.plans, gates, scoring.rows_used, n_rows, spec)
     native_seconds += time.perf_counter() - t_gates
     passed = all_passed(gates)
     kernels = integer_kernel_nodes(model_path)
@@ -681,13 +1033,22 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     else:
         t_exact = time.perf_counter()
         exact_runner = exact_runner_factory()
-        exact_cand = _run_first_output(exact_runner, validation, spec, variant_name)
+        if scoring is None:
+            exact_cand = _run_first_output(exact_runner, validation, spec, variant_name)
+            exact_plans = None
+        else:  # the same rows in the same blocks (batches) as the native pass, decided the same way
+            exact_out = _exact_outputs(exact_runner, validation, spec, variant_name, scoring.blocks, measurements)
+            exact_cand, _ = _in_row_order(scoring.order, exact_out, n_rows)
+            exact_plans = _replay(spec, variant_name, validation, labels, groups_all, ref, scoring.blocks,
+                                  exact_out)
         del exact_runner  # the second session's memory goes back before anything else runs
-        exact_per_sample, exact_overall, exact_table = _score(spec, ref, exact_cand, labels, groups)
+        exact_per_sample, exact_overall, exact_table = _score(spec, ref, exact_cand, labels, groups, idx)
         # the same perf and build metrics: only the parity numbers may differ between the passes
         extras = {k: v for k, v in overall.items() if k not in exact_overall}
         exact_gates = evaluate_gates(spec, variant_name, {**exact_overall, **extras}, exact_table, perf,
                                      per_sample=exact_per_sample, groups=groups, discovered=discovery)
+        if idx is not None and exact_plans is not None:
+            exact_gates = _early_gates(exact_plans, exact_gates, scoring.rows_used, n_rows, spec)
         numerics = compare_numerics(
             spec, ParityPass(overall, table, gates, native_seconds),
             ParityPass(exact_overall, exact_table, exact_gates, time.perf_counter() - t_exact))
@@ -712,8 +1073,14 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                  perf=perf, reference_perf=reference_perf, passed=passed,
                  discovered=discovery.table if discovery is not None else None, worst_samples=worst,
                  numerics=numerics)
+    sequential = None
+    if scoring is not None:
+        from .sequential import describe
+
+        sequential = describe(scoring.plans, scoring.rows_used, n_rows, spec)
     result = ValidationResult(worst_slice=worst_slice(spec, table), numerics=numerics,
         exact_slices=exact_table.to_dict("records") if exact_table is not None else [],
+        rows_used=scoring.rows_used if scoring is not None else n_rows, sequential=sequential,
         variant=variant_name, task=task, rows=validation.n_rows, overall=overall, perf=perf,
         slices=table.to_dict("records"), gates=gates, passed=passed,
         non_finite_rows=int(non_finite_rows(cand).sum()), batch_sizes=list(spec.benchmark.batch_sizes),

@@ -226,6 +226,104 @@ def torch_runner(spec: Any, variant: Any, model_file: Path, build: dict[str, Any
         raise VariantUnusable(str(exc)) from None
 
 
+MEASUREMENTS_STEP = "validate-measurements"  # the local cache's step name of a variant's stored measurements
+MEASUREMENTS_NPZ, TIMING_JSON = "measurements.npz", "timing.json"
+
+
+def measurement_parts(spec: Any, variant: Any, model_file: Path,
+                      reference_model_dir: str | Path | None) -> dict[str, Any] | None:
+    """What a variant's measurements (its outputs on the validation rows and its timing rounds, `logic.Measurements`)
+    are a function of, for the local cache key: the variant's model bytes, its execution provider and the threads,
+    the FP32 baseline model it is timed against, the validation rows (bytes and section), the model's inputs,
+    outputs and pad values, the `benchmark` section, the row order and blocks (`analysis.sequential` seed,
+    block_rows, enabled) and the node (`tailguard.core.hardware.node_facts`: CPU model, ISA flags, cores, library
+    versions). Not the gates nor promotion: a re-run that changes only those decides on the stored measurements.
+
+    Returns:
+        The parts, or None when the validation file cannot be hashed (a remote URI): then nothing is cached.
+    """
+    from tailguard.core.cache import dataset_parts, dir_sha256, file_sha256
+    from tailguard.core.contract import ONNX_FILE
+    from tailguard.core.hardware import node_facts
+
+    validation = dataset_parts(spec.data.validation)
+    if validation is None:
+        return None
+    seq = spec.analysis.sequential
+    return {"variant_model": file_sha256(model_file), "execution_provider": variant.execution_provider,
+            "threads": spec.benchmark.intra_op_num_threads,
+            "baseline_model": dir_sha256(reference_model_dir, prefix=ONNX_FILE) if reference_model_dir else None,
+            "validation": validation,
+            "model": spec.model.model_dump(mode="json", include={"inputs", "outputs", "pad_values", "task"}),
+            "benchmark": spec.benchmark.model_dump(mode="json"),
+            "order": {"enabled": seq.enabled, "seed": seq.seed, "block_rows": seq.block_rows},
+            "node": node_facts()}
+
+
+def load_measurements(spec: Any, variant: Any, model_file: Path,
+                      reference_model_dir: str | Path | None) -> tuple[Any, Any]:
+    """The variant's stored measurements from the local cache and the function that stores them again.
+
+    Returns:
+        (Measurements, save) when the cache is on (`tailguard run`, tailguard.core.cache.enabled) and the inputs can
+        be hashed: an empty Measurements on a miss; save(measurements) stores it (replacing the entry) when its
+        `changed` is set. (None, a no-op) otherwise.
+    """
+    from tailguard.components.validate.logic import Measurements
+    from tailguard.core import cache
+
+    if not cache.enabled():
+        return None, lambda m: None
+    parts = measurement_parts(spec, variant, model_file, reference_model_dir)
+    if parts is None:
+        return None, lambda m: None
+    key = cache.cache_key(MEASUREMENTS_STEP, parts)
+    m = Measurements()
+    entry = cache.lookup(key)
+    if entry is not None:
+        try:
+            files = Path(entry.path) / "files"
+            with np.load(files / MEASUREMENTS_NPZ) as z:
+                m.order, m.outputs = z["order"], z["outputs"]
+                m.block_sizes = [int(b) for b in z["block_sizes"]]
+                m.exact_outputs = z["exact_outputs"] if "exact_outputs" in z.files else None
+            raw = json.loads((files / TIMING_JSON).read_text())
+            m.timing = {n: {int(bs): row for bs, row in rows.items()} for n, rows in raw.items()} or None
+        except (OSError, ValueError, KeyError):  # pruned or replaced while read: measure again
+            m = Measurements()
+
+    def save(meas: Any) -> None:
+        if meas is None or not meas.changed or meas.order is None:
+            return
+        with tempfile.TemporaryDirectory(prefix="tailguard-measurements-") as tmp:
+            arrays = {"order": meas.order, "outputs": meas.outputs,
+                      "block_sizes": np.asarray(meas.block_sizes, dtype=np.int64)}
+            if meas.exact_outputs is not None:
+                arrays["exact_outputs"] = meas.exact_outputs
+            np.savez(Path(tmp) / MEASUREMENTS_NPZ, **arrays)
+            timing = {n: {str(bs): row for bs, row in rows.items()} for n, rows in (meas.timing or {}).items()}
+            Path(tmp, TIMING_JSON).write_text(json.dumps(timing, default=json_default_safe))
+            try:
+                cache.store(key, tmp, {"rows_scored": int(meas.order.size),
+                                       "timed_batch_sizes": sorted({int(bs) for rows in (meas.timing or {}).values()
+                                                                    for bs in rows})},
+                            step=MEASUREMENTS_STEP, label=f"measurements {variant.name}", replace=True)
+                cache.prune()
+            except OSError:  # a full disk must not fail the validation: the result is still good
+                pass
+
+    return m, save
+
+
+def json_default_safe(o: Any) -> Any:
+    """json default for numpy scalars and arrays in stored timing rows."""
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
 def reference_runners(spec: Any, reference_model_dir: str | Path | None, *, beside_torch: bool = False
                       ) -> dict[str, Any] | None:
     """The baselines timed interleaved with a variant: {"onnx_fp32": OrtRunner of the FP32 reference ONNX}, on
@@ -250,10 +348,9 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
               run_id: str, client: Any, metrics: Any, report_path: str | None,
               reference_model_dir: str | None = None, *, identity: VariantResult | None = None) -> dict[str, Any]:
     from tailguard.components.validate.logic import validate_variant
+    from tailguard.core.artifacts import ArtifactMismatchError
     from tailguard.core.data import load_validation
     from tailguard.core.runtime import OrtRunner
-
-    from tailguard.core.artifacts import ArtifactMismatchError
 
     model_file = variant_dir / build["artifact"]
     if variant.backend == "torch":  # the probe of an AOTInductor package runs a validation batch
@@ -272,17 +369,24 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
         return OrtRunner(model_file, providers=ort_session_providers(variant, build, variant_dir),
                          intra_op_num_threads=spec.benchmark.intra_op_num_threads, exact_int8_accumulation=True)
 
+    measurements, save_measurements = load_measurements(spec, variant, model_file, reference_model_dir)
+    reused = measurements is not None and measurements.order is not None
     try:
         result = validate_variant(spec, variant.name, runner, load_reference_outputs(spec, reference_file), ds,
                                   work, reference_perf=baselines["onnx_fp32"], torch_perf=baselines["torch"],
                                   model_path=model_file, baseline_runners=baseline_runners,
-                                  exact_runner_factory=exact_runner if variant.backend == "onnxruntime" else None)
+                                  exact_runner_factory=exact_runner if variant.backend == "onnxruntime" else None,
+                                  measurements=measurements)
+        save_measurements(measurements)
         if (variant_dir / "sensitivity").is_dir():  # analysis.sensitivity, written by the build step
             shutil.copytree(variant_dir / "sensitivity", work / "sensitivity")
-        return log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
-                                   execution_provider=variant.execution_provider, metrics=metrics,
-                                   report_path=report_path, identity=identity,
-                                   onnx=variant.backend == "onnxruntime")  # torch, TensorRT: the file + manifest
+        out = log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
+                                  execution_provider=variant.execution_provider, metrics=metrics,
+                                  report_path=report_path, identity=identity,
+                                  onnx=variant.backend == "onnxruntime")  # torch, TensorRT: the file + manifest
+        if measurements is not None:  # the local cache: true when nothing was measured again (a gate-only change)
+            out["cached"] = reused and not measurements.changed
+        return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -536,4 +640,5 @@ def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason
         discovered=discovered_summary(result.discovered) if result.discovery is not None else [],
         quantized_mac_fraction=None if frac is None or np.isnan(float(frac)) else float(frac),
         hardware_dependent=None if num is None else num.get("hardware_dependent"),
+        rows=int(result.rows), rows_used=None if getattr(result, "rows_used", None) is None else int(result.rows_used),
         numerics=None if num is None else {k: v for k, v in num.items() if k not in ("exact_overall", "exact_gates")})

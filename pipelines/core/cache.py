@@ -311,11 +311,15 @@ def _relocate(obj: Any, old: str, new: str) -> Any:
     return obj
 
 
-def store(key: str, out_dir: str | Path, result: Mapping[str, Any], *, step: str, label: str = "") -> CacheEntry:
+def store(key: str, out_dir: str | Path, result: Mapping[str, Any], *, step: str, label: str = "",
+          replace: bool = False) -> CacheEntry:
     """Store `out_dir`'s files and `result` under `key`, atomically: written to tmp/, then renamed into entries/.
 
-    If another process stored the same key first, its entry is kept and this copy dropped. An interruption
-    (an exception, Ctrl-C) removes the partial copy; a kill -9 leaves it in tmp/, where no lookup sees it.
+    If another process stored the same key first, its entry is kept and this copy dropped, unless `replace`: then
+    the old entry is renamed away and this one takes its place (an entry that grows, e.g. a variant's measurements
+    extended by more validation rows; a reader between the two renames sees no entry and measures again). An
+    interruption (an exception, Ctrl-C) removes the partial copy; a kill -9 leaves it in tmp/, where no lookup
+    sees it.
 
     Returns:
         The entry.
@@ -330,6 +334,13 @@ def store(key: str, out_dir: str | Path, result: Mapping[str, Any], *, step: str
         (tmp / "entry.json").write_text(json.dumps({"step": step, "label": label, "bytes": size,
                                                     "created": time.time()}))
         final.parent.mkdir(parents=True, exist_ok=True)
+        if replace and final.exists():
+            doomed = cache_dir() / "tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.old"
+            try:
+                os.rename(final, doomed)
+            except OSError:
+                pass
+            shutil.rmtree(doomed, ignore_errors=True)
         try:
             os.rename(tmp, final)
         except OSError:  # another process stored it first (the target exists): keep theirs

@@ -17,6 +17,16 @@ batch, order alternating A B / B A; speedup = median(baseline) / median(variant)
 one-sided bounds from a paired percentile bootstrap over rounds (speedup_vs_<baseline>.lb95 / .ub95). A
 speed gate with `confidence` is decided on the bound (components/validate/gates.py).
 
+Measured to a precision (issue 25, `benchmark.precision`): timing a batch size may stop before the budget at
+fixed looks (`tailguard.core.stats.looks`: rounds 10, 20, 40, ... and the budget), when the caller's `decide`
+says so (the validate step: the speed ratio's interval is within the precision, or every speed gate with a
+confidence at that batch size is decided). Every interval reported or decided on after such timing is
+Bonferroni-corrected over the looks the batch size could take (`stats.look_confidence`): with L looks a 95% bound
+is computed at 1 - 0.05 / L, so it holds whichever look the timing stopped at. Rows then carry `n_looks`,
+`looks` (taken) and `stopped_by` ("decided", "max_seconds", "iterations"). p50 and p99 get distribution-free
+order-statistic bounds at the same level (`add_quantile_bounds`: latency_ms.p50.lb95 / .ub95, latency_ms.p99.ub95;
+None where the rounds are too few for one, e.g. a p99 upper bound needs 299 rounds at 95%).
+
 Runners of different runtimes in one interleaved call must not keep the cores busy between their runs: ONNX
 Runtime's intra-op workers spin-wait after each Run by default, and torch eager timed right after them waited on
 them (2.7x its solo p50 for MiniLM on a 2-core node, issue 26). Build such an ORT session with
@@ -38,11 +48,45 @@ from tailguard.core.data import Dataset, make_batch
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import Runner
 from tailguard.core.spec import BenchmarkSpec
+from tailguard.core.stats import look_confidence, looks, order_statistic_bound, paired_ratio_bootstrap
 from tailguard.core.stats import median_ratio as _median_ratio
-from tailguard.core.stats import paired_ratio_bootstrap
 
 MIN_SAMPLES = 10  # timed samples kept even past max_seconds, so the percentiles mean something
 POOL_SIZE = 32  # distinct pre-built batches cycled through per batch size
+LOOK_GROWTH = 2.0  # rounds double between the looks of a timing that may stop early (10, 20, 40, ...)
+# No interval of fewer rounds decides anything (a gate, the precision, a promotion): the percentile bootstrap of a
+# median ratio under-covers badly on a handful of rounds (two identical ONNX models came out "1.9x apart, lower bound
+# 1.035" on 10 rounds of ~50 us runs; Efron & Tibshirani 1993, ch. 13: the percentile interval's coverage is only
+# asymptotic). A timing with nothing to decide may still stop at its first look.
+DECISION_MIN_ROUNDS = 30
+# decide(batch size, {runner: samples in ms so far}, look number (1-based), looks possible) -> stop now?
+Decide = Callable[[int, Mapping[str, np.ndarray], int, int], bool]
+
+
+def timing_looks(bench: BenchmarkSpec) -> list[int]:
+    """The rounds at which a timing with `decide` looks: MIN_SAMPLES, doubling, then `bench.iterations`
+    (`tailguard.core.stats.looks`); a `max_seconds` stop between two of them takes the later one's place, so a
+    batch size never takes more looks than this list holds."""
+    return looks(MIN_SAMPLES, bench.iterations, LOOK_GROWTH)
+
+
+def add_quantile_bounds(row: dict[str, Any], confidence: float = 0.95) -> None:
+    """Add, in place, distribution-free bounds of the p50 and p99 latency to a perf row from its `samples_ms`
+    (`stats.order_statistic_bound`, at `look_confidence(confidence, row["n_looks"])` when the row was timed with
+    looks): latency_ms.p50.lb95 / .ub95 and latency_ms.p99.ub95 (ms; None when the rounds are too few for a bound
+    at that level), and `quantile_bound_confidence` (the per-look level used)."""
+    ms = np.asarray(row.get("samples_ms") or [], dtype=np.float64)
+    level = look_confidence(confidence, int(row.get("n_looks") or 1))
+    tag = f"{confidence * 100:g}"
+
+    def finite(v: float) -> float | None:
+        return v if math.isfinite(v) else None
+
+    if ms.size:
+        row[f"latency_ms.p50.lb{tag}"] = finite(order_statistic_bound(ms, 0.5, level, "lower"))
+        row[f"latency_ms.p50.ub{tag}"] = finite(order_statistic_bound(ms, 0.5, level, "upper"))
+        row[f"latency_ms.p99.ub{tag}"] = finite(order_statistic_bound(ms, 0.99, level, "upper"))
+        row["quantile_bound_confidence"] = level
 
 
 def _draw_batches(ds: Dataset, input_specs: Sequence, batch_size: int, n: int, seed: int,
@@ -54,7 +98,8 @@ def _draw_batches(ds: Dataset, input_specs: Sequence, batch_size: int, n: int, s
 
 
 def benchmark(runner: Runner, ds: Dataset, input_specs: Sequence, bench: BenchmarkSpec, *,
-              pad_values: dict[str, float] | None = None) -> dict[int, dict[str, Any]]:
+              pad_values: dict[str, float] | None = None,
+              decide: Decide | None = None) -> dict[int, dict[str, Any]]:
     """Time `runner` at every batch size of `bench` (method: module docstring).
 
     Args:
@@ -64,12 +109,13 @@ def benchmark(runner: Runner, ds: Dataset, input_specs: Sequence, bench: Benchma
         input_specs: the spec's `model.inputs`.
         bench: the spec's `benchmark` section (batch_sizes, warmup, iterations, max_seconds, seed).
         pad_values: per-input pad value (spec `model.pad_values`).
+        decide: as `interleaved_benchmark`'s (called with {"runner": ms so far}), or None: the full budget.
 
     Returns:
         {batch size: {"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean": float ms,
         "throughput_per_s": float rows/s, "n_iterations": int timed runs, "warmup": int untimed runs,
-        "stopped_early": bool (max_seconds reached), "samples_ms": list[float] every timed run in ms,
-        "method": str}}.
+        "stopped_early": bool (max_seconds reached or decided), "samples_ms": list[float] every timed run in ms,
+        "method": str, the quantile bounds of `add_quantile_bounds`; with `decide` n_looks, looks, stopped_by}}.
 
     Raises:
         InputError: the dataset has no rows.
@@ -86,6 +132,8 @@ def benchmark(runner: Runner, ds: Dataset, input_specs: Sequence, bench: Benchma
         budget_ns = int(bench.max_seconds * 1e9)
         spent = 0
         stopped_early = False
+        grid = timing_looks(bench) if decide is not None else []
+        taken, stopped_by = 0, "iterations"
         for i in range(bench.iterations):
             feeds = pool[i % len(pool)]
             t0 = time.perf_counter_ns()
@@ -93,8 +141,15 @@ def benchmark(runner: Runner, ds: Dataset, input_specs: Sequence, bench: Benchma
             dt = time.perf_counter_ns() - t0
             samples_ns.append(dt)
             spent += dt
-            if spent >= budget_ns and len(samples_ns) >= MIN_SAMPLES and i + 1 < bench.iterations:
-                stopped_early = True
+            over = spent >= budget_ns and len(samples_ns) >= MIN_SAMPLES and i + 1 < bench.iterations
+            if decide is not None and i + 1 < bench.iterations and (over or (taken < len(grid) and
+                                                                              i + 1 == grid[taken])):
+                taken += 1
+                if decide(bs, {"runner": np.asarray(samples_ns, dtype=np.float64) / 1e6}, taken, len(grid)):
+                    stopped_early, stopped_by = True, "decided"
+                    break
+            if over:
+                stopped_early, stopped_by = True, "max_seconds"
                 break
         ms = np.asarray(samples_ns, dtype=np.float64) / 1e6
         mean = float(ms.mean())
@@ -111,6 +166,12 @@ def benchmark(runner: Runner, ds: Dataset, input_specs: Sequence, bench: Benchma
             "method": (f"{bench.warmup} warm-up + {len(samples_ns)} timed runs of batch {bs} (seed {bench.seed}), "
                        f"perf_counter_ns per run, np.percentile linear"),
         }
+        if decide is not None:
+            taken += stopped_by == "iterations"
+            out[bs].update(n_looks=len(grid), looks=taken, stopped_by=stopped_by)
+            out[bs]["method"] += (f"; stopped by {stopped_by} at look {taken} of {len(grid)} (bounds "
+                                  f"Bonferroni-corrected over {len(grid)} looks)")
+        add_quantile_bounds(out[bs])
     return out
 
 
@@ -154,6 +215,9 @@ def peak_rss_mb() -> float:
 # neighbour, a CPU frequency change or a thermal swing hits every runner of a round alike and cancels in the
 # per-round comparison (two separate benchmarks minutes apart measured 0.40x and 1.51x for one INT8 variant).
 RATIO_DEFAULT_CONFIDENCE = 0.95  # the bounds logged as <ratio>.lb95 / <ratio>.ub95
+# A percentile bootstrap bound at one-sided level c is read between the lowest (1 - c) * samples resamples: at
+# least this many of them, so a corrected level (0.99 at 5 looks) still has a tail to read (20 / 0.01 = 2000).
+RESAMPLES_PER_TAIL = 20
 
 
 def round_order(names: Sequence[str], round_index: int) -> list[str]:
@@ -181,7 +245,8 @@ def _summary(ms: np.ndarray, bs: int, warmup: int, stopped_early: bool, method: 
 
 def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_specs: Sequence,
                           bench: BenchmarkSpec, *, pad_values: dict[str, float] | None = None,
-                          clock: Callable[[], int] = time.perf_counter_ns) -> dict[str, dict[int, dict[str, Any]]]:
+                          clock: Callable[[], int] = time.perf_counter_ns,
+                          decide: Decide | None = None) -> dict[str, dict[int, dict[str, Any]]]:
     """Time several runners in interleaved rounds on the same batches (the variant and its baselines).
 
     Method, per batch size: the same seeded pool of batches as `benchmark` (`_draw_batches`); `bench.warmup`
@@ -191,6 +256,11 @@ def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_spec
     reach `bench.max_seconds`, but never before MIN_SAMPLES rounds. Sample j of every runner is from round j,
     so `samples_ms` lists are paired by position (`speed_ratio` resamples whole rounds).
 
+    With `decide` (measured to a precision, module docstring) the rounds are looked at after each of
+    `timing_looks(bench)` rounds and at a `max_seconds` stop; `decide(bs, {name: ms so far}, look, n_looks)`
+    returning True stops the batch size there. Its rows then carry `n_looks` (the looks the batch size could
+    take: every bound on them is corrected for that many), `looks` (taken) and `stopped_by`.
+
     Args:
         runners: {name: runner with run(feeds)}, e.g. {"variant": ..., "onnx_fp32": ...}; at least one.
         ds: the validation dataset the batches are drawn from.
@@ -198,10 +268,12 @@ def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_spec
         bench: the spec's `benchmark` section.
         pad_values: per-input pad value (spec `model.pad_values`).
         clock: monotonic clock in integer nanoseconds (the seam tests replace; default time.perf_counter_ns).
+        decide: the stopping rule of a timing measured to a precision (see above), or None: the full budget.
 
     Returns:
         {runner name: {batch size: the `benchmark` entry (latency_ms.*, throughput_per_s, n_iterations,
-        warmup, stopped_early, samples_ms, method)}}, every runner with the same n_iterations per batch size.
+        warmup, stopped_early, samples_ms, method; with `decide` also n_looks, looks, stopped_by)}}, every runner
+        with the same n_iterations per batch size.
 
     Raises:
         InputError: no runner, or the dataset has no rows.
@@ -222,6 +294,8 @@ def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_spec
         budget_ns = int(bench.max_seconds * 1e9)
         spent = 0
         stopped_early = False
+        grid = timing_looks(bench) if decide is not None else []
+        taken, stopped_by = 0, "iterations"
         for i in range(bench.iterations):
             feeds = pool[i % len(pool)]
             for n in round_order(names, i):
@@ -230,17 +304,125 @@ def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_spec
                 dt = clock() - t0
                 samples[n].append(dt)
                 spent += dt
-            if spent >= budget_ns and i + 1 >= MIN_SAMPLES and i + 1 < bench.iterations:
-                stopped_early = True
+            over = spent >= budget_ns and i + 1 >= MIN_SAMPLES and i + 1 < bench.iterations
+            if decide is not None and i + 1 < bench.iterations and (over or (taken < len(grid) and
+                                                                              i + 1 == grid[taken])):
+                taken += 1
+                if decide(bs, {n: np.asarray(v, dtype=np.float64) / 1e6 for n, v in samples.items()}, taken,
+                          len(grid)):
+                    stopped_early, stopped_by = True, "decided"
+                    break
+            if over:
+                stopped_early, stopped_by = True, "max_seconds"
                 break
-        rounds = len(samples[names[0]])
-        method = (f"{bench.warmup} warm-up + {rounds} timed rounds of batch {bs} (seed {bench.seed}) interleaved "
-                  f"with {', '.join(n for n in names)} (order alternating A B / B A per round, same batch per "
-                  f"round), one clock per run, np.percentile linear")
+        rows = _interleaved_rows({n: np.asarray(samples[n], dtype=np.float64) / 1e6 for n in names}, bs, bench,
+                                 stopped_early, stopped_by if decide is not None else None,
+                                 taken + (stopped_by == "iterations"), len(grid))
         for n in names:
-            ms = np.asarray(samples[n], dtype=np.float64) / 1e6
-            out[n][bs] = _summary(ms, bs, bench.warmup, stopped_early, method)
+            out[n][bs] = rows[n]
     return out
+
+
+def _interleaved_rows(samples_ms: Mapping[str, np.ndarray], bs: int, bench: BenchmarkSpec, stopped_early: bool,
+                      stopped_by: str | None, looks_taken: int, n_looks: int) -> dict[str, dict[str, Any]]:
+    """The per-runner rows of one batch size of `interleaved_benchmark` from its rounds (ms per runner, paired by
+    position); `stopped_by` None: timed without looks (no n_looks / looks / stopped_by keys)."""
+    names = list(samples_ms)
+    rounds = len(samples_ms[names[0]])
+    method = (f"{bench.warmup} warm-up + {rounds} timed rounds of batch {bs} (seed {bench.seed}) interleaved "
+              f"with {', '.join(n for n in names)} (order alternating A B / B A per round, same batch per "
+              f"round), one clock per run, np.percentile linear")
+    if stopped_by is not None:
+        method += (f"; stopped by {stopped_by} at look {looks_taken} of {n_looks} (bounds Bonferroni-corrected "
+                   f"over {n_looks} looks)")
+    out = {}
+    for n in names:
+        row = _summary(np.asarray(samples_ms[n], dtype=np.float64), bs, bench.warmup, stopped_early, method)
+        if stopped_by is not None:
+            row.update(n_looks=n_looks, looks=looks_taken, stopped_by=stopped_by)
+        add_quantile_bounds(row)
+        out[n] = row
+    return out
+
+
+def replay_interleaved(rows: Mapping[str, dict[str, Any]], bs: int, bench: BenchmarkSpec,
+                       decide: Decide | None) -> dict[str, dict[str, Any]] | None:
+    """The rows `interleaved_benchmark` would have returned for batch size `bs` with the stopping rule `decide`,
+    from rounds timed before (a cached timing, e.g. under other gates), or None when those rounds are too few for
+    it (they stopped by another rule before this one would have).
+
+    Replays the run round by round on the stored samples: the same looks (`timing_looks`), the same `max_seconds`
+    budget (from the cumulative times of the stored rounds), the same calls of `decide` on the rounds so far. The
+    result is exactly what a timing with `decide` would give on those rounds (a rule that stops earlier uses a
+    prefix of them).
+
+    Args:
+        rows: {runner: the stored row of `bs`}, each with `samples_ms` (paired by position) and, when timed with
+            looks, `stopped_by`.
+        bs: the batch size.
+        bench: the benchmark section now (its warmup, iterations, max_seconds, precision must be those of the
+            stored timing; callers key the cache on it).
+        decide: the stopping rule now, or None (the full budget).
+
+    Returns:
+        {runner: row} for `bs`, or None.
+    """
+    names = list(rows)
+    samples = {n: np.asarray(rows[n].get("samples_ms") or [], dtype=np.float64) for n in names}
+    total = len(samples[names[0]]) if names else 0
+    if total == 0 or any(len(v) != total for v in samples.values()):
+        return None
+    stored = rows[names[0]].get("stopped_by")  # None: stored without looks (the full budget)
+    spent = np.cumsum(np.sum([samples[n] for n in names], axis=0))
+    grid = timing_looks(bench) if decide is not None else []
+    taken = 0
+    budget_ms = bench.max_seconds * 1e3
+    for r in range(1, total + 1):
+        over = bool(spent[r - 1] >= budget_ms) and r >= MIN_SAMPLES and r < bench.iterations
+        if decide is not None and r < bench.iterations and (over or (taken < len(grid) and r == grid[taken])):
+            taken += 1
+            if decide(bs, {n: v[:r] for n, v in samples.items()}, taken, len(grid)):
+                return _interleaved_rows({n: v[:r] for n, v in samples.items()}, bs, bench, True, "decided", taken,
+                                         len(grid))
+        if over:
+            return _interleaved_rows({n: v[:r] for n, v in samples.items()}, bs, bench, True,
+                                     "max_seconds" if decide is not None else None, taken, len(grid))
+    if total < bench.iterations:  # stored stopped by another rule ("decided") before the budget: too few rounds
+        return None
+    if decide is None and stored is not None and stored != "iterations":
+        return None
+    return _interleaved_rows(samples, bs, bench, False, "iterations" if decide is not None else None, taken + 1
+                             if decide is not None else 0, len(grid))
+
+
+def precision_reached(samples: Mapping[str, np.ndarray], precision: float, look: int, n_looks: int, *,
+                      baseline: str | None, target: str, boot_samples: int = 1000, seed: int = 0) -> bool:
+    """Whether the timing of one batch size is within `precision` at this look: the interval of the speed ratio
+    baseline / target (`speed_ratio`, one-sided 95% ends corrected for `n_looks` looks) has a relative half-width
+    (upper - lower) / 2 / ratio <= precision; without a baseline among `samples`, the interval of the target's
+    p50 (`stats.order_statistic_bound`, same level) relative to the p50. Never before DECISION_MIN_ROUNDS rounds.
+
+    Args:
+        samples: {runner: ms per round so far}, as `decide` receives them.
+        precision: relative half-width, e.g. 0.03 (spec `benchmark.precision`).
+        look, n_looks: this look and the looks possible (`timing_looks`).
+        baseline: the runner the ratio is taken against (e.g. "onnx_fp32"), or None.
+        target: the runner timed (e.g. "variant").
+        boot_samples, seed: bootstrap resamples and seed (spec analysis.bootstrap).
+    """
+    level = look_confidence(RATIO_DEFAULT_CONFIDENCE, n_looks)
+    v = np.asarray(samples[target], dtype=np.float64)
+    if v.size < DECISION_MIN_ROUNDS:
+        return False
+    if baseline is not None and baseline in samples:
+        try:
+            r = speed_ratio(samples[baseline], v, level, samples=boot_samples, seed=seed)
+        except InputError:
+            return False
+        return (r["upper"] - r["lower"]) / 2.0 <= precision * r["ratio"]
+    p50 = float(np.median(v))
+    lo, hi = order_statistic_bound(v, 0.5, level, "lower"), order_statistic_bound(v, 0.5, level, "upper")
+    return math.isfinite(lo) and math.isfinite(hi) and p50 > 0 and (hi - lo) / 2.0 <= precision * p50
 
 
 def speed_ratio(baseline_ms: Sequence[float], variant_ms: Sequence[float], confidence: float = 0.95, *,
@@ -259,7 +441,7 @@ def speed_ratio(baseline_ms: Sequence[float], variant_ms: Sequence[float], confi
         baseline_ms: baseline latency per round, ms, shape (rounds,), from `interleaved_benchmark`.
         variant_ms: the variant's latency in the same rounds, ms, shape (rounds,).
         confidence: one-sided level in (0.5, 1).
-        samples: bootstrap resamples.
+        samples: bootstrap resamples (at least RESAMPLES_PER_TAIL / (1 - confidence) are drawn).
         seed: seed of numpy.random.default_rng for the resampling (the same timings give the same bounds).
 
     Returns:
@@ -281,6 +463,7 @@ def speed_ratio(baseline_ms: Sequence[float], variant_ms: Sequence[float], confi
         raise InputError(f"speed_ratio: need at least 2 rounds, got {b.size}", hint="raise benchmark.iterations")
     if not (np.isfinite(b).all() and np.isfinite(v).all() and (b > 0).all() and (v > 0).all()):
         raise InputError("speed_ratio: every time must be finite and > 0 ms")
+    samples = max(int(samples), math.ceil(RESAMPLES_PER_TAIL / (1.0 - float(confidence))))
     method = (f"ratio of medians over {b.size} interleaved rounds; one-sided {confidence * 100:g}% bounds by a "
               f"paired percentile bootstrap over rounds ({samples} resamples, seed {seed}; scipy.stats.bootstrap)")
     ratio, lo, hi = paired_ratio_bootstrap(b, v, confidence, samples=samples, seed=seed)
@@ -301,7 +484,8 @@ def add_speed_ratios(perf: dict[int, dict[str, Any]], baselines: Mapping[str, di
     For every baseline name B (e.g. "onnx_fp32", "torch") and batch size: `speedup_vs_B` (ratio of medians,
     `speed_ratio`), `speedup_vs_B.lb95` / `.ub95` (one-sided 95% bounds), `speedup_vs_B.rounds`, and the
     baseline's paired per-round times under `baseline_samples_ms[B]` (ms), which a gate with another
-    `confidence` bounds again (`speed_ratio`).
+    `confidence` bounds again (`speed_ratio`). Rows timed with looks (`n_looks`) get bounds at
+    `look_confidence(0.95, n_looks)`: still named .lb95 / .ub95, valid for the stopping rule.
 
     Args:
         perf: the variant's `interleaved_benchmark` entry {batch size: row}; rows gain the keys above.
@@ -321,7 +505,11 @@ def add_speed_ratios(perf: dict[int, dict[str, Any]], baselines: Mapping[str, di
                 # no bound from one round (or an unusable timing): the point ratio only
                 row[metric] = float(_median_ratio(b, v)) if b.size and v.size and np.median(v) > 0 else None
                 continue
-            r = speed_ratio(b, v, RATIO_DEFAULT_CONFIDENCE, samples=samples, seed=seed)
+            level = look_confidence(RATIO_DEFAULT_CONFIDENCE, int(row.get("n_looks") or 1))
+            r = speed_ratio(b, v, level, samples=samples, seed=seed)
+            if level != RATIO_DEFAULT_CONFIDENCE:
+                r["method"] += (f" at {level * 100:g}% per look: the 95% bounds corrected for {row['n_looks']} "
+                                "looks (Bonferroni), valid at whichever look the timing stopped")
             row[metric] = r["ratio"]
             row[ratio_key(metric, "lower", RATIO_DEFAULT_CONFIDENCE)] = r["lower"]
             row[ratio_key(metric, "upper", RATIO_DEFAULT_CONFIDENCE)] = r["upper"]

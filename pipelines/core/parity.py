@@ -183,7 +183,8 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
                        labels: np.ndarray | None = None, reference_index: np.ndarray | None = None,
                        exclude_self: bool = True, index_labels: np.ndarray | None = None,
                        recall_k: int = RECALL_K, knn_k: int = KNN_K,
-                       margin_tolerance: float = MARGIN_TOLERANCE) -> dict[str, np.ndarray]:
+                       margin_tolerance: float = MARGIN_TOLERANCE,
+                       query_rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """One parity value per validation row, for the task's metrics (formulas: module docstring).
 
     Args:
@@ -205,6 +206,10 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
         knn_k: embedding only: neighbours voting for the kNN label (analysis.embedding.knn_k); capped likewise.
         margin_tolerance: embedding only: cosine gap (>= 0) at or below which the FP32 top-1/top-2 is a
             near-tie (analysis.embedding.margin_tolerance).
+        query_rows: embedding only: the rows are these rows of `reference_index` (int array of shape (rows,)),
+            e.g. a block of the validation set scored against the full FP32 reference set: with `exclude_self`
+            each row is kept out of its own neighbours, so a row's values equal those it gets when every row is
+            scored at once (sequential validation). Needs `reference_index` (and `index_labels` with labels).
 
     Returns:
         {per-row metric: array of shape (rows,)}:
@@ -266,7 +271,15 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
                 raise InputError(f"parity: reference_index has dim {idx.shape[1]}, outputs have {ref2.shape[1]}")
             index = _normalize(np.nan_to_num(idx.astype(np.float64), nan=0.0, posinf=0.0,
                                              neginf=0.0)).astype(np.float32)
-        exclude = np.arange(rows) if (self_index and exclude_self) else None
+        if query_rows is not None:
+            if self_index:
+                raise InputError("parity: query_rows needs reference_index (the full FP32 set the rows belong to)")
+            q_rows = np.asarray(query_rows, dtype=np.int64).reshape(-1)
+            if q_rows.shape[0] != rows or (rows and (q_rows.min() < 0 or q_rows.max() >= index.shape[0])):
+                raise InputError(f"parity: query_rows must give {rows} rows of the {index.shape[0]}-row index")
+            exclude = q_rows if exclude_self else None
+        else:
+            exclude = np.arange(rows) if (self_index and exclude_self) else None
         available = index.shape[0] - (1 if exclude is not None else 0)
         if rows and available < 1:
             raise InputError(f"parity: nearest-neighbour metrics need an index of at least "

@@ -45,6 +45,7 @@ class CellStatus(StrEnum):
     FAILED = "failed"
     INSUFFICIENT_DATA = "insufficient_data"
     NOT_APPLICABLE = "not_applicable"
+    UNDECIDED = "undecided"  # sequential validation stopped on another gate's failure first
     UNKNOWN = "unknown"
 
 
@@ -249,7 +250,7 @@ img{max-width:100%;height:auto}
 .note{color:#555;font-size:12px}
 th{background:#f2f2f2}
 td.passed{background:#d8f0d8}td.failed{background:#f6d2d2}
-td.insufficient_data{background:#fff1c9}td.not_applicable{color:#888}td.unknown{background:#eee}
+td.insufficient_data{background:#fff1c9}td.not_applicable{color:#888}td.undecided{color:#888;font-style:italic}td.unknown{background:#eee}
 .banner{padding:.6em 1em;border-radius:4px;margin:.5em 0;font-weight:600}
 .ok{background:#d8f0d8}.bad{background:#f6d2d2}.warn{background:#fff1c9}
 """
@@ -453,6 +454,8 @@ def decision_note(summary: dict[str, Any], *, markdown: bool = True) -> str:
         worst = f", worst slice {ws.get('slice')}={ws.get('value')} {ws.get('metric', '')} {obs_text}" if ws else ""
         line1 = (f"Promoted {promoted} as {summary.get('optimized_model')} v{summary['promoted_version']} "
                  f"@{alias}: p50 {_fmt(_g4(v.get('p50_ms')))} ms at batch {summary.get('batch_size')}{worst}.")
+        if summary.get("promotion_reason"):  # how it was chosen (register.decide_promotion)
+            line1 += f" Why: {summary['promotion_reason']}."
     elif summary.get("promotion") == "superseded":
         line1 = (f"Superseded: a variant passed, but @{alias} moved during the run to "
                  f"v{summary.get('alias_version')}, which wins the comparison; no alias moved.")

@@ -184,6 +184,8 @@ class VariantResult:
             "tolerance", "metric", "native_worst" / "exact_worst" ({slice, value, support, metric, observed} or
             None), "worst_slice_delta", "max_slice_delta", "gate_differences" ([{gate, native, exact}]),
             "native_seconds" / "exact_seconds" (s)}; None when not recorded. Optional field.
+        rows: rows of the validation set; rows_used: the rows scored (fewer when sequential validation decided
+            every gate first, components/validate/sequential.py); None when not recorded. Optional fields.
 
     Raises:
         ValueError: status is unknown, or passed is True with status other than ok.
@@ -209,6 +211,8 @@ class VariantResult:
     warnings: list[str] = field(default_factory=list)
     hardware_dependent: bool | None = None
     numerics: dict[str, Any] | None = None
+    rows: int | None = None
+    rows_used: int | None = None
 
     def __post_init__(self) -> None:
         _check_status(self.status, "VariantResult")

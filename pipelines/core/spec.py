@@ -676,6 +676,27 @@ class EmbeddingAnalysisSpec(_Model):
         "cosine similarities differ by more than this (a near-tie may flip under any rounding)."))
 
 
+class SequentialSpec(_Model):
+    """Parity decided sequentially (issue 25): validation rows are scored in a seeded shuffled order, block by block,
+    and each parity gate is decided as soon as a confidence sequence for its all-rows value says which side of its
+    threshold that value falls (docs/spec.md, Sequential validation)."""
+
+    enabled: bool = Field(True, description=(
+        "Score the validation rows in shuffled blocks and stop when the gates are decided; false scores every row "
+        "(the decisions on all rows are the same either way)."))
+    alpha: float = Field(0.01, gt=0, lt=0.5, description=(
+        "Per gate: the chance that a gate decided before the last row differs from its decision on every row "
+        "(the prior-posterior-ratio confidence sequence of Waudby-Smith & Ramdas 2020, split evenly over the "
+        "gate's slice groups)."))
+    block_rows: int = Field(100, ge=1, description="Rows scored between two looks at the gates.")
+    min_rows: int = Field(200, ge=1, description=(
+        "No gate is decided on fewer rows than this (all rows when the validation set is smaller)."))
+    seed: int = Field(0, description="Seed of the row order: the same data and seed score the same rows.")
+    stop: Literal["verdict", "all_gates"] = Field("verdict", description=(
+        "verdict: stop as soon as the variant's verdict is known (every gate decided passed, or one decided "
+        "failed: the others are then reported undecided); all_gates: stop only when every gate is decided."))
+
+
 class AnalysisSpec(_Model):
     """What validation computes beyond the gates: tail samples, worst-slice discovery, bootstrap settings."""
 
@@ -687,6 +708,8 @@ class AnalysisSpec(_Model):
         "Per-node sensitivity of INT8 variants without a search."))
     embedding: EmbeddingAnalysisSpec = Field(default_factory=EmbeddingAnalysisSpec, description=(
         "k and tolerance of the embedding metrics accuracy (kNN), nn_recall_at_k and nn_top1_margin_agreement."))
+    sequential: SequentialSpec = Field(default_factory=SequentialSpec, description=(
+        "Score validation rows in shuffled blocks until every gate is decided (anytime-valid decisions)."))
 
 
 # ------------------------------------------------------------------------------- benchmark and cost
@@ -698,6 +721,11 @@ class BenchmarkSpec(_Model):
     warmup: int = Field(20, ge=0, description="Untimed iterations first.")
     iterations: int = Field(200, ge=1, description="Timed iterations per batch size.")
     max_seconds: float = Field(30.0, gt=0, description="Stop timing a batch size after this long (s).")
+    precision: float | None = Field(None, gt=0, lt=1, description=(
+        "Stop timing a batch size once the interval on the speed ratio against its interleaved baseline has at "
+        "most this relative half-width (e.g. 0.03) and every speed gate with a confidence at that batch size is "
+        "decided; bounds are Bonferroni-corrected over the looks (docs/spec.md, Latency measured to a precision). "
+        "None: time every iteration up to max_seconds."))
     intra_op_num_threads: int = Field(0, ge=0, description="ORT/torch threads (0: all cores).")
     seed: int = Field(0, description="Seed for drawing the benchmark batches from the validation set.")
 
@@ -719,13 +747,18 @@ class PromotionSpec(_Model):
                        description="Registry alias set on the selected version.")
     select: Literal["fastest_passing"] = Field("fastest_passing", description=(
         "The selection rule; it has one value, fastest_passing (the only rule implemented; any other value is "
-        "refused): lowest latency_ms.p50 at `batch_size` among variants passing every gate."))
+        "refused): the fastest variant passing every gate at `batch_size`, decided with confidence (`margin`)."))
     register_variants: Literal["promoted", "passing", "all"] = Field("promoted", description=(
         "Which variants get a registry version: promoted (default): only the one `select` chose (also with "
         "enabled: false, then without the alias); passing: every variant that passed every gate; all: every "
         "built variant, failing ones included. Every variant's MLflow run is logged whatever this says, and an "
         "artefact whose sha256 an existing version already holds reuses that version (docs/spec.md, promotion)."))
     batch_size: int | None = Field(None, ge=1, description="Batch size for 'fastest' (default: the first).")
+    margin: float | None = Field(0.03, ge=0, lt=1, description=(
+        "The fastest passing variant takes the alias only when, timed interleaved with every other passing "
+        "variant at `batch_size`, the lower 95% bound of its speed ratio over each is above 1 + margin; "
+        "otherwise the current alias holder keeps it if it is among the variants within that margin, else the "
+        "most exact of them (fp32, then fp16, then int8). None: the lowest validation p50, no comparison."))
     registered_name: str | None = Field(None, description="Registered model for variants "
                                                           "(default: <model.registered_name>-optimized).")
 
