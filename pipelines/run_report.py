@@ -1,6 +1,6 @@
 """`tailguard report RUN_ID|latest`: the parent run's report.html, rebuilt from the MLflow store.
 
-The register step logs the same report (components/register/logic.py `log_run_report`) when a run finishes; this
+The register step logs the same report (components/register/report.py `log_run_report`) when a run finishes; this
 module rebuilds it for any parent run, also for one that failed before the register step (then the report shows
 the run's error and the variant runs that were logged) or one logged before reports existed.
 """
@@ -93,8 +93,7 @@ def partial_summary(client: Any, parent: Any) -> dict[str, Any]:
     logged variant run, from its tags and metrics (latency at the first batch size it logged). Tag values are
     checked before use: a status outside results.Status becomes "failed" (the reason names it), a gate status
     outside report.CellStatus becomes "unknown", a worst-slice tag that is not a JSON object is ignored."""
-    from tailguard.components.register.logic import gate_statuses
-
+    from tailguard.components.register.report import gate_statuses
     from tailguard.core.report import cell_status
     from tailguard.core.results import Status
 
@@ -142,9 +141,8 @@ def build_run_report(run_ref: str, *, tracking_uri: str | None = None,
     Raises:
         InputError: unknown run id, or no run in the store (exit 2).
     """
-    from tailguard.components.register.logic import report_inputs
+    from tailguard.components.register.report import report_inputs, run_report_html
     from tailguard.core.contract import NOTE_TAG
-    from tailguard.core.report import run_report_html
 
     client, uri = _client(tracking_uri)
     parent = parent_run(client, run_ref)

@@ -177,12 +177,13 @@ def print_summary(summary: Any) -> None:
 
 
 def print_search(search: dict) -> None:
-    """One search's trial table (`tailguard.core.report.search_table`: trial, the configuration columns that
-    differ between trials, p50 ms, worst-slice value, passed, front, chosen), the reason it stopped in the title
-    and, under the table, the settings every trial shared and the families skipped as unable to differ."""
+    """One search's trial table (`tailguard.components.register.report.search_table`: trial, the configuration
+    columns that differ between trials, p50 ms, worst-slice value, passed, front, chosen), the reason it stopped in
+    the title and, under the table, the settings every trial shared and the families skipped as unable to
+    differ."""
     from rich.text import Text
 
-    from tailguard.core.report import search_table
+    from tailguard.components.register.report import search_table
     from tailguard.runner import search_title
 
     cols, rows, notes = search_table(search)

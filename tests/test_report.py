@@ -1,4 +1,4 @@
-"""The HTML report (pipelines/core/report.py) and the whole validate step (logic.py) on a real tiny
+"""The variant's HTML report (components/validate/report.py) and the whole validate step (logic.py) on a real tiny
 ONNX Runtime model."""
 
 import json
@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.validate.gates import GateResult
 from tailguard.components.validate.logic import ValidationResult, sanitize_key_part, validate_variant
-from tailguard.core.report import write_report
+from tailguard.components.validate.report import write_report
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import OrtRunner, run_dataset

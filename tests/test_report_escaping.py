@@ -1,7 +1,7 @@
 """Reports cannot be made to run script, inject Markdown or break a plot by the data they show (issue 22, item 6):
-the variant report and the parent run's report (pipelines/core/report.py), the report rebuilt from a real MLflow
-store (pipelines/run_report.py, a SQLite store in a temporary folder), and the MLflow description
-(`decision_note`, mlflow.note.content)."""
+the variant report (components/validate/report.py) and the parent run's report (components/register/report.py),
+the report rebuilt from a real MLflow store (pipelines/run_report.py, a SQLite store in a temporary folder), and the
+MLflow description (`decision_note`, mlflow.note.content)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import mlflow
 import pandas as pd
 import pytest
 
-from tailguard.core.report import (CellStatus, cell_status, decision_note, markdown_text, run_report_html,
-                                   write_report)
+from tailguard.components.register.report import decision_note, run_report_html
+from tailguard.components.validate.report import write_report
+from tailguard.core.report import CellStatus, cell_status, markdown_text
 
 SCRIPT = '"><script>alert(1)</script>'
 GATE = "top1_agreement>=0.9@lb95@per_slice:digit"
@@ -86,9 +87,9 @@ def test_plots_draw_data_labels_as_written_when_they_hold_dollar_signs():
     import matplotlib
 
     matplotlib.use("Agg")
-    from tailguard.core.report import _plain_context
+    from tailguard.core.report import no_mathtext_context
 
-    with _plain_context():
+    with no_mathtext_context():
         fig = matplotlib.figure.Figure()
         t = fig.add_subplot().set_title("$x$")
         assert t.get_parse_math() is False and t.get_usetex() is False

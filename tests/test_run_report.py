@@ -1,4 +1,4 @@
-"""The run report of a parent MLflow run (pipelines/core/report.py `run_report_html`, register/logic.py
+"""The run report of a parent MLflow run (components/register/report.py `run_report_html` and
 `log_run_report`, pipelines/run_report.py and `tailguard report`).
 
 Unit tests build the HTML from a synthetic summary; the integration test runs one small local `tailguard run`
@@ -20,8 +20,9 @@ from tests.conftest import MLFLOW_URI_VARS
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.components.register.logic import RunSummary, VariantSummary, gate_statuses
-from tailguard.core.report import TORCH_NOTE, decision_note, run_report_html, zoom_limits
+from tailguard.components.register.logic import RunSummary, VariantSummary
+from tailguard.components.register.report import decision_note, gate_statuses, run_report_html
+from tailguard.core.report import TORCH_NOTE, zoom_limits
 from tailguard.core.contract import gate_name_tag, gate_tag
 
 GATE = "top1_agreement>=0.9@lb95@per_slice:digit"
@@ -209,7 +210,7 @@ def test_run_logs_report_html_and_a_two_line_description_on_the_parent_run_when_
 
 def test_variant_report_wraps_every_table_in_a_scrolling_box_when_written(tmp_path):
     from tailguard.components.validate.gates import GateResult
-    from tailguard.core.report import write_report
+    from tailguard.components.validate.report import write_report
 
     table = pd.DataFrame({"slice": ["digit"] * 2, "value": ["8", "1"], "support": [40, 40],
                           "top1_agreement": [0.984, 1.0]})

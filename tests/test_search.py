@@ -336,7 +336,7 @@ def _trial_rec(i, *, float_op_types, per_channel=True, nodes=(), chosen=False):
 
 
 def test_search_table_shows_the_column_that_differs_and_notes_constant_ones_when_trials_differ_in_one_setting():
-    from tailguard.core.report import search_table
+    from tailguard.components.register.report import search_table
 
     doc = _search_doc([_trial_rec(0, float_op_types=[]), _trial_rec(1, float_op_types=["Softmax"], chosen=True)])
     columns, rows, notes = search_table(doc)
@@ -351,7 +351,7 @@ def test_search_table_shows_the_column_that_differs_and_notes_constant_ones_when
 
 
 def test_print_search_and_the_report_show_differing_columns_and_skipped_families_when_a_search_skipped_some():
-    from tailguard.core.report import run_report_html
+    from tailguard.components.register.report import run_report_html
     from tailguard.terminal import console, print_search
 
     doc = _search_doc([_trial_rec(0, float_op_types=[]), _trial_rec(1, float_op_types=["Softmax"], chosen=True)],

@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG,
-                                     COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG,
-                                     GATE_NAME_PREFIX, GATES_TAG, HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG, NOTE_TAG,
-                                     PRECISION_TAG, PROMOTION_REASON_TAG, PROMOTION_TAG, REPORT_ERROR_TAG, RUN_ID_TAG,
-                                     SEARCH_OF_TAG, SHA256_TAG, SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG,
-                                     SPEC_SHA256_TAG, SUPERSEDED_BY_TAG, TARGET_ALIASES_TAG, TARGET_CHECK_TAG,
-                                     TARGET_PLACEMENT_TAG, TARGET_TAG, TRIAL_RUN_TAG, VALIDATED_ON_TAG,
-                                     VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
+                                     COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG, GATES_TAG,
+                                     HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG, PRECISION_TAG, PROMOTION_REASON_TAG,
+                                     PROMOTION_TAG, RUN_ID_TAG, SEARCH_OF_TAG, SHA256_TAG, SOURCE_MODEL_TAG,
+                                     SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG, SUPERSEDED_BY_TAG,
+                                     TARGET_ALIASES_TAG, TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG,
+                                     TRIAL_RUN_TAG, VALIDATED_ON_TAG, VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
 from tailguard.core.reference import alias_version
 from tailguard.core.results import ResultFormatError, VariantResult
 
@@ -61,7 +60,7 @@ class VariantSummary:
             metric, value_in_slice, value_rest, q_value); [] when none was significant or discovery was off.
         gates: {gate key: status}.
         quantized_mac_fraction: INT8 variants: share of the MACs computed in INT8 (from the variant's
-            variant_result.json; pipelines/core/macs.py), else None.
+            variant_result.json; components/quantize/macs.py), else None.
         warnings: what the summary must flag although no gate asked (`coverage_warnings`: an INT8 variant that
             quantized under LOW_QUANTIZED_MAC_FRACTION of its MACs, or whose coverage was not recorded).
         registration: a `Registration` value (registered | reused | not_registered), "" when there was no
@@ -892,6 +891,8 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     if targets:
         client.set_tag(parent_run_id, TARGET_ALIASES_TAG,
                        json.dumps({e["alias"]: e["alias_version"] for e in summary.target_aliases}))
+    from .report import log_run_report
+
     log_run_report(client, summary.to_dict(), tracking_uri=mlflow.get_tracking_uri())
     return summary
 
@@ -1038,104 +1039,3 @@ def _tag(client: Any, run_id: str, outcome: str, holder: str | None, reason: str
     client.set_tag(run_id, ALIAS_VERSION_TAG, holder or "none")
     if reason:
         client.set_tag(run_id, PROMOTION_REASON_TAG, reason)
-
-
-# --------------------------------------------------------------------------------------------- run report
-LOCAL_UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default: the report's run links
-
-
-def gate_statuses(tags: dict[str, str]) -> dict[str, str]:
-    """{gate key as the spec and docs spell it: status} from a variant run's tags.
-
-    `gate.<sanitised key>` holds the status; `gate_name.<sanitised key>` holds the canonical key (runs logged
-    before that tag existed fall back to the sanitised key).
-    """
-    out = {}
-    for k, val in tags.items():
-        if k.startswith("gate."):
-            short = k[len("gate."):]
-            out[tags.get(GATE_NAME_PREFIX + short, short)] = val
-    return out
-
-
-def run_url(tracking_uri: str, experiment_id: str, run_id: str, ui_url: str | None = None) -> str:
-    """The MLflow UI address of a run: under `ui_url`, else the tracking server (http/https URIs), else
-    LOCAL_UI_URL (`mlflow ui` on a local store)."""
-    base = ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else LOCAL_UI_URL)
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-
-
-def report_inputs(client: Any, summary: dict[str, Any], *, tracking_uri: str,
-                  ui_url: str | None = None) -> dict[str, Any]:
-    """What `report.run_report_html` needs beyond the summary, read from the store: each variant's slices.csv
-    (skipped when absent or unreadable), links to the variant runs, and whether a torch baseline was timed
-    (a `baseline.torch.*` metric on the parent run).
-
-    Args:
-        client: an MlflowClient on the run's store.
-        summary: `RunSummary.to_dict()` (or a partial one with parent_run_id, experiment_id and variants).
-        tracking_uri: the store's URI (for the links).
-        ui_url: the MLflow UI base URL for the links (default: see `run_url`).
-
-    Returns:
-        {slice_tables, links, torch_baseline} keyword arguments.
-    """
-    import tempfile
-
-    from mlflow.exceptions import MlflowException
-
-    tables, links = {}, {}
-    exp = summary.get("experiment_id", "")
-    for v in summary.get("variants") or []:
-        run_id = v.get("run_id")
-        if not run_id:
-            continue
-        links[v["variant"]] = run_url(tracking_uri, exp, run_id, ui_url)
-        if v.get("status") != "ok":
-            continue
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                tables[v["variant"]] = _read_slices_csv(client.download_artifacts(run_id, "slices.csv", tmp))
-        except (MlflowException, OSError, ValueError):  # no per-slice table: the heat map goes without it
-            continue
-    parent = client.get_run(summary["parent_run_id"])
-    torch_baseline = any(k.startswith("baseline.torch.") for k in parent.data.metrics)
-    return {"slice_tables": tables, "links": links, "torch_baseline": torch_baseline}
-
-
-def _read_slices_csv(path: str) -> Any:
-    """A slices.csv as a DataFrame, slice values kept as text (a value '01' stays '01')."""
-    import pandas as pd
-
-    return pd.read_csv(path, dtype={"slice": str, "value": str})
-
-
-def log_run_report(client: Any, summary: dict[str, Any], *, tracking_uri: str) -> None:
-    """Give the parent run its description (mlflow.note.content: `report.decision_note`, the decision in two lines)
-    and its report.html (all variants, Pareto plot, gate matrix, per-slice heat map, search trials, run links).
-
-    The description is set first; a report that cannot be built (an unreadable artifact, a plotting error) does
-    not fail the run that registered and promoted: the error goes to tag tailguard.report_error and stderr, and
-    `tailguard report RUN_ID` can rebuild the report from the store later.
-    """
-    import sys
-    import tempfile
-    import time
-
-    from tailguard.core.contract import RUN_REPORT_FILE
-    from tailguard.core.report import decision_note, write_run_report
-
-    run_id = summary["parent_run_id"]
-    client.set_tag(run_id, NOTE_TAG, decision_note(summary))
-    try:
-        parent = client.get_run(run_id)
-        run = {"run_id": run_id, "experiment_id": summary.get("experiment_id"), "status": "FINISHED",
-               "name": parent.info.run_name,
-               "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(parent.info.start_time / 1000))}
-        with tempfile.TemporaryDirectory() as tmp:
-            path = write_run_report(f"{tmp}/{RUN_REPORT_FILE}", summary, run=run,
-                                    **report_inputs(client, summary, tracking_uri=tracking_uri))
-            client.log_artifact(run_id, str(path))
-    except Exception as exc:  # noqa: BLE001 - see the docstring: the report is rebuilt by `tailguard report`
-        client.set_tag(run_id, REPORT_ERROR_TAG, f"{type(exc).__name__}: {exc}"[:4000])
-        print(f"tailguard: the run report could not be written: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -78,12 +78,14 @@ from tailguard.core.runtime import Runner, run_dataset
 from tailguard.core.spec import Spec
 from tailguard.core.taskio import json_default
 
-from .gates import GateResult, all_passed, build_metrics, evaluate_gates
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
-from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
 from tailguard.core.metrics import higher_is_better
-from tailguard.core.report import key_metric, write_report
+from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
+from tailguard.core.report import key_metric
 from tailguard.core.slices import per_slice_table, slice_groups
+
+from .gates import GateResult, all_passed, build_metrics, evaluate_gates
+from .report import write_report
 
 PERF_KEYS = ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "latency_ms.mean", "throughput_per_s",
              "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32",
