@@ -3,7 +3,7 @@
 import numpy as np
 import pandas as pd
 
-from tailguard.core.coverage import calibration_coverage
+from tailguard.components.reference.coverage import calibration_coverage
 from tailguard.core.data import load_dataset
 from tailguard.core.spec import SliceSpec, TensorSpec
 

@@ -1,6 +1,6 @@
 """Quantization coverage as a fact and a gate (issue 13, item 3).
 
-MAC counting (pipelines/core/macs.py) on hand-made ONNX graphs whose MACs are known by hand; the build's
+MAC counting (components/quantize/macs.py) on hand-made ONNX graphs whose MACs are known by hand; the build's
 coverage on a real Linear-ReLU-Linear-ReLU-Linear MLP and a small CNN exported from torch, quantized by ONNX
 Runtime (dynamic and static) with the DEFAULT spec (graph_optimization.level: extended); the gate
 `quantized_mac_fraction` through spec check, gate evaluation, the validate step's metrics and a real MLflow file
@@ -19,9 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.quantize import logic
 from tailguard.components.quantize.logic import build_variant
-from tailguard.core.macs import (DEFAULT_SEQUENCE, count_macs, coverage_line,
-                                                quantization_coverage)
+from tailguard.components.quantize.macs import DEFAULT_SEQUENCE, count_macs, quantization_coverage
 from tailguard.components.validate.gates import build_metrics, evaluate_gates
+from tailguard.components.validate.task import coverage_line
 from tailguard.core.errors import SpecError
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.spec import ModelSpec, VariantSpec, parse_spec
@@ -322,7 +322,7 @@ def test_summary_flags_an_int8_variant_when_it_quantized_under_half_its_macs():
 
 def test_infer_shapes_evaluates_every_symbolic_input_axis_that_concrete_dims_names_when_named_and_unnamed():
     # the symbolic-axis walk is one function for concrete_dims and the shape inference: both see the same axes
-    from tailguard.core.macs import concrete_dims, infer_shapes
+    from tailguard.components.quantize.macs import concrete_dims, infer_shapes
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])
     mask = helper.make_tensor_value_info("mask", TensorProto.FLOAT, [None, None])  # unnamed symbolic axes

@@ -30,7 +30,7 @@ from tailguard.components.quantize.logic import DatasetCalibrationReader, build_
 from tailguard.core.presets import QUANTIZATION_PRESETS, quantization_preset
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.spec import VariantSpec
-from tailguard.core.steps import UnknownStepError, get_step, registered_steps
+from tailguard.components.quantize.registry import UnknownStepError, get_step, registered_steps
 from tests.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
 

@@ -121,7 +121,7 @@ def test_torch_variant_needs_the_gpu_pool_only_when_its_device_is_cuda(tmp_path)
 
 
 def test_torch_step_is_skipped_with_the_reason_when_the_reference_is_onnx(tmp_path):
-    from tailguard.core.steps import get_step
+    from tailguard.components.quantize.registry import get_step
 
     spec = parse_spec(_spec_doc(tmp_path))
     variant = next(v for v in spec.variants if v.name == "torch-eager-fp32")

@@ -1,7 +1,7 @@
 """Build one inference variant from the FP32 ONNX reference: ONNX Runtime graph optimization, FP16 conversion,
 INT8 dynamic / static quantization, and the TensorRT seam.
 
-One entry point, `build_variant`, dispatches through the step registry (`tailguard.core.steps`) on the variant's
+One entry point, `build_variant`, dispatches through the step registry (`registry.py`) on the variant's
 backend: `quantize.onnxruntime` builds every ONNX Runtime variant, `compile.tensorrt` builds TensorRT engines
 (skipped, with the reason, where no GPU / TensorRT is present). Each step returns a `StepResult`: ok with the
 artifact and the facts of the build, failed with the reason when ONNX Runtime's tooling breaks for that variant
@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no c
 from tailguard.core.errors import InputError
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.results import StepResult
-from tailguard.core.steps import get_step, register_step
+from tailguard.components.quantize.registry import get_step, register_step
 
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
@@ -449,7 +449,7 @@ def _coverage(source: Path, quantized: Path, calibration: Dataset | None,
               details: dict[str, Any]) -> dict[str, Any]:
     """Quantization coverage of the quantizer's output vs its input (`macs.quantization_coverage`), with symbolic
     axes at the calibration rows' median length when there are rows; top-level facts copied into `details`."""
-    from tailguard.core.macs import quantization_coverage
+    from tailguard.components.quantize.macs import quantization_coverage
 
     sequence = None
     if calibration is not None and calibration.n_rows:

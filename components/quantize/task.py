@@ -175,7 +175,7 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
         from tailguard.core.data import load_calibration
         from tailguard.core.hardware import node_facts
         from tailguard.core.reference import load_torch_reference
-        from tailguard.core.steps import get_step
+        from tailguard.components.quantize.registry import get_step
 
         result = get_step("compile.torch")(variant, lambda: load_torch_reference(resolved, spec.model), out,
                                            calibration=load_calibration(spec), model=spec.model,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from tailguard.core.results import StepResult
-from tailguard.core.steps import register_step
+from tailguard.components.quantize.registry import register_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from tailguard.core.data import Dataset

@@ -179,8 +179,8 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Any, spe
 
 
 def coverage_metrics(table: Any) -> dict[str, float]:
-    """Calibration coverage figures from `tailguard.core.coverage.calibration_coverage`'s table (one row per
-    declared slice group; columns validation_rows, missing, coverage_ratio).
+    """Calibration coverage figures from `coverage.calibration_coverage`'s table (one row per declared slice group;
+    columns validation_rows, missing, coverage_ratio).
 
     Returns:
         {"calibration.groups_missing": validation groups without a calibration row (count, as float),

@@ -50,7 +50,7 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, onnx_dir: st
       - baselines.json: what it returns, without "cached": the timings (`logic.time_baselines`: torch timed beside
         an ORT session that stops spinning after each Run, the torch stability check and its "warnings") and
         "hardware", the node's facts (`tailguard.core.hardware.node_facts`) the timings were measured on;
-      - with declared slices: calibration_coverage.csv (per slice group, `tailguard.core.coverage`) and
+      - with declared slices: calibration_coverage.csv (per slice group, `coverage.calibration_coverage`) and
         calibration_coverage.json ({"calibration.groups_missing": n, "calibration.min_coverage_ratio": r}).
     register-and-promote logs the baselines (`baseline.<torch|onnx_fp32>.bs<N>.latency_ms.<p>`) and the coverage
     to the parent run. Under `tailguard run` the whole step (outputs, timings, coverage) comes from the local
@@ -119,7 +119,7 @@ def _write_coverage(spec: Any, validation: Any, out: Path) -> None:
     if not spec.slices:
         return
     from tailguard.components.reference.logic import coverage_metrics
-    from tailguard.core.coverage import calibration_coverage
+    from tailguard.components.reference.coverage import calibration_coverage
     from tailguard.core.data import load_calibration
 
     table = calibration_coverage(spec.slices, load_calibration(spec), validation)

@@ -444,12 +444,21 @@ def variant_runner(spec: Any, variant: Any, build: dict[str, Any], variant_dir: 
                      intra_op_num_threads=spec.benchmark.intra_op_num_threads)
 
 
+def coverage_line(cov: dict[str, Any]) -> str:
+    """One line for logs and tags from an INT8 build's `quantization_coverage` details (the dict of
+    components/quantize/macs.py `quantization_coverage`): '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'."""
+    frac = cov.get("quantized_mac_fraction")
+    total = cov.get("macs_total") or 0
+    size = next((f"{total / d:.3g} {u}" for d, u in ((1e9, "GMACs"), (1e6, "MMACs"), (1e3, "kMACs"))
+                 if total >= d), f"{total} MACs")
+    share = "no MACs counted" if frac is None else f"{frac * 100:.1f}% of {size} per sample"
+    return f"{cov.get('quantized_mac_nodes', 0)}/{cov.get('quantizable_nodes', 0)} MAC nodes INT8, {share}"
+
+
 def log_coverage(client: Any, run_id: str, build: dict[str, Any]) -> None:
     """An INT8 build's quantization coverage on the variant's run, as tag COVERAGE_TAG (one line, or the reason
     it could not be counted). The metric quantized_mac_fraction comes with the validation's metrics (read from
     the model file: `gates.build_metrics`). Nothing for builds without coverage (fp32, fp16, skipped)."""
-    from tailguard.core.macs import coverage_line
-
     cov = (build.get("details") or {}).get("quantization_coverage")
     if isinstance(cov, dict):
         client.set_tag(run_id, COVERAGE_TAG, (f"not counted: {cov['error']}" if cov.get("error")

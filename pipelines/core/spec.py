@@ -56,7 +56,7 @@ LOWER_IS_BETTER_PREFIXES: tuple[str, ...] = tuple(dict.fromkeys(
 
 # Build metrics: facts of how a variant was built, counted once on its graph (no sampling noise, so no confidence
 # bound), overall scope only, INT8 onnxruntime variants only. quantized_mac_fraction = MACs computed in INT8 / all
-# MACs of the graph, per sample (formulas: pipelines/core/macs.py). The build stores them in the model file's
+# MACs of the graph, per sample (formulas: components/quantize/macs.py). The build stores them in the model file's
 # metadata_props[tailguard.core.contract.QUANTIZATION_COVERAGE_KEY] (JSON) and in build.json; validate logs them as
 # metrics of the variant.
 BUILD_METRICS: tuple[str, ...] = _metrics.metrics_of("build")

@@ -524,19 +524,9 @@ def quantization_coverage(fp32: Any, quantized: Any, *, sequence: int | None = N
         "assumption": (f"batch axes at {BATCH}, other symbolic axes at {seq} "
                        + ("(median calibration row length)" if sequence else
                           "(DEFAULT_SEQUENCE: no calibration rows given)")),
-        "method": "MACs per sample from ONNX shape inference (pipelines/core/macs.py); INT8 = integer "
+        "method": "MACs per sample from ONNX shape inference (components/quantize/macs.py); INT8 = integer "
                   "ops or QDQ nodes whose every MAC operand is dequantized from 8 bits",
     }
-
-
-def coverage_line(cov: dict[str, Any]) -> str:
-    """One line for logs and tags: '3/3 MAC nodes INT8, 100.0% of 3.39 kMACs per sample'."""
-    frac = cov.get("quantized_mac_fraction")
-    total = cov.get("macs_total") or 0
-    size = next((f"{total / d:.3g} {u}" for d, u in ((1e9, "GMACs"), (1e6, "MMACs"), (1e3, "kMACs"))
-                 if total >= d), f"{total} MACs")
-    share = "no MACs counted" if frac is None else f"{frac * 100:.1f}% of {size} per sample"
-    return f"{cov.get('quantized_mac_nodes', 0)}/{cov.get('quantizable_nodes', 0)} MAC nodes INT8, {share}"
 
 
 def to_dict(count: MacCount) -> dict[str, Any]:
