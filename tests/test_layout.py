@@ -7,7 +7,8 @@ at module level and inside functions, `import x` and `from x import y`, relative
 (`importlib.import_module(...)`, the step registry's module names) are not import statements and do not count.
 
 Rules:
-- core imports no other unit;
+- core imports no other unit, and each of its modules is imported by two or more units (a module only the kernel
+  imports counts the units of its kernel importers): single-user code lives beside its user;
 - a component imports core, `components.images` and nothing of another component, except search (the orchestrator),
   which may import the public names (no leading underscore) of quantize and validate; no cycle among components;
 - monitoring imports core only;
@@ -222,6 +223,53 @@ def test_layout_has_no_cycle_between_application_modules_when_scanning_every_mod
         lines += ["  " + fmt(e) for e in edges if e.source in comp and e.target in comp and e.source != e.target]
     print("\n".join(lines))
     assert not found, "import cycles among application modules:\n" + "\n".join(lines)
+
+
+def kernel_users(edges: list[Import]) -> dict[str, set[str]]:
+    """{kernel module: the units (not core) that import it}. A kernel module imported by another kernel module
+    counts that module's units too (transitively): `core.presets`, read only by `core.spec`, serves every unit
+    that reads the spec. The package root `tailguard.core` is left out."""
+    direct: dict[str, set[str]] = {}
+    for e in edges:
+        if unit(e.target) == "core" and e.target != e.source:
+            direct.setdefault(e.target, set()).add(e.source)
+    kernel = sorted(m for m in modules() if unit(m) == "core" and m != "tailguard.core")
+    memo: dict[str, set[str]] = {}
+
+    def units_of(m: str, seen: frozenset[str]) -> set[str]:
+        if m in memo:
+            return memo[m]
+        out: set[str] = set()
+        for src in direct.get(m, ()):
+            if unit(src) != "core":
+                out.add(unit(src))
+            elif src not in seen:
+                out |= units_of(src, seen | {src})
+        if not seen - {m}:
+            memo[m] = out
+        return out
+
+    return {m: units_of(m, frozenset({m})) for m in kernel}
+
+
+def test_layout_kernel_modules_have_two_importing_units_when_scanning_every_module():
+    users = kernel_users(graph())
+    assert len(users) > 10, "found too few kernel modules: is the package-dir mapping read right?"
+    bad = [f"{m}: imported by {sorted(u) or 'no unit'}" for m, u in sorted(users.items()) if len(u) < 2]
+    assert not bad, ("kernel modules that fewer than two units import: move each beside its one user "
+                     "(docs/architecture.md, Layers):\n" + "\n".join(bad))
+
+
+def test_layout_kernel_users_counts_units_through_kernel_importers_when_given_synthetic_edges():
+    mk = lambda s, d: Import(s, ROOT / "x.py", 1, d, "x")  # noqa: E731
+    edges = [mk("tailguard.components.quantize.logic", "tailguard.core.artifacts"),
+             mk("tailguard.components.quantize.task", "tailguard.core.artifacts"),
+             mk("tailguard.core.spec", "tailguard.core.presets"),
+             mk("tailguard.cli", "tailguard.core.spec"), mk("tailguard.monitoring.config", "tailguard.core.spec")]
+    users = kernel_users(edges)
+    assert users["tailguard.core.artifacts"] == {"components.quantize"}
+    assert users["tailguard.core.presets"] == {"application", "monitoring"}
+    assert users["tailguard.core.stats"] == set()
 
 
 def test_layout_packages_list_equals_the_package_folders():
