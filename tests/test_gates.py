@@ -315,7 +315,7 @@ def _tiny_onnx(path):
 
 def test_verdict_is_not_promoted_naming_the_gate_when_a_gate_had_insufficient_data():
     from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import verdict
+    from tailguard.components.validate.gates import verdict
 
     spec = _spec([{"metric": "top1_agreement", "min": 0.9},
                   {"metric": "top1_agreement", "min": 0.9, "scope": "per_slice", "min_support": 1000}])

@@ -162,8 +162,9 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
     Returns:
         (evaluate, work dirs by trial name) -- the dict fills as trials are evaluated.
     """
+    from tailguard.components.validate.gates import verdict
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.components.validate.task import load_measurements, reference_runners, verdict
+    from tailguard.components.validate.task import load_measurements, reference_runners
     from tailguard.core.runtime import OrtRunner
 
     dirs: dict[str, Path] = {}

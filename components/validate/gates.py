@@ -84,6 +84,7 @@ from tailguard.core.parity import aggregate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .discovery import DiscoveryResult
+    from .logic import ValidationResult
     from tailguard.core.slices import SliceGroup
 
 GateStatus = Literal["passed", "failed", "insufficient_data", "not_applicable", "undecided"]
@@ -604,4 +605,32 @@ def all_passed(results: list[GateResult]) -> bool:
         judge is not a passed gate. not_applicable gates are ignored.
     """
     return not any(r.status in ("failed", "insufficient_data", "undecided") for r in results)
+
+
+def verdict(result: ValidationResult) -> tuple[bool, str]:
+    """Whether a validated variant passed, and why not: the one decision of `passed` (the validate task logs it
+    and stores it in variant_result.json; the search task judges its trials with it; nothing recomputes it).
+
+    Non-finite outputs fail whatever the gates say; a failed gate or one with insufficient data holds the variant
+    back (an insufficient-data gate was not judged, so it never counts as passed: `all_passed`).
+
+    Args:
+        result: the variant's ValidationResult (components/validate/logic.py).
+
+    Returns:
+        (passed, reason): reason is "" when passed, else "non-finite outputs in N validation rows", or
+        "failed gates: A, B" and/or "not promoted: gate X had insufficient data" (`contract.insufficient_reason`)
+        joined by "; ", or "failed gates" when the result says it did not pass without naming a gate.
+    """
+    from tailguard.core.contract import insufficient_reason
+
+    if result.non_finite_rows:
+        return False, f"non-finite outputs in {result.non_finite_rows} validation rows"
+    failed = [g.gate for g in result.gates if g.status == "failed"]
+    insufficient = [g.gate for g in result.gates if g.status == "insufficient_data"]
+    if not result.passed or failed or insufficient:
+        parts = (["failed gates: " + ", ".join(failed)] if failed else []) + \
+            ([insufficient_reason(insufficient)] if insufficient else [])
+        return False, "; ".join(parts) or "failed gates"
+    return True, ""
 

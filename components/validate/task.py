@@ -471,24 +471,6 @@ def load_reference_outputs(spec: Any, reference_file: Path) -> list[np.ndarray]:
         return [npz[o.name] for o in spec.model.outputs]
 
 
-def verdict(result: Any) -> tuple[bool, str]:
-    """(passed, reason) of a ValidationResult: non-finite outputs fail whatever the gates say; a failed gate or
-    one with insufficient data holds the variant back (reason 'failed gates: ...' and/or 'not promoted: gate X
-    had insufficient data')."""
-    from tailguard.core.contract import insufficient_reason
-
-    if result.non_finite_rows:
-        return False, f"non-finite outputs in {result.non_finite_rows} validation rows"
-    failed = [g.gate for g in result.gates if g.status == "failed"]
-    insufficient = [g.gate for g in result.gates if g.status == "insufficient_data"]
-    if not result.passed or failed or insufficient:
-        # an insufficient-data gate was not judged: it never counts as passed (gates.all_passed)
-        parts = (["failed gates: " + ", ".join(failed)] if failed else []) + \
-            ([insufficient_reason(insufficient)] if insufficient else [])
-        return False, "; ".join(parts) or "failed gates"
-    return True, ""
-
-
 def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None) -> tuple[bool, str]:
     """Log a ValidationResult's verdict to run `run_id`: metrics, gate tags, worst slice, reason.
 
@@ -499,7 +481,7 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
         metrics: a KFP Output[Metrics] that also gets the metrics other than slice.* (None: MLflow only).
 
     Returns:
-        (passed, reason) as `verdict` gives them; tags tailguard.gates and tailguard.reason say the same.
+        (passed, reason) as `gates.verdict` gives them; tags tailguard.gates and tailguard.reason say the same.
     """
     import mlflow
 
@@ -510,6 +492,8 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
         for k, v in flat.items():
             if v is not None and not k.startswith("slice.") and np.isfinite(v):
                 metrics.log_metric(k, float(v))
+    from tailguard.components.validate.gates import verdict
+
     passed, reason = verdict(result)
     client.set_tag(run_id, GATES_TAG, "passed" if passed else "failed")
     for g in result.gates:
@@ -625,7 +609,7 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
 def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason: str, run_id: str,
                    model_uri: str | None, sha256: str | None) -> VariantResult:
     """The VariantResult of a validated candidate: `identity`'s name, backend, precision and search fields, the
-    verdict (`passed`, `reason`, as `verdict` decided them), and from the ValidationResult `result` the scalar
+    verdict (`passed`, `reason`, as `gates.verdict` decided them), and from the ValidationResult `result` the scalar
     perf at each benchmark batch size (raw timings left out), the overall metrics, each gate's
     {gate, status, metric, observed, threshold}, the worst slice, the top discovered slices
     (`discovered_summary`), quantized_mac_fraction and the numerics check (`hardware_dependent`, `numerics`

@@ -8,7 +8,7 @@ Two results cross a unit boundary:
                     skipped build) as the artifact variant_result.json of the variant's MLflow run, the search
                     task writes it for the chosen trial's '<V>-searched' run; the register step reads it (and
                     only it) to build each summary row and to decide promotion. `passed` is decided once, by the
-                    validate step's `verdict`, and stored here; readers never recompute it.
+                    validate step's `gates.verdict`, and stored here; readers never recompute it.
 
 MLflow tags and metrics stay as they are (the MLflow UI, the docs and dashboards read them); the files are the
 channel between steps. Each file carries `schema_version`; a reader refuses a version it does not know
@@ -151,7 +151,7 @@ class VariantResult:
         variant: the candidate's name (the run's tailguard.variant).
         backend, precision: the spec variant's (for '<V>-searched': V's).
         status: ok (built and validated) | failed | skipped (the build's status when it was not ok).
-        passed: the candidate passed every gate, as the validate step's `verdict` decided it (False for every
+        passed: the candidate passed every gate, as the validate step's `gates.verdict` decided it (False for every
             status other than ok; an insufficient-data gate is not passed). Readers never recompute it.
         reason: why not passed ("failed gates: ...", "not promoted: gate X had insufficient data", the build's
             reason), "" when passed.
