@@ -12,7 +12,9 @@ Rules:
 - a component imports core, `components.images` and nothing of another component, except search (the orchestrator),
   which may import the public names (no leading underscore) of quantize and validate; no cycle among components;
 - monitoring imports core only;
-- the application may import everything, with no import cycle between its modules.
+- the application may import everything, with no import cycle between its modules;
+- no module imports the private (underscore) names or modules of another unit (core or a component): what
+  crosses a unit boundary is public.
 Also: pyproject.toml's packages list equals the package folders; no module only re-exports another (an old-path
 shim such as `sys.modules[__name__] = tailguard.core.spec`), and every `from tailguard.x import name` (package, tests,
 examples, scripts) names the module that defines `name`, not one that merely imports it.
@@ -113,10 +115,22 @@ def graph() -> list[Import]:
     return [i for m, p in sorted(mods.items()) for i in imports_of(m, p, known)]
 
 
+def private_name(imp: Import) -> str | None:
+    """The underscore name an import takes (`from m import _x`, or a module `_m`), None for public names and
+    dunders."""
+    last = imp.name if imp.name is not None else imp.target.rsplit(".", 1)[-1]
+    return last if last.startswith("_") and not last.startswith("__") else None
+
+
 def violation(imp: Import) -> str | None:
     """Why an import breaks the layer rules, or None when it is allowed."""
     src, dst = unit(imp.source), unit(imp.target)
-    if src is None or dst is None or src == dst or src == "application":
+    if src is None or dst is None or src == dst:
+        return None
+    if dst != "application" and (private := private_name(imp)) is not None:
+        what = "the private name" if imp.name is not None else "the private module"
+        return f"{src} imports {what} {private} of {dst}"
+    if src == "application":
         return None
     if dst == "core":
         return None
@@ -127,10 +141,6 @@ def violation(imp: Import) -> str | None:
     if src.startswith("components.") and dst == "components.images":
         return None
     if src == f"components.{ORCHESTRATOR}" and dst.split(".")[1] in ORCHESTRATED:
-        if imp.name is not None and imp.name.startswith("_"):
-            return f"{src} imports the private name {imp.name} of {dst}"
-        if imp.name is None and imp.target.rsplit(".", 1)[-1].startswith("_"):
-            return f"{src} imports the private module {imp.target}"
         return None
     return f"{src} imports {dst}"
 
@@ -291,6 +301,14 @@ def test_layout_packages_list_equals_the_package_folders():
     ("tailguard.components.search.logic", "tailguard.components.validate.logic", "evaluate", None),
     ("tailguard.components.export.task", "tailguard.components.images", "CPU_IMAGE", None),
     ("tailguard.cli", "tailguard.components.search.logic", "x", None),
+    ("tailguard.cli", "tailguard.components.quantize.logic", "_excluded_nodes",
+     "application imports the private name _excluded_nodes of components.quantize"),
+    ("tailguard.components.validate.discovery", "tailguard.core.parity", "_source",
+     "components.validate imports the private name _source of core"),
+    ("tailguard.monitoring.compare", "tailguard.components._private", None,
+     "monitoring imports the private module _private of components._private"),
+    ("tailguard.components.quantize.sensitivity", "tailguard.components.quantize.logic", "_excluded_nodes", None),
+    ("tailguard.core.spec", "tailguard.core.presets", "_x", None),
     ("tailguard.builder", "tailguard.core.spec", "x", None),
 ])
 def test_layout_violation_flags_upward_imports_when_given_synthetic_edges(src, dst, name, expected):

@@ -25,7 +25,7 @@ Candidates (rules of `discover_slices`):
   columns x 50 values (45 column pairs) yield at most ~15k eligible pairs, capped to 5000.
 
 Per-row values: the metric (`analysis.discovery.metric`, default per task: classification `top1_agreement`,
-embedding `nn_top1_agreement`, regression/generic `abs_error.mean`) names a per-row key (`parity._source`).
+embedding `nn_top1_agreement`, regression/generic `abs_error.mean`) names a per-row key (`parity.row_source`).
 A one-row test compares per-row values, so a quantile or extreme metric (`cosine_similarity.p01`,
 `abs_error.max`, `kl_divergence.p99`) is replaced by the mean of the same per-row key (`cosine_similarity.mean`
 ...); `DiscoveryResult.tested_metric` and `method` say so. Direction: `tailguard.core.metrics.higher_is_better`.
@@ -81,7 +81,7 @@ from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
 
-from tailguard.core.parity import _source
+from tailguard.core.parity import row_source
 from tailguard.core.slices import NULL, slice_groups, value_label
 from tailguard.core.stats import benjamini_hochberg, fisher_exact_greater, mann_whitney_u_greater, rank_with_ties
 
@@ -213,7 +213,7 @@ def _select_columns(frame: pd.DataFrame, spec: DiscoverySpec, exclude: Sequence[
 
 def _per_row(per_sample: dict[str, np.ndarray], task: str, metric: str, rows: int) -> tuple[np.ndarray, str, str]:
     """(per-row values (rows,), tested metric name, note for `method`)."""
-    key, how = _source(metric)
+    key, how = row_source(metric)
     if key not in per_sample:
         raise InputError(f"analysis.discovery.metric: per-row values {key!r} for {metric!r} are missing "
                          f"(per-row keys: {sorted(per_sample)})",
@@ -355,11 +355,11 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
         weight = s + (1.0 if hib else 0.0)  # 1 for a bad row (0 agreement / 1 error indicator), else 0
         total_bad = int(round(weight.sum()))
         test_words = (f"one-sided Fisher's exact test (hypergeometric upper tail, Fisher 1935) of the share of "
-                      f"rows {'without' if hib else 'with'} {_source(tested_metric)[0]} in the slice vs the rest")
+                      f"rows {'without' if hib else 'with'} {row_source(tested_metric)[0]} in the slice vs the rest")
     else:
         weight, tie_term = rank_with_ties(s)  # average ranks; +inf (non-finite) rows tie as the worst
         test_words = (f"one-sided Mann-Whitney U test (normal approximation, tie and continuity corrected) of "
-                      f"per-row {_source(tested_metric)[0]} in the slice vs the rest, non-finite rows ranked "
+                      f"per-row {row_source(tested_metric)[0]} in the slice vs the rest, non-finite rows ranked "
                       f"worst")
 
     # candidate statistics, column by column (single) and column pair by column pair (pairs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from tailguard.core.errors import InputError
-from tailguard.core.parity import _source
+from tailguard.core.parity import row_source
 from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, BootstrapSpec
 from tailguard.core.stats import Side, bootstrap_bound, wilson_bound
 
@@ -47,7 +47,7 @@ def metric_bound(task: str, metric: str, per_sample: dict[str, np.ndarray], mask
     """
     if task not in TASK_METRICS or metric not in TASK_METRICS[task]:
         raise InputError(f"metric_bound: {metric!r} is not a parity metric of task {task!r}")
-    key, how = _source(metric)
+    key, how = row_source(metric)
     if key not in per_sample:
         raise InputError(f"metric_bound: per-row values {key!r} missing for metric {metric!r}",
                          hint="pass the output of per_sample_metrics for the same task")

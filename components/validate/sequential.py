@@ -238,7 +238,7 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
     Returns:
         One GatePlan per gate, in spec order.
     """
-    from tailguard.core.parity import _source
+    from tailguard.core.parity import row_source
 
     rows = len(frame)
     alpha = spec.analysis.sequential.alpha
@@ -251,7 +251,7 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
         if gate.metric in PERF_METRICS or gate.metric in BUILD_METRICS:
             continue
         op, thr = _op(gate), _threshold(gate)
-        key, how = _source(gate.metric)
+        key, how = row_source(gate.metric)
         plan.key = key
         proportion = gate.metric in PROPORTION_METRICS
         if thr is None:

@@ -367,7 +367,16 @@ _AGG: dict[str, tuple[str, str]] = {
 }
 
 
-def _source(metric: str) -> tuple[str, str]:
+def row_source(metric: str) -> tuple[str, str]:
+    """The per-row key of `per_sample_metrics` an aggregate metric is computed from, and how.
+
+    Args:
+        metric: an aggregate name as `aggregate` returns it ("top1_agreement", "cosine_similarity.p01", ...).
+
+    Returns:
+        (per-row key, statistic): ("top1_agree", "mean") for the agreement and accuracy metrics, else the name
+        split at its last dot ("cosine_similarity", "p01"; "abs_error", "max").
+    """
     if metric in _AGG:
         return _AGG[metric]
     key, _, how = metric.rpartition(".")
@@ -403,7 +412,7 @@ def aggregate(task: str, per_sample: dict[str, np.ndarray], mask: np.ndarray | N
         m = np.asarray(mask, dtype=bool).reshape(-1)
     out: dict[str, float] = {}
     for name in names:
-        key, how = _source(name)
+        key, how = row_source(name)
         if key not in per_sample:
             raise InputError(f"aggregate: per-row values {key!r} missing for task {task!r} metric {name!r}",
                              hint="pass the output of per_sample_metrics for the same task")
