@@ -18,6 +18,7 @@ from rich.table import Table
 from tailguard.core.contract import GATES_TAG, VARIANT_TAG
 from tailguard.core.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, SpecError,
                               TailguardError)
+from tailguard.core.results import PromotionStatus
 
 app = typer.Typer(help="tailguard: quantize/compile models, prove every variant against its FP32 reference per "
                        "slice and on the tail, promote the fastest passing one in MLflow.",
@@ -173,19 +174,19 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
     console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")
     console.print(f"report: report.html of the parent run, or `tailguard report {summary.parent_run_id} -o FILE`")
     for e in summary.target_aliases:  # serving targets: one alias per target, moved before the default one
-        if e["outcome"] == "promoted":
+        if e["outcome"] == PromotionStatus.PROMOTED:
             console.print(f"[green]promoted[/green] {summary.optimized_model} v{e['version']} ({e['variant']}) as "
                           f"@{e['alias']} (fastest passing on target {e['target']})")
         else:
             where = f"v{e['alias_version']}" if e.get("alias_version") else "nowhere"
-            why = "superseded by a concurrent run" if e["outcome"] == "superseded" else \
+            why = "superseded by a concurrent run" if e["outcome"] == PromotionStatus.SUPERSEDED else \
                 f"no variant passed on target {e['target']}"
             console.print(f"@{e['alias']} stays at {where}: {why}")
     if summary.promoted_version:
         console.print(f"[green]promoted[/green] {summary.optimized_model} v{summary.promoted_version} "
                       f"({summary.promoted_variant}) as @{summary.alias}")
         raise typer.Exit(EXIT_OK)
-    if summary.promotion == "superseded":
+    if summary.promotion == PromotionStatus.SUPERSEDED:
         console.print(f"[yellow]superseded[/yellow]: @{summary.alias} moved to v{summary.alias_version} while this "
                       "run ran and that version wins the comparison; this run's variants are registered, the alias "
                       "stays")

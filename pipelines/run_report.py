@@ -11,7 +11,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from tailguard.core.contract import (BACKEND_TAG, FAILURE_MESSAGE_TAG, GATES_TAG, PARENT_TAG, PRECISION_TAG,
                                      REASON_TAG, SOURCE_MODEL_TAG, SOURCE_VERSION_TAG, STATUS_TAG, TRIAL_TAG,
@@ -91,11 +91,11 @@ def _worst_slice(text: str | None) -> dict[str, Any] | None:
 def partial_summary(client: Any, parent: Any) -> dict[str, Any]:
     """A summary-shaped dict for a run without summary.json (it failed before the register step): one row per
     logged variant run, from its tags and metrics (latency at the first batch size it logged). Tag values are
-    checked before use: a status outside results.Status becomes "failed" (the reason names it), a gate status
+    checked before use: a status outside results.BuildStatus becomes "failed" (the reason names it), a gate status
     outside report.CellStatus becomes "unknown", a worst-slice tag that is not a JSON object is ignored."""
     from tailguard.components.register.report import gate_statuses
     from tailguard.core.report import cell_status
-    from tailguard.core.results import Status
+    from tailguard.core.results import BuildStatus, GatesVerdict, PromotionStatus
 
     rows = []
     children = client.search_runs([parent.info.experiment_id], max_results=1000,
@@ -105,13 +105,13 @@ def partial_summary(client: Any, parent: Any) -> dict[str, Any]:
         tags, m = c.data.tags, c.data.metrics
         if VARIANT_TAG not in tags or tags.get(TRIAL_TAG):
             continue
-        status, reason = tags.get(STATUS_TAG, "failed"), tags.get(REASON_TAG, "")
-        if status not in get_args(Status):  # checked before use: a tag is text anyone with write access can set
-            status, reason = "failed", f"unknown status tag {status[:80]!r}; {reason}".rstrip("; ")
+        status, reason = tags.get(STATUS_TAG, BuildStatus.FAILED.value), tags.get(REASON_TAG, "")
+        if status not in tuple(BuildStatus):  # checked before use: a tag is text anyone with write access can set
+            status, reason = BuildStatus.FAILED.value, f"unknown status tag {status[:80]!r}; {reason}".rstrip("; ")
         gates = {k: cell_status(v).value for k, v in gate_statuses(tags).items()}
         rows.append({"variant": tags[VARIANT_TAG], "backend": tags.get(BACKEND_TAG),
                      "precision": tags.get(PRECISION_TAG), "status": status,
-                     "reason": reason, "passed": tags.get(GATES_TAG) == "passed",
+                     "reason": reason, "passed": tags.get(GATES_TAG) == GatesVerdict.PASSED,
                      "run_id": c.info.run_id, "version": None, "p50_ms": m.get("latency_ms.p50"),
                      "p99_ms": m.get("latency_ms.p99"), "speedup_vs_torch": m.get("speedup_vs_torch"),
                      "speedup_vs_onnx_fp32": m.get("speedup_vs_onnx_fp32"),
@@ -122,7 +122,7 @@ def partial_summary(client: Any, parent: Any) -> dict[str, Any]:
     return {"parent_run_id": parent.info.run_id, "experiment_id": parent.info.experiment_id,
             "source_model": tags.get(SOURCE_MODEL_TAG), "source_version": tags.get(SOURCE_VERSION_TAG),
             "optimized_model": "", "alias": "", "promotion_enabled": False, "batch_size": None,
-            "variants": rows, "searches": [], "promotion": "not_promoted"}
+            "variants": rows, "searches": [], "promotion": PromotionStatus.NOT_PROMOTED.value}
 
 
 def build_run_report(run_ref: str, *, tracking_uri: str | None = None,

@@ -31,6 +31,7 @@ from tailguard.components.register.logic import RunSummary
 from tailguard.core.reference import MODEL_PATH_ENV
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.core.home import ENV_HOME, home, quiet_environment
+from tailguard.core.results import BuildStatus, GateStatus
 from tailguard.core.spec import Spec, dump_spec, load_spec
 from tailguard.core.taskio import find_error_records
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
@@ -470,12 +471,12 @@ class GatesStatus(str, Enum):
 def gates_status(v: Any) -> GatesStatus:
     """The gate verdict of a VariantSummary (see `GatesStatus`); `passed` is the validate step's, never
     recomputed."""
-    if v.status != "ok":
+    if v.status != BuildStatus.OK:
         return GatesStatus.NOT_RUN
     statuses = set((v.gates or {}).values())
-    if "failed" in statuses:
+    if GateStatus.FAILED in statuses:
         return GatesStatus.FAILED
-    if "insufficient_data" in statuses:
+    if GateStatus.INSUFFICIENT_DATA in statuses:
         return GatesStatus.INSUFFICIENT_DATA
     return GatesStatus.PASSED if v.passed else GatesStatus.FAILED
 
@@ -521,7 +522,7 @@ def worst_slice_cell(v: Any) -> str:
         return ""
     metric = CATALOGUE.get(ws.get("metric", ""))
     observed = ws.get("observed")
-    failed_slice_gate = any(s == "failed" and "@per_slice" in k for k, s in (v.gates or {}).items())
+    failed_slice_gate = any(s == GateStatus.FAILED and "@per_slice" in k for k, s in (v.gates or {}).items())
     perfect = (metric is not None and metric.self_score is not None and observed is not None
                and (observed >= metric.self_score if metric.direction == "higher" else observed <= metric.self_score))
     if perfect and not failed_slice_gate:
@@ -533,7 +534,8 @@ def target_status(v: Any) -> str:
     """A variant's verdict per serving target, "avx512: passed, avx2: failed gates, arm: skipped" ("" without
     targets): passed | failed gates | the status (skipped: the node did not match the target's expect)."""
     def word(e: dict[str, Any]) -> str:
-        return "passed" if e.get("passed") else ("failed gates" if e.get("status") == "ok" else str(e.get("status")))
+        return ("passed" if e.get("passed") else
+                "failed gates" if e.get("status") == BuildStatus.OK else str(e.get("status")))
 
     return ", ".join(f"{t}: {word(e)}" for t, e in (getattr(v, "targets", None) or {}).items())
 
@@ -548,12 +550,12 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
     ids = gate_ids(summary)
     rows = []
     for v in summary.variants:
-        failed = [ids[k] for k, s in v.gates.items() if s == "failed"]
-        insufficient = [ids[k] for k, s in v.gates.items() if s == "insufficient_data"]
+        failed = [ids[k] for k, s in v.gates.items() if s == GateStatus.FAILED]
+        insufficient = [ids[k] for k, s in v.gates.items() if s == GateStatus.INSUFFICIENT_DATA]
         overall = v.overall or {}
         agreement = next((overall[m] for m in AGREEMENT_METRICS if overall.get(m) is not None), None)
         rows.append({
-            "variant": v.variant, "status": v.status if v.status != "ok" else (
+            "variant": v.variant, "status": v.status if v.status != BuildStatus.OK else (
                 "passed" if v.passed else target_status(v) or "failed gates"),
             "x torch": v.speedup_vs_torch, "x onnx fp32": v.speedup_vs_onnx_fp32, "p50 ms": v.p50_ms,
             "p99 ms": v.p99_ms, "agreement": agreement, "accuracy": overall.get("accuracy"),
@@ -563,7 +565,7 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
             "gates": (f"{len(v.gates) - len(failed)}/{len(v.gates)} passed" if v.gates else "-")
                      + (f"; failed: {', '.join(failed)}" if failed else "")
                      + (f"; {insufficient_reason(insufficient)}" if insufficient else "")
-                     + (f"; {v.reason}" if v.status != "ok" and v.reason else ""),
+                     + (f"; {v.reason}" if v.status != BuildStatus.OK and v.reason else ""),
             # registered: every version this run registered; promoted: only the one the alias moved to
             # ("reused v1 (same sha256)": an existing version holds this artefact; register.registration_policy)
             "registered": (v.registration_note if v.registration == "reused" else f"v{v.version}") if v.version

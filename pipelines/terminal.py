@@ -10,6 +10,8 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
+from tailguard.core.results import BuildStatus
+
 # Wide enough for the summary table when output goes to a file or a CI log (no terminal to measure).
 console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -24,7 +26,7 @@ def int8_macs_cell(v: Any) -> str:
         return ""
     frac = getattr(v, "quantized_mac_fraction", None)
     if frac is None:
-        return "?" if getattr(v, "status", "") == "ok" else ""
+        return "?" if getattr(v, "status", "") == BuildStatus.OK else ""
     text = f"{frac:.0%}" if frac >= 0.995 or frac < 0.005 else f"{frac:.1%}"
     return f"[bold red]{text} ![/bold red]" if frac < LOW_QUANTIZED_MAC_FRACTION else text
 

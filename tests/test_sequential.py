@@ -17,6 +17,7 @@ from scipy import stats as st
 from tailguard.components.validate import sequential as S
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.data import Dataset
+from tailguard.core.results import GateStatus
 from tailguard.core.spec import parse_spec
 from tailguard.core.stats import percentile, wilson_bound
 
@@ -90,7 +91,7 @@ def test_sequential_validation_fails_early_and_leaves_the_other_gates_undecided_
     status = dict(_statuses(res))
     assert not res.passed and res.rows_used < 1000
     assert status["top1_agreement>=0.85@lb95@per_slice"] == "failed"
-    assert status["top1_agreement>=0.85@lb95@discovered"] == S.UNDECIDED  # discovered gates never fail early
+    assert status["top1_agreement>=0.85@lb95@discovered"] == GateStatus.UNDECIDED  # discovered gates never fail early
     failed = next(g for g in res.gates if g.status == "failed")
     assert failed.observed < 0.85 and failed.detail["failing"][0]["value"] == "g03"
     assert failed.detail["sequential"]["rows_used"] == res.rows_used

@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+from tailguard.core.results import BuildStatus
 from tailguard.core.taskio import task_entry, write_json
 
 from tailguard.core.contract import ONNX_FILE  # export's output file
@@ -127,7 +128,7 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
 
     parts = cache_parts(spec, variant, onnx_dir, profile)
     d = cached_step("build", parts, out, build, label=f"build {variant_name}",
-                    cacheable=lambda r: r.get("status") == "ok")
+                    cacheable=lambda r: r.get("status") == BuildStatus.OK)
     write_json(out / "build.json", d)
     return json.dumps(d, default=str)
 
@@ -189,7 +190,7 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
         return d
 
     d = cached_step("build", torch_cache_parts(spec, variant, resolved), out, build, label=f"build {variant_name}",
-                    cacheable=lambda r: r.get("status") == "ok")
+                    cacheable=lambda r: r.get("status") == BuildStatus.OK)
     write_json(out / "build.json", d)
     return json.dumps(d, default=str)
 
@@ -210,7 +211,7 @@ def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path, profile: dict | N
                            profile=profile)
     if result.artifact:
         result.artifact = str(Path(result.artifact).resolve().relative_to(out.resolve()))
-    if result.status == "ok" and _wants_sensitivity(spec, variant):
+    if result.status == BuildStatus.OK and _wants_sensitivity(spec, variant):
         _sensitivity(spec, variant, onnx_dir / ONNX_FILE, out, calibration)
     from tailguard.core.hardware import node_facts
 

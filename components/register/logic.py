@@ -40,7 +40,8 @@ from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTI
                                      TARGET_ALIASES_TAG, TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG,
                                      TRIAL_RUN_TAG, VALIDATED_ON_TAG, VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
 from tailguard.core.reference import alias_version
-from tailguard.core.results import ResultFormatError, VariantResult
+from tailguard.core.results import (BuildStatus, GatesVerdict, GateStatus, PromotionStatus, ResultFormatError,
+                                    VariantResult)
 
 
 @dataclass
@@ -158,7 +159,7 @@ class RunSummary:
     promoted_version: str | None = None
     variants: list[VariantSummary] = field(default_factory=list)
     searches: list[dict[str, Any]] = field(default_factory=list)
-    promotion: str = "not_promoted"
+    promotion: PromotionStatus = PromotionStatus.NOT_PROMOTED
     alias_version: str | None = None
     tasks: dict[str, Any] | None = None
     hardware: dict[str, Any] | None = None
@@ -391,7 +392,8 @@ def target_entry(r: VariantResult | str, tags: dict[str, str], run_id: str | Non
         batch_size: the promotion batch size (p50_ms / p99_ms are taken there, ms).
     """
     if isinstance(r, str):
-        return {"status": "failed", "passed": False, "reason": r, "run_id": run_id, "p50_ms": None, "p99_ms": None,
+        return {"status": BuildStatus.FAILED, "passed": False, "reason": r, "run_id": run_id, "p50_ms": None,
+                "p99_ms": None,
                 "placement": tags.get(TARGET_PLACEMENT_TAG), "check": tags.get(TARGET_CHECK_TAG),
                 "hardware": node_of(tags) if tags else None}
     return {"status": r.status, "passed": r.passed, "reason": r.reason, "run_id": run_id,
@@ -402,7 +404,8 @@ def target_entry(r: VariantResult | str, tags: dict[str, str], run_id: str | Non
 
 # A gate's status over several targets is its worst one (failed, then insufficient data, then passed); a gate that
 # does not apply to the variant does not apply on any target.
-GATE_STATUS_RANK = {"not_applicable": 0, "passed": 1, "insufficient_data": 2, "failed": 3}
+GATE_STATUS_RANK = {GateStatus.NOT_APPLICABLE: 0, GateStatus.PASSED: 1, GateStatus.INSUFFICIENT_DATA: 2,
+                    GateStatus.FAILED: 3}
 
 
 def merge_gate_statuses(per_target: list[dict[str, str]]) -> dict[str, str]:
@@ -503,7 +506,7 @@ def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, 
     Returns:
         PromotionDecision.
     """
-    passing = [v for v in candidates if v.passed and v.status == "ok" and v.p50_ms is not None]
+    passing = [v for v in candidates if v.passed and v.status == BuildStatus.OK and v.p50_ms is not None]
     if not passing:
         return PromotionDecision(None, PromotionRule.NONE_PASSED.value, "no variant passed every gate")
     if len(passing) == 1:
@@ -736,7 +739,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             hardware_dependent=r.hardware_dependent, numerics=r.numerics, rows=r.rows, rows_used=r.rows_used)
         row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction) + list(
             r.warnings)  # + the build's (components/quantize: fusion, attention MatMuls, exporter warnings)
-        if row.status == "ok":  # INT8 numerics: 8-bit weights on x86, the numerics check's flag
+        if row.status == BuildStatus.OK:  # INT8 numerics: 8-bit weights on x86, the numerics check's flag
             row.warnings += numerics_warnings(v, r.hardware_dependent, r.numerics)
         return row
 
@@ -746,11 +749,12 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
         run_id = run.info.run_id
         r = result_of(name, run)
         if isinstance(r, str):  # no result to trust: failed, not registered (a died task never passes)
-            summary.variants.append(VariantSummary(name, v.backend, v.precision, "failed", reason=r, run_id=run_id))
+            summary.variants.append(VariantSummary(name, v.backend, v.precision, BuildStatus.FAILED, reason=r,
+                                                   run_id=run_id))
             return
         row = row_of(name, v, r, run_id)
         nodes[name] = validated_on(row, node_tags if node_tags is not None else run.data.tags)
-        if row.status == "ok" and r.model_uri:
+        if row.status == BuildStatus.OK and r.model_uri:
             built.append((row, r, v, run_id))  # registered after the selection (registration policy)
         summary.variants.append(row)
 
@@ -767,18 +771,18 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             entries[t.name] = target_entry(r, run.data.tags, run.info.run_id, bs)
             if isinstance(r, VariantResult):
                 results[t.name] = (r, run.info.run_id)
-        validated = [t for t, (r, _) in results.items() if r.status == "ok"]
+        validated = [t for t, (r, _) in results.items() if r.status == BuildStatus.OK]
         base = validated[0] if validated else next(iter(results), None)
         if base is None:  # no target left a result: failed, not registered
             reason = "; ".join(f"{t}: {e['reason']}" for t, e in entries.items())
-            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, "failed", reason=reason,
+            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, BuildStatus.FAILED, reason=reason,
                                                    targets=entries))
             return
         r, run_id = results[base]
         row = row_of(v.name, v, r, run_id)
         row.targets = entries
         row.passed = all(e["passed"] for e in entries.values())
-        if not row.passed and row.status == "ok":
+        if not row.passed and row.status == BuildStatus.OK:
             row.reason = "not passed on every serving target: " + "; ".join(
                 f"{t}: {e['reason'] or e['status']}" for t, e in entries.items() if not e["passed"])
         row.gates = merge_gate_statuses([results[t][0].gate_statuses() for t in validated])
@@ -791,7 +795,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
         if any(results[t][0].hardware_dependent for t in validated):
             row.hardware_dependent = True
         nodes[v.name] = validated_on(row)
-        if row.status == "ok" and r.model_uri:
+        if row.status == BuildStatus.OK and r.model_uri:
             built.append((row, r, v, run_id))
         summary.variants.append(row)
 
@@ -801,7 +805,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             continue
         run = by_variant.get(v.name)
         if run is None:
-            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, "failed",
+            summary.variants.append(VariantSummary(v.name, v.backend, v.precision, BuildStatus.FAILED,
                                                    reason="no validation run was logged"))
             continue
         add_row(v.name, v, run)
@@ -847,7 +851,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                     SOURCE_MODEL_TAG: spec.model.registered_name,
                     SOURCE_VERSION_TAG: str(source_version),
                     SOURCE_SHA256_TAG: source_sha256 or "",
-                    GATES_TAG: "passed" if row.passed else "failed",
+                    GATES_TAG: (GatesVerdict.PASSED if row.passed else GatesVerdict.FAILED).value,
                     SHA256_TAG: r.sha256 or "",
                     SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id,
                     VALIDATED_ON_TAG: validated_on_text(nodes.get(row.variant, [])), **extra}
@@ -865,14 +869,14 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
         for t in targets:
             alias_t, pick = target_alias(spec.promotion.alias, t), by_target_choice[t]
             entry: dict[str, Any] = {"target": t, "alias": alias_t, "variant": None, "version": None,
-                                     "outcome": "not_promoted", "alias_version": expected_targets[t]}
+                                     "outcome": PromotionStatus.NOT_PROMOTED, "alias_version": expected_targets[t]}
             if pick is not None and pick.version is not None:
                 result = promote(client, model_name=spec.optimized_model_name, alias=alias_t,
                                  version=str(pick.version), parent_run_id=parent_run_id, batch_size=bs,
                                  expected=expected_targets[t], tracking_uri=mlflow.get_tracking_uri(), record=False)
                 entry.update(variant=pick.variant, version=pick.version, outcome=result.outcome,
                              alias_version=result.alias_version)
-                if result.outcome == "promoted":
+                if result.outcome == PromotionStatus.PROMOTED:
                     pick.target_aliases.append(alias_t)
                     _record_nodes(client, spec.optimized_model_name, pick, nodes)
             summary.target_aliases.append(entry)
@@ -882,7 +886,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
                          version=str(chosen.version), parent_run_id=parent_run_id, batch_size=bs,
                          expected=expected, tracking_uri=mlflow.get_tracking_uri())
         summary.promotion, summary.alias_version = result.outcome, result.alias_version
-        if result.outcome == "promoted":
+        if result.outcome == PromotionStatus.PROMOTED:
             chosen.promoted = True
             summary.promoted_variant, summary.promoted_version = chosen.variant, chosen.version
             _record_nodes(client, spec.optimized_model_name, chosen, nodes)
@@ -939,7 +943,7 @@ def _holder_row(client: Any, model_name: str, version: str | None,
 class Promotion:
     """What `promote` did: outcome promoted | superseded, the version holding the alias after it, and why."""
 
-    outcome: str
+    outcome: PromotionStatus
     alias_version: str | None
     reason: str = ""
 
@@ -1011,13 +1015,14 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
             keep, reason = _holder_wins(client, model_name, holder, version=version, batch_size=batch_size)
             if keep:
                 if record:
-                    _tag(client, parent_run_id, "superseded", holder, reason)
-                return Promotion("superseded", holder, reason)
+                    _tag(client, parent_run_id, PromotionStatus.SUPERSEDED, holder, reason)
+                return Promotion(PromotionStatus.SUPERSEDED, holder, reason)
             try:  # the run that promoted `holder` no longer holds the alias: say so on its parent run
                 other = client.get_run(client.get_run(client.get_model_version(model_name, holder)
                                                       .tags[RUN_ID_TAG]).data.tags["mlflow.parentRunId"])
                 if record and other.info.run_id != parent_run_id:
-                    _tag(client, other.info.run_id, "superseded", version, f"v{version} of run {parent_run_id} "
+                    _tag(client, other.info.run_id, PromotionStatus.SUPERSEDED, version,
+                         f"v{version} of run {parent_run_id} "
                          f"took the alias: {reason.replace(f'v{holder} is', 'it was')}")
                     client.set_tag(other.info.run_id, SUPERSEDED_BY_TAG, parent_run_id)
             except (MlflowException, KeyError):
@@ -1027,14 +1032,14 @@ def promote(client: Any, *, model_name: str, alias: str, version: str, parent_ru
         if now != version:  # a remote store has no lock: another run moved the alias between our read and set
             why = f"v{now} took the alias right after this run set it (a concurrent run on a remote store)"
             if record:
-                _tag(client, parent_run_id, "superseded", now, why)
-            return Promotion("superseded", now, why)
+                _tag(client, parent_run_id, PromotionStatus.SUPERSEDED, now, why)
+            return Promotion(PromotionStatus.SUPERSEDED, now, why)
         if record:
-            _tag(client, parent_run_id, "promoted", version, reason)
-        return Promotion("promoted", version, reason)
+            _tag(client, parent_run_id, PromotionStatus.PROMOTED, version, reason)
+        return Promotion(PromotionStatus.PROMOTED, version, reason)
 
 
-def _tag(client: Any, run_id: str, outcome: str, holder: str | None, reason: str) -> None:
+def _tag(client: Any, run_id: str, outcome: PromotionStatus, holder: str | None, reason: str) -> None:
     client.set_tag(run_id, PROMOTION_TAG, outcome)
     client.set_tag(run_id, ALIAS_VERSION_TAG, holder or "none")
     if reason:

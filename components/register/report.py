@@ -16,6 +16,7 @@ import pandas as pd
 
 from tailguard.core.contract import GATE_NAME_PREFIX, NOTE_TAG, REPORT_ERROR_TAG, RUN_REPORT_FILE
 from tailguard.core.metrics import higher_is_better
+from tailguard.core.results import BuildStatus, GateStatus, PromotionStatus
 from tailguard.core.report import (CSS, TORCH_NOTE, html_table, img_tag, key_metric, markdown_text, no_mathtext,
                                    png_base64, value_text, zoom_limits)
 
@@ -37,7 +38,7 @@ def _g4(x: Any) -> Any:
 
 def _status_of(v: dict) -> str:
     """A variant row's one-word state: passed | failed gates | failed | skipped."""
-    if v.get("status") != "ok":
+    if v.get("status") != BuildStatus.OK:
         return str(v.get("status") or "failed")
     return "passed" if v.get("passed") else "failed gates"
 
@@ -81,7 +82,7 @@ def decision_note(summary: dict[str, Any], *, markdown: bool = True) -> str:
                  f"@{alias}: p50 {value_text(_g4(v.get('p50_ms')))} ms at batch {summary.get('batch_size')}{worst}.")
         if summary.get("promotion_reason"):  # how it was chosen (register.decide_promotion)
             line1 += f" Why: {summary['promotion_reason']}."
-    elif summary.get("promotion") == "superseded":
+    elif summary.get("promotion") == PromotionStatus.SUPERSEDED:
         line1 = (f"Superseded: a variant passed, but @{alias} moved during the run to "
                  f"v{summary.get('alias_version')}, which wins the comparison; no alias moved.")
     elif not any(v.get("passed") for v in variants):
@@ -123,7 +124,7 @@ def _run_pareto_plot(summary: dict[str, Any]) -> str | None:
     import matplotlib.pyplot as plt
 
     rows = [v for v in summary.get("variants") or []
-            if v.get("status") == "ok" and v.get("p50_ms") is not None and _ws_value(v) is not None]
+            if v.get("status") == BuildStatus.OK and v.get("p50_ms") is not None and _ws_value(v) is not None]
     trials = [(float(t["p50_ms"]), float(t["worst_slice_value"])) for s in summary.get("searches") or []
               for t in s.get("trials") or []
               if t.get("p50_ms") is not None and t.get("worst_slice_value") is not None
@@ -330,7 +331,8 @@ def run_report_html(summary: dict[str, Any] | None, *, run: dict[str, Any],
         msg = run.get("error") or run.get("note") or "the run ended before the register step wrote its summary"
         parts.append(f"<div class='banner bad'>FAILED: {html.escape(str(msg))}</div>")
     else:
-        cls = "ok" if summary.get("promoted_version") else ("warn" if summary.get("promotion") == "superseded"
+        superseded = summary.get("promotion") == PromotionStatus.SUPERSEDED
+        cls = "ok" if summary.get("promoted_version") else ("warn" if superseded
                                                             else "bad" if not any(v.get("passed") for v in variants)
                                                             else "warn")
         parts.append("<div class='banner " + cls + "'>"
@@ -344,7 +346,7 @@ def run_report_html(summary: dict[str, Any] | None, *, run: dict[str, Any],
             ws = v.get("worst_slice") or {}
             st = _status_of(v)
             gates = v.get("gates") or {}
-            n_pass = sum(s == "passed" for s in gates.values())
+            n_pass = sum(s == GateStatus.PASSED for s in gates.values())
             mac = v.get("quantized_mac_fraction")  # INT8 builds: share of MACs computed in INT8
             reason = "; ".join(str(x) for x in [v.get("reason"), *(v.get("warnings") or [])] if x)
             rows.append([v["variant"], v.get("backend"), v.get("precision"),
@@ -359,7 +361,7 @@ def run_report_html(summary: dict[str, Any] | None, *, run: dict[str, Any],
         parts.append(html_table(["variant", "backend", "precision", "status", "x torch", "x onnx fp32", "p50 ms",
                              "p99 ms", "worst slice", "INT8 MAC share", "gates passed", "registered", "promoted",
                              "reason / warnings"], rows, cls="variants"))
-        blank_torch = all(v.get("speedup_vs_torch") is None for v in variants if v.get("status") == "ok")
+        blank_torch = all(v.get("speedup_vs_torch") is None for v in variants if v.get("status") == BuildStatus.OK)
         bs = summary.get("batch_size")
         where = f"batch {bs}" if bs else "the first benchmark batch size"
         notes = [f"Latency at {where}. The promoted column lists only the version this run moved the alias to; "
@@ -474,7 +476,7 @@ def report_inputs(client: Any, summary: dict[str, Any], *, tracking_uri: str,
         if not run_id:
             continue
         links[v["variant"]] = run_url(tracking_uri, exp, run_id, ui_url)
-        if v.get("status") != "ok":
+        if v.get("status") != BuildStatus.OK:
             continue
         try:
             with tempfile.TemporaryDirectory() as tmp:

@@ -8,6 +8,7 @@ from typing import Any
 
 from tailguard.core.contract import (COVERAGE_CSV, COVERAGE_JSON, OUTCOME_TAG, PROMOTED_VARIANT_TAG,
                                      PROMOTED_VERSION_TAG, baseline_metrics)
+from tailguard.core.results import PromotionStatus, RunOutcome
 from tailguard.core.taskio import task_entry
 
 
@@ -85,11 +86,11 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     client.log_dict(parent_run_id, d, "summary.json")
     client.set_tag(parent_run_id, PROMOTED_VARIANT_TAG, summary.promoted_variant or "none")
     client.set_tag(parent_run_id, PROMOTED_VERSION_TAG, summary.promoted_version or "none")
-    client.set_tag(parent_run_id, OUTCOME_TAG, "promoted" if summary.promoted_version else
-                   "superseded" if summary.promotion == "superseded" else
-                   ("no_passing_variant" if not summary.any_passed else "promotion_disabled"))
-    if summary.promotion == "not_promoted":  # promoted / superseded: `promote` tagged the run under its lock
-        client.set_tag(parent_run_id, PROMOTION_TAG, "not_promoted")
+    client.set_tag(parent_run_id, OUTCOME_TAG, RunOutcome.PROMOTED if summary.promoted_version else
+                   RunOutcome.SUPERSEDED if summary.promotion == PromotionStatus.SUPERSEDED else
+                   (RunOutcome.NO_PASSING_VARIANT if not summary.any_passed else RunOutcome.PROMOTION_DISABLED))
+    if summary.promotion == PromotionStatus.NOT_PROMOTED:  # promoted / superseded: `promote` tagged the run
+        client.set_tag(parent_run_id, PROMOTION_TAG, PromotionStatus.NOT_PROMOTED)
         client.set_tag(parent_run_id, ALIAS_VERSION_TAG, summary.alias_version or "none")
     client.set_terminated(parent_run_id, "FINISHED")
     return json.dumps(d, default=str)

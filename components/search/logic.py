@@ -53,6 +53,7 @@ import re
 import time
 import traceback
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,13 +64,21 @@ from tailguard.components.validate.logic import ValidationResult
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
-from tailguard.core.results import number_or_none
+from tailguard.core.results import BuildStatus, GateStatus, number_or_none
 from tailguard.core.spec import NAME_RE, SearchSpec, Spec, VariantSpec
 
 from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
                                                        write_sensitivity_artifacts)
 
-STOPPED_BY = ("space_exhausted", "max_trials", "max_minutes")
+
+class SearchStop(StrEnum):
+    """Why a search stopped (SearchResult.stopped_by, search.json, the tag tailguard.search_stopped_by)."""
+
+    SPACE_EXHAUSTED = "space_exhausted"  # every family's frontier is known
+    MAX_TRIALS = "max_trials"            # search.max_trials trials were run
+    MAX_MINUTES = "max_minutes"          # search.max_minutes passed (sensitivity included)
+
+
 # The key parity metric when a trial has no worst slice (no slices with enough support): by task, the same
 # defaults as worst-slice discovery (spec DiscoverySpec.metric).
 DEFAULT_KEY_METRIC = {"classification": "top1_agreement", "embedding": "nn_top1_agreement",
@@ -123,7 +132,7 @@ class SearchResult:
         variant: the searched variant's name.
         trials: every trial, in the order tried.
         chosen: index of the fastest passing trial (lowest p50_ms, ties: lower index), None when none passed.
-        stopped_by: "space_exhausted" | "max_trials" | "max_minutes".
+        stopped_by: a SearchStop: "space_exhausted" | "max_trials" | "max_minutes".
         sensitivity: `sensitivity.node_sensitivity` table (rank, node, op_type, output_rel_l2,
             output_cosine_drop, quantized, seconds, error).
         seed: the search seed.
@@ -138,7 +147,7 @@ class SearchResult:
     variant: str
     trials: list[Trial]
     chosen: int | None
-    stopped_by: str
+    stopped_by: SearchStop
     sensitivity: pd.DataFrame
     seed: int
     sensitivity_seconds: float = 0.0
@@ -173,7 +182,7 @@ class SearchResult:
         points = []
         for i, t in enumerate(self.trials):
             value = t.worst_slice_value if t.worst_slice_value is not None else t.overall_value
-            if t.status != "ok" or t.p50_ms is None or value is None or not math.isfinite(t.p50_ms) \
+            if t.status != BuildStatus.OK or t.p50_ms is None or value is None or not math.isfinite(t.p50_ms) \
                     or math.isnan(value):
                 continue
             sign = 1.0 if t.metric is None or higher_is_better(t.metric) else -1.0
@@ -504,14 +513,14 @@ def run_search(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out_dir:
     # Families are distinct (per_channel, calibration_method, op-type set) and a family's k values give distinct
     # node sets, so no configuration is ever built twice.
     trials: list[Trial] = []
-    stopped_by = "space_exhausted"
+    stopped_by = SearchStop.SPACE_EXHAUSTED
     for state in states:
         while (i := state.next_index()) is not None:
             if len(trials) >= search.max_trials:
-                stopped_by = "max_trials"
+                stopped_by = SearchStop.MAX_TRIALS
                 break
             if clock() - start >= search.max_minutes * 60.0:
-                stopped_by = "max_minutes"
+                stopped_by = SearchStop.MAX_MINUTES
                 break
             k = state.ks[i]
             trial = _run_trial(spec, variant, fp32_onnx, out, calibration, evaluate, len(trials), state.family, k,
@@ -520,7 +529,7 @@ def run_search(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out_dir:
             state.record(i, trial.passed)
             if on_trial is not None:
                 on_trial(trial)
-        if stopped_by != "space_exhausted":
+        if stopped_by != SearchStop.SPACE_EXHAUSTED:
             break
     return SearchResult(variant=variant.name, trials=trials, chosen=choose_trial(trials), stopped_by=stopped_by,
                         sensitivity=sens, seed=search.seed, sensitivity_seconds=sens_seconds, skipped=skipped,
@@ -530,7 +539,7 @@ def run_search(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out_dir:
 def choose_trial(trials: list[Trial]) -> int | None:
     """Index of the fastest passing trial: lowest p50_ms among trials with status ok that passed every gate
     (a missing p50 counts as +inf), ties to the lower index; None when none passed."""
-    passing = [t for t in trials if t.passed and t.status == "ok"]
+    passing = [t for t in trials if t.passed and t.status == BuildStatus.OK]
     if not passing:
         return None
     return min(passing, key=lambda t: (t.p50_ms if t.p50_ms is not None and not math.isnan(t.p50_ms)
@@ -556,23 +565,23 @@ def _run_trial(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out: Pat
     except InputError:
         raise
     except Exception as exc:  # a step that raises instead of returning failed: still one failed trial
-        return Trial(**base, status="failed", seconds=round(time.perf_counter() - t0, 3),
+        return Trial(**base, status=BuildStatus.FAILED, seconds=round(time.perf_counter() - t0, 3),
                      reason=f"build raised {type(exc).__name__}: {str(exc)[:500]}")
-    if built.status != "ok" or not built.artifact:
-        return Trial(**base, status="failed", seconds=round(time.perf_counter() - t0, 3),
+    if built.status != BuildStatus.OK or not built.artifact:
+        return Trial(**base, status=BuildStatus.FAILED, seconds=round(time.perf_counter() - t0, 3),
                      reason=f"build {built.status}: {built.reason}")
     model_path = Path(built.artifact)
     try:
         result = evaluate(tv, model_path)
     except Exception as exc:  # the evaluation of one configuration failing must not end the search
         tb = traceback.format_exc(limit=3)
-        return Trial(**base, status="failed", seconds=round(time.perf_counter() - t0, 3), model_path=str(model_path),
-                     reason=f"evaluation raised {type(exc).__name__}: {str(exc)[:500]}\n{tb[-1500:]}")
+        return Trial(**base, status=BuildStatus.FAILED, seconds=round(time.perf_counter() - t0, 3),
+                     model_path=str(model_path), reason=f"evaluation raised {type(exc).__name__}: {str(exc)[:500]}\n{tb[-1500:]}")
     metric = _key_metric(spec, result)
     worst = number_or_none(result.worst_slice["observed"]) if result.worst_slice else None
     return Trial(**{**base, "passed": bool(result.passed), "p50_ms": _p50(spec, result),
                     "worst_slice_value": worst, "overall_value": number_or_none(result.overall.get(metric))},
-                 status="ok", seconds=round(time.perf_counter() - t0, 3), model_path=str(model_path),
+                 status=BuildStatus.OK, seconds=round(time.perf_counter() - t0, 3), model_path=str(model_path),
                  result=result, metric=metric)
 
 
@@ -583,7 +592,7 @@ def _pareto_plot(result: SearchResult, frame: pd.DataFrame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    f = frame[(frame["status"] == "ok") & frame["p50_ms"].notna()].copy()
+    f = frame[(frame["status"] == BuildStatus.OK) & frame["p50_ms"].notna()].copy()
     f["value"] = f["worst_slice_value"].where(f["worst_slice_value"].notna(), f["overall_value"])
     f = f[f["value"].notna()]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -638,7 +647,7 @@ def write_search_artifacts(result: SearchResult, out_dir: str | Path) -> dict[st
     trials["excluded_nodes"] = [json.dumps(t.config.get("excluded_nodes", [])) for t in result.trials]
     trials["float_op_types"] = [json.dumps(t.config.get("float_op_types", [])) for t in result.trials]
     trials["model_path"] = [t.model_path for t in result.trials]
-    trials["failed_gates"] = [json.dumps([g.gate for g in t.result.gates if g.status == "failed"])
+    trials["failed_gates"] = [json.dumps([g.gate for g in t.result.gates if g.status == GateStatus.FAILED])
                               if t.result is not None else "" for t in result.trials]
     trials.to_csv(paths["trials.csv"], index=False)
     _pareto_plot(result, frame, paths["pareto.png"])

@@ -23,14 +23,26 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable
 
 from tailguard.core.contract import (BACKEND_TAG, GATES_TAG, PRECISION_TAG, REASON_TAG, SEARCH_ARTIFACT_PATH,
                                      SEARCH_OF_TAG, SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_NAME_TAG,
                                      TRIAL_RUN_TAG, TRIAL_TAG, VARIANT_TAG, searched_name)
+from tailguard.core.results import BuildStatus, GatesVerdict
 from tailguard.core.taskio import task_entry, write_json
 from tailguard.core.tracking import closing_run
+
+
+class SearchStatus(StrEnum):
+    """The tag tailguard.search on a searched variant's run when no trial was chosen (a chosen trial writes its
+    name instead), and search.json's status when the search did not run."""
+
+    NONE = "none"              # the search ran and no trial passed every gate
+    NOT_NEEDED = "not_needed"  # search.when on_failure and the variant passed as specified
+    SKIPPED = "skipped"        # no search section, or the variant's build was skipped
+    FAILED = "failed"          # the search raised
 
 
 def search_decision(variant: Any, validation: dict[str, Any]) -> tuple[str | None, str]:
@@ -41,16 +53,17 @@ def search_decision(variant: Any, validation: dict[str, Any]) -> tuple[str | Non
         validation: the validate task's output JSON, parsed ({variant, status, passed, reason, run_id, ...}).
 
     Returns:
-        (None, "") when the search runs; otherwise (status, reason) with status "skipped" (no search section,
-        or the variant's build was skipped, e.g. no execution provider here) or "not_needed" (search.when is
-        on_failure and the variant passed as specified).
+        (None, "") when the search runs; otherwise (status, reason) with the SearchStatus "skipped" (no search
+        section, or the variant's build was skipped, e.g. no execution provider here) or "not_needed"
+        (search.when is on_failure and the variant passed as specified).
     """
     if variant.search is None:
-        return "skipped", f"variant {variant.name!r} has no search section"
-    if validation.get("status") == "skipped":
-        return "skipped", f"the variant's build was skipped: {validation.get('reason', '')}".rstrip(": ")
-    if variant.search.when == "on_failure" and validation.get("status") == "ok" and validation.get("passed"):
-        return "not_needed", "the variant passed its gates as specified (search.when: on_failure)"
+        return SearchStatus.SKIPPED, f"variant {variant.name!r} has no search section"
+    if validation.get("status") == BuildStatus.SKIPPED:
+        return SearchStatus.SKIPPED, f"the variant's build was skipped: {validation.get('reason', '')}".rstrip(": ")
+    if (variant.search.when == "on_failure" and validation.get("status") == BuildStatus.OK
+            and validation.get("passed")):
+        return SearchStatus.NOT_NEEDED, "the variant passed its gates as specified (search.when: on_failure)"
     return None, ""
 
 
@@ -76,14 +89,15 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any
 
     tags = {"mlflow.parentRunId": variant_run_id, SEARCH_OF_TAG: variant.name, TRIAL_TAG: str(trial.index),
             TRIAL_NAME_TAG: trial.name, BACKEND_TAG: variant.backend,
-            PRECISION_TAG: variant.precision, STATUS_TAG: trial.status, GATES_TAG: "not_evaluated"}
+            PRECISION_TAG: variant.precision, STATUS_TAG: str(trial.status),
+            GATES_TAG: GatesVerdict.NOT_EVALUATED.value}
     run_id = client.create_run(experiment_id, run_name=trial.name, tags=tags).info.run_id
     with closing_run(client, run_id):
         client.log_batch(run_id, params=[mlflow.entities.Param(k, v) for k, v in _trial_params(trial).items()])
         client.log_metric(run_id, "trial.seconds", float(trial.seconds))
         if trial.result is not None:
             log_validation(client, run_id, trial.result)
-        if trial.status != "ok" and trial.reason:
+        if trial.status != BuildStatus.OK and trial.reason:
             client.set_tag(run_id, REASON_TAG, trial.reason[:5000])
     return run_id
 
@@ -109,13 +123,15 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
     name = searched_name(variant.name)
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: name, SEARCH_OF_TAG: variant.name,
             TRIAL_RUN_TAG: trial_run_id, TRIAL_NAME_TAG: trial.name, BACKEND_TAG: variant.backend,
-            PRECISION_TAG: variant.precision, STATUS_TAG: "ok", GATES_TAG: "not_evaluated"}
+            PRECISION_TAG: variant.precision, STATUS_TAG: BuildStatus.OK.value,
+            GATES_TAG: GatesVerdict.NOT_EVALUATED.value}
     run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
     with closing_run(client, run_id):
         client.log_batch(run_id, params=[mlflow.entities.Param(k, v)
                                          for k, v in flat_params(trial.variant).items()])
         client.log_dict(run_id, dict(trial.config), "search_config.json")
-        identity = VariantResult(variant=name, backend=variant.backend, precision=variant.precision, status="ok",
+        identity = VariantResult(variant=name, backend=variant.backend, precision=variant.precision,
+                                 status=BuildStatus.OK,
                                  run_id=run_id, search_of=variant.name, trial_run_id=trial_run_id or None)
         log_validated_model(client, run_id, trial.result, work_dir=work_dir, model_file=Path(trial.model_path),
                             execution_provider=trial.variant.execution_provider, identity=identity)
@@ -276,19 +292,19 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
             searched_run_id = log_searched_candidate(client, exp_id, parent_run_id, variant, chosen,
                                                      trial_runs.get(chosen.index, ""), dirs[chosen.name])
             shutil.copyfile(chosen.model_path, out / "model.onnx")
-        client.set_tag(variant_run_id, SEARCH_TAG, chosen.name if chosen is not None else "none")
+        client.set_tag(variant_run_id, SEARCH_TAG, chosen.name if chosen is not None else SearchStatus.NONE)
         if metrics is not None:
             metrics.log_metric("search.trials", float(len(result.trials)))
             metrics.log_metric("search.passed_trials", float(sum(t.passed for t in result.trials)))
             metrics.log_metric("search.skipped_families", float(len(result.skipped)))
             if chosen is not None and chosen.p50_ms is not None:
                 metrics.log_metric("search.chosen_p50_ms", float(chosen.p50_ms))
-        d = {**result.to_dict(), **base, "status": "ok",
+        d = {**result.to_dict(), **base, "status": BuildStatus.OK,
              "reason": "" if chosen is not None else "no trial passed every gate",
              "searched_run_id": searched_run_id, "trial_run_ids": {str(k): v for k, v in trial_runs.items()}}
         return json.dumps(d, default=str)
     except BaseException:
-        client.set_tag(variant_run_id, SEARCH_TAG, "failed")
+        client.set_tag(variant_run_id, SEARCH_TAG, SearchStatus.FAILED)
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -4,7 +4,7 @@ Config and computation are apart: a `GateSpec` says what must hold; `evaluate_ga
 `GateResult` for every gate (all of them, never stopping at the first failure) that records the threshold,
 the operator, the batch size and the method actually used, the observed value and the evidence.
 
-Statuses:
+Statuses (`tailguard.core.results.GateStatus`):
     passed / failed      the gate was evaluated.
     insufficient_data    per-slice / discovered gate where no group reaches `min_support` rows: nothing could
                          be judged.
@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -76,7 +76,7 @@ from tailguard.core.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, Ga
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.spec import BUILD_METRICS
 
-from tailguard.core.results import number_or_none
+from tailguard.core.results import GateStatus, number_or_none
 from tailguard.core.stats import Side, newcombe_paired_bound
 
 from .intervals import method_words, metric_bound
@@ -86,9 +86,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .discovery import DiscoveryResult
     from .logic import ValidationResult
     from tailguard.core.slices import SliceGroup
-
-GateStatus = Literal["passed", "failed", "insufficient_data", "not_applicable", "undecided"]
-
 
 @dataclass
 class GateResult:
@@ -203,11 +200,11 @@ def _single(gate: GateSpec, base: dict[str, Any], value: Any, method: str, missi
     op, thr = base["op"], base["threshold"]
     v = number_or_none(value)
     if v is None:
-        return GateResult(**base, observed=None, passed=False, status="failed", method=method,
+        return GateResult(**base, observed=None, passed=False, status=GateStatus.FAILED, method=method,
                           detail={"reason": missing_reason})
     ok = _ok(v, op, thr)
-    return GateResult(**base, observed=v, passed=ok, status="passed" if ok else "failed", method=method,
-                      estimate=v)
+    return GateResult(**base, observed=v, passed=ok, status=GateStatus.PASSED if ok else GateStatus.FAILED,
+                      method=method, estimate=v)
 
 
 def _side(op: str) -> Side:
@@ -308,8 +305,9 @@ def _overall(gate: GateSpec, base: dict[str, Any], ctx: _Context, overall: dict[
     detail: dict[str, Any] = {"reason": a["reason"]} if "reason" in a else {}
     kw = _finish(base, gate, a, method, detail)
     if "reason" in a:
-        return GateResult(**kw, observed=None, passed=False, status="failed")
-    return GateResult(**kw, observed=a["observed"], passed=a["ok"], status="passed" if a["ok"] else "failed")
+        return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED)
+    return GateResult(**kw, observed=a["observed"], passed=a["ok"],
+                      status=GateStatus.PASSED if a["ok"] else GateStatus.FAILED)
 
 
 def _groups(gate: GateSpec, base: dict[str, Any], ctx: _Context, candidates: Sequence[dict[str, Any]],
@@ -346,7 +344,7 @@ def _groups(gate: GateSpec, base: dict[str, Any], ctx: _Context, candidates: Seq
         detail["reason"] = (f"no group of {where} has >= {gate.min_support} rows "
                             f"({len(insufficient)} group(s) insufficient)")
         kw = _finish(base, gate, {"threshold": base["threshold"]}, method, detail)
-        return GateResult(**kw, observed=None, passed=None, status="insufficient_data")
+        return GateResult(**kw, observed=None, passed=None, status=GateStatus.INSUFFICIENT_DATA)
     if any(j["observed"] is None for j in judged):
         worst = next(a for a, j in zip(assessed, judged) if j["observed"] is None)
         observed = None
@@ -358,7 +356,7 @@ def _groups(gate: GateSpec, base: dict[str, Any], ctx: _Context, candidates: Seq
         observed = worst["observed"]
     ok = not failing
     kw = _finish(base, gate, worst, method, detail)
-    return GateResult(**kw, observed=observed, passed=ok, status="passed" if ok else "failed")
+    return GateResult(**kw, observed=observed, passed=ok, status=GateStatus.PASSED if ok else GateStatus.FAILED)
 
 
 def _per_slice(gate: GateSpec, base: dict[str, Any], ctx: _Context, slice_table: pd.DataFrame) -> GateResult:
@@ -374,7 +372,7 @@ def _per_slice(gate: GateSpec, base: dict[str, Any], ctx: _Context, slice_table:
         kw = _finish(base, gate, {"threshold": base["threshold"]}, method,
                      {"reason": f"metric {gate.metric!r} is not in the per-slice table "
                                 f"(columns: {list(rows.columns)})"})
-        return GateResult(**kw, observed=None, passed=False, status="failed")
+        return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED)
     candidates = []
     for rec in rows.to_dict("records"):
         key = (str(rec["slice"]), str(rec["value"]))
@@ -397,7 +395,7 @@ def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResu
     if disc is None:
         kw = _finish(base, gate, {"threshold": base["threshold"]}, method,
                      {"reason": "discovery did not run (analysis.discovery; evaluate_gates(discovered=...))"})
-        return GateResult(**kw, observed=None, passed=False, status="failed")
+        return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED)
     table = disc.table
     sig = table[table["significant"].astype(bool)] if len(table) else table
     if not len(sig):
@@ -406,12 +404,12 @@ def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResu
                      {"reason": f"no slice discovered (discovery found no slice significantly worse than the "
                                 f"rest at false discovery rate {alpha:g}; {getattr(disc, 'tested', '?')} "
                                 f"tested)", "judged": 0, "failing": [], "insufficient": []})
-        return GateResult(**kw, observed=None, passed=True, status="passed")
+        return GateResult(**kw, observed=None, passed=True, status=GateStatus.PASSED)
     if ctx.per_sample is None:
         kw = _finish(base, gate, {"threshold": base["threshold"]}, method,
                      {"reason": "a discovered gate needs the per-row parity values "
                                 "(evaluate_gates(per_sample=...)); not given"})
-        return GateResult(**kw, observed=None, passed=False, status="failed")
+        return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED)
     candidates = []
     for rec in sig.to_dict("records"):
         key = (str(rec["slice"]), str(rec["value"]))
@@ -443,7 +441,7 @@ def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: 
         reason = missing_reason if row is None or row.get(gate.metric) is None else (
             f"the {name} baseline was not timed interleaved with the variant (no paired rounds), so "
             f"{gate.metric} has no confidence bound; the validate step times it when given the reference model")
-        return GateResult(**kw, observed=None, passed=False, status="failed", method=method,
+        return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED, method=method,
                           detail={"reason": reason})
     bsp = ctx.spec.analysis.bootstrap
     n_looks = int(row.get("n_looks") or 1)
@@ -454,7 +452,7 @@ def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: 
     try:
         r = speed_ratio(paired, row["samples_ms"], level, samples=bsp.samples, seed=bsp.seed)
     except InputError as exc:
-        return GateResult(**kw, observed=None, passed=False, status="failed", method=method,
+        return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED, method=method,
                           detail={"reason": f"no confidence bound: {exc.message}"})
     b = r["lower"] if side == "lower" else r["upper"]
     ok = _ok(b, op, thr)
@@ -462,9 +460,9 @@ def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: 
     if n_looks > 1:
         method += (f" ({gate.confidence * 100:g}% corrected for the {n_looks} looks of a timing measured to "
                    f"benchmark.precision)")
-    return GateResult(**kw, observed=b, passed=ok, status="passed" if ok else "failed", method=method,
-                      estimate=r["ratio"], bound=b, detail={"rounds": r["rounds"], "lower": r["lower"],
-                                                            "upper": r["upper"]})
+    return GateResult(**kw, observed=b, passed=ok, status=GateStatus.PASSED if ok else GateStatus.FAILED,
+                      method=method, estimate=r["ratio"], bound=b,
+                      detail={"rounds": r["rounds"], "lower": r["lower"], "upper": r["upper"]})
 
 
 def build_metrics(model_path: Any) -> dict[str, float]:
@@ -511,7 +509,7 @@ def _build_gate(gate: GateSpec, base: dict[str, Any], spec: Spec, variant_name: 
     """A gate on a build metric: not_applicable unless the variant is INT8 on onnxruntime."""
     v = next((x for x in spec.variants if x.name == variant_name), None)
     if v is not None and not (v.precision == "int8" and v.backend == "onnxruntime"):
-        return GateResult(**base, observed=None, passed=None, status="not_applicable",
+        return GateResult(**base, observed=None, passed=None, status=GateStatus.NOT_APPLICABLE,
                           method=f"{gate.metric} is a fact of INT8 onnxruntime builds; variant {variant_name} is "
                                  f"{v.precision} on {v.backend}")
     return _single(gate, base, overall.get(gate.metric),
@@ -557,7 +555,7 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
         base = dict(gate=gate.key, metric=gate.metric, scope=gate.scope, threshold=thr, op=op, batch_size=bs,
                     slice=gate.slice, min_support=gate.min_support if gate.scope != "overall" else None)
         if gate.variants is not None and variant_name not in gate.variants:
-            results.append(GateResult(**base, observed=None, passed=None, status="not_applicable",
+            results.append(GateResult(**base, observed=None, passed=None, status=GateStatus.NOT_APPLICABLE,
                                       method=f"gate applies to variants {gate.variants} only",
                                       confidence=gate.confidence,
                                       decided_on="point" if gate.confidence is None else "bound"))
@@ -604,7 +602,8 @@ def all_passed(results: list[GateResult]) -> bool:
         True when no gate failed and none was insufficient_data or undecided: a gate the validation set could not
         judge is not a passed gate. not_applicable gates are ignored.
     """
-    return not any(r.status in ("failed", "insufficient_data", "undecided") for r in results)
+    held_back = (GateStatus.FAILED, GateStatus.INSUFFICIENT_DATA, GateStatus.UNDECIDED)
+    return not any(r.status in held_back for r in results)
 
 
 def verdict(result: ValidationResult) -> tuple[bool, str]:
@@ -626,8 +625,8 @@ def verdict(result: ValidationResult) -> tuple[bool, str]:
 
     if result.non_finite_rows:
         return False, f"non-finite outputs in {result.non_finite_rows} validation rows"
-    failed = [g.gate for g in result.gates if g.status == "failed"]
-    insufficient = [g.gate for g in result.gates if g.status == "insufficient_data"]
+    failed = [g.gate for g in result.gates if g.status == GateStatus.FAILED]
+    insufficient = [g.gate for g in result.gates if g.status == GateStatus.INSUFFICIENT_DATA]
     if not result.passed or failed or insufficient:
         parts = (["failed gates: " + ", ".join(failed)] if failed else []) + \
             ([insufficient_reason(insufficient)] if insufficient else [])

@@ -14,6 +14,7 @@ import pandas as pd
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.report import (CSS, TORCH_NOTE, html_table, img_tag, key_metric, no_mathtext, png_base64,
                                    value_text, zoom_limits)
+from tailguard.core.results import GateStatus
 
 MAX_SLICE_BARS = 30  # groups shown in the per-slice plot (the worst ones)
 MAX_WORST_SAMPLES = 20  # rows of worst_samples shown in the report (the CSV holds analysis.worst_k)
@@ -135,15 +136,19 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if passed is None:
-        passed = not any(g.status in ("failed", "insufficient_data") for g in gates)
+        passed = not any(g.status in (GateStatus.FAILED, GateStatus.INSUFFICIENT_DATA) for g in gates)
+
+    def count(status: GateStatus) -> int:
+        return sum(g.status == status for g in gates)
+
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>tailguard: {html.escape(variant)}"
              f"</title><style>{CSS}</style></head><body>",
              f"<h1>Variant {html.escape(variant)}</h1>",
              f"<div class='banner {'ok' if passed else 'bad'}'>{'PASSED' if passed else 'FAILED'}: "
-             f"{sum(g.status == 'passed' for g in gates)} passed, {sum(g.status == 'failed' for g in gates)} "
-             f"failed, {sum(g.status == 'insufficient_data' for g in gates)} insufficient data, "
-             f"{sum(g.status == 'not_applicable' for g in gates)} not applicable</div>"]
-    insufficient = [g for g in gates if g.status == "insufficient_data"]
+             f"{count(GateStatus.PASSED)} passed, {count(GateStatus.FAILED)} failed, "
+             f"{count(GateStatus.INSUFFICIENT_DATA)} insufficient data, "
+             f"{count(GateStatus.NOT_APPLICABLE)} not applicable</div>"]
+    insufficient = [g for g in gates if g.status == GateStatus.INSUFFICIENT_DATA]
     if insufficient:
         parts.append("<div class='banner warn'>Not judged (no group with enough support), so the variant is not "
                      "promoted: "

@@ -41,10 +41,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from tailguard.core.metrics import higher_is_better
+from tailguard.core.results import GateStatus
 from tailguard.core.spec import BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec, Spec
 from tailguard.core.stats import wilson_bound, wor_confidence_sequence, wor_log_evidence
 
-UNDECIDED = "undecided"  # GateResult status of a gate still open when the variant stopped on another's failure
 METHOD = ("prior-posterior-ratio confidence sequence for the all-rows count, rows drawn without replacement in a "
           "seeded shuffled order (Waudby-Smith & Ramdas 2020)")
 
@@ -146,16 +146,16 @@ class GatePlan:
         if self.mode != "sequential" or self.status is not None:
             return
         if self.key not in per_row:  # e.g. accuracy without labels: it fails on all rows too, with the reason
-            self.mode, self.status, self.decided_at = "fixed", "failed", scored
+            self.mode, self.status, self.decided_at = "fixed", GateStatus.FAILED, scored
             self.reason = f"per-row values {self.key!r} are not computed (on all rows the gate fails the same way)"
             return
         bad = np.asarray(self.bad_of(np.asarray(per_row[self.key])), dtype=bool)
         for u in self.units:
             u.update(bad, rows, scored, self.alpha, can_decide)
         if any(u.decided is False for u in self.units) and not self.pass_only:
-            self.status, self.decided_at = "failed", scored
+            self.status, self.decided_at = GateStatus.FAILED, scored
         elif all(u.decided is True for u in self.units):
-            self.status, self.decided_at = "passed", scored
+            self.status, self.decided_at = GateStatus.PASSED, scored
 
 
 def _threshold_count(n: int, op: str, threshold: float, value_of_bad: Any) -> int:
@@ -266,7 +266,7 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
         if gate.scope == "discovered":
             disc = spec.analysis.discovery
             if not disc.enabled:
-                plan.mode, plan.status, plan.reason = "fixed", "failed", "discovery did not run"
+                plan.mode, plan.status, plan.reason = "fixed", GateStatus.FAILED, "discovery did not run"
                 continue
             if gate.min_support > disc.min_support:
                 plan.mode, plan.reason = "all_rows", ("its min_support exceeds discovery's: a significant slice "
@@ -281,14 +281,14 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
             targets = [(s, v, np.asarray(m, dtype=bool)) for s, v, m in discovery_candidates]
             plan.pass_only = True
             if not targets:  # nothing to test: discovery finds no slice on all rows either, the gate passes
-                plan.mode, plan.status, plan.reason = "fixed", "passed", "discovery has no candidate slice"
+                plan.mode, plan.status, plan.reason = "fixed", GateStatus.PASSED, "discovery has no candidate slice"
                 continue
         elif gate.scope == "per_slice":
             targets = [(str(g.slice), str(g.value), np.asarray(g.mask, dtype=bool)) for g in groups
                        if gate.slice is None or str(g.slice) == gate.slice]
             judged = [t for t in targets if int(t[2].sum()) >= gate.min_support]
             if not judged:
-                plan.mode, plan.status = "fixed", "insufficient_data"
+                plan.mode, plan.status = "fixed", GateStatus.INSUFFICIENT_DATA
                 plan.reason = f"no group has >= {gate.min_support} rows"
                 continue
             targets = judged
@@ -315,7 +315,7 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
 def should_stop(plans: Sequence[GatePlan], stop: str) -> bool:
     """Whether scoring can stop: every row-dependent gate decided, or (`stop` "verdict") one decided failed."""
     open_ = [p for p in plans if p.mode in ("sequential", "all_rows") and p.status is None]
-    if stop == "verdict" and any(p.status in ("failed", "insufficient_data") for p in plans):
+    if stop == "verdict" and any(p.status in (GateStatus.FAILED, GateStatus.INSUFFICIENT_DATA) for p in plans):
         return True
     return not open_
 
@@ -342,7 +342,7 @@ def early_result(plan: GatePlan, base: Any, rows_used: int, rows: int, spec: Spe
     A decided gate keeps its decision, `decided_on` "sequential", `observed` the edge of the all-rows value the
     confidence sequence allows on the decided side (the worst group's, for 0/1 metrics; the estimate on the rows
     scored for quantiles), detail {"sequential": ..., "failing" / "judged" per group}; a gate still open is
-    UNDECIDED (the variant stopped because another gate failed it).
+    GateStatus.UNDECIDED (the variant stopped because another gate failed it).
 
     Args:
         plan: the gate's plan.
@@ -361,11 +361,11 @@ def early_result(plan: GatePlan, base: Any, rows_used: int, rows: int, spec: Spe
     if plan.status is None:
         why = plan.reason or "its groups were not all decided"
         return dataclasses.replace(
-            base, status=UNDECIDED, passed=None, observed=None, decided_on="sequential",
+            base, status=GateStatus.UNDECIDED, passed=None, observed=None, decided_on="sequential",
             method=f"not decided: scoring stopped after {rows_used} of {rows} rows because another gate failed the "
                    f"variant ({why})",
             detail={"sequential": seq, "reason": "another gate failed the variant first"})
-    passed = plan.status == "passed"
+    passed = plan.status == GateStatus.PASSED
     records = [u.record(plan.alpha) for u in plan.units]
     failing = [r for r in records if r["decided"] is False]
     observed, bound = base.observed, None

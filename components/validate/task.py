@@ -15,7 +15,7 @@ from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVE
                                      MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG,
                                      TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
                                      VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
-from tailguard.core.results import StepResult, VariantResult
+from tailguard.core.results import BuildStatus, GatesVerdict, StepResult, VariantResult
 from tailguard.core.spec import target_task_name
 from tailguard.core.taskio import task_entry, write_json
 
@@ -100,7 +100,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     facts = node_facts()
     tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
             BACKEND_TAG: variant.backend, PRECISION_TAG: variant.precision,
-            STATUS_TAG: build["status"], GATES_TAG: "not_evaluated",
+            STATUS_TAG: build["status"], GATES_TAG: GatesVerdict.NOT_EVALUATED.value,
             **hardware_tags(facts)}  # tailguard.hw.*: the node that validates and times the variant
     mismatch, run_name = [], variant.name
     if target_name:
@@ -118,17 +118,18 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     with closing_run(client, run_id):
         client.log_dict(run_id, build, "build.json")
         log_coverage(client, run_id, build)
-        if step.status != "ok":
+        if step.status != BuildStatus.OK:
             client.set_tag(run_id, REASON_TAG, step.reason[:5000])
             log_variant_result(client, run_id, identity)
             return json.dumps(summary, default=str)
         if mismatch:  # not the node the target names: nothing validated here, so nothing can pass
             reason = (f"not validated on serving target {target_name!r}: this node does not match its expect: "
                       + "; ".join(mismatch))
-            client.set_tag(run_id, STATUS_TAG, "skipped")
+            client.set_tag(run_id, STATUS_TAG, BuildStatus.SKIPPED)
             client.set_tag(run_id, REASON_TAG, reason[:5000])
-            log_variant_result(client, run_id, dataclasses.replace(identity, status="skipped", reason=reason))
-            summary.update(status="skipped", reason=reason)
+            log_variant_result(client, run_id,
+                               dataclasses.replace(identity, status=BuildStatus.SKIPPED, reason=reason))
+            summary.update(status=BuildStatus.SKIPPED, reason=reason)
             return json.dumps(summary, default=str)
         try:
             summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
@@ -136,10 +137,10 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
                                      reference_model_dir, identity=identity))
         except VariantUnusable as exc:  # this variant fails; the run goes on with the others
             reason = f"variant {variant.name} cannot run on this node: {exc}"
-            client.set_tag(run_id, STATUS_TAG, "failed")
+            client.set_tag(run_id, STATUS_TAG, BuildStatus.FAILED)
             client.set_tag(run_id, REASON_TAG, reason[:5000])
             _log_failed_result(client, run_id, identity, reason)
-            summary.update(status="failed", reason=reason)
+            summary.update(status=BuildStatus.FAILED, reason=reason)
         except Exception as exc:
             _log_failed_result(client, run_id, identity, f"validation raised {type(exc).__name__}: {exc}")
             raise
@@ -189,7 +190,7 @@ def _log_failed_result(client: Any, run_id: str, identity: VariantResult, reason
     import dataclasses
 
     try:
-        log_variant_result(client, run_id, dataclasses.replace(identity, status="failed", passed=False,
+        log_variant_result(client, run_id, dataclasses.replace(identity, status=BuildStatus.FAILED, passed=False,
                                                                reason=reason[:5000]))
     except Exception:  # noqa: BLE001 - see the docstring
         pass
@@ -495,7 +496,7 @@ def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None
     from tailguard.components.validate.gates import verdict
 
     passed, reason = verdict(result)
-    client.set_tag(run_id, GATES_TAG, "passed" if passed else "failed")
+    client.set_tag(run_id, GATES_TAG, GatesVerdict.PASSED if passed else GatesVerdict.FAILED)
     for g in result.gates:
         client.set_tag(run_id, gate_tag(g.gate), g.status)
         client.set_tag(run_id, gate_name_tag(g.gate), g.gate)  # the canonical spelling, in the value
@@ -598,7 +599,7 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
                        json.dumps(json.loads(manifest.read_text()).get("fingerprint", {}), sort_keys=True)[:5000])
         model_uri = f"runs:/{run_id}/model"
     client.set_tag(run_id, MODEL_URI_TAG, model_uri)
-    identity = identity or VariantResult(variant=result.variant, backend="", precision="", status="ok")
+    identity = identity or VariantResult(variant=result.variant, backend="", precision="", status=BuildStatus.OK)
     log_variant_result(client, run_id, variant_result(identity, result, passed=passed, reason=reason,
                                                       run_id=run_id, model_uri=model_uri, sha256=sha))
     return {"passed": passed, "reason": reason, "model_uri": model_uri,
@@ -624,7 +625,7 @@ def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason
     frac = result.overall.get("quantized_mac_fraction")
     num = getattr(result, "numerics", None) or None
     return dataclasses.replace(
-        identity, status="ok", passed=bool(passed), reason=reason, run_id=run_id, model_uri=model_uri,
+        identity, status=BuildStatus.OK, passed=bool(passed), reason=reason, run_id=run_id, model_uri=model_uri,
         sha256=sha256, perf={int(bs): scalars(row) for bs, row in result.perf.items()},
         overall=scalars(result.overall),
         gates=[{"gate": g.gate, "status": g.status, "metric": g.metric, "observed": g.observed,

@@ -29,7 +29,7 @@ BASELINES_FILE = "baselines.json"          # reference-pass's latency baselines 
 # ------------------------------------------------------------------------------------------------ parent-run tags
 PARENT_TAG = "tailguard.pipeline_run"      # on every run of a pipeline run: the parent run id (set by resolve)
 ALIAS_AT_START_TAG = "tailguard.alias_at_start"  # where the promotion alias pointed at the start ("" = nowhere)
-PROMOTION_TAG = "tailguard.promotion"      # promoted | superseded | not_promoted
+PROMOTION_TAG = "tailguard.promotion"      # results.PromotionStatus: promoted | superseded | not_promoted
 ALIAS_VERSION_TAG = "tailguard.alias_version"  # the version holding the alias when the tag was written
 SUPERSEDED_BY_TAG = "tailguard.superseded_by"  # parent run id of the run whose promotion replaced this one's
 REPORT_ERROR_TAG = "tailguard.report_error"  # why report.html could not be written
@@ -46,7 +46,7 @@ LABEL_TAG_PREFIX = "tailguard.label."      # tailguard.label.<key> = metadata.la
 RUNNER_PID_TAG = "tailguard.runner.pid"    # the local runner's process id (absent on a cluster)
 RUNNER_HOST_TAG = "tailguard.runner.host"  # its host name
 RUNNER_STARTED_TAG = "tailguard.runner.started"  # its process start time
-OUTCOME_TAG = "tailguard.outcome"          # promoted | not_promoted | failed (set by register or a failing task)
+OUTCOME_TAG = "tailguard.outcome"          # results.RunOutcome (set by register or a failing task)
 FAILURE_TAG = "tailguard.failure"          # the failed task's name
 PROMOTED_VARIANT_TAG = "tailguard.promoted_variant"  # the promoted variant's name or "none"
 PROMOTED_VERSION_TAG = "tailguard.promoted_version"  # its registry version or "none"
@@ -54,8 +54,8 @@ TARGET_ALIASES_TAG = "tailguard.target_aliases"  # JSON {alias: version | null} 
 
 # ------------------------------------------------------------------------------------------------ variant-run tags
 VARIANT_TAG = "tailguard.variant"
-STATUS_TAG = "tailguard.status"            # ok | failed | skipped (the build/validation outcome)
-GATES_TAG = "tailguard.gates"              # passed | failed | not_evaluated
+STATUS_TAG = "tailguard.status"            # results.BuildStatus: ok | failed | skipped
+GATES_TAG = "tailguard.gates"              # results.GatesVerdict: passed | failed | not_evaluated
 MODEL_URI_TAG = "tailguard.model_uri"
 WORST_SLICE_TAG = "tailguard.worst_slice"  # JSON {slice, value, support, metric, observed}
 DISCOVERED_TAG = "tailguard.discovered"    # JSON list of the 3 worst significant discovered slices (when it ran)
@@ -79,8 +79,8 @@ TARGET_CHECK_TAG = "tailguard.target_check"  # matched | mismatch | no_expect (t
 SEARCH_OF_TAG = "tailguard.search_of"      # on trial runs and on the <V>-searched run: the searched variant V
 TRIAL_TAG = "tailguard.trial"              # on trial runs: the 0-based trial index
 TRIAL_RUN_TAG = "tailguard.trial_run_id"   # on the <V>-searched run: the run of the chosen trial
-SEARCH_TAG = "tailguard.search"            # on V's run: chosen trial name | none | not_needed | skipped | failed
-SEARCH_STOPPED_TAG = "tailguard.search_stopped_by"  # on V's run: space_exhausted | max_trials | max_minutes
+SEARCH_TAG = "tailguard.search"            # on V's run: chosen trial name | search/task.py SearchStatus
+SEARCH_STOPPED_TAG = "tailguard.search_stopped_by"  # on V's run: search/logic.py SearchStop
 TRIAL_NAME_TAG = "tailguard.trial_name"    # on trial runs: the trial's name (<V>-t<NN>)
 
 # ------------------------------------------------------------------------------------------------ model-version tags

@@ -20,13 +20,58 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tailguard.core.errors import InputError
 
-Status = Literal["ok", "failed", "skipped"]
-STATUSES: tuple[str, ...] = ("ok", "failed", "skipped")
+
+# The status vocabularies that cross units. Str-valued (StrEnum): a member is the string it names, so JSON files,
+# MLflow tags and comparisons with text read from them are the same as with the plain words.
+class BuildStatus(StrEnum):
+    """A build's and a candidate's status (StepResult.status, VariantResult.status, the tag tailguard.status, the
+    summary's build_status)."""
+
+    OK = "ok"            # built (and, for a candidate, validated)
+    FAILED = "failed"    # the step or the validation broke: the reason says where
+    SKIPPED = "skipped"  # cannot be built on this node (e.g. TensorRT without a GPU): the reason says why
+
+
+class GateStatus(StrEnum):
+    """One gate's status for one variant (GateResult.status, the tag gate.<key>, VariantResult.gates)."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    INSUFFICIENT_DATA = "insufficient_data"  # no group reached min_support: not judged, never counted as passed
+    NOT_APPLICABLE = "not_applicable"        # the gate's `variants` list does not name this variant
+    UNDECIDED = "undecided"                  # sequential validation stopped on another gate's failure first
+
+
+class GatesVerdict(StrEnum):
+    """A candidate run's tag tailguard.gates: its gates' verdict, or that none was judged."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    NOT_EVALUATED = "not_evaluated"  # the build failed or was skipped, or a search trial not validated
+
+
+class PromotionStatus(StrEnum):
+    """What a run's promotion did (tag tailguard.promotion, RunSummary.promotion, `promote`'s outcome)."""
+
+    PROMOTED = "promoted"          # the alias moved to this run's version
+    SUPERSEDED = "superseded"      # a concurrent run's promotion replaced this one's
+    NOT_PROMOTED = "not_promoted"  # no alias moved
+
+
+class RunOutcome(StrEnum):
+    """A parent run's tag tailguard.outcome."""
+
+    PROMOTED = "promoted"
+    SUPERSEDED = "superseded"
+    NO_PASSING_VARIANT = "no_passing_variant"
+    PROMOTION_DISABLED = "promotion_disabled"  # variants passed, but the promotion moved no alias
+    FAILED = "failed"                          # a task failed or the run was interrupted (tracking.mark_failed)
 
 # Bump when a field is renamed, removed or changes meaning (adding an optional field is not a bump).
 STEP_RESULT_SCHEMA = 1
@@ -95,8 +140,8 @@ def _build(cls: type, d: dict[str, Any], what: str, source: str) -> Any:
 
 
 def _check_status(status: Any, what: str) -> None:
-    if status not in STATUSES:
-        raise ValueError(f"{what}.status must be one of {list(STATUSES)}, got {status!r}")
+    if status not in tuple(BuildStatus):
+        raise ValueError(f"{what}.status must be one of {[s.value for s in BuildStatus]}, got {status!r}")
 
 
 # ------------------------------------------------------------------------------------------------ StepResult
@@ -114,7 +159,7 @@ class StepResult:
         ValueError: status is not ok | failed | skipped.
     """
 
-    status: Status
+    status: BuildStatus
     reason: str = ""
     artifact: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
@@ -194,7 +239,7 @@ class VariantResult:
     variant: str
     backend: str
     precision: str
-    status: Status
+    status: BuildStatus
     passed: bool = False
     reason: str = ""
     run_id: str | None = None
@@ -218,7 +263,7 @@ class VariantResult:
         _check_status(self.status, "VariantResult")
         if not isinstance(self.passed, bool):
             raise ValueError(f"VariantResult.passed must be true or false, got {self.passed!r}")
-        if self.passed and self.status != "ok":
+        if self.passed and self.status != BuildStatus.OK:
             raise ValueError(f"VariantResult.passed is true but status is {self.status!r} (only ok can pass)")
         if self.hardware_dependent is not None and not isinstance(self.hardware_dependent, bool):
             raise ValueError(f"VariantResult.hardware_dependent must be true, false or null, got "

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 from tailguard.core.contract import FAILURE_MESSAGE_TAG, FAILURE_TAG, NOTE_TAG, OUTCOME_TAG
 from tailguard.core.home import artifact_root, default_tracking_uri, home, quiet_environment
+from tailguard.core.results import RunOutcome
 
 _INITIALISED: set[str] = set()  # tracking URIs this process has initialised (tables created, under the lock)
 
@@ -124,7 +125,7 @@ def fail_parent_run(client: Any, experiment_id: str, run_id: str, note: str, fai
         note: the description (mlflow.note.content): why it failed, in words.
         failure: a short code for the `tailguard.failure` tag (error, interrupted, runner_died, kfp_failed...).
     """
-    client.set_tag(run_id, OUTCOME_TAG, "failed")
+    client.set_tag(run_id, OUTCOME_TAG, RunOutcome.FAILED)
     client.set_tag(run_id, FAILURE_TAG, failure)
     client.set_tag(run_id, NOTE_TAG, note)
     client.set_terminated(run_id, "FAILED")
