@@ -85,7 +85,7 @@ def parity_table(spec: Any, ds: Any, ref: np.ndarray, name: str, model: Path, ju
     """All-rows and sequential gate outcomes of one variant over `shuffles` seeded orders (module docstring)."""
     from tailguard.components.validate.logic import Measurements, validate_variant
     from tailguard.core.runtime import OrtRunner, run_dataset
-    from tailguard.core.spec import PERF_METRICS
+    from tailguard.core.spec.models import PERF_METRICS
 
     variant = next(v for v in spec.variants if v.name == judged_as)
     runner = OrtRunner(model, providers=[variant.execution_provider],

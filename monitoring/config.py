@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping
 
 from tailguard.core.errors import FieldError, InputError, SpecError
 from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
-from tailguard.core.spec import MonitoringSpec, MonitorThreshold, SliceSpec, Spec, TensorSpec
+from tailguard.core.spec.models import SliceSpec, Spec, TensorSpec
+from tailguard.core.spec.monitor import MonitorThreshold, MonitoringSpec
 
 ALL_SLICE = "all"
 OTHER_VALUE = "other"

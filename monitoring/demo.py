@@ -18,7 +18,8 @@ from tailguard.core.errors import InputError
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.testing import flip_top1
-from tailguard.core.spec import Spec, load_spec
+from tailguard.core.spec import load_spec
+from tailguard.core.spec.models import Spec
 
 
 def perturb_outputs(task: str, outputs: np.ndarray, mask: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:

@@ -75,7 +75,7 @@ INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_i
                    # refusals before or beside parsing (monitoring/service.py, grpc_ingest.py)
                    "join_entry_too_large", "too_many_requests", "body_budget_exceeded", "client_disconnected",
                    "unauthenticated")
-# Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec.py MonitoringSpec).
+# Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec/monitor.py MonitoringSpec).
 MAX_BODY_BYTES = 8 * 2**20
 MAX_BATCH_ROWS = 1024
 # Deepest bracket nesting accepted: an OIP body needs 3 levels plus the tensor's rank (pairs: one more).

@@ -28,7 +28,8 @@ from tailguard.monitoring.config import MonitorConfig, resolve_config
 from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.drift import DriftSnapshots
 from tailguard.core.runtime import Runner, run_dataset, runner_for_file
-from tailguard.core.spec import Spec, load_spec
+from tailguard.core.spec import load_spec
+from tailguard.core.spec.models import Spec
 
 TIMESTAMP_COLUMN = "timestamp"
 # perturb(candidate_outputs (n_sampled, ...), row_indices (n_sampled,), frame) -> candidate_outputs

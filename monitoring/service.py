@@ -87,7 +87,8 @@ from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, att
                                       parse_response_output, split_binary, utf8_text)
 from tailguard.monitoring.sampler import Decision
 from tailguard.core.runtime import Runner, runner_for_file
-from tailguard.core.spec import Spec, load_spec
+from tailguard.core.spec import load_spec
+from tailguard.core.spec.models import Spec
 
 log = logging.getLogger("tailguard.monitoring.service")
 HEALTH_WINDOW = 20  # /readyz answers 503 while each of a model's last 20 calls failed (error, timeout, bad output)

@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from tailguard.monitoring.metrics import MonitorMetrics
-from tailguard.core.spec import MonitorS3Spec
+from tailguard.core.spec.monitor import MonitorS3Spec
 
 log = logging.getLogger("tailguard.monitoring.sink")
 REDACTED = "<redacted>"

@@ -38,7 +38,7 @@ the compiled IR and in kfp.local's logs (`named`).
 
 from typing import Any, Callable
 
-from tailguard.core.spec import ServingTarget, Spec, VariantSpec, target_task_name
+from tailguard.core.spec.models import ServingTarget, Spec, VariantSpec, target_task_name
 
 PARAMS = ("spec_yaml", "tracking_uri", "model_version", "pipeline_run")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.core.errors import FieldError, SpecError
-from tailguard.core.spec import Spec
+from tailguard.core.spec.models import Spec
 
 
 def parquet_columns(uri: str) -> list[str] | None:

@@ -32,7 +32,8 @@ from tailguard.core.reference import MODEL_PATH_ENV
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.core.home import ENV_HOME, home, quiet_environment
 from tailguard.core.results import BuildStatus, GateStatus
-from tailguard.core.spec import Spec, dump_spec, load_spec
+from tailguard.core.spec import dump_spec, load_spec
+from tailguard.core.spec.models import Spec
 from tailguard.core.taskio import find_error_records
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
 

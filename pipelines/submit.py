@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.core.errors import InputError
-from tailguard.core.spec import Spec, dump_spec
+from tailguard.core.spec import dump_spec
+from tailguard.core.spec.models import Spec
 
 FAILED_STATES = {"FAILED", "CANCELED", "CANCELING", "SKIPPED"}
 

@@ -71,7 +71,7 @@ def mlp_dataset(n_rows: int = 64, *, seed: int = 1):
 
 def mlp_model_spec():
     """The ModelSpec of the MLP (task embedding: output y is compared by cosine similarity)."""
-    from tailguard.core.spec import ModelSpec
+    from tailguard.core.spec.models import ModelSpec
 
     return ModelSpec.model_validate({
         "registered_name": "planted-mlp", "task": "embedding",
@@ -81,7 +81,7 @@ def mlp_model_spec():
 
 def mlp_variant(name: str = "mlp-int8", *, search: dict[str, Any] | None = None, **quantization: Any):
     """An INT8 dynamic variant of the MLP (graph optimization disabled, so node names stay mm1..mm3)."""
-    from tailguard.core.spec import VariantSpec
+    from tailguard.core.spec.models import VariantSpec
 
     q = {"mode": "dynamic", **quantization}
     d: dict[str, Any] = {"name": name, "backend": "onnxruntime", "precision": "int8",
@@ -94,7 +94,7 @@ def mlp_variant(name: str = "mlp-int8", *, search: dict[str, Any] | None = None,
 def mlp_spec(variant: Any, *, min_cosine: float = 0.99):
     """A Spec around `variant`: one gate cosine_similarity.min >= `min_cosine` (overall), a slice on `group`,
     a 3-iteration benchmark at batch size 4 (no latency gate, so pass/fail never depends on timing)."""
-    from tailguard.core.spec import Spec
+    from tailguard.core.spec.models import Spec
 
     return Spec.model_validate({
         "apiVersion": "tailguard/v1", "kind": "OptimizationSpec", "metadata": {"name": "planted-mlp"},

@@ -22,7 +22,7 @@ import pytest
 from tailguard.core import data
 from tailguard.core.data import iter_batches, load_dataset, make_batch, read_parquet
 from tailguard.core.errors import InputError
-from tailguard.core.spec import TensorSpec
+from tailguard.core.spec.models import TensorSpec
 
 IDS = [TensorSpec(name="ids", dtype="int64", shape=["batch", "sequence"])]
 FEATURES = [TensorSpec(name="feat", dtype="float32", shape=["batch", 2, 3])]

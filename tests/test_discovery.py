@@ -10,7 +10,7 @@ from tailguard.components.validate.discovery import (MAX_PAIR_CANDIDATES, TABLE_
                                                      discover_slices)
 from tailguard.core.slices import slice_groups
 from tailguard.core.errors import InputError
-from tailguard.core.spec import DiscoverySpec, SliceSpec
+from tailguard.core.spec.models import DiscoverySpec, SliceSpec
 
 ALPHA = 0.05
 # Tolerance of simulated error rates over 200 seeded replications: two binomial standard errors at alpha

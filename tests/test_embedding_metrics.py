@@ -14,7 +14,8 @@ from tailguard.core.slices import per_slice_table, slice_groups
 from tailguard.core.stats import wilson_bound
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
-from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, SliceSpec, parse_spec
+from tailguard.core.spec import parse_spec
+from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, SliceSpec
 
 DIM_PER_GROUP = 3
 

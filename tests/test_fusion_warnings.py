@@ -18,7 +18,7 @@ from tailguard.components.export.logic import export_onnx
 from tailguard.components.quantize.logic import attention_matmuls, build_variant
 from tailguard.core.contract import EXPORT_FACTS_FILE
 from tailguard.core.results import VariantResult
-from tailguard.core.spec import VariantSpec
+from tailguard.core.spec.models import VariantSpec
 from tests.tiny_models import export_tiny, tiny_dataset, tiny_feeds, tiny_model_spec
 
 

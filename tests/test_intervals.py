@@ -12,7 +12,7 @@ from tailguard.components.validate.intervals import metric_bound
 from tailguard.core.stats import bootstrap_bound, bootstrap_distribution, wilson_bound, wilson_interval
 from tailguard.core.stats import newcombe_paired_bound as paired_difference_bound
 from tailguard.core.errors import InputError
-from tailguard.core.spec import BootstrapSpec
+from tailguard.core.spec.models import BootstrapSpec
 
 
 # ------------------------------------------------------------------------------------------------- Wilson

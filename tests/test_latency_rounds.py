@@ -17,7 +17,8 @@ from tailguard.components.validate.logic import validate_variant
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.runtime import OrtRunner, run_dataset
-from tailguard.core.spec import BenchmarkSpec, TensorSpec, parse_spec
+from tailguard.core.spec import parse_spec
+from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", 4])]
 

@@ -20,9 +20,11 @@ from tailguard.core import parity  # the old path of tailguard.core.parity (the 
 from tailguard.components.validate.logic import PERF_KEYS, ValidationResult
 from tailguard.core import metrics as M
 from tailguard.core import report as R
-from tailguard.core import spec as S
+from tailguard.core.spec import models as S
+from tailguard.core.spec.monitor import MONITOR_METRICS
 from tailguard.core.errors import InputError, SpecError
-from tailguard.core.spec import SKIP_CROSS_FIELD, Spec, parse_spec
+from tailguard.core.spec import parse_spec
+from tailguard.core.spec.models import SKIP_CROSS_FIELD, Spec
 from tailguard.monitoring import config as monitor_config
 from tailguard.monitoring import testing as T
 
@@ -205,8 +207,8 @@ def test_spec_tables_equal_the_old_literals_when_computed_from_the_catalogue():
     assert S.BATCHED_METRICS == {"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                                  "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32"}
     assert set(S.LOWER_IS_BETTER_PREFIXES) == {"abs_error", "rel_error", "kl_divergence"}
-    assert S.MONITOR_METRICS == ("top1_agree", "kl_divergence", "cosine_similarity", "abs_error", "rel_error",
-                                 "candidate_error_rate")
+    assert MONITOR_METRICS == ("top1_agree", "kl_divergence", "cosine_similarity", "abs_error", "rel_error",
+                               "candidate_error_rate")
 
 
 # -------------------------------------------------------------------------------- monitor thresholds, spec check

@@ -110,7 +110,7 @@ def test_alert_clears_when_truncated_metric_recovers():
 
 
 def test_spec_refuses_truncate_at_when_metric_is_bounded_or_below_threshold():
-    from tailguard.core.spec import MonitorThreshold
+    from tailguard.core.spec.monitor import MonitorThreshold
 
     assert MonitorThreshold(min=0.97, truncate_at=2.0).problems("top1_agree", "p")[0].loc == "p.truncate_at"
     assert MonitorThreshold(max=0.5, truncate_at=0.4).problems("kl_divergence", "p")[0].loc == "p.truncate_at"

@@ -16,7 +16,8 @@ from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.service import MonitorService, build_app
 from tailguard.monitoring.sink import REDACTED, PairSink
-from tailguard.core.spec import MonitorS3Spec, parse_spec
+from tailguard.core.spec import parse_spec
+from tailguard.core.spec.monitor import MonitorS3Spec
 
 pytestmark = pytest.mark.integration
 BUCKET = "tg-pairs"

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from tailguard.cli import app
 from tailguard.components.export.logic import check_declared_outputs
 from tailguard.core.errors import EXIT_USAGE, SpecError
-from tailguard.core.spec import ModelSpec
+from tailguard.core.spec.models import ModelSpec
 from tests.tiny_models import export_tiny, tiny_feeds
 
 runner = CliRunner()

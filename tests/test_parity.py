@@ -8,7 +8,7 @@ import pytest
 from tailguard.core import parity
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
 from tailguard.core.errors import InputError
-from tailguard.core.spec import TASK_METRICS
+from tailguard.core.spec.models import TASK_METRICS
 
 
 def _paired_embeddings(n_pairs: int = 20, dim: int = 32, seed: int = 0) -> np.ndarray:

@@ -24,7 +24,8 @@ from tailguard.components.validate.gates import build_metrics, evaluate_gates
 from tailguard.components.validate.task import coverage_line
 from tailguard.core.errors import SpecError
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
-from tailguard.core.spec import ModelSpec, VariantSpec, parse_spec
+from tailguard.core.spec import parse_spec
+from tailguard.core.spec.models import ModelSpec, VariantSpec
 
 IN, H1, H2, OUT = 64, 32, 32, 10
 MLP_MACS = IN * H1 + H1 * H2 + H2 * OUT  # 3392 per sample

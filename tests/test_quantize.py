@@ -29,7 +29,7 @@ from tailguard.components.quantize import logic
 from tailguard.components.quantize.logic import DatasetCalibrationReader, build_variant
 from tailguard.core.presets import QUANTIZATION_PRESETS, quantization_preset
 from tailguard.core.errors import InputError, SpecError
-from tailguard.core.spec import VariantSpec
+from tailguard.core.spec.models import VariantSpec
 from tailguard.components.quantize.registry import UnknownStepError, get_step, registered_steps
 from tests.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
@@ -431,7 +431,7 @@ def test_quantization_preset_builds_a_valid_spec_when_overridden():
 
 
 def test_spec_fills_quantization_from_the_preset_when_quantization_names_one():
-    from tailguard.core.spec import QuantizationSpec
+    from tailguard.core.spec.models import QuantizationSpec
 
     q = QuantizationSpec.model_validate({"preset": "cpu-avx2", "per_channel": False})
     assert q.preset == "cpu-avx2" and q.mode == "static" and q.reduce_range is True  # from the preset

@@ -16,7 +16,7 @@ from tailguard.components.quantize import logic as quantize_logic
 from tailguard.components.quantize.sensitivity import (SENSITIVITY_COLUMNS, candidate_nodes, node_sensitivity,
                                                      output_errors)
 from tailguard.core.errors import InputError
-from tailguard.core.spec import QuantizationSpec, VariantSpec
+from tailguard.core.spec.models import QuantizationSpec, VariantSpec
 from tests.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
 
 

@@ -7,7 +7,7 @@ import pytest
 from tailguard.core.parity import per_sample_metrics
 from tailguard.core.slices import per_slice_table, slice_groups
 from tailguard.core.errors import InputError
-from tailguard.core.spec import TASK_METRICS, SliceSpec
+from tailguard.core.spec.models import TASK_METRICS, SliceSpec
 
 
 def _groups(frame, **kw):

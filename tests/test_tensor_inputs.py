@@ -25,7 +25,8 @@ from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.data import load_dataset, make_batch, read_parquet
 from tailguard.core.errors import DataCheckError, InputError, SpecError
 from tailguard.core.runtime import OrtRunner, TorchRunner, run_dataset
-from tailguard.core.spec import BenchmarkSpec, ModelSpec, VariantSpec, parse_spec
+from tailguard.core.spec import parse_spec
+from tailguard.core.spec.models import BenchmarkSpec, ModelSpec, VariantSpec
 from tests.user_models import (DIGITS_SHAPE, N_BANDS, digits_model_doc, digits_spec, frames_frame, frames_model_doc,
                                frames_spec, train_digits_cnn, train_frame_classifier, write_digits, write_frames)
 

@@ -29,7 +29,7 @@ from tailguard.components.quantize.engine import calibration_cache_key, fingerpr
 from tailguard.core.artifacts import ArtifactMismatchError, manifest_path
 from tailguard.core.data import Dataset, make_batch
 from tailguard.core.errors import InputError, MissingDependencyError
-from tailguard.core.spec import TensorSpec, VariantSpec
+from tailguard.core.spec.models import TensorSpec, VariantSpec
 from tests.test_results import store  # noqa: F401 (fixture: sqlite MLflow store, experiment, parent run)
 
 H100 = {"tensorrt_version": "10.8.0", "device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",

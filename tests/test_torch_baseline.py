@@ -22,7 +22,7 @@ from tailguard.components.reference.logic import (TORCH_SEGMENTS, TORCH_SPREAD_M
 from tailguard.core.data import Dataset
 from tailguard.core.latency import benchmark
 from tailguard.core.runtime import TorchRunner
-from tailguard.core.spec import BenchmarkSpec, TensorSpec
+from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
 
 WIDTH, TOKENS = 256, 32
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", TOKENS, WIDTH])]

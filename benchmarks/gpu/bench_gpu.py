@@ -269,7 +269,7 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
     from tailguard.core.hardware import node_facts
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark, speed_ratio
     from tailguard.core.runtime import run_dataset
-    from tailguard.core.spec import BenchmarkSpec
+    from tailguard.core.spec.models import BenchmarkSpec
     from tailguard.core.torch_backend import (EagerModuleRunner, TorchBuildConfig, TorchVariantRunner,
                                               unavailable_reason)
 

@@ -37,7 +37,7 @@ from tailguard.core.errors import DataCheckError, FieldError, SpecError
 from tailguard.core.home import quiet_environment
 
 if TYPE_CHECKING:
-    from tailguard.core.spec import DatasetSpec, Spec
+    from tailguard.core.spec.models import DatasetSpec, Spec
 
 from tailguard.core.contract import DATA_CHECK_FILE  # noqa: E402
 DATASETS = ("calibration", "validation")

@@ -91,13 +91,13 @@ def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, c
     """Build one variant from the FP32 ONNX reference, through the step registered for its backend.
 
     Args:
-        variant: `tailguard.core.spec.VariantSpec`.
+        variant: `tailguard.core.spec.models.VariantSpec`.
         fp32_onnx: the FP32 reference .onnx file (the checked export).
         out_dir: folder for the variant's files (created): `<variant.name>.onnx`, `build.log` (the tools' output;
             the traceback on failure), `reproduce.sh` with `variant.json` and `model.json`, and
             `calibration.parquet` (the exact calibration rows) for static INT8.
         calibration: calibration rows (needed by static INT8 only; `tailguard.core.data.load_dataset`).
-        model: `tailguard.core.spec.ModelSpec` (inputs, pad_values).
+        model: `tailguard.core.spec.models.ModelSpec` (inputs, pad_values).
         calibration_batch_size: rows per calibration batch (`spec.data.calibration.batch_size`).
         profile: the TensorRT optimization profile (`tensorrt_build.spec_profile`) of a variant on backend tensorrt
             or on TensorrtExecutionProvider; None for the others.
@@ -923,7 +923,7 @@ def _write_reproduce(variant: Any, fp32: Path, out: Path, model: Any, batch_size
     calib = ('load_dataset(d + "/calibration.parquet", m.inputs)' if static else "None")
     code = (
         "import json, sys\n"
-        "from tailguard.core.spec import ModelSpec, VariantSpec\n"
+        "from tailguard.core.spec.models import ModelSpec, VariantSpec\n"
         "from tailguard.core.data import load_dataset\n"
         "from tailguard.components.quantize.logic import build_variant\n"
         "d = sys.argv[3]\n"

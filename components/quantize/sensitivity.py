@@ -72,7 +72,7 @@ def candidate_nodes(graph: Any, q: Any) -> list[tuple[str, str]]:
 
     Args:
         graph: onnx GraphProto of the prepared (optimized, preprocessed) model.
-        q: `tailguard.core.spec.QuantizationSpec` of the variant.
+        q: `tailguard.core.spec.models.QuantizationSpec` of the variant.
 
     Returns:
         [(node name, op type)] in graph order.
@@ -175,10 +175,10 @@ def node_sensitivity(variant: Any, fp32_onnx: str | Path, data: Dataset, model: 
     Method and formulas: module docstring. Static variants calibrate each single-node model on the same rows.
 
     Args:
-        variant: `tailguard.core.spec.VariantSpec`, precision int8 on onnxruntime (its `quantization` is used).
+        variant: `tailguard.core.spec.models.VariantSpec`, precision int8 on onnxruntime (its `quantization` is used).
         fp32_onnx: the FP32 reference .onnx file.
         data: rows to measure on (calibration rows); the first `samples` rows are used.
-        model: `tailguard.core.spec.ModelSpec` (inputs, pad values; the first output is compared).
+        model: `tailguard.core.spec.models.ModelSpec` (inputs, pad values; the first output is compared).
         samples: at most this many rows.
         work_dir: scratch folder (created): the prepared graph and one quantized model at a time.
         batch_size: rows per inference / calibration batch.

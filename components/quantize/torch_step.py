@@ -26,7 +26,7 @@ from tailguard.components.quantize.registry import register_step
 
 if TYPE_CHECKING:  # pragma: no cover
     from tailguard.core.data import Dataset
-    from tailguard.core.spec import ModelSpec, VariantSpec
+    from tailguard.core.spec.models import ModelSpec, VariantSpec
 
 EXAMPLE_ROWS = 4  # rows of the export example: the longest calibration rows (>= 2 along every named axis)
 

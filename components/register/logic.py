@@ -687,7 +687,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from tailguard.core.spec import target_alias
+    from tailguard.core.spec.models import target_alias
     from tailguard.core.tracking import store_lock
 
     client = mlflow.MlflowClient()

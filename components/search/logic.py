@@ -65,7 +65,7 @@ from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.results import BuildStatus, GateStatus, number_or_none
-from tailguard.core.spec import NAME_RE, SearchSpec, Spec, VariantSpec
+from tailguard.core.spec.models import NAME_RE, SearchSpec, Spec, VariantSpec
 
 from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
                                                        write_sensitivity_artifacts)
@@ -292,7 +292,7 @@ def quantized_op_types(q: Any) -> frozenset[str]:
       types in float).
 
     Args:
-        q: a `tailguard.core.spec.QuantizationSpec`.
+        q: a `tailguard.core.spec.models.QuantizationSpec`.
 
     Returns:
         The op type names (ONNX `op_type`), e.g. {"MatMul", "Gemm", "Attention", ...} for dynamic.
@@ -576,7 +576,8 @@ def _run_trial(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out: Pat
     except Exception as exc:  # the evaluation of one configuration failing must not end the search
         tb = traceback.format_exc(limit=3)
         return Trial(**base, status=BuildStatus.FAILED, seconds=round(time.perf_counter() - t0, 3),
-                     model_path=str(model_path), reason=f"evaluation raised {type(exc).__name__}: {str(exc)[:500]}\n{tb[-1500:]}")
+                     model_path=str(model_path),
+                     reason=f"evaluation raised {type(exc).__name__}: {str(exc)[:500]}\n{tb[-1500:]}")
     metric = _key_metric(spec, result)
     worst = number_or_none(result.worst_slice["observed"]) if result.worst_slice else None
     return Trial(**{**base, "passed": bool(result.passed), "p50_ms": _p50(spec, result),

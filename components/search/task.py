@@ -142,7 +142,7 @@ def decision_batch_sizes(spec: Any) -> list[int]:
     """The benchmark batch sizes a search decision reads, in spec order: the promotion batch size ('fastest' is
     judged there: `logic._p50`) and the batch size of every batched gate (latency, throughput, cost, speedup:
     `Spec.gate_batch_size`)."""
-    from tailguard.core.spec import BATCHED_METRICS
+    from tailguard.core.spec.models import BATCHED_METRICS
 
     wanted = {spec.promotion.batch_size or spec.benchmark.batch_sizes[0]}
     wanted |= {spec.gate_batch_size(g) for g in spec.gates if g.metric in BATCHED_METRICS}

@@ -79,7 +79,7 @@ import pandas as pd
 
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
-from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
+from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
 
 from tailguard.core.parity import row_source
 from tailguard.core.slices import NULL, slice_groups, value_label

@@ -71,10 +71,10 @@ import pandas as pd
 
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better, metric as catalogue_metric
-from tailguard.core.spec import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
+from tailguard.core.spec.models import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
 
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
-from tailguard.core.spec import BUILD_METRICS
+from tailguard.core.spec.models import BUILD_METRICS
 
 from tailguard.core.results import GateStatus, number_or_none
 from tailguard.core.stats import Side, newcombe_paired_bound

@@ -17,7 +17,7 @@ import numpy as np
 
 from tailguard.core.errors import InputError
 from tailguard.core.parity import row_source
-from tailguard.core.spec import PROPORTION_METRICS, TASK_METRICS, BootstrapSpec
+from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, BootstrapSpec
 from tailguard.core.stats import Side, bootstrap_bound, wilson_bound
 
 

@@ -75,7 +75,7 @@ import pandas as pd
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import Runner, run_dataset
-from tailguard.core.spec import Spec
+from tailguard.core.spec.models import Spec
 from tailguard.core.taskio import json_default
 
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
@@ -744,7 +744,7 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
             the promotion then picks the lowest validation p50; the search passes True: it picks its trial so).
     """
     from tailguard.core.latency import DECISION_MIN_ROUNDS, precision_reached, speed_ratio
-    from tailguard.core.spec import BATCHED_METRICS
+    from tailguard.core.spec.models import BATCHED_METRICS
     from tailguard.core.stats import look_confidence, order_statistic_bound
 
     precision = spec.benchmark.precision

@@ -42,7 +42,7 @@ import numpy as np
 
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.results import GateStatus
-from tailguard.core.spec import BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec, Spec
+from tailguard.core.spec.models import BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec, Spec
 from tailguard.core.stats import wilson_bound, wor_confidence_sequence, wor_log_evidence
 
 METHOD = ("prior-posterior-ratio confidence sequence for the all-rows count, rows drawn without replacement in a "

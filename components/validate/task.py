@@ -16,7 +16,7 @@ from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVE
                                      TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
                                      VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
 from tailguard.core.results import BuildStatus, GatesVerdict, StepResult, VariantResult
-from tailguard.core.spec import target_task_name
+from tailguard.core.spec.models import target_task_name
 from tailguard.core.taskio import task_entry, write_json
 
 

@@ -62,7 +62,7 @@ def quantization_preset(name: str, **overrides: Any):
         **overrides: QuantizationSpec fields that replace the preset's.
 
     Returns:
-        tailguard.core.spec.QuantizationSpec.
+        tailguard.core.spec.models.QuantizationSpec.
 
     Raises:
         SpecError: unknown preset name (listing the known ones) or an invalid override.
@@ -70,7 +70,7 @@ def quantization_preset(name: str, **overrides: Any):
     from pydantic import ValidationError
 
     from tailguard.core.errors import FieldError, SpecError
-    from tailguard.core.spec import QuantizationSpec  # lazy: spec.py imports this module for the data
+    from tailguard.core.spec.models import QuantizationSpec  # lazy: spec/models.py imports this module
 
     if name not in QUANTIZATION_PRESETS:
         raise SpecError([FieldError("quantization.preset", f"unknown preset {name!r}; known: "

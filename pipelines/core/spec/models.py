@@ -1,25 +1,23 @@
-"""The tailguard spec: one YAML file -> one tree of pydantic v2 models (extra="forbid").
+"""The spec's pydantic v2 models (extra="forbid"): the root `Spec` and its sections (model, data, slices, variants,
+gates, analysis, benchmark, cost, promotion, mlflow, kubeflow, serving targets), the limits and the metric tables
+computed from the metric catalogue. The monitoring section is in `monitor.py`; loading, validation with every error
+at once and dumping are in the package (`tailguard.core.spec`).
 
-The models are the truth; `tailguard spec schema` prints their JSON Schema and docs/spec.schema.json
-holds a copy (a test keeps it in step). Cross-field rules live in model validators so every problem
-is reported with its field path in one pass (`load_spec` raises `SpecError` with all of them).
+Cross-field rules live in model validators so every problem is reported with its field path in one pass.
 """
 
 from __future__ import annotations
 
-import copy
 import difflib
 import re
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tailguard.core import metrics as _metrics
-from tailguard.core.errors import FieldError, SpecError
 from tailguard.core.hardware import KERNEL_ISA_FLAGS
+from tailguard.core.spec.base import SpecModel
+from tailguard.core.spec.monitor import MonitoringSpec
 
 API_VERSION = "tailguard/v1"
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # DNS-1123 label: usable as a KFP task name and a K8s name
@@ -149,15 +147,12 @@ def is_parity_gate(gate: "GateSpec", task: str) -> bool:
 
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
 
 # --------------------------------------------------------------------------------------------- model
 _AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-class TensorSpec(_Model):
+class TensorSpec(SpecModel):
     """One model input or output."""
 
     name: str = Field(description="Tensor name in the ONNX graph / the torch forward() argument name.")
@@ -203,14 +198,14 @@ class TensorSpec(_Model):
         return self
 
 
-class ExportTolerance(_Model):
+class ExportTolerance(SpecModel):
     """Allowed difference between the torch model and its ONNX export for one output: |a-b| <= atol + rtol*|b|."""
 
     atol: float = Field(1e-4, ge=0, description="Absolute tolerance.")
     rtol: float = Field(1e-3, ge=0, description="Relative tolerance.")
 
 
-class ExportSpec(_Model):
+class ExportSpec(SpecModel):
     """torch -> ONNX export settings (ignored when the reference is already ONNX)."""
 
     opset: int = Field(17, ge=13, le=23, description="ONNX opset version.")
@@ -224,7 +219,7 @@ class ExportSpec(_Model):
                                      description="Tolerance for outputs not named in `tolerances`.")
 
 
-class ModelSource(_Model):
+class ModelSource(SpecModel):
     """How the FP32 reference is stored in the registry version, and how far it may be trusted."""
 
     format: Literal["auto", "onnx", "torch_export", "state_dict", "pickle"] = Field(
@@ -247,7 +242,7 @@ class ModelSource(_Model):
         return self
 
 
-class ModelSpec(_Model):
+class ModelSpec(SpecModel):
     """The FP32 reference: an MLflow registered model version."""
 
     registered_name: str = Field(description="MLflow registered model holding the FP32 reference.")
@@ -270,7 +265,7 @@ class ModelSpec(_Model):
 
 
 # ---------------------------------------------------------------------------------------------- data
-class Expectation(_Model):
+class Expectation(SpecModel):
     """A Great Expectations expectation, by its snake_case type and keyword arguments."""
 
     type: str = Field(description="e.g. expect_column_values_to_be_between", pattern=r"^expect_[a-z0-9_]+$")
@@ -279,7 +274,7 @@ class Expectation(_Model):
         default_factory=lambda: ["calibration", "validation"], description="Datasets the expectation applies to.")
 
 
-class DatasetSpec(_Model):
+class DatasetSpec(SpecModel):
     """One Parquet dataset: a column per model input (array-valued), plus label and metadata columns."""
 
     uri: str = Field(description="Parquet file path (relative to the spec file) or s3:// URI.")
@@ -301,7 +296,7 @@ class CalibrationSpec(DatasetSpec):
         "Metadata column to stratify the calibration sample over, so rare slices are represented."))
 
 
-class DataSpec(_Model):
+class DataSpec(SpecModel):
     """Calibration and validation data, and the expectations the data check enforces."""
 
     calibration: CalibrationSpec = Field(description="Calibration set (static INT8).")
@@ -311,7 +306,7 @@ class DataSpec(_Model):
 
 
 # -------------------------------------------------------------------------------------------- slices
-class SliceSpec(_Model):
+class SliceSpec(SpecModel):
     """A declared slice: rows grouped by a metadata column's value, bins or quantiles."""
 
     name: str = Field(description="Slice name used in metric keys: slice.<name>.<value>.<metric>.",
@@ -334,7 +329,7 @@ class SliceSpec(_Model):
 
 
 # ------------------------------------------------------------------------------------------ variants
-class GraphOptimizationSpec(_Model):
+class GraphOptimizationSpec(SpecModel):
     """ONNX Runtime graph optimization applied before (or instead of) quantization."""
 
     level: Literal["disabled", "basic", "extended", "all"] = Field(
@@ -345,7 +340,7 @@ class GraphOptimizationSpec(_Model):
     hidden_size: int = Field(0, ge=0, description="Hidden size for fusion (0: detect).")
 
 
-class QuantizationSpec(_Model):
+class QuantizationSpec(SpecModel):
     """INT8 quantization with ONNX Runtime (onnxruntime.quantization)."""
 
     mode: Literal["dynamic", "static"] = Field(description="dynamic: weights only, activations at run time; "
@@ -383,7 +378,7 @@ class QuantizationSpec(_Model):
         return {**QUANTIZATION_PRESETS[name], **data}
 
 
-class SearchSpace(_Model):
+class SearchSpace(SpecModel):
     """The mixed-precision configurations an accuracy-driven search may try (each list: the values tried)."""
 
     exclude_most_sensitive: list[int] = Field(default_factory=lambda: [0, 1, 2, 4, 8, 16], description=(
@@ -409,7 +404,7 @@ class SearchSpace(_Model):
         return v
 
 
-class SearchSpec(_Model):
+class SearchSpec(SpecModel):
     """Accuracy-driven search: budget, seed and space (components/search/README.md)."""
 
     max_trials: int = Field(12, ge=1, description="At most this many configurations are built and validated.")
@@ -423,7 +418,7 @@ class SearchSpec(_Model):
     space: SearchSpace = Field(default_factory=SearchSpace, description="Configurations tried.")
 
 
-class TensorRTSpec(_Model):
+class TensorRTSpec(SpecModel):
     """TensorRT build settings of a variant on backend tensorrt or on ONNX Runtime's TensorrtExecutionProvider
     (components/quantize/tensorrt_build.py). The optimization profile's shapes come from the spec and the data
     unless set here: batch 1 .. the largest of benchmark.batch_sizes and data.validation.batch_size (optimized for
@@ -452,7 +447,7 @@ class TensorRTSpec(_Model):
         return v
 
 
-class VariantSpec(_Model):
+class VariantSpec(SpecModel):
     """One inference variant to build and validate: backend x precision x calibration."""
 
     name: str = Field(description="Unique, DNS-1123 (a KFP task and MLflow run name).", pattern=NAME_RE)
@@ -555,7 +550,7 @@ class VariantSpec(_Model):
 
 
 # --------------------------------------------------------------------------------------------- gates
-class GateSpec(_Model):
+class GateSpec(SpecModel):
     """A threshold a variant must meet: exactly one of `min`, `max` (absolute) or `max_drop` (relative to the
     FP32 reference's own score).
 
@@ -627,7 +622,7 @@ class GateSpec(_Model):
 
 
 # ------------------------------------------------------------------------------------------ analysis
-class DiscoverySpec(_Model):
+class DiscoverySpec(SpecModel):
     """Automatic worst-slice discovery over metadata columns (components/validate/discovery.py)."""
 
     enabled: bool = Field(True, description="Search metadata columns for the worst slices.")
@@ -645,14 +640,14 @@ class DiscoverySpec(_Model):
     max_results: int = Field(20, ge=1, description="Report at most this many discovered slices (worst first).")
 
 
-class BootstrapSpec(_Model):
+class BootstrapSpec(SpecModel):
     """Percentile bootstrap for confidence bounds of metrics that are not proportions."""
 
     samples: int = Field(1000, ge=100, description="Bootstrap resamples.")
     seed: int = Field(0, description="Seed: the same data give the same bounds.")
 
 
-class SensitivitySpec(_Model):
+class SensitivitySpec(SpecModel):
     """Per-node quantization sensitivity of INT8 variants, also when no search runs (components/search/README.md)."""
 
     enabled: bool = Field(False, description=(
@@ -662,7 +657,7 @@ class SensitivitySpec(_Model):
     samples: int = Field(64, ge=1, description="Calibration rows used.")
 
 
-class EmbeddingAnalysisSpec(_Model):
+class EmbeddingAnalysisSpec(SpecModel):
     """Settings of the label- and retrieval-aware embedding metrics (pipelines/core/parity.py)."""
 
     knn_k: int = Field(1, ge=1, le=100, description=(
@@ -676,7 +671,7 @@ class EmbeddingAnalysisSpec(_Model):
         "cosine similarities differ by more than this (a near-tie may flip under any rounding)."))
 
 
-class SequentialSpec(_Model):
+class SequentialSpec(SpecModel):
     """Parity decided sequentially (issue 25): validation rows are scored in a seeded shuffled order, block by block,
     and each parity gate is decided as soon as a confidence sequence for its all-rows value says which side of its
     threshold that value falls (docs/spec.md, Sequential validation)."""
@@ -697,7 +692,7 @@ class SequentialSpec(_Model):
         "failed: the others are then reported undecided); all_gates: stop only when every gate is decided."))
 
 
-class AnalysisSpec(_Model):
+class AnalysisSpec(SpecModel):
     """What validation computes beyond the gates: tail samples, worst-slice discovery, bootstrap settings."""
 
     worst_k: int = Field(50, ge=0, description=(
@@ -713,7 +708,7 @@ class AnalysisSpec(_Model):
 
 
 # ------------------------------------------------------------------------------- benchmark and cost
-class BenchmarkSpec(_Model):
+class BenchmarkSpec(SpecModel):
     """Latency measurement on this node: warm-up, then timed iterations per batch size."""
 
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 32], min_length=1,
@@ -730,14 +725,14 @@ class BenchmarkSpec(_Model):
     seed: int = Field(0, description="Seed for drawing the benchmark batches from the validation set.")
 
 
-class CostSpec(_Model):
+class CostSpec(SpecModel):
     """Price of the serving node, for cost per 1M inferences = usd_per_hour / 3600 / throughput * 1e6."""
 
     usd_per_hour: float = Field(gt=0, description="On-demand price of the node (USD/hour).")
     instance: str | None = Field(None, description="Node type the price is for, for the report.")
 
 
-class PromotionSpec(_Model):
+class PromotionSpec(SpecModel):
     """Registration and promotion in the MLflow model registry."""
 
     enabled: bool = Field(True, description=(
@@ -763,7 +758,7 @@ class PromotionSpec(_Model):
                                                           "(default: <model.registered_name>-optimized).")
 
 
-class MlflowSpec(_Model):
+class MlflowSpec(SpecModel):
     """Where runs and models go. Defaults to the embedded store under $TAILGUARD_HOME."""
 
     tracking_uri: str | None = Field(None, description="Default sqlite:///$TAILGUARD_HOME/mlflow.db.")
@@ -772,7 +767,7 @@ class MlflowSpec(_Model):
 
 
 # -------------------------------------------------------------------------- kubeflow and monitoring
-class Toleration(_Model):
+class Toleration(SpecModel):
     """A Kubernetes toleration for GPU node pools."""
 
     key: str = Field(description="Taint key, e.g. nvidia.com/gpu.")
@@ -782,7 +777,7 @@ class Toleration(_Model):
         "NoSchedule", description="Taint effect.")
 
 
-class GpuPoolSpec(_Model):
+class GpuPoolSpec(SpecModel):
     """Scheduling of GPU steps on a GPU node pool."""
 
     accelerator_type: str = Field("nvidia.com/gpu", description="dsl set_accelerator_type value.")
@@ -791,14 +786,14 @@ class GpuPoolSpec(_Model):
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations for GPU steps.")
 
 
-class SecretRef(_Model):
+class SecretRef(SpecModel):
     """A Kubernetes secret mounted as environment variables: {ENV_VAR: secret key}."""
 
     name: str = Field(description="Secret name.")
     env: dict[str, str] = Field(description="Environment variable -> key in the secret.")
 
 
-class KubeflowSpec(_Model):
+class KubeflowSpec(SpecModel):
     """Cluster settings for `tailguard compile` / `submit` (images, GPU node pool, secrets)."""
 
     image: str | None = Field(None, description="Default component image (CPU steps).")
@@ -818,14 +813,14 @@ def target_alias(alias: str, target: str) -> str:
     return f"{alias}-{target}"
 
 
-class AcceleratorSpec(_Model):
+class AcceleratorSpec(SpecModel):
     """The accelerator a serving target's nodes carry (KFP `set_accelerator_type` / `set_accelerator_limit`)."""
 
     type: str = Field(description="Accelerator resource, e.g. nvidia.com/gpu (dsl set_accelerator_type value).")
     count: int = Field(1, ge=1, description="Accelerators per validate task on this target.")
 
 
-class TargetExpect(_Model):
+class TargetExpect(SpecModel):
     """What a serving target's nodes must be, checked against the facts of the node a validate task ran on
     (tailguard.core.hardware.node_facts): a task on a node that does not match validates nothing and is marked
     skipped with the differences as its reason, never passed (issue 23)."""
@@ -858,7 +853,7 @@ class TargetExpect(_Model):
         return v
 
 
-class ServingTarget(_Model):
+class ServingTarget(SpecModel):
     """A node pool a variant will serve on (issue 23). With `serving_targets`, the validate step of each variant
     runs once per target that serves it, on that pool (`tailguard compile`), the gates hold per target and
     promotion moves `<promotion.alias>-<name>` to the fastest variant passing there (docs/spec.md, Serving
@@ -889,315 +884,19 @@ class ServingTarget(_Model):
         return variant.needs_gpu == self.gpu
 
 
-# Per-row parity metrics (tailguard.core.parity) the shadow monitor can track and alert on (metric catalogue).
-MONITOR_METRICS: tuple[str, ...] = tuple(r.key for r in _metrics.ROW_METRICS if r.monitored)
-
-
-# Direction and range of a monitored metric come from the metric catalogue (tailguard.core.metrics.ROW_METRICS);
-# `spec check` checks each threshold against them (MonitorThreshold.problems, via MonitoringSpec.task_problems).
-class MonitorThreshold(_Model):
-    """When a monitored per-row parity metric is bad in a slice: an absolute bound, or an allowed drop from a
-    baseline (e.g. the variant's validation value). Give exactly one of `min`, `max`, or `baseline` + `max_drop`.
-
-    The direction of `max_drop` follows the metric: agreement and cosine similarity are higher-is-better
-    (bad when < baseline - max_drop); KL divergence and errors are lower-is-better (bad when > baseline + max_drop).
-    """
-
-    min: float | None = Field(None, description="Bad when the slice's mean is confidently below this value.")
-    max: float | None = Field(None, description="Bad when the slice's mean is confidently above this value.")
-    baseline: float | None = Field(None, description=(
-        "Expected value of the metric (e.g. the promoted variant's validation value); needs max_drop."))
-    max_drop: float | None = Field(None, ge=0, description=(
-        "Allowed change from `baseline` in the metric's bad direction (absolute units of the metric)."))
-    truncate_at: float | None = Field(None, gt=0, description=(
-        "For a lower-is-better metric without an upper end (kl_divergence, abs_error, rel_error): row values "
-        "above this count as this value in both the alarm and the recovery test, so the detector watches the "
-        "truncated mean E[min(x, truncate_at)] on both sides and an alert can clear on evidence. Without it "
-        "such an alert stays active until the monitor restarts (docs/monitor.md, Recovery)."))
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> "MonitorThreshold":
-        kinds = [k for k, v in (("min", self.min), ("max", self.max)) if v is not None]
-        relative = self.baseline is not None or self.max_drop is not None
-        if relative and (self.baseline is None or self.max_drop is None):
-            raise ValueError("baseline and max_drop go together")
-        if len(kinds) + int(relative) != 1:
-            raise ValueError("give exactly one of min, max, or baseline + max_drop")
-        return self
-
-    def problems(self, metric: str, path: str) -> list[FieldError]:
-        """What is wrong with this threshold for a per-row metric, from the metric catalogue's direction and range.
-
-        Rules: `min` only for a higher-is-better metric, `max` only for a lower-is-better one (the bad side);
-        every value (min, max, baseline) inside the metric's range; and the resolved threshold (min, max, or
-        baseline -/+ max_drop) short of the range's bad end, where the slice mean could never be confidently
-        beyond it, so the alert could never fire (e.g. top1_agree min 0, cosine_similarity min -1).
-
-        Args:
-            metric: a per-row key of the catalogue's ROW_METRICS, e.g. "top1_agree".
-            path: field path of this threshold, e.g. "monitoring.thresholds.top1_agree".
-
-        Returns:
-            One FieldError per problem (path + ".min", ".max", ".baseline" or ".max_drop"); [] when sound.
-
-        Raises:
-            InputError: `metric` is not a per-row key.
-        """
-        row = _metrics.row_metric(metric)
-        higher = row.higher_is_better
-        lo, hi = row.value_range
-        bad_end = lo if higher else hi  # the value the slice mean cannot be confidently beyond
-        where = f"[{lo:g}, {hi:g}]" if hi != float("inf") else f"[{lo:g}, inf)"
-        units = f" ({row.units}{', a fraction, not a percentage' if (lo, hi) == (0.0, 1.0) else ''})"
-        never = "a slice mean is never confidently beyond it, so this threshold never alerts"
-        errors: list[FieldError] = []
-        for key in ("min", "max"):
-            value = getattr(self, key)
-            if value is None:
-                continue
-            if (key == "min") != higher:
-                kind = "higher-is-better (bad when low)" if higher else "lower-is-better (bad when high)"
-                errors.append(FieldError(f"{path}.{key}", f"{metric} is {kind}: give {'min' if higher else 'max'}, "
-                                                          f"not {key}", value))
-            elif not lo <= value <= hi:
-                errors.append(FieldError(f"{path}.{key}", f"{metric} lies in {where}{units}, got {value:g}", value))
-            elif value == bad_end:
-                errors.append(FieldError(f"{path}.{key}", f"{metric} {key} {value:g} is the metric's "
-                                                          f"{'lowest' if higher else 'highest'} value: {never}", value))
-        if self.baseline is not None and self.max_drop is not None:
-            threshold = self.baseline - self.max_drop if higher else self.baseline + self.max_drop
-            if not lo <= self.baseline <= hi:
-                errors.append(FieldError(f"{path}.baseline", f"{metric} lies in {where}{units}, got "
-                                                             f"{self.baseline:g}", self.baseline))
-            elif (threshold <= lo) if higher else (threshold >= hi):
-                errors.append(FieldError(f"{path}.max_drop", (
-                    f"baseline {'-' if higher else '+'} max_drop = {threshold:g} is at or beyond {metric}'s "
-                    f"{'lowest' if higher else 'highest'} value {bad_end:g}: {never}; give a max_drop below "
-                    f"{abs(self.baseline - bad_end):g}"), self.max_drop))
-        if self.truncate_at is not None:
-            threshold = (self.min if self.min is not None else self.max if self.max is not None
-                         else (self.baseline or 0.0) + (self.max_drop or 0.0))
-            if higher or hi != float("inf"):
-                errors.append(FieldError(f"{path}.truncate_at", (
-                    f"{metric} is bounded on its bad side ({where}): truncate_at is only for a lower-is-better "
-                    "metric without an upper end (kl_divergence, abs_error, rel_error); remove it"),
-                    self.truncate_at))
-            elif self.truncate_at <= threshold:
-                errors.append(FieldError(f"{path}.truncate_at", (
-                    f"truncate_at {self.truncate_at:g} must lie above the threshold {threshold:g} (a truncated "
-                    "value at or below the threshold could never look bad); e.g. 10x the threshold"),
-                    self.truncate_at))
-        return errors
-
-
-class MonitorS3Spec(_Model):
-    """Where sampled (request, reference, candidate) pairs go: Parquet batches in S3 (boto3)."""
-
-    bucket: str = Field(description="S3 bucket.", min_length=3)
-    prefix: str = Field("tailguard/monitor", description="Key prefix; objects are <prefix>/<model>/<date>/<id>.parquet.")
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); default AWS.")
-    region: str | None = Field(None, description="AWS region (default: the boto3 configuration).")
-    batch_rows: int = Field(500, ge=1, description="Sampled pairs per Parquet object.")
-    flush_interval_s: float = Field(60.0, gt=0, description="Write a partial batch after this long (s).")
-    retry_interval_s: float = Field(30.0, gt=0, description="Retry spooled batches this often (s).")
-
-
-class MonitoringSpec(_Model):
-    """Shadow-traffic monitor settings (used by `tailguard monitor serve` / `replay`; docs/monitor.md).
-
-    Slices come from the request's OIP `parameters` (serve) or the metadata columns (replay). Every slice key is
-    measured (up to `max_tracked_slices`); per (slice, metric) with a threshold, a betting CUSUM (sequential
-    change detection) tests the slice's traffic mean against the threshold, with the probability of any false
-    alarm within `horizon` sampled requests at most `alpha`, across every slice and metric. Only `all`, alerting
-    slices and the `max_slices` slices with the most evidence are exported as Prometheus labels.
-    """
-
-    sample_rate: float = Field(gt=0, le=1, description=(
-        "Base fraction of live requests compared with the reference (required: there is no safe default)."))
-    seed: int | None = Field(None, description="Sampler seed (serve); None draws one. Replay takes --seed.")
-    rare_slice_frequency: float = Field(0.05, ge=0, le=1, description=(
-        "A slice seen in less than this fraction of the traffic so far is oversampled by "
-        "rare_slice_frequency / frequency (capped by max_oversample); 0 turns oversampling off."))
-    max_oversample: float = Field(20.0, ge=1, description="Cap of the rare-slice oversampling factor.")
-    slice_columns: list[str] | None = Field(None, description=(
-        "Slices to track: names of declared `slices` (their column, bins and values apply) or plain metadata "
-        "columns / request parameters (grouped by value). Default: every declared slice."))
-    slice_pairs: bool | list[list[str]] = Field(False, description=(
-        "Intersections tracked as slices too (keys like 'locale=37&ink=low'): true for every pair of "
-        "slice_columns, or a list of [name, name] pairs. Each pair adds one detector update per sampled request, "
-        "which the false-alarm control counts."))
-    max_tracked_slices: int = Field(100_000, ge=1, le=10_000_000, description=(
-        "Memory bound on measured slice keys (about 1 KB each); past it the least recently updated slice "
-        "without an active alert is evicted and counted (tailguard_monitor_slices_evicted_total)."))
-    max_slices: int = Field(50, ge=1, le=1000, description=(
-        "Prometheus label bound: besides 'all' and every slice with an active alert, at most this many slices "
-        "(those with the most evidence) are exported; every slice is in /v1/slices and slices.json."))
-    metrics: list[str] | None = Field(None, description=(
-        "Per-row parity metrics to track (tailguard.core.parity); default by task: classification "
-        "top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error; regression/generic "
-        "abs_error, rel_error. candidate_error_rate (1 for a sampled row the candidate failed on) is always "
-        "tracked."))
-    thresholds: dict[str, MonitorThreshold] | None = Field(None, description=(
-        "Alert thresholds by per-row metric; default: classification top1_agree min 0.97, embedding "
-        "cosine_similarity min 0.98, none for regression/generic; candidate_error_rate max 0 always (a "
-        "candidate that fails on sampled rows alerts) unless given here. Metrics without a threshold are "
-        "exported, never alerted on."))
-    alpha: float = Field(0.01, gt=0, lt=0.5, description=(
-        "Probability of any false alarm (any slice, any metric) within `horizon` sampled requests while every "
-        "slice sits at or on the good side of its threshold (requests independent of each other; the rows of "
-        "one request need not be: the request is the unit of evidence, docs/monitor.md)."))
-    horizon: int = Field(1_000_000, ge=1, description=(
-        "Sampled requests (not rows: a 64-row request counts once) the alpha guarantee covers; the average run "
-        "length to a false alarm is at least horizon / alpha sampled requests."))
-    window_size: int = Field(1000, ge=10, description=(
-        "Span (sampled rows) of each slice's exponentially weighted display estimate (the parity gauges); "
-        "alerts do not depend on it."))
-    min_support: int = Field(30, ge=1, description=(
-        "A slice alerts only once it has this many sampled rows (a guard against alerts on a handful of rows; "
-        "the false-alarm guarantee does not need it)."))
-    shadow_batch_rows: int = Field(256, ge=1, le=65536, description=(
-        "The shadow worker runs queued sampled requests that share an input signature (names, dtypes, "
-        "non-batch dimensions) as one inference call per model, up to this many rows; each request keeps its "
-        "own evidence. 1 turns micro-batching off."))
-    shadow_batch_wait_ms: float = Field(2.0, ge=0, le=1000, description=(
-        "Longest wait (ms) for more queued requests to fill a micro-batch once one is taken; 0 takes only "
-        "what is already queued."))
-    noise_floor: bool = Field(False, description=(
-        "Compare the reference with itself (a second run) instead of the candidate: measures the "
-        "comparison's own noise; must never alert."))
-    queue_size: int = Field(1000, ge=1, description="Sampled requests waiting for the shadow; more are dropped.")
-    reference_timeout_s: float = Field(2.0, gt=0, description="A reference call slower than this is dropped (s).")
-    logger_join_max_entries: int = Field(10000, ge=1, description=(
-        "KServe payload-logger endpoint (POST /v2/models/{name}/logger): at most this many CloudEvent halves "
-        "(a request or a response whose other half has not arrived) wait to be joined by ce-id; when full, the "
-        "oldest is dropped (dropped_total{reason=\"join_overflow\"}). Memory grows with it (one body each)."))
-    logger_join_ttl_s: float = Field(30.0, gt=0, description=(
-        "A payload-logger half whose other half has not arrived within this many seconds is dropped "
-        "(dropped_total{reason=\"unmatched\"}); cover the serving latency plus the logger's queueing delay."))
-    model_name: str | None = Field(None, description=(
-        "Model name in the OIP paths /v2/models/{name}/... (default: metadata.name)."))
-    redact_fields: list[str] = Field(default_factory=list, description=(
-        "Input names or request parameters replaced by '<redacted>' before sampled pairs leave the process."))
-    s3: MonitorS3Spec | None = Field(None, description="Sampled pairs to S3 as Parquet (off when absent).")
-    spool_dir: str | None = Field(None, description=(
-        "Local spool for batches S3 did not take (default $TAILGUARD_HOME/monitor/spool)."))
-    spool_max_bytes: int = Field(256 * 2**20, ge=1024, description="Spool bound (bytes); beyond it batches are "
-                                                                    "dropped and counted.")
-    evidently_workspace: str | None = Field(None, description=(
-        "Evidently workspace folder for drift snapshots (`evidently ui --workspace PATH`); off when absent."))
-    evidently_project: str = Field("tailguard-monitor", description="Evidently project name.")
-    snapshot_every: int = Field(1000, ge=10, description="Sampled rows per Evidently snapshot (one window).")
-    drift_reference: str | None = Field(None, description=(
-        "Parquet file of reference inputs for input drift (default: data.calibration.uri)."))
-    max_body_bytes: int = Field(8 * 2**20, ge=1024, le=2**31, description=(
-        "Largest body accepted by the ingest endpoints (infer, pairs, and each payload-logger CloudEvent), in "
-        "bytes; larger ones are refused with 413 before they are parsed "
-        "(invalid_requests_total{reason=\"body_too_large\"})."))
-    max_batch_rows: int = Field(1024, ge=1, le=2**31, description=(
-        "Most rows (the first dimension of the inputs) one request may carry; larger requests are refused with "
-        "413 (invalid_requests_total{reason=\"batch_too_large\"}), so one request cannot flood the windows."))
-    logger_join_max_bytes: int = Field(256 * 2**20, ge=1024, le=2**40, description=(
-        "Payload-logger join buffer: most bytes of waiting halves held at once (each half is kept as the raw "
-        "body it arrived as, parsed again when its partner comes); a half that does not fit evicts the oldest "
-        "ones (dropped_total{reason=\"join_overflow\"})."))
-    logger_join_max_entry_bytes: int | None = Field(None, ge=1024, le=2**31, description=(
-        "Payload-logger join buffer: largest half that may wait for its partner, in bytes (default: "
-        "max_body_bytes); a larger first half is refused with 413 "
-        "(invalid_requests_total{reason=\"join_entry_too_large\"})."))
-    max_concurrent_requests: int = Field(64, ge=1, le=100_000, description=(
-        "HTTP ingest requests (POST /v2/...) handled at once; more are answered 503 at once, before their body "
-        "is read (invalid_requests_total{reason=\"too_many_requests\"}). uvicorn's own limit_concurrency (open "
-        "connections and tasks, a memory bound) is set to this plus 1024."))
-    max_inflight_body_bytes: int = Field(256 * 2**20, ge=1024, le=2**40, description=(
-        "Bytes of HTTP ingest bodies being read at once, over every request in flight (a declared "
-        "Content-Length is reserved before reading); a body that does not fit is answered 503 "
-        "(invalid_requests_total{reason=\"body_budget_exceeded\"}). At least max_body_bytes."))
-    max_new_values_per_minute: int | None = Field(1000, ge=1, le=10_000_000, description=(
-        "Per slice column, at most this many values the monitor does not track yet get their own slice key per "
-        "minute (a token bucket); the excess is lumped into '<name>=__new__' and counted "
-        "(tailguard_monitor_slice_values_lumped_total), so a flood of unique values cannot evict real slices. "
-        "null: no limit."))
-    auth_token_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description=(
-        "Name of the environment variable holding the bearer token every monitor endpoint requires "
-        "(Authorization: Bearer <token>; gRPC metadata `authorization`), e.g. from a Kubernetes Secret. Never "
-        "the token itself. Unset (and no auth_token_file / --auth-token-file): no authentication."))
-    auth_token_file: str | None = Field(None, description=(
-        "Path of a file holding the bearer token (a mounted Secret); `monitor serve --auth-token-file` "
-        "overrides it. At most one of auth_token_env and auth_token_file."))
-    auth_readyz: bool = Field(False, description=(
-        "With a token: /readyz (and gRPC ServerReady/ModelReady) require it too. Default false: kubelet probes "
-        "send no token. /healthz and gRPC ServerLive never require it."))
-    auth_metrics: bool = Field(True, description=(
-        "With a token: /metrics requires it (give Prometheus the token: ServiceMonitor "
-        "`authorization.credentials`). false: /metrics is open."))
-
-    @model_validator(mode="after")
-    def _hardening_bounds(self) -> "MonitoringSpec":
-        if self.max_inflight_body_bytes < self.max_body_bytes:
-            raise ValueError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) is below max_body_bytes "
-                             f"({self.max_body_bytes}): a largest body could never be read; raise it")
-        if self.auth_token_env and self.auth_token_file:
-            raise ValueError("auth_token_env and auth_token_file both set: name one source of the token")
-        return self
-
-    @field_validator("thresholds")
-    @classmethod
-    def _known_threshold_metrics(cls, v: dict[str, MonitorThreshold] | None) -> dict[str, MonitorThreshold] | None:
-        known = MONITOR_METRICS
-        for k in v or {}:
-            if k not in known:
-                raise ValueError(f"unknown per-row metric {k!r}; choose from {sorted(known)}")
-        return v
-
-    @field_validator("metrics")
-    @classmethod
-    def _known_metrics(cls, v: list[str] | None) -> list[str] | None:
-        known = MONITOR_METRICS
-        for k in v or []:
-            if k not in known:
-                raise ValueError(f"unknown per-row metric {k!r}; choose from {sorted(known)}")
-        return v
-
-    def task_problems(self, task: str) -> list[FieldError]:
-        """What is wrong with the tracked metrics and thresholds for the model's task (field paths under
-        `monitoring.`); `Spec` reports them at `spec check`, `monitoring.config.resolve_config` again.
-
-        Rules: every `metrics` entry is a per-row metric the monitor computes for the task (catalogue:
-        classification top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error;
-        regression/generic abs_error, rel_error); every `thresholds` key is tracked (`metrics`, default all of
-        the task's); each threshold passes `MonitorThreshold.problems` (direction, range).
-
-        Args:
-            task: model.task.
-
-        Returns:
-            One FieldError per problem, [] when sound.
-        """
-        available = _metrics.monitor_metrics(task)
-        tracked = tuple(self.metrics) if self.metrics else available
-        errors = [FieldError(f"monitoring.metrics.{i}", f"{m!r} is not a per-row metric of task {task!r}; use "
-                                                       f"{sorted(available)}", m)
-                  for i, m in enumerate(self.metrics or []) if m not in available]
-        for m, threshold in (self.thresholds or {}).items():
-            path = f"monitoring.thresholds.{m}"
-            if m not in tracked:
-                why = (f"{m!r} is not a per-row metric of task {task!r} (use {sorted(available)})"
-                       if m not in available else f"{m!r} is not tracked (add it to monitoring.metrics)")
-                errors.append(FieldError(path, f"{why}; tracked metrics: {list(tracked)}"))
-            elif m in _metrics.ROW_CATALOGUE and _metrics.ROW_CATALOGUE[m].direction is not None:
-                errors.extend(threshold.problems(m, path))
-        return errors
-
-
 # ---------------------------------------------------------------------------------------------- root
-class Metadata(_Model):
+CROSS_FIELD_SEP = "\n"  # between the problems Spec._cross_field reports in one ValueError
+SKIP_CROSS_FIELD = "tailguard.skip_cross_field"  # validation context key: build a spec whose errors are known
+
+
+class Metadata(SpecModel):
     """Spec identity."""
 
     name: str = Field(description="Pipeline name (DNS-1123).", pattern=NAME_RE)
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels, copied to MLflow tags.")
 
 
-class Spec(_Model):
+class Spec(SpecModel):
     """A tailguard OptimizationSpec."""
 
     apiVersion: Literal["tailguard/v1"] = Field(description="Spec API version.")
@@ -1307,7 +1006,7 @@ class Spec(_Model):
         if self.model.task == "classification" and self.data.validation.label_column is None:
             pass  # accuracy is then not computed; agreement metrics still are
         if errors:
-            # one "<field path>: <problem>" per line; `_field_errors` splits them (a problem may hold "; ")
+            # one "<field path>: <problem>" per line; `spec.field_errors` splits them (a problem may hold "; ")
             raise ValueError(CROSS_FIELD_SEP.join(errors))
         return self
 
@@ -1357,231 +1056,3 @@ class Spec(_Model):
     def gate_batch_size(self, gate: GateSpec) -> int:
         """Batch size a batched gate applies to (the gate's, else the first benchmark batch size)."""
         return gate.batch_size or self.benchmark.batch_sizes[0]
-
-
-# --------------------------------------------------------------------------------------------- loading
-def _loc(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-after")))
-
-
-# Spec keys removed on purpose: `spec check` names them with what replaced them instead of "unknown field".
-REMOVED_FIELDS: dict[str, str] = {
-    "monitoring.correction": (
-        "removed: the monitor's sequential detector controls false alarms over the stream and across slices by "
-        "construction (monitoring.alpha over monitoring.horizon sampled requests, docs/monitor.md); delete this "
-        "key"),
-    "monitoring.clear_factor": (
-        "removed: an alert clears when the recovery detector finds the slice back on the good side of its "
-        "threshold (docs/monitor.md, Statistics and alerts); delete this key"),
-}
-
-
-def field_errors(exc: ValidationError, *,
-                 unknown: str = "unknown field (check the spelling; see `tailguard spec schema`)") -> list[FieldError]:
-    """One FieldError per pydantic error of `exc` (dotted field path, message, offending input); cross-field
-    problems ("<path>: <problem>" lines) become one FieldError each. `unknown` is the message for an unknown
-    field, REMOVED_FIELDS' for a removed one. Used by the spec and by the trigger's config."""
-    out: list[FieldError] = []
-    for e in exc.errors(include_url=False):
-        msg = e["msg"].removeprefix("Value error, ")
-        loc = _loc(e["loc"])
-        if e["type"] == "extra_forbidden":
-            msg = REMOVED_FIELDS.get(loc, unknown)
-        if e["type"] == "value_error" and not loc and re.match(r"^[A-Za-z_][\w.]*: ", msg):
-            # cross-field (Spec._cross_field): "<field path>: <problem>" lines, one FieldError each
-            for part in msg.split(CROSS_FIELD_SEP):
-                field_path, _, text = part.partition(": ")
-                out.append(FieldError(field_path, text or part))
-            continue
-        out.append(FieldError(loc, msg, e.get("input")))
-    return out
-
-
-_field_errors = field_errors
-
-
-CROSS_FIELD_SEP = "\n"  # between the problems Spec._cross_field reports in one ValueError
-SKIP_CROSS_FIELD = "tailguard.skip_cross_field"  # validation context key: build a spec whose errors are known
-_MAX_PRUNE_ROUNDS = 4
-
-
-def _drop(doc: Any, loc: tuple[Any, ...]) -> bool:
-    """Delete the mapping key at pydantic error location `loc` from `doc` (in place); parts that are not keys or
-    indexes of the document (union tags, validator names) are skipped. False when the location ends at a list item
-    or the root (deleting it would renumber the field paths of later errors) or is not found."""
-    parts = [p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
-    if not parts:
-        return False
-    node = doc
-    for part in parts[:-1]:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-        else:
-            return False
-    if isinstance(node, dict) and parts[-1] in node:
-        del node[parts[-1]]
-        return True
-    return False
-
-
-def _hidden_errors(data: dict[str, Any], exc: ValidationError) -> tuple[dict[str, Any], list[FieldError]]:
-    """The cross-field errors (unknown gate metric, unknown slice, ...) that field errors kept from running.
-
-    Pydantic runs Spec's model validators only when every field is valid, so a type error elsewhere would hide
-    them until the user fixed it and tried again. This drops every invalid field from a copy of the document
-    (optional fields then take their defaults) and validates again, a few rounds, collecting what the model
-    validators find. Errors at the dropped fields themselves are not repeated.
-
-    Returns:
-        (the pruned document, the extra FieldErrors).
-    """
-    doc = copy.deepcopy(data)
-    dropped: set[str] = set()
-    extra: list[FieldError] = []
-    for _ in range(_MAX_PRUNE_ROUNDS):
-        progress = False
-        for e in exc.errors(include_url=False):
-            if _drop(doc, tuple(e["loc"])):
-                dropped.add(_loc(tuple(e["loc"])))
-                progress = True
-        if not progress:
-            return doc, extra
-        try:
-            Spec.model_validate(doc)
-            return doc, extra
-        except ValidationError as again:
-            exc = again
-            for fe in _field_errors(again):
-                if not any(fe.loc == d or fe.loc.startswith(d + ".") for d in dropped):
-                    if not any(fe.loc == x.loc and fe.message == x.message for x in extra):
-                        extra.append(fe)
-    return doc, extra
-
-
-def validate_spec(data: Any) -> tuple[Spec | None, list[FieldError]]:
-    """Validate a parsed YAML/JSON document as a Spec and collect every problem at once.
-
-    Field errors (types, unknown fields) and the cross-field errors they would otherwise hide (`_hidden_errors`)
-    are returned together.
-
-    Returns:
-        (spec, errors): errors empty -> the Spec. Errors non-empty -> a partial Spec for further checks (e.g. of
-        the data files): the document without its invalid optional fields, validated without the cross-field
-        rules (whose errors are in `errors`); None when even that does not validate (a required field is wrong).
-    """
-    if not isinstance(data, dict):
-        return None, [FieldError("", f"expected a mapping at the top level, got {type(data).__name__}")]
-    try:
-        return Spec.model_validate(data), []
-    except ValidationError as exc:
-        errors = _field_errors(exc)
-        doc = data
-        if all(e["loc"] for e in exc.errors(include_url=False)):  # field errors: Spec's validators did not run
-            doc, extra = _hidden_errors(data, exc)
-            known = {(e.loc, e.message) for e in errors}
-            errors += [e for e in extra if (e.loc, e.message) not in known]
-        try:  # the rest of the spec, for checks beyond the spec itself (data files)
-            partial: Spec | None = Spec.model_validate(doc, context={SKIP_CROSS_FIELD: True})
-        except ValidationError:
-            partial = None
-        return partial, errors
-
-
-def spec_error(errors: list[FieldError], data: Any, *, source: str = "spec") -> SpecError:
-    """The SpecError for `errors` (from `validate_spec`), with a fix hint (the parity-gate example when the spec
-    has no parity gate)."""
-    hint = "fix the fields above; `tailguard spec schema` prints every field"
-    if any(e.loc == "gates" and e.message.startswith(NO_PARITY_GATE) for e in errors):
-        task = (data.get("model") or {}).get("task") if isinstance(data, dict) and isinstance(data.get("model"),
-                                                                                               dict) else None
-        example = PARITY_GATE_EXAMPLE.get(str(task), PARITY_GATE_EXAMPLE["embedding"])
-        hint = (f"add a gate on a parity metric (overall or per_slice) for every variant, e.g. "
-                f"`- {example}` under gates, or set `promotion: {{enabled: false}}` to register and report "
-                "without moving the alias; " + hint)
-    return SpecError(errors, source=source, hint=hint)
-
-
-def parse_spec(data: Any, *, source: str = "spec") -> Spec:
-    """Validate a parsed YAML/JSON document as a Spec.
-
-    Raises:
-        SpecError: with every problem and its field path.
-    """
-    spec, errors = validate_spec(data)
-    if errors or spec is None:
-        raise spec_error(errors or [FieldError("", "not a valid spec")], data, source=source)
-    return spec
-
-
-def load_spec(path: str | Path, *, resolve_paths: bool = True) -> Spec:
-    """Load and validate a spec file.
-
-    Args:
-        path: YAML file.
-        resolve_paths: make relative data URIs absolute, relative to the spec file's folder.
-
-    Raises:
-        SpecError: the file is missing, is not YAML, or is not a valid spec (every error with its field path).
-    """
-    p = Path(path)
-    spec = parse_spec(read_spec_document(p), source=str(p))
-    if resolve_paths:
-        resolve_data_uris(spec, p)
-    return spec
-
-
-def read_spec_document(path: str | Path) -> Any:
-    """The parsed YAML of a spec file (not validated).
-
-    Raises:
-        SpecError: the file is missing or is not YAML (with the line and column).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise SpecError([FieldError("", f"file not found: {p}")], source=str(p),
-                        hint="pass the path of a spec YAML file")
-    try:
-        return yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise SpecError([FieldError("", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}")],
-                        source=str(p)) from None
-
-
-def resolve_data_uris(spec: Spec, spec_path: str | Path) -> None:
-    """Make relative data URIs absolute, relative to the spec file's folder (in place)."""
-    base = Path(spec_path).resolve().parent
-    for ds in (spec.data.calibration, spec.data.validation):
-        if "://" not in ds.uri and not Path(ds.uri).is_absolute():
-            ds.uri = str((base / ds.uri).resolve())
-
-
-# Top-level keys added after the first release that `dump_spec` leaves out while they hold their default: the text
-# tasks receive, and so the compiled IR and KFP's cache keys, stay the same for specs that do not use them.
-OMITTED_WHEN_DEFAULT: dict[str, Any] = {"serving_targets": []}
-
-
-def dump_spec(spec: Spec) -> str:
-    """YAML text of a spec (what KFP tasks receive as the `spec_yaml` parameter); the OMITTED_WHEN_DEFAULT keys
-    only when they differ from their default."""
-    doc = spec.model_dump(mode="json", exclude_none=False)
-    for key, default in OMITTED_WHEN_DEFAULT.items():
-        if doc.get(key) == default:
-            doc.pop(key, None)
-    return yaml.safe_dump(doc, sort_keys=False)
-
-
-def spec_from_yaml(text: str) -> Spec:
-    """Inverse of `dump_spec`. Raises SpecError."""
-    return parse_spec(yaml.safe_load(text))
-
-
-def json_schema() -> dict[str, Any]:
-    """The JSON Schema of a spec (draft 2020-12, as pydantic generates it)."""
-    schema = Spec.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = "https://tailguard.dev/schemas/tailguard-v1.json"
-    return schema
