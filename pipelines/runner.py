@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from tailguard.core.contract import (PARENT_TAG, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
                                      SOURCE_MODEL_TAG, insufficient_reason)
@@ -36,6 +36,9 @@ from tailguard.core.spec import dump_spec, load_spec
 from tailguard.core.spec.models import Spec
 from tailguard.core.taskio import find_error_records
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
+
+if TYPE_CHECKING:
+    from tailguard.components.register.logic import VariantSummary
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXEC = re.compile(r"Executing task '?([\w\-]+)'?")
@@ -469,7 +472,7 @@ class GatesStatus(str, Enum):
     NOT_RUN = "not_run"  # the build or validation did not finish: no gate was judged
 
 
-def gates_status(v: Any) -> GatesStatus:
+def gates_status(v: VariantSummary) -> GatesStatus:
     """The gate verdict of a VariantSummary (see `GatesStatus`); `passed` is the validate step's, never
     recomputed."""
     if v.status != BuildStatus.OK:
@@ -511,7 +514,7 @@ def gate_ids(summary: RunSummary) -> dict[str, str]:
     return ids
 
 
-def worst_slice_cell(v: Any) -> str:
+def worst_slice_cell(v: VariantSummary) -> str:
     """The summary's "worst slice" cell: 'slice=value: observed (n=support)' only when the worst slice is not
     perfect (its value is worse than the metric's self-score, e.g. below 1 for an agreement; the catalogue's
     `self_score`) or a per-slice gate failed; "-" otherwise (a perfect variant has no worst slice, so none is
@@ -531,7 +534,7 @@ def worst_slice_cell(v: Any) -> str:
     return f"{ws['slice']}={ws['value']}: {observed:.3f} (n={ws['support']})"
 
 
-def target_status(v: Any) -> str:
+def target_status(v: VariantSummary) -> str:
     """A variant's verdict per serving target, "avx512: passed, avx2: failed gates, arm: skipped" ("" without
     targets): passed | failed gates | the status (skipped: the node did not match the target's expect)."""
     def word(e: dict[str, Any]) -> str:

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from rich.console import Console
 from rich.table import Table
 
 from tailguard.core.results import BuildStatus
 
+if TYPE_CHECKING:
+    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.core.spec.models import Spec
+
 # Wide enough for the summary table when output goes to a file or a CI log (no terminal to measure).
 console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 
 
-def int8_macs_cell(v: Any) -> str:
+def int8_macs_cell(v: VariantSummary | None) -> str:
     """The summary's "int8 MACs" cell of a VariantSummary: the share of MACs in INT8 for INT8 variants ("100%";
     red with "!" under LOW_QUANTIZED_MAC_FRACTION; "?" when not recorded), "" for other variants."""
     from tailguard.components.register.logic import LOW_QUANTIZED_MAC_FRACTION
@@ -35,7 +39,7 @@ _SUMMARY_NUMBERS = ("x torch", "x onnx fp32", "p50 ms", "p99 ms")
 _SUMMARY_TEXT = ("worst slice", "gates", "registered", "promoted")
 
 
-def _summary_cells(r: dict[str, Any], v: Any) -> dict[str, Any]:
+def _summary_cells(r: dict[str, Any], v: VariantSummary | None) -> dict[str, Any]:
     """A summary row's cells (str, or Text where the content must not be read as markup), by column name."""
     from rich.text import Text
 
@@ -67,7 +71,7 @@ def _fit_widths(minimum: list[int], maximum: list[int], available: int) -> list[
     return widths
 
 
-def summary_renderables(summary: Any, width: int) -> list[Any]:
+def summary_renderables(summary: RunSummary, width: int) -> list[Any]:
     """What `print_summary` prints before the gate legend, for a console `width` columns wide.
 
     The table (columns: variant, status, x torch, x onnx fp32, p50 ms, p99 ms, int8 MACs, agreement, accuracy,
@@ -118,7 +122,7 @@ def summary_renderables(summary: Any, width: int) -> list[Any]:
     return out
 
 
-def print_summary(summary: Any) -> None:
+def print_summary(summary: RunSummary) -> None:
     """The end-of-run summary: `summary_renderables` (a table, or per-variant blocks on a terminal too narrow for
     it), a legend of the gate ids, the variants' warnings, discovered slices, searches and task timings.
 
@@ -201,7 +205,7 @@ def print_search(search: dict) -> None:
         console.print(Text(note, style="dim"))
 
 
-def run_with_progress(spec: Any, model_version: Optional[str], cache: bool = True,
+def run_with_progress(spec: Spec, model_version: Optional[str], cache: bool = True,
                       model_path: Optional[list[Path]] = None) -> Any:
     """`runner.run_local` with a progress bar of its tasks on `console`; returns its result (a RunResult)."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

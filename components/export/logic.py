@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -32,9 +32,12 @@ from tailguard.core.runtime import OrtRunner, Runner
 
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
+if TYPE_CHECKING:
+    from tailguard.core.spec.models import ModelSpec
+
 
 # ------------------------------------------------------------------------------------------------ export
-def dynamic_axes_from_spec(spec: Any) -> dict[str, dict[int, str]]:
+def dynamic_axes_from_spec(spec: ModelSpec) -> dict[str, dict[int, str]]:
     """Named dynamic axes per input/output: every axis the spec gives as a string (e.g. "batch", "sequence").
 
     Args:
@@ -51,7 +54,7 @@ def dynamic_axes_from_spec(spec: Any) -> dict[str, dict[int, str]]:
     return out
 
 
-def dummy_feeds(spec: Any, *, batch: int = 2, length: int = 4) -> dict[str, np.ndarray]:
+def dummy_feeds(spec: ModelSpec, *, batch: int = 2, length: int = 4) -> dict[str, np.ndarray]:
     """Feeds made from the spec's input shapes alone (no data), for tracing an export.
 
     Args:
@@ -73,7 +76,7 @@ def dummy_feeds(spec: Any, *, batch: int = 2, length: int = 4) -> dict[str, np.n
     return feeds
 
 
-def export_onnx(module: Any, spec: Any, sample_feeds: Mapping[str, np.ndarray], out_path: str | Path
+def export_onnx(module: Any, spec: ModelSpec, sample_feeds: Mapping[str, np.ndarray], out_path: str | Path
                 ) -> dict[str, Any]:
     """Export a torch module to one ONNX file with the spec's names and dynamic axes.
 
@@ -200,7 +203,7 @@ def _grow_dynamic_axes(feeds: dict[str, np.ndarray], axes: dict[str, dict[int, s
     return grown
 
 
-def _export_dynamo(module: Any, args: tuple, spec: Any, axes: dict[str, dict[int, str]], out_path: Path) -> None:
+def _export_dynamo(module: Any, args: tuple, spec: ModelSpec, axes: dict[str, dict[int, str]], out_path: Path) -> None:
     import torch
 
     dims: dict[str, Any] = {}
@@ -274,7 +277,7 @@ def _model_facts(path: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------- check
-def check_declared_outputs(onnx_path: str | Path, spec: Any, feeds: Mapping[str, np.ndarray], *,
+def check_declared_outputs(onnx_path: str | Path, spec: ModelSpec, feeds: Mapping[str, np.ndarray], *,
                            onnx_runner: Runner | None = None, source: str = "export") -> dict[str, Any]:
     """Check `model.outputs` (name, dtype, rank, fixed sizes) against the ONNX graph and against what it returns.
 
@@ -319,7 +322,7 @@ def check_declared_outputs(onnx_path: str | Path, spec: Any, feeds: Mapping[str,
     return {"graph": [g.to_dict() for g in graph], "batch": [g.to_dict() for g in got], "rows": rows}
 
 
-def feeds_for_graph(runner: Any, spec: Any, *, batch: int = 2, length: int = 4) -> dict[str, np.ndarray]:
+def feeds_for_graph(runner: Any, spec: ModelSpec, *, batch: int = 2, length: int = 4) -> dict[str, np.ndarray]:
     """A batch built from the spec's inputs alone (`dummy_feeds`), with every axis the graph fixes set to the
     graph's size: what an ONNX reference is run on to see its real output shapes without reading data.
 
@@ -343,13 +346,13 @@ def feeds_for_graph(runner: Any, spec: Any, *, batch: int = 2, length: int = 4) 
     return feeds
 
 
-def _tolerance(spec: Any, name: str) -> tuple[float, float]:
+def _tolerance(spec: ModelSpec, name: str) -> tuple[float, float]:
     tol = spec.export.tolerances.get(name, spec.export.default)
     return float(tol.atol), float(tol.rtol)
 
 
 def check_export(torch_runner: Runner, onnx_path: str | Path, feeds_list: Sequence[Mapping[str, np.ndarray]],
-                 spec: Any, *, onnx_runner: Runner | None = None) -> dict[str, dict[str, Any]]:
+                 spec: ModelSpec, *, onnx_runner: Runner | None = None) -> dict[str, dict[str, Any]]:
     """Compare every output of the ONNX graph with the source model on the given batches.
 
     The rule per element is numpy.allclose's: |onnx - torch| <= atol + rtol * |torch|, with (atol, rtol) from

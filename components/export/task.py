@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tailguard.core.contract import EXPORT_FACTS_FILE, ONNX_FILE, ONNX_INLINE_LIMIT_BYTES
 from tailguard.core.taskio import task_entry, write_json
+
+if TYPE_CHECKING:
+    from tailguard.core.data import Dataset
+    from tailguard.core.reference import ResolvedModel
+    from tailguard.core.spec.models import Spec
 
 
 def _copy_onnx(src: Path, out_dir: Path) -> Path:
@@ -26,7 +31,7 @@ def _copy_onnx(src: Path, out_dir: Path) -> Path:
     return dst
 
 
-def check_batches(spec: Any, ds: Any) -> list[dict[str, np.ndarray]]:
+def check_batches(spec: Spec, ds: Dataset) -> list[dict[str, np.ndarray]]:
     """Batches for the export check: the `export.check_samples` shortest-to-longest rows in two batch sizes.
 
     Two different batch sizes and padded lengths exercise both dynamic axes.
@@ -78,7 +83,7 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, out_dir: str
     return json.dumps(facts, default=str)
 
 
-def _check_outputs(spec: Any, onnx_path: Path) -> dict[str, Any]:
+def _check_outputs(spec: Spec, onnx_path: Path) -> dict[str, Any]:
     """`check_declared_outputs` on a batch made from model.inputs alone (`feeds_for_graph`)."""
     from tailguard.components.export.logic import check_declared_outputs, feeds_for_graph
     from tailguard.core.runtime import OrtRunner
@@ -87,7 +92,7 @@ def _check_outputs(spec: Any, onnx_path: Path) -> dict[str, Any]:
     return check_declared_outputs(onnx_path, spec.model, feeds_for_graph(runner, spec.model), onnx_runner=runner)
 
 
-def _export(spec: Any, resolved: Any, out: Path) -> dict[str, Any]:
+def _export(spec: Spec, resolved: ResolvedModel, out: Path) -> dict[str, Any]:
     """Export (torch) or check and copy (ONNX) the reference into `out`; returns the facts."""
     from tailguard.components.export.logic import check_declared_outputs, check_export, check_onnx_file, export_onnx
     from tailguard.core.runtime import OrtRunner

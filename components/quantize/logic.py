@@ -52,6 +52,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
+    from tailguard.core.spec.models import GraphOptimizationSpec, ModelSpec, QuantizationSpec, TensorSpec, VariantSpec
 from tailguard.core.errors import InputError
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.results import StepResult
@@ -81,13 +82,13 @@ _MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "Conv", "FusedConv"
 
 
 # --------------------------------------------------------------------------------------------- dispatch
-def step_name_for(variant: Any) -> str:
+def step_name_for(variant: VariantSpec) -> str:
     """Registered step name that builds `variant` (by its backend), e.g. "quantize.onnxruntime"."""
     return STEP_FOR_BACKEND[variant.backend]
 
 
-def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None,
-                  model: Any, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
+def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None,
+                  model: ModelSpec, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
     """Build one variant from the FP32 ONNX reference, through the step registered for its backend.
 
     Args:
@@ -114,7 +115,7 @@ def build_variant(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, c
                                             calibration_batch_size=calibration_batch_size, profile=profile)
 
 
-def _check_inputs(variant: Any, fp32_onnx: str | Path, calibration: Dataset | None) -> Path:
+def _check_inputs(variant: VariantSpec, fp32_onnx: str | Path, calibration: Dataset | None) -> Path:
     path = Path(fp32_onnx)
     if not path.is_file():
         raise InputError(f"variant {variant.name}: FP32 ONNX file not found: {path}",
@@ -136,8 +137,9 @@ def _check_inputs(variant: Any, fp32_onnx: str | Path, calibration: Dataset | No
 
 # --------------------------------------------------------------------------------------------- TensorRT
 @register_step("compile.tensorrt")
-def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None = None,
-                     model: Any = None, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
+def compile_tensorrt(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
+                     calibration: Dataset | None = None, model: ModelSpec | None = None,
+                     calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
     """Build a TensorRT engine for `variant`: skipped with the reason where no GPU or TensorRT is present.
 
     TensorRT is never imported at module level; `tailguard.core.runtime.tensorrt_unavailable_reason` is the seam.
@@ -157,8 +159,9 @@ def compile_tensorrt(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *
                                   calibration_batch_size=calibration_batch_size, profile=profile)
 
 
-def _build_tensorrt_engine(variant: Any, fp32_onnx: Path, out_dir: Path, calibration: Dataset | None,
-                           model: Any, *, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
+def _build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, calibration: Dataset | None,
+                           model: ModelSpec, *, calibration_batch_size: int = 8,
+                           profile: dict | None = None) -> StepResult:
     """The engine build on a GPU node with TensorRT (`tensorrt_build.build_tensorrt_engine`; tensorrt imported
     there, lazily)."""
     from tailguard.components.quantize.tensorrt_build import build_tensorrt_engine
@@ -169,8 +172,8 @@ def _build_tensorrt_engine(variant: Any, fp32_onnx: Path, out_dir: Path, calibra
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime
 @register_step("quantize.onnxruntime")
-def quantize_onnxruntime(variant: Any, fp32_onnx: str | Path, out_dir: str | Path, *,
-                         calibration: Dataset | None = None, model: Any = None,
+def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
+                         calibration: Dataset | None = None, model: ModelSpec | None = None,
                          calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
     """Build an ONNX Runtime variant (fp32-optimized, fp16, int8 dynamic, int8 static). See `build_variant`.
 
@@ -220,7 +223,7 @@ def quantize_onnxruntime(variant: Any, fp32_onnx: str | Path, out_dir: str | Pat
     return StepResult("ok", artifact=str(target), details=details)
 
 
-def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | None, model: Any,
+def _build_ort(variant: VariantSpec, fp32: Path, target: Path, calibration: Dataset | None, model: ModelSpec,
                calibration_batch_size: int, details: dict[str, Any], progress: dict[str, str]) -> str | None:
     """The stages of an ORT variant; returns a failure reason for a problem found (not raised), else None."""
     out = target.parent
@@ -275,7 +278,7 @@ def _build_ort(variant: Any, fp32: Path, target: Path, calibration: Dataset | No
 
 
 # ------------------------------------------------------------------------------------- graph optimization
-def optimization_levels(variant: Any) -> tuple[str, str | None]:
+def optimization_levels(variant: VariantSpec) -> tuple[str, str | None]:
     """(ORT graph optimization level applied before quantization / precision conversion, level left to the
     ONNX Runtime session that loads the quantized model, or None).
 
@@ -288,7 +291,7 @@ def optimization_levels(variant: Any) -> tuple[str, str | None]:
     return go.level, None
 
 
-def _optimize_graph(variant: Any, src: Path, dst: Path, details: dict[str, Any]) -> Path:
+def _optimize_graph(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]) -> Path:
     """Graph optimization before quantization / fp16 conversion, at `optimization_levels(variant)[0]` (the
     search's sensitivity analysis prepares its graph with this too, so node names match)."""
     go = variant.graph_optimization
@@ -339,7 +342,7 @@ EXPECTED_BERT_FUSIONS: dict[str, tuple[str, ...]] = {
 ATTENTION_OP_TYPES = frozenset(EXPECTED_BERT_FUSIONS["attention"])
 
 
-def fusion_warnings(fused_ops: dict[str, int], go: Any, *, int8: bool = False) -> list[str]:
+def fusion_warnings(fused_ops: dict[str, int], go: GraphOptimizationSpec, *, int8: bool = False) -> list[str]:
     """Warnings for the roles `fusion: bert` fused nothing for (EXPECTED_BERT_FUSIONS).
 
     Args:
@@ -386,7 +389,8 @@ def attention_matmuls(path: str | Path) -> list[str]:
     return names
 
 
-def attention_quantization_warnings(variant: Any, source: Path, quantized: Path, details: dict[str, Any]) -> list[str]:
+def attention_quantization_warnings(variant: VariantSpec, source: Path, quantized: Path,
+                                    details: dict[str, Any]) -> list[str]:
     """A warning when INT8 quantized attention MatMuls (`attention_matmuls` of the graph given to the quantizer)
     and the graph has no fused attention op (Attention / MultiHeadAttention, whose INT8 kernels keep the scores
     and softmax in float): scores and probabilities in 8 bits broke MiniLM's top-1 agreement (0.31, issue 26).
@@ -466,7 +470,7 @@ def _coverage(source: Path, quantized: Path, calibration: Dataset | None,
 
 
 # -------------------------------------------------------------------------------------------------- fp16
-def _to_fp16(variant: Any, src: Path, dst: Path, details: dict[str, Any]) -> None:
+def _to_fp16(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]) -> None:
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
@@ -505,7 +509,7 @@ def _preprocess(src: Path, dst: Path, details: dict[str, Any]) -> Path:
     return src
 
 
-def _excluded_nodes(src: Path, q: Any) -> tuple[list[str], list[str]]:
+def _excluded_nodes(src: Path, q: QuantizationSpec) -> tuple[list[str], list[str]]:
     """Node names to keep in float: `exclude_nodes` plus every node of an `exclude_op_types` type.
 
     Returns:
@@ -541,7 +545,7 @@ def _large(src: Path) -> bool:
     return src.stat().st_size >= TWO_GB
 
 
-def _quantize_dynamic(q: Any, src: Path, dst: Path, excluded: list[str], details: dict[str, Any]) -> None:
+def _quantize_dynamic(q: QuantizationSpec, src: Path, dst: Path, excluded: list[str], details: dict[str, Any]) -> None:
     import onnx
     from onnxruntime.quantization import quantize_dynamic
 
@@ -577,9 +581,9 @@ class DatasetCalibrationReader:
         input_names: only these inputs are fed (the graph's inputs).
     """
 
-    def __init__(self, ds: Dataset, input_specs: Any, batch_size: int, *, pad_values: dict[str, float] | None = None,
-                 fixed_length: int | None = None, equal_batches: bool = False,
-                 input_names: list[str] | None = None) -> None:
+    def __init__(self, ds: Dataset, input_specs: list[TensorSpec], batch_size: int, *,
+                 pad_values: dict[str, float] | None = None, fixed_length: int | None = None,
+                 equal_batches: bool = False, input_names: list[str] | None = None) -> None:
         self.ds, self.specs = ds, [s for s in input_specs if input_names is None or s.name in input_names]
         from tailguard.core.data import batch_indices
 
@@ -616,8 +620,8 @@ def _calibration_cache_supported() -> bool:
     return "calibration_cache_path" in inspect.signature(quantize_static).parameters
 
 
-def _quantize_static(q: Any, src: Path, dst: Path, excluded: list[str], calibration: Dataset, model: Any,
-                     batch_size: int, tmp: Path, details: dict[str, Any]) -> None:
+def _quantize_static(q: QuantizationSpec, src: Path, dst: Path, excluded: list[str], calibration: Dataset,
+                     model: ModelSpec, batch_size: int, tmp: Path, details: dict[str, Any]) -> None:
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
@@ -677,7 +681,7 @@ _RANGES: "OrderedDict[str, tuple[Any, int]]" = OrderedDict()
 _RANGES_MAX = 8  # entries kept (a search's variants x calibration methods); histograms are num_bins per tensor
 
 
-def calibration_key(src: Path, q: Any, calibration: "Dataset", model: Any, batch_size: int) -> str:
+def calibration_key(src: Path, q: QuantizationSpec, calibration: "Dataset", model: ModelSpec, batch_size: int) -> str:
     """SHA-256 over what the calibration ranges of `src` depend on: the graph given to the quantizer (bytes of
     `src`, after graph optimization and quant_pre_process), the method, num_bins (histogram methods), percentile
     (percentile), op_types, the calibration rows (every input array's dtype, shape and bytes, in row order), the
@@ -704,8 +708,8 @@ def calibration_key(src: Path, q: Any, calibration: "Dataset", model: Any, batch
     return h.hexdigest()
 
 
-def _memoized_calibration(src: Path, q: Any, method: Any, calibration: "Dataset", model: Any, batch_size: int,
-                          graph_inputs: list[str], cache: Path, tmp: Path) -> tuple[int, bool]:
+def _memoized_calibration(src: Path, q: QuantizationSpec, method: Any, calibration: "Dataset", model: ModelSpec,
+                          batch_size: int, graph_inputs: list[str], cache: Path, tmp: Path) -> tuple[int, bool]:
     """Write the calibration ranges of `src` to `cache` (an ORT calibration cache, `save_tensors_data`): from the
     process memo when `calibration_key` matches an earlier calibration, else from `calibrate_ranges`.
     Graphs with external data (> 2 GB) are not memoized. Returns (batches, reused)."""
@@ -726,8 +730,8 @@ def _memoized_calibration(src: Path, q: Any, method: Any, calibration: "Dataset"
     return n_batches, False
 
 
-def calibrate_ranges(src: Path, q: Any, method: Any, calibration: "Dataset", model: Any, batch_size: int,
-                     graph_inputs: list[str], tmp: Path) -> tuple[Any, int]:
+def calibrate_ranges(src: Path, q: QuantizationSpec, method: Any, calibration: "Dataset", model: ModelSpec,
+                     batch_size: int, graph_inputs: list[str], tmp: Path) -> tuple[Any, int]:
     """Calibrate `src` on the calibration rows: ORT's `create_calibrator` (op_types, `method`, num_bins /
     percentile for the histogram methods) fed length-sorted batches of `batch_size` rows padded per batch.
     Min-max gets every batch in one collect_data call (as quantize_static does; the per-batch reductions are
@@ -896,7 +900,7 @@ def _load_check(path: Path, providers: list) -> None:
     require_active_provider(ort.InferenceSession(str(path), sess_options=opts, providers=resolved), resolved)
 
 
-def _write_calibration(calibration: Dataset | None, model: Any, out: Path) -> None:
+def _write_calibration(calibration: Dataset | None, model: ModelSpec, out: Path) -> None:
     """Keep the exact calibration rows beside the variant (reproduce.sh reads them)."""
     if calibration is None:
         return
@@ -910,7 +914,7 @@ def _write_calibration(calibration: Dataset | None, model: Any, out: Path) -> No
     frame.to_parquet(out / "calibration.parquet")
 
 
-def _write_reproduce(variant: Any, fp32: Path, out: Path, model: Any, batch_size: int) -> Path:
+def _write_reproduce(variant: VariantSpec, fp32: Path, out: Path, model: ModelSpec, batch_size: int) -> Path:
     """Write reproduce.sh: the same `build_variant` call, from the variant/model JSON written beside it."""
     # exclude_unset: re-validating every default can trip validators that look at the fields a user set
     # (QuantizationSpec rejects `format` on a dynamic variant)

@@ -41,13 +41,16 @@ import contextlib
 import io
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
+
+if TYPE_CHECKING:
+    from tailguard.core.spec.models import ModelSpec, QuantizationSpec, VariantSpec
 
 # Op types whose quantization carries a weight or heavy arithmetic: the nodes worth keeping in float.
 WEIGHTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "Gather", "GatherElements",
@@ -59,7 +62,7 @@ SENSITIVITY_COLUMNS = ("rank", "node", "op_type", "output_rel_l2", "output_cosin
 _UNNAMED = "_tailguard_unnamed_"
 
 
-def _registry_op_types(q: Any) -> set[str]:
+def _registry_op_types(q: QuantizationSpec) -> set[str]:
     from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry, QLinearOpsRegistry
 
     if q.mode == "dynamic":
@@ -67,7 +70,7 @@ def _registry_op_types(q: Any) -> set[str]:
     return set(QDQRegistry if q.format == "qdq" else QLinearOpsRegistry)
 
 
-def candidate_nodes(graph: Any, q: Any) -> list[tuple[str, str]]:
+def candidate_nodes(graph: Any, q: QuantizationSpec) -> list[tuple[str, str]]:
     """Nodes of `graph` that quantization `q` would quantize and that carry weights (module docstring, step 2).
 
     Args:
@@ -135,7 +138,7 @@ def _has_quantized_ops(path: Path) -> bool:
                for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
-def _run(path: Path, ds: Dataset, model: Any, provider: str, batch_size: int) -> np.ndarray:
+def _run(path: Path, ds: Dataset, model: ModelSpec, provider: str, batch_size: int) -> np.ndarray:
     from tailguard.core.runtime import OrtRunner, run_dataset
 
     runner = OrtRunner(path, providers=[provider])
@@ -168,7 +171,7 @@ def output_errors(reference: np.ndarray, candidate: np.ndarray) -> tuple[float, 
     return float(rel.mean()), float((1.0 - cos).mean())
 
 
-def node_sensitivity(variant: Any, fp32_onnx: str | Path, data: Dataset, model: Any, *, samples: int,
+def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset, model: ModelSpec, *, samples: int,
                      work_dir: str | Path, batch_size: int = 8) -> pd.DataFrame:
     """Rank the variant's quantizable nodes by how much quantizing each ALONE changes the model output.
 

@@ -12,15 +12,20 @@ import json
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tailguard.core.results import BuildStatus
 from tailguard.core.taskio import task_entry, write_json
 
 from tailguard.core.contract import ONNX_FILE  # export's output file
 
+if TYPE_CHECKING:
+    from tailguard.core.reference import ResolvedModel
+    from tailguard.core.spec.models import Spec, VariantSpec
 
-def cache_parts(spec: Any, variant: Any, onnx_dir: str | Path, profile: dict | None = None) -> dict[str, Any] | None:
+
+def cache_parts(spec: Spec, variant: VariantSpec, onnx_dir: str | Path,
+                profile: dict | None = None) -> dict[str, Any] | None:
     """What a build reads, for the cache key (tailguard.core.cache.cache_key): the FP32 model's bytes, the variant
     (all but its `search` section, which a build does not read), the model section (inputs, pad values), the
     TensorRT optimization profile (`profile`, when the variant has one), and for a static INT8 build, a TensorRT
@@ -75,13 +80,13 @@ def skip_torch_in_ort_tools() -> bool:
     return True
 
 
-def _needs_calibration(variant: Any) -> bool:
+def _needs_calibration(variant: VariantSpec) -> bool:
     """Static INT8 on ONNX Runtime, or INT8 on TensorRT (its entropy calibrator): the build reads calibration rows."""
     static = variant.quantization is not None and variant.quantization.mode == "static"
     return static or (variant.backend == "tensorrt" and variant.precision == "int8")
 
 
-def tensorrt_profile(spec: Any, variant: Any) -> dict | None:
+def tensorrt_profile(spec: Spec, variant: VariantSpec) -> dict | None:
     """The optimization profile of a variant on backend tensorrt or on TensorrtExecutionProvider
     (`tensorrt_build.spec_profile`, from the spec and the validation rows); None for every other variant (no rows
     are read then).
@@ -97,7 +102,7 @@ def tensorrt_profile(spec: Any, variant: Any) -> dict | None:
     return spec_profile(spec, variant, load_validation(spec))
 
 
-def _wants_sensitivity(spec: Any, variant: Any) -> bool:
+def _wants_sensitivity(spec: Spec, variant: VariantSpec) -> bool:
     return (spec.analysis.sensitivity.enabled and variant.precision == "int8" and variant.backend == "onnxruntime"
             and variant.search is None)
 
@@ -133,7 +138,7 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
     return json.dumps(d, default=str)
 
 
-def torch_cache_parts(spec: Any, variant: Any, resolved: Any) -> dict[str, Any] | None:
+def torch_cache_parts(spec: Spec, variant: VariantSpec, resolved: ResolvedModel) -> dict[str, Any] | None:
     """What a torch build reads, for the cache key: the reference (`cache.reference_parts`: format, files, class
     source), the variant, the model section, the calibration rows it takes the export example from, and the node
     (machine, torch version, GPUs): the artefact is bound to them (its manifest), so a build is never served to
@@ -195,7 +200,7 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
     return json.dumps(d, default=str)
 
 
-def _build(spec: Any, variant: Any, onnx_dir: Path, out: Path, profile: dict | None = None) -> dict[str, Any]:
+def _build(spec: Spec, variant: VariantSpec, onnx_dir: Path, out: Path, profile: dict | None = None) -> dict[str, Any]:
     """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant" and
     "hardware" (`tailguard.core.hardware.node_facts()` of this node: CPU model, ISA flags, cores, GPUs, versions)."""
     skip_torch_in_ort_tools()

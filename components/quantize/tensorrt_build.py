@@ -52,6 +52,7 @@ from tailguard.core.results import StepResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas
     from tailguard.core.data import Dataset
+    from tailguard.core.spec.models import ModelSpec, Spec, VariantSpec
 
 SUPPORTED_TENSORRT_MAJOR = 10
 CALIBRATOR = "entropy2"  # IInt8EntropyCalibrator2: TensorRT's recommended calibrator (its Python API docs)
@@ -151,7 +152,7 @@ def optimization_profile(input_specs: Sequence[Any], *, batch_sizes: Iterable[in
     return profile
 
 
-def spec_profile(spec: Any, variant: Any, validation: "Dataset") -> Profile:
+def spec_profile(spec: Spec, variant: VariantSpec, validation: "Dataset") -> Profile:
     """`optimization_profile` of `variant` from the whole spec: the batch sizes the validate step runs the variant at
     (benchmark.batch_sizes, data.validation.batch_size), the promotion's batch size to optimize for, the validation
     rows' lengths and the variant's `tensorrt` section. (INT8 calibration has its own fixed-shape profile,
@@ -182,7 +183,7 @@ def profile_strings(profile: Profile) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- ONNX Runtime GPU providers
-def ort_providers(variant: Any, profile: Profile | None) -> list[list[Any]]:
+def ort_providers(variant: VariantSpec, profile: Profile | None) -> list[list[Any]]:
     """The providers (with options) an ONNX Runtime variant's sessions are opened with, in preference order, as
     JSON-ready `[[name, {option: value}], ...]`; paths are relative to the variant's folder
     (`tailguard.core.runtime.resolve_provider_paths` makes them absolute where the folder is).
@@ -226,8 +227,8 @@ def ort_providers(variant: Any, profile: Profile | None) -> list[list[Any]]:
 
 
 # --------------------------------------------------------------------------------- engine build config
-def engine_build_config(variant: Any, profile: Profile, *, tensorrt_version: str, onnx_sha256: str,
-                        calibration: "Dataset | None" = None, model: Any = None,
+def engine_build_config(variant: VariantSpec, profile: Profile, *, tensorrt_version: str, onnx_sha256: str,
+                        calibration: "Dataset | None" = None, model: ModelSpec | None = None,
                         calibration_batch_size: int = 8) -> dict[str, Any]:
     """Everything the engine build sets, as data: what `configure_builder` applies, what build.json records and
     what the engine's fingerprint hashes (`engine.fingerprint(..., build_config)`).
@@ -505,7 +506,7 @@ def timing_cache_path(root: Path, device: Mapping[str, str]) -> Path:
     return root / f"timing-{tag}.cache"
 
 
-def tensorrt_skip_reason(variant: Any, trt_version: str) -> str | None:
+def tensorrt_skip_reason(variant: VariantSpec, trt_version: str) -> str | None:
     """Why this node's TensorRT cannot build `variant` the way tailguard builds it, or None."""
     try:
         major = int(str(trt_version).split(".")[0])
@@ -518,8 +519,8 @@ def tensorrt_skip_reason(variant: Any, trt_version: str) -> str | None:
     return None
 
 
-def build_tensorrt_engine(variant: Any, fp32_onnx: Path, out_dir: Path, calibration: "Dataset | None", model: Any,
-                          *, profile: Profile | None, calibration_batch_size: int = 8,
+def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, calibration: "Dataset | None",
+                          model: ModelSpec, *, profile: Profile | None, calibration_batch_size: int = 8,
                           probe: Callable[[], dict[str, str]] | None = None, trt: Any = None,
                           build: Callable[..., tuple[bytes, bytes | None, list[str]]] | None = None) -> StepResult:
     """Build `variant`'s TensorRT engine into `out_dir/<variant>.plan` with its manifest (the step

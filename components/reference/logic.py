@@ -4,9 +4,13 @@ the calibration coverage figures. No file or MLflow I/O (task.py does that)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tailguard.core.data import Dataset
+    from tailguard.core.spec.models import Spec
 
 # Torch baseline method (issue 26, item 1). Alternating a default ONNX Runtime session and torch eager in one process
 # made torch wait on ORT's intra-op workers, which spin on the cores for a while after each ORT Run: measured 2.9x
@@ -20,7 +24,7 @@ TORCH_SEGMENTS = 5        # the timed rounds are split into this many consecutiv
 TORCH_SPREAD_MAX = 1.5    # warn when the slowest segment's torch p50 is more than 1.5x the fastest's
 
 
-def reference_outputs(truth: Any, ds: Any, spec: Any) -> list[np.ndarray]:
+def reference_outputs(truth: Any, ds: Dataset, spec: Spec) -> list[np.ndarray]:
     """The FP32 reference's outputs over the validation set.
 
     Args:
@@ -105,7 +109,7 @@ def torch_stability(samples_ms: Sequence[float], segments: int = TORCH_SEGMENTS,
             "stable": bool(spread <= max_spread), "method": method}
 
 
-def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Any, spec: Any, *,
+def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Dataset, spec: Spec, *,
                    clock: Callable[[], int] | None = None) -> dict[str, Any]:
     """Time ONNX Runtime FP32 and (for a torch reference) torch eager FP32 at every benchmark batch size, with
     the spec's `benchmark` section, and check that torch's p50 is stable across the rounds.

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tailguard.core.contract import (BASELINES_FILE, COVERAGE_CSV, COVERAGE_JSON, ONNX_FILE, REFERENCE_FILE,
                                      baseline_metrics)
 from tailguard.core.taskio import task_entry, write_json
 
+if TYPE_CHECKING:
+    from tailguard.core.reference import ResolvedModel
+    from tailguard.core.spec.models import Spec
+    from tailguard.core.data import Dataset
 
 
-def cache_parts(spec: Any, resolved: Any, onnx_dir: str | Path) -> dict[str, Any] | None:
+
+def cache_parts(spec: Spec, resolved: ResolvedModel, onnx_dir: str | Path) -> dict[str, Any] | None:
     """What reference-pass reads, for its cache key (tailguard.core.cache): the reference
     (`cache.reference_parts`), the validation rows, the exported FP32 ONNX model's bytes, the `benchmark`
     section, the threads, the machine (CPU model, CPU count, OS, architecture: the baselines are timings) and,
@@ -86,7 +91,7 @@ def main(*, spec_yaml: str, resolved_json: str, reference_dir: str, onnx_dir: st
     return json.dumps(result, default=str)
 
 
-def _reference_pass(spec: Any, resolved: Any, onnx_dir: Path, out: Path) -> dict[str, Any]:
+def _reference_pass(spec: Spec, resolved: ResolvedModel, onnx_dir: Path, out: Path) -> dict[str, Any]:
     """Run, time and measure coverage; write the output folder; return the baselines."""
     import numpy as np
 
@@ -114,7 +119,7 @@ def _reference_pass(spec: Any, resolved: Any, onnx_dir: Path, out: Path) -> dict
     return baselines
 
 
-def _write_coverage(spec: Any, validation: Any, out: Path) -> None:
+def _write_coverage(spec: Spec, validation: Dataset, out: Path) -> None:
     """calibration_coverage.csv and .json per declared slice (nothing without slices)."""
     if not spec.slices:
         return

@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG,
                                      COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG, GATES_TAG,
@@ -42,6 +42,9 @@ from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTI
 from tailguard.core.reference import alias_version
 from tailguard.core.results import (BuildStatus, GatesVerdict, GateStatus, PromotionStatus, ResultFormatError,
                                     VariantResult)
+
+if TYPE_CHECKING:
+    from tailguard.core.spec.models import Spec, VariantSpec
 
 
 @dataclass
@@ -264,7 +267,8 @@ EIGHT_BIT_WEIGHTS_NOTE = ("8-bit weights: results depend on the CPU's INT8 kerne
                           "checks it")
 
 
-def numerics_warnings(variant: Any, hardware_dependent: bool | None, numerics: dict[str, Any] | None) -> list[str]:
+def numerics_warnings(variant: VariantSpec, hardware_dependent: bool | None,
+                      numerics: dict[str, Any] | None) -> list[str]:
     """The summary's warnings about INT8 numerics for one variant (issue 23).
 
     Args:
@@ -339,7 +343,7 @@ def versions_by_sha256(client: Any, model_name: str) -> dict[str, str]:
             return out
 
 
-def backend_tags(variant: Any, run_tags: dict[str, str]) -> dict[str, str]:
+def backend_tags(variant: VariantSpec, run_tags: dict[str, str]) -> dict[str, str]:
     """The registered version's backend-specific tags: the ONNX Runtime execution provider (onnxruntime), the
     TensorRT plan's fingerprint (tensorrt: TensorRT version, GPU, compute capability, CUDA; from the validated run's
     ARTIFACT_FINGERPRINT_TAG), or the torch variant's compile mode, device, CUDA graphs and the artefact's
@@ -550,7 +554,7 @@ def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, 
                              comparison, names)
 
 
-def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, VariantResult], variants: dict[str, Any],
+def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, VariantResult], variants: dict[str, Any],
                     *, margin: float, batch_size: int) -> dict[str, Any] | None:
     """Time the passing variants interleaved in this process, paired rounds at the promotion batch size, until
     the fastest's advantage over every other is decided against 1 + margin or the budget ends.
@@ -592,7 +596,7 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
     from tailguard.core.runtime import OrtRunner, runner_for_file
     from tailguard.core.stats import look_confidence
 
-    def timeable(v: Any) -> bool:  # the register task runs on a CPU node: CPU variants only
+    def timeable(v: VariantSpec) -> bool:  # the register task runs on a CPU node: CPU variants only
         return v.backend == "onnxruntime" and v.execution_provider == "CPUExecutionProvider" or (
             v.backend == "torch" and v.torch_device == "cpu")
 
@@ -660,7 +664,7 @@ def compare_passing(spec: Any, rows: list[VariantSummary], results: dict[str, Va
                        f"one-sided bounds at {level * 100:.4g}% per look (95% over the looks), paired bootstrap")}
 
 
-def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, source_version: str,
+def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, source_version: str,
                          source_sha256: str | None = None) -> RunSummary:
     """Register the variants `promotion.register_variants` asks for and move the alias to the fastest passing one.
 
@@ -727,7 +731,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             r = f"{VARIANT_RESULT_FILE} on run {run.info.run_id} is the result of {r.variant!r}, not of {name!r}"
         return r
 
-    def row_of(name: str, v: Any, r: VariantResult, run_id: str) -> VariantSummary:
+    def row_of(name: str, v: VariantSpec, r: VariantResult, run_id: str) -> VariantSummary:
         row = VariantSummary(
             variant=name, backend=v.backend, precision=v.precision, status=r.status, reason=r.reason,
             passed=r.passed, run_id=run_id,
@@ -743,7 +747,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             row.warnings += numerics_warnings(v, r.hardware_dependent, r.numerics)
         return row
 
-    def add_row(name: str, v: Any, run: Any, node_tags: dict[str, str] | None = None) -> None:
+    def add_row(name: str, v: VariantSpec, run: Any, node_tags: dict[str, str] | None = None) -> None:
         """The row of candidate `name` from its run; `node_tags`: the run whose tailguard.hw.* tags name the node
         it was validated on (default `run`; a '<V>-searched' run is the search's, on V's node)."""
         run_id = run.info.run_id
@@ -758,7 +762,7 @@ def register_and_promote(spec: Any, *, parent_run_id: str, experiment_id: str, s
             built.append((row, r, v, run_id))  # registered after the selection (registration policy)
         summary.variants.append(row)
 
-    def add_target_row(v: Any) -> None:
+    def add_target_row(v: VariantSpec) -> None:
         """One row for variant `v` from its validation on each target that serves it (`VariantSummary.targets`)."""
         entries: dict[str, dict[str, Any]] = {}
         results: dict[str, tuple[VariantResult, str]] = {}

@@ -55,7 +55,7 @@ import traceback
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -69,6 +69,9 @@ from tailguard.core.spec.models import NAME_RE, SearchSpec, Spec, VariantSpec
 
 from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
                                                        write_sensitivity_artifacts)
+
+if TYPE_CHECKING:
+    from tailguard.core.spec.models import QuantizationSpec
 
 
 class SearchStop(StrEnum):
@@ -276,7 +279,7 @@ def _dedupe(items: list[Any]) -> list[Any]:
 SKIPPED_STATUS = "skipped: cannot differ"  # a family of the space that would repeat a planned one
 
 
-def quantized_op_types(q: Any) -> frozenset[str]:
+def quantized_op_types(q: QuantizationSpec) -> frozenset[str]:
     """The op types ONNX Runtime's quantizer quantizes for quantization settings `q` (mode, format, op_types).
 
     Read from the installed library's registries (onnxruntime/quantization/registry.py and quantize.py), not a
@@ -308,7 +311,7 @@ def quantized_op_types(q: Any) -> frozenset[str]:
     return frozenset(listed if q.format == "qdq" else listed & set(QLinearOpsRegistry))
 
 
-def _never_quantized_reason(q: Any) -> str:
+def _never_quantized_reason(q: QuantizationSpec) -> str:
     """Why `quantized_op_types(q)` lacks an op type, in words (names the registry it was read from)."""
     if q.mode == "dynamic":
         return ("dynamic quantization never quantizes it (onnxruntime.quantization.registry.IntegerOpsRegistry"
@@ -384,7 +387,7 @@ def _families(variant: VariantSpec, search: SearchSpec, graph_op_types: set[str]
     return plan_families(variant, search, graph_op_types)[0]
 
 
-def prepared_op_types(sensitivity_dir: Path, q: Any, fp32_onnx: str | Path) -> set[str]:
+def prepared_op_types(sensitivity_dir: Path, q: QuantizationSpec, fp32_onnx: str | Path) -> set[str]:
     """Op types of the graph the quantizer sees.
 
     Args:

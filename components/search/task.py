@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tailguard.core.contract import (BACKEND_TAG, GATES_TAG, PRECISION_TAG, REASON_TAG, SEARCH_ARTIFACT_PATH,
                                      SEARCH_OF_TAG, SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_NAME_TAG,
@@ -33,6 +33,11 @@ from tailguard.core.contract import (BACKEND_TAG, GATES_TAG, PRECISION_TAG, REAS
 from tailguard.core.results import BuildStatus, GatesVerdict
 from tailguard.core.taskio import task_entry, write_json
 from tailguard.core.tracking import closing_run
+
+if TYPE_CHECKING:
+    from tailguard.components.search.logic import Trial
+    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.data import Dataset
 
 
 class SearchStatus(StrEnum):
@@ -45,7 +50,7 @@ class SearchStatus(StrEnum):
     FAILED = "failed"          # the search raised
 
 
-def search_decision(variant: Any, validation: dict[str, Any]) -> tuple[str | None, str]:
+def search_decision(variant: VariantSpec, validation: dict[str, Any]) -> tuple[str | None, str]:
     """Whether the search of `variant` runs, from the validate step's output.
 
     Args:
@@ -67,7 +72,7 @@ def search_decision(variant: Any, validation: dict[str, Any]) -> tuple[str | Non
     return None, ""
 
 
-def _trial_params(trial: Any) -> dict[str, str]:
+def _trial_params(trial: Trial) -> dict[str, str]:
     """A trial's config as MLflow params (lists as JSON, values cut to MLflow's 6000 characters)."""
     out = {}
     for k, v in trial.config.items():
@@ -75,7 +80,7 @@ def _trial_params(trial: Any) -> dict[str, str]:
     return out
 
 
-def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any, trial: Any) -> str:
+def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: VariantSpec, trial: Trial) -> str:
     """Log one trial as a nested run under the variant's run (no model). Returns the run id.
 
     Tags: mlflow.parentRunId = `variant_run_id`, tailguard.search_of, tailguard.trial, tailguard.status
@@ -102,7 +107,7 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Any
     return run_id
 
 
-def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, variant: Any, trial: Any,
+def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, variant: VariantSpec, trial: Trial,
                            trial_run_id: str, work_dir: Path) -> str:
     """Log the chosen trial as candidate '<V>-searched', a direct child of the parent run, exactly as the
     validate step logs a variant (components/validate/task.py `log_validated_model`), variant_result.json
@@ -138,7 +143,7 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
     return run_id
 
 
-def decision_batch_sizes(spec: Any) -> list[int]:
+def decision_batch_sizes(spec: Spec) -> list[int]:
     """The benchmark batch sizes a search decision reads, in spec order: the promotion batch size ('fastest' is
     judged there: `logic._p50`) and the batch size of every batched gate (latency, throughput, cost, speedup:
     `Spec.gate_batch_size`)."""
@@ -149,7 +154,7 @@ def decision_batch_sizes(spec: Any) -> list[int]:
     return [bs for bs in spec.benchmark.batch_sizes if bs in wanted]
 
 
-def decision_spec(spec: Any) -> Any:
+def decision_spec(spec: Spec) -> Any:
     """`spec` with benchmark.batch_sizes cut to `decision_batch_sizes`: what each search trial is timed at.
 
     Timing is most of a trial's cost (every batch size up to benchmark.max_seconds, the FP32 reference
@@ -161,9 +166,9 @@ def decision_spec(spec: Any) -> Any:
     return spec.model_copy(update={"benchmark": spec.benchmark.model_copy(update={"batch_sizes": sizes})})
 
 
-def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validation: Any, baselines: dict[str, Any],
-                  work_root: Path, reference_model_dir: str | Path | None = None
-                  ) -> tuple[Callable[[Any, Path], Any], dict[str, Path]]:
+def make_evaluate(spec: Spec, variant: VariantSpec, *, reference_outputs: list, validation: Dataset,
+                  baselines: dict[str, Any], work_root: Path,
+                  reference_model_dir: str | Path | None = None) -> tuple[Callable[[Any, Path], Any], dict[str, Path]]:
     """The `evaluate(trial_variant, model_path)` run_search calls, mirroring the validate step.
 
     Each trial runs on its own execution provider with spec.benchmark.intra_op_num_threads, over the same
@@ -188,7 +193,7 @@ def make_evaluate(spec: Any, variant: Any, *, reference_outputs: list, validatio
     baseline_runners = reference_runners(spec, reference_model_dir)
     trial_spec = decision_spec(spec)
 
-    def evaluate(trial_variant: Any, model_path: Path) -> Any:
+    def evaluate(trial_variant: VariantSpec, model_path: Path) -> Any:
         runner = OrtRunner(model_path, providers=[trial_variant.execution_provider],
                            intra_op_num_threads=spec.benchmark.intra_op_num_threads)
         d = work_root / trial_variant.name
@@ -275,7 +280,7 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
             reference_model_dir=onnx_dir)
         trial_runs: dict[int, str] = {}
 
-        def on_trial(trial: Any) -> None:
+        def on_trial(trial: Trial) -> None:
             trial_runs[trial.index] = log_trial(client, exp_id, variant_run_id, variant, trial)
 
         result = run_search(spec, variant, Path(onnx_dir) / ONNX_FILE, work / "search",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -15,6 +15,9 @@ from tailguard.core.metrics import higher_is_better
 from tailguard.core.report import (CSS, TORCH_NOTE, html_table, img_tag, key_metric, no_mathtext, png_base64,
                                    value_text, zoom_limits)
 from tailguard.core.results import GateStatus
+
+if TYPE_CHECKING:
+    from tailguard.components.validate.gates import GateResult
 
 MAX_SLICE_BARS = 30  # groups shown in the per-slice plot (the worst ones)
 MAX_WORST_SAMPLES = 20  # rows of worst_samples shown in the report (the CSV holds analysis.worst_k)
@@ -92,7 +95,7 @@ def _group_text(f: dict) -> str:
     return f"{f['slice']}={f['value']} ({inner}, n={f['support']})"
 
 
-def _gate_detail(g: Any) -> str:
+def _gate_detail(g: GateResult) -> str:
     d = g.detail or {}
     parts = []
     if d.get("reason"):

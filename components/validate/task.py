@@ -7,7 +7,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,11 @@ from tailguard.core.results import BuildStatus, GatesVerdict, StepResult, Varian
 from tailguard.core.spec.models import target_task_name
 from tailguard.core.taskio import task_entry, write_json
 
+if TYPE_CHECKING:
+    from tailguard.components.validate.logic import ValidationResult
+    from tailguard.core.data import Dataset
+    from tailguard.core.spec.models import Spec, VariantSpec
+
 
 def discovered_summary(records: list[dict[str, Any]], top: int = 3) -> list[dict[str, Any]]:
     """The `top` worst significant discovered slices (discovery table records, worst first) as
@@ -27,7 +32,7 @@ def discovered_summary(records: list[dict[str, Any]], top: int = 3) -> list[dict
     return [{k: r.get(k) for k in keys} for r in records if bool(r.get("significant"))][:top]
 
 
-def flat_params(variant: Any) -> dict[str, str]:
+def flat_params(variant: VariantSpec) -> dict[str, str]:
     """The variant's spec as flat MLflow params (quantization.mode=static, ...)."""
     out: dict[str, str] = {}
 
@@ -147,7 +152,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
         return json.dumps(summary, default=str)
 
 
-def target_check(spec: Any, target_name: str, facts: dict[str, Any],
+def target_check(spec: Spec, target_name: str, facts: dict[str, Any],
                  placement: str) -> tuple[list[str], dict[str, str]]:
     """This node against serving target `target_name`'s `expect` (tailguard.core.hardware.expect_mismatches).
 
@@ -202,7 +207,7 @@ class VariantUnusable(Exception):
     reason, the run goes on."""
 
 
-def torch_runner(spec: Any, variant: Any, model_file: Path, build: dict[str, Any], ds: Any) -> Any:
+def torch_runner(spec: Spec, variant: VariantSpec, model_file: Path, build: dict[str, Any], ds: Dataset) -> Any:
     """The torch variant's runner: its manifest checked against this node (and, for an AOTInductor package, a
     load-and-run probe in a child process first, `torch_backend.probe_load`), then loaded here.
 
@@ -231,7 +236,7 @@ MEASUREMENTS_STEP = "validate-measurements"  # the local cache's step name of a 
 MEASUREMENTS_NPZ, TIMING_JSON = "measurements.npz", "timing.json"
 
 
-def measurement_parts(spec: Any, variant: Any, model_file: Path,
+def measurement_parts(spec: Spec, variant: VariantSpec, model_file: Path,
                       reference_model_dir: str | Path | None) -> dict[str, Any] | None:
     """What a variant's measurements (its outputs on the validation rows and its timing rounds, `logic.Measurements`)
     are a function of, for the local cache key: the variant's model bytes, its execution provider and the threads,
@@ -261,7 +266,7 @@ def measurement_parts(spec: Any, variant: Any, model_file: Path,
             "node": node_facts()}
 
 
-def load_measurements(spec: Any, variant: Any, model_file: Path,
+def load_measurements(spec: Spec, variant: VariantSpec, model_file: Path,
                       reference_model_dir: str | Path | None) -> tuple[Any, Any]:
     """The variant's stored measurements from the local cache and the function that stores them again.
 
@@ -293,7 +298,7 @@ def load_measurements(spec: Any, variant: Any, model_file: Path,
         except (OSError, ValueError, KeyError):  # pruned or replaced while read: measure again
             m = Measurements()
 
-    def save(meas: Any) -> None:
+    def save(meas: Measurements) -> None:
         if meas is None or not meas.changed or meas.order is None:
             return
         with tempfile.TemporaryDirectory(prefix="tailguard-measurements-") as tmp:
@@ -325,7 +330,7 @@ def json_default_safe(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def reference_runners(spec: Any, reference_model_dir: str | Path | None, *, beside_torch: bool = False
+def reference_runners(spec: Spec, reference_model_dir: str | Path | None, *, beside_torch: bool = False
                       ) -> dict[str, Any] | None:
     """The baselines timed interleaved with a variant: {"onnx_fp32": OrtRunner of the FP32 reference ONNX}, on
     the CPU execution provider with the spec's threads as reference-pass times it; None without a folder. Beside
@@ -345,7 +350,7 @@ def reference_runners(spec: Any, reference_model_dir: str | Path | None, *, besi
                                    allow_spinning=not beside_torch)}
 
 
-def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
+def _validate(spec: Spec, variant: VariantSpec, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
               run_id: str, client: Any, metrics: Any, report_path: str | None,
               reference_model_dir: str | None = None, *, identity: VariantResult | None = None) -> dict[str, Any]:
     from tailguard.components.validate.logic import validate_variant
@@ -392,7 +397,7 @@ def _validate(spec: Any, variant: Any, build: dict, baselines: dict, variant_dir
         shutil.rmtree(work, ignore_errors=True)
 
 
-def ort_session_providers(variant: Any, build: dict[str, Any], variant_dir: Path) -> list[Any]:
+def ort_session_providers(variant: VariantSpec, build: dict[str, Any], variant_dir: Path) -> list[Any]:
     """The providers (with options) an ONNX Runtime variant was built and load-checked with (build.json
     `details.providers`, `tensorrt_build.ort_providers`), cache folders resolved under `variant_dir`; a build.json
     without them (an older build) gives the bare execution provider."""
@@ -430,7 +435,7 @@ def tensorrt_expected_fingerprint(build: dict[str, Any], reference_model_dir: st
             "build_config_sha256": config_sha256(details["build_config"])}
 
 
-def variant_runner(spec: Any, variant: Any, build: dict[str, Any], variant_dir: Path,
+def variant_runner(spec: Spec, variant: VariantSpec, build: dict[str, Any], variant_dir: Path,
                    reference_model_dir: str | Path | None) -> Any:
     """The runner of a built variant: a `TensorRTRunner` for backend tensorrt (the plan checked against its manifest
     and this node before TensorRT deserializes it), else an `OrtRunner` on the providers and options it was built
@@ -466,13 +471,13 @@ def log_coverage(client: Any, run_id: str, build: dict[str, Any]) -> None:
                                               else coverage_line(cov))[:5000])
 
 
-def load_reference_outputs(spec: Any, reference_file: Path) -> list[np.ndarray]:
+def load_reference_outputs(spec: Spec, reference_file: Path) -> list[np.ndarray]:
     """The FP32 reference outputs saved by reference-pass, in model.outputs order (each (rows, ...))."""
     with np.load(reference_file) as npz:
         return [npz[o.name] for o in spec.model.outputs]
 
 
-def log_validation(client: Any, run_id: str, result: Any, *, metrics: Any = None) -> tuple[bool, str]:
+def log_validation(client: Any, run_id: str, result: ValidationResult, *, metrics: Any = None) -> tuple[bool, str]:
     """Log a ValidationResult's verdict to run `run_id`: metrics, gate tags, worst slice, reason.
 
     Args:
@@ -533,7 +538,7 @@ def onnx_pip_requirements(execution_provider: str) -> list[str]:
     return [f"onnx=={onnx.__version__}", f"{ort[0]}=={ort[1]}" if ort[1] else ort[0]]
 
 
-def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path, model_file: Path,
+def log_validated_model(client: Any, run_id: str, result: ValidationResult, *, work_dir: Path, model_file: Path,
                         execution_provider: str, metrics: Any = None, report_path: str | None = None,
                         identity: VariantResult | None = None, onnx: bool = True) -> dict[str, Any]:
     """Log a validated model to its run the way the register step reads it.
@@ -607,7 +612,7 @@ def log_validated_model(client: Any, run_id: str, result: Any, *, work_dir: Path
             "worst_slice": d.get("worst_slice")}
 
 
-def variant_result(identity: VariantResult, result: Any, *, passed: bool, reason: str, run_id: str,
+def variant_result(identity: VariantResult, result: ValidationResult, *, passed: bool, reason: str, run_id: str,
                    model_uri: str | None, sha256: str | None) -> VariantResult:
     """The VariantResult of a validated candidate: `identity`'s name, backend, precision and search fields, the
     verdict (`passed`, `reason`, as `gates.verdict` decided them), and from the ValidationResult `result` the scalar

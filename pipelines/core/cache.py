@@ -29,10 +29,14 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from tailguard.core.errors import InputError
 from tailguard.core.home import home
+
+if TYPE_CHECKING:
+    from tailguard.core.reference import ResolvedModel
+    from tailguard.core.spec.models import Spec
 
 ENV_CACHE = "TAILGUARD_CACHE"
 ENV_MAX_BYTES = "TAILGUARD_CACHE_MAX_BYTES"
@@ -158,7 +162,7 @@ def cache_key(step: str, parts: Mapping[str, Any]) -> str:
 
 # Key parts shared by several steps (export, reference-pass): kept here, in the kernel, because a component
 # imports no other component (docs/architecture.md, Layers).
-def reference_parts(resolved: Any, spec: Any) -> dict[str, Any] | None:
+def reference_parts(resolved: ResolvedModel, spec: Spec) -> dict[str, Any] | None:
     """What identifies the FP32 reference, for cache keys: its format, files and their bytes, the torch class it
     loads with (and the source file of that class's module), and the model section (exported shapes, export
     settings, pad values).

@@ -14,10 +14,13 @@ _TOKEN, AWS_* or workload identity; docs/deploy.md, Trust model).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
+
+if TYPE_CHECKING:
+    from tailguard.core.spec.models import Spec
 
 MASK = "***"
 # Query parameter names whose values are credentials (lower-cased substrings): AWS SigV4 presigned URLs
@@ -87,7 +90,7 @@ def redact_spec_yaml(text: str) -> str:
     return text if clean == doc else yaml.safe_dump(clean, sort_keys=False)
 
 
-def redacted_spec(spec: Any) -> Any:
+def redacted_spec(spec: Spec) -> Spec:
     """A copy of a validated Spec whose every URI field is redacted (the spec itself when none needed it).
 
     Raises:

@@ -52,6 +52,7 @@ from tailguard.core.errors import InputError, MissingDependencyError, TailguardE
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from tailguard.core.spec.models import VariantSpec
 
 COMPILE_MODES = ("eager", "inductor", "aot_inductor")
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -118,7 +119,7 @@ class TorchBuildConfig:
         return {"precision": self.precision, "compile": self.compile, "device": self.device}
 
 
-def config_of(variant: Any) -> TorchBuildConfig:
+def config_of(variant: VariantSpec) -> TorchBuildConfig:
     """The TorchBuildConfig of a spec's torch variant (`VariantSpec`: precision, torch_compile, torch_device,
     cuda_graphs)."""
     return TorchBuildConfig(precision=variant.precision, compile=variant.torch_compile, device=variant.torch_device,

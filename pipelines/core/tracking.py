@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from tailguard.core.contract import FAILURE_MESSAGE_TAG, FAILURE_TAG, NOTE_TAG, OUTCOME_TAG
 from tailguard.core.home import artifact_root, default_tracking_uri, home, quiet_environment
 from tailguard.core.results import RunOutcome
+
+if TYPE_CHECKING:
+    from tailguard.core.spec.models import Spec
 
 _INITIALISED: set[str] = set()  # tracking URIs this process has initialised (tables created, under the lock)
 
@@ -21,7 +24,7 @@ def tracking_uri_for(spec: Any | None = None) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
-def experiment_name_for(spec: Any) -> str:
+def experiment_name_for(spec: Spec) -> str:
     """Experiment name: spec.mlflow.experiment, else tailguard/<metadata.name>."""
     return spec.mlflow.experiment or f"tailguard/{spec.metadata.name}"
 
