@@ -251,3 +251,20 @@ def test_number_or_none_drops_nan_and_keeps_infinities_when_given_metric_values(
     assert number_or_none(None) is None and number_or_none("n/a") is None and number_or_none([1]) is None
     assert number_or_none(float("inf")) == math.inf and number_or_none(-np.inf) == -math.inf
     assert number_or_none(np.float64(0.25)) == 0.25 and type(number_or_none(np.int64(3))) is float
+
+
+def test_status_enums_read_as_their_words_when_dumped_to_json_tags_and_csv():
+    from tailguard.core.results import BuildStatus, GatesVerdict, GateStatus, PromotionStatus, RunOutcome
+
+    doc = {"status": BuildStatus.SKIPPED, "gates": {"g": GateStatus.INSUFFICIENT_DATA},
+           "verdict": GatesVerdict.NOT_EVALUATED, "promotion": PromotionStatus.NOT_PROMOTED,
+           "outcome": RunOutcome.NO_PASSING_VARIANT}
+    assert json.loads(json.dumps(doc)) == {"status": "skipped", "gates": {"g": "insufficient_data"},
+                                           "verdict": "not_evaluated", "promotion": "not_promoted",
+                                           "outcome": "no_passing_variant"}
+    assert str(GateStatus.FAILED) == f"{GateStatus.FAILED}" == "failed"  # what MLflow's set_tag stores (str())
+    assert pd.DataFrame({"s": [BuildStatus.OK]}).to_csv(index=False) == "s\nok\n"
+    assert StepResult.from_dict(StepResult(BuildStatus.FAILED, reason="x").to_dict()).status == "failed"
+    with pytest.raises(ValueError, match=r"one of \['ok', 'failed', 'skipped'\]"):
+        StepResult("done")
+

@@ -33,8 +33,8 @@ KEY_METRICS = ("top1_agreement", "nn_top1_agreement", "cosine_similarity.p01", "
 
 
 class CellStatus(StrEnum):
-    """The statuses a report cell is coloured by (its CSS class): a gate's status (components/validate/gates.py
-    GateStatus) or a variant's verdict. A status read from tags or files that is not one of these is drawn as
+    """The statuses a report cell is coloured by (its CSS class): a gate's status (`tailguard.core.results.
+    GateStatus`) or a variant's verdict. A status read from tags or files that is not one of these is drawn as
     UNKNOWN, its text escaped: a crafted status never reaches the markup as is (issue 22)."""
 
     PASSED = "passed"
