@@ -101,7 +101,7 @@ _MEASURE = textwrap.dedent("""
     import json, sys
     import pyarrow as pa
     from tailguard.core import data
-    from tailguard.core.spec import TensorSpec
+    from tailguard.core.spec.models import TensorSpec
 
     data.STREAM_BATCH_BYTES = 1 << 20  # the bound's parameter (the default is 8 MiB)
     spec = TensorSpec(name="x", dtype="float32", shape=["batch", 256])
