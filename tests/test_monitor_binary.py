@@ -26,7 +26,7 @@ from tailguard.monitoring.config import resolve_config  # noqa: E402
 from tailguard.monitoring.join import CE_REQUEST, CE_RESPONSE  # noqa: E402
 from tailguard.monitoring.oip import OIP_ITEMSIZE, OipError, decode_binary, parse_request  # noqa: E402
 from tailguard.monitoring.service import MonitorService, build_app  # noqa: E402
-from tests._mlflow_server import free_port  # noqa: E402
+from tests.helpers.mlflow_server import free_port  # noqa: E402
 
 NAME = "tiny-clf"
 N = 24  # requests per client run

@@ -28,7 +28,7 @@ from tailguard.monitoring.config import Bound, resolve_config
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.prometheus import MonitorMetrics
 from tailguard.monitoring.service import MonitorService, build_app
-from tests._mlflow_server import free_port
+from tests.helpers.mlflow_server import free_port
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
 NAME = "tiny-clf"

@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tailguard.monitoring import testing as T  # noqa: E402
-from tests._mlflow_server import free_port  # noqa: E402
+from tests.helpers.mlflow_server import free_port  # noqa: E402
 from tests.test_monitor_binary import (BATCH, N, NAME, assert_all_compared, domain, features,  # noqa: E402
                                        live_monitor, value)
 

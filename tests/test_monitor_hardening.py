@@ -34,7 +34,7 @@ from tailguard.monitoring.join import CE_REQUEST, CE_RESPONSE, EntryTooLarge, Jo
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.sampler import Decision
 from tailguard.monitoring.service import READ_CHUNK, MonitorService, build_app
-from tests._mlflow_server import free_port
+from tests.helpers.mlflow_server import free_port
 
 NAME = "tiny-clf"
 TOKEN = "s3cret-token-0123456789abcdef"
