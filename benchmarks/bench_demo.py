@@ -50,10 +50,14 @@ _VARIANT_TASK = re.compile(r"^(build|validate|search)-(.+)$")
 
 
 def spec_variants(tree: Path) -> set[str]:
-    """The variant names of a tree's demo spec (tailguard/demo_spec.yaml)."""
+    """The variant names of a tree's demo spec (tailguard/demo/spec.yaml; tailguard/demo_spec.yaml in a tree
+    older than the `tailguard.demo` package)."""
     import yaml
 
-    doc = yaml.safe_load((tree / "tailguard" / "demo_spec.yaml").read_text())
+    path = tree / "tailguard" / "demo" / "spec.yaml"
+    if not path.exists():
+        path = tree / "tailguard" / "demo_spec.yaml"
+    doc = yaml.safe_load(path.read_text())
     return {v["name"] for v in doc.get("variants") or []}
 
 

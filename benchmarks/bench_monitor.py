@@ -15,7 +15,7 @@ Sections of the JSON it writes:
 * overload: a slow real reference (input-dependent 1024x1024 MatMul chain, ~4-7 compares/s), 500 requests/s
   offered in process with 20% sampling (>= 10x the shadow's measured capacity), queue bound 100: process RSS
   every 0.5 s, drops by reason, ingest p99. Target: RSS flat once the queue is full, drops counted, no blocking.
-* detection: the real sampler and statistics (MonitorCore) fed with simulated per-row top-1 agreement: every
+* detection: the real sampler and statistics (MonitorEngine) fed with simulated per-row top-1 agreement: every
   slice agrees at 0.99; after a burn-in one slice carrying 1% of traffic drops 5 points to 0.94; threshold
   0.97 (= baseline 0.99 - max_drop 0.02). Reports the drifted slice's post-change samples needed to alert
   (median / p90 over repetitions, misses) next to Wald's SPRT expected sample number and the fixed-sample
@@ -43,11 +43,11 @@ import numpy as np
 
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import resolve_config
-from tailguard.monitoring.core import MonitorCore
+from tailguard.monitoring.detector import sprt_expected_samples
+from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.service import MonitorService, build_app
-from tailguard.monitoring.stats import sprt_expected_samples
 from tailguard.core.spec import parse_spec
 
 
@@ -228,7 +228,7 @@ def bench_ingest(d, duration):
                           "max": _pct(svc.ingest_times, 100)},
             "client_round_trip_ms": {"p50": _pct(times, 50), "p99": _pct(times, 99)}}
     res = {"duration_s": duration, "sample_rate": 0.1, "in_process": in_process, "http": http,
-           "compared_rows": svc.core.compared_rows,
+           "compared_rows": svc.engine.compared_rows,
            "dropped": {r: get("tailguard_monitor_dropped_total", {"reason": r}) for r in
                        ("queue_full", "reference_timeout", "reference_error")},
            "load_average_1m": os.getloadavg()[0]}
@@ -336,7 +336,7 @@ def _zipf_locales(share, rng, n):
 def _detect_once(cfg, pools, share, pair, seed, change_at, max_requests):
     """One stream: drift 1.00 -> 0.94 from `change_at` in locale=37 (and ink=low when `pair`); stops at the
     first alert. Returns (delay in sampled slice rows after the change or None, false alarms, requests)."""
-    core = MonitorCore(cfg, seed=seed)
+    engine = MonitorEngine(cfg, seed=seed)
     rng = np.random.default_rng(50_000 + seed)
     good, drift = pools["good"], pools["drift"]
     block = 200_000
@@ -349,14 +349,14 @@ def _detect_once(cfg, pools, share, pair, seed, change_at, max_requests):
         pick = rng.integers(0, len(drift), block)
         for j in range(block):
             i = b0 + j
-            keys, dec = core.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
+            keys, dec = engine.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
             if not dec.sampled:
                 continue
             drifted = i >= change_at and loc[j] == 37 and (not pair or ink[j] == "low")
             post += drifted
             v = drift[pick[j]] if drifted else good[pick[j] % len(good)]
-            ev = core.observe_values(keys, dec, {"top1_agree": v, "kl_divergence": 0.0, "abs_error": 0.0},
-                                     request_index=i)
+            ev = engine.observe_values(keys, dec, {"top1_agree": v, "kl_divergence": 0.0, "abs_error": 0.0},
+                                       request_index=i)
             for a in ev.fired:
                 if a.slice == target and i >= change_at:
                     return post, false_alarms, i + 1, a.to_dict()
@@ -374,7 +374,7 @@ def _detect_case(args):
     cfg = resolve_config(parse_spec(T.spec_dict(mon)))
     with tempfile.TemporaryDirectory() as tmp:
         pools = _real_agreement_pools(Path(tmp))
-    h = MonitorCore(cfg).stats.h
+    h = MonitorEngine(cfg).stats.h
     eff_share = share / 3 if pair else share
     # Wald's SPRT at the level of each start point of the detector (e^-h, the per-test level behind the stream
     # guarantee), p0 = the threshold, p1 = the drifted agreement, beta = 0.05.
@@ -435,7 +435,7 @@ def bench_false_alarms(d, n, sample_rate=0.25):
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": 1,
                                                  "slice_columns": ["locale", "digit", "ink"],
                                                  "slice_pairs": [["locale", "ink"]]})))
-    core, rng = MonitorCore(cfg, seed=1), np.random.default_rng(2)
+    engine, rng = MonitorEngine(cfg, seed=1), np.random.default_rng(2)
     fired, block, maxstat = 0, 200_000, 0.0
     t0 = time.perf_counter()
     for b0 in range(0, n, block):
@@ -443,15 +443,15 @@ def bench_false_alarms(d, n, sample_rate=0.25):
         loc = _zipf_locales(0.01, rng, m)
         digit, ink, pick = rng.integers(0, 10, m), rng.choice(["low", "mid", "high"], m), rng.integers(0, len(stat), m)
         for j in range(m):
-            keys, dec = core.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
+            keys, dec = engine.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
             if dec.sampled:
-                fired += len(core.observe_values(keys, dec, {"top1_agree": stat[pick[j]], "kl_divergence": 0.0,
-                                                             "abs_error": 0.0}, request_index=b0 + j).fired)
-    st = core.stats
+                fired += len(engine.observe_values(keys, dec, {"top1_agree": stat[pick[j]], "kl_divergence": 0.0,
+                                                               "abs_error": 0.0}, request_index=b0 + j).fired)
+    st = engine.stats
     maxstat = max(s.evidence(st.h) for s in st.slices.values())
     return {"fp32_vs_fp32": fp32,
             "stationary_0p975_vs_threshold_0p97": {
-                "requests": n, "sampled": core.sampler.sampled_total, "sample_rate": sample_rate,
+                "requests": n, "sampled": engine.sampler.sampled_total, "sample_rate": sample_rate,
                 "true_agreement": float(stat.mean()), "slices_tracked": len(st.slices), "alerts": fired,
                 "max_evidence_over_alarm_level": maxstat, "alarm_threshold_h": st.h,
                 "seconds": round(time.perf_counter() - t0, 1)}}
@@ -465,25 +465,25 @@ def bench_flood(n, sample_rate=0.05):
 
     import psutil
 
-    from tailguard.monitoring.metrics import MonitorMetrics
+    from tailguard.monitoring.prometheus import MonitorMetrics
 
     proc = psutil.Process()
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": 0,
                                                  "slice_columns": ["locale", "digit"]})))
     rss0 = proc.memory_info().rss
-    flood, base = MonitorCore(cfg, seed=0, metrics=MonitorMetrics()), MonitorCore(cfg, seed=1)
+    flood, base = MonitorEngine(cfg, seed=0, metrics=MonitorMetrics()), MonitorEngine(cfg, seed=1)
     times = {"flood": [], "baseline": []}
     at_100k = None
     rnd = 10_000
     for r0 in range(0, n, rnd):
-        for name, core in (("flood", flood), ("baseline", base)):
+        for name, engine in (("flood", flood), ("baseline", base)):
             t = times[name]
             for i in range(r0, min(n, r0 + rnd)):
                 meta = {"locale": f"v{i}" if name == "flood" else f"v{i % 100}", "digit": i % 10}
                 t0 = time.perf_counter()
-                keys, dec = core.admit(meta)
+                keys, dec = engine.admit(meta)
                 if dec.sampled:
-                    core.observe_values(keys, dec, {"top1_agree": 1.0, "kl_divergence": 0.0, "abs_error": 0.0})
+                    engine.observe_values(keys, dec, {"top1_agree": 1.0, "kl_divergence": 0.0, "abs_error": 0.0})
                 t.append(time.perf_counter() - t0)
         if at_100k is None and len(flood.stats.slices) >= 100_000:
             at_100k = {"requests": r0 + rnd, "slices_tracked": len(flood.stats.slices),
@@ -502,7 +502,7 @@ def bench_flood(n, sample_rate=0.05):
                                      "baseline_p50": float(np.percentile(b, 50)),
                                      "baseline_p99": float(np.percentile(b, 99)),
                                      "p99_ratio_flood_over_baseline": float(np.percentile(f, 99) / np.percentile(b, 99))},
-            "note": "in-process MonitorCore.admit (+ observe_values when sampled), timed per call; baseline: the "
+            "note": "in-process MonitorEngine.admit (+ observe_values when sampled), timed per call; baseline: the "
                     "same calls with 100 repeating slice values, interleaved in rounds of 10k requests"}
 
 
@@ -523,7 +523,7 @@ def _batched_stream(args):
     rows, correlated, agreement, n, seed, per_row = args
     _quiet()
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": seed, **SLICE_MON})))
-    core = MonitorCore(cfg, seed=seed)
+    engine = MonitorEngine(cfg, seed=seed)
     rng = np.random.default_rng(10_000 + 1000 * rows + seed)
     loc, digit = _zipf_locales(0.01, rng, n), rng.integers(0, 10, n)
     ink = rng.choice(["low", "mid", "high"], n)
@@ -535,19 +535,19 @@ def _batched_stream(args):
     fired, first = 0, None
     t0 = time.perf_counter()
     for i in range(n):
-        keys, dec = core.admit({"locale": int(loc[i]), "digit": int(digit[i]), "ink": ink[i]})
+        keys, dec = engine.admit({"locale": int(loc[i]), "digit": int(digit[i]), "ink": ink[i]})
         if per_row:
             for v in vals[i]:
-                ev = core.observe_values(keys, dec, {"top1_agree": float(v), "candidate_error_rate": 0.0},
-                                         request_index=i)
+                ev = engine.observe_values(keys, dec, {"top1_agree": float(v), "candidate_error_rate": 0.0},
+                                           request_index=i)
                 fired += len(ev.fired)
         else:
-            ev = core.observe_values(keys, dec, {"top1_agree": vals[i], "candidate_error_rate": zeros},
-                                     request_index=i)
+            ev = engine.observe_values(keys, dec, {"top1_agree": vals[i], "candidate_error_rate": zeros},
+                                       request_index=i)
             fired += len(ev.fired)
         if fired and first is None:
             first = i + 1
-    st = core.stats
+    st = engine.stats
     return {"alerts": fired, "first_alert_request": first, "true_agreement": float(vals.mean()),
             "max_evidence_over_alarm_level": max(sl.evidence(st.h) for sl in st.slices.values()),
             "alarm_threshold_h": st.h, "seconds": round(time.perf_counter() - t0, 1)}
@@ -609,7 +609,7 @@ def _batched_detect_once(args):
     rows, seed, sample_rate, share, change_at, max_requests = args
     _quiet()
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": seed, **SLICE_MON})))
-    core = MonitorCore(cfg, seed=seed)
+    engine = MonitorEngine(cfg, seed=seed)
     rng = np.random.default_rng(20_000 + seed)
     post, block = 0, 100_000
     ones, zeros = np.ones(rows), np.zeros(rows)
@@ -618,13 +618,13 @@ def _batched_detect_once(args):
         digit, ink = rng.integers(0, 10, block), rng.choice(["low", "mid", "high"], block)
         for j in range(block):
             i = b0 + j
-            keys, dec = core.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
+            keys, dec = engine.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
             if not dec.sampled:
                 continue
             drifted = i >= change_at and loc[j] == 37
             post += drifted
             v = (rng.random(rows) < 0.94).astype(float) if drifted else ones
-            ev = core.observe_values(keys, dec, {"top1_agree": v, "candidate_error_rate": zeros}, request_index=i)
+            ev = engine.observe_values(keys, dec, {"top1_agree": v, "candidate_error_rate": zeros}, request_index=i)
             for a in ev.fired:
                 if a.slice == "locale=37" and i >= change_at:
                     return post, i + 1
@@ -639,7 +639,7 @@ def bench_batched_detection(runs=50, sizes=(1, 16, 64), share=0.01, sample_rate=
 
     change_at, max_requests = 20_000, 3_000_000
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, **SLICE_MON})))
-    h = MonitorCore(cfg).stats.h
+    h = MonitorEngine(cfg).stats.h
     jobs = [(r, seed, sample_rate, share, change_at, max_requests) for r in sizes for seed in range(runs)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -732,15 +732,15 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000):
     svc._load_models()
     server, th, port = _server(svc)
     bodies = _mlp_bodies()
-    svc.core.sampler.base_rate = 1.0
+    svc.engine.sampler.base_rate = 1.0
     for i in range(backlog):
         svc.ingest("infer", "tiny-clf", bodies[i % len(bodies)])
-    svc.core.sampler.base_rate = 0.1
+    svc.engine.sampler.base_rate = 0.1
     svc._worker = threading.Thread(target=svc._work, name="tg-worker", daemon=True)
-    c0, t0 = svc.core.compared_requests, time.perf_counter()
+    c0, t0 = svc.engine.compared_requests, time.perf_counter()
     svc._worker.start()
     load = _wrk(port, bodies[0], duration)
-    compared, elapsed = svc.core.compared_requests - c0, time.perf_counter() - t0
+    compared, elapsed = svc.engine.compared_requests - c0, time.perf_counter() - t0
     get = svc.metrics.registry.get_sample_value
     res = {"shadow_batch_rows": batch_rows, "compared_during_load": compared,
            "compares_per_s": round(compared / elapsed, 1), "backlog_left": svc.queue.qsize(), "http": load,
@@ -763,8 +763,8 @@ def _open_loop(ref, cand, batch_rows, rate, duration):
     idle = svc.wait_idle(120)
     get = svc.metrics.registry.get_sample_value
     res = {"shadow_batch_rows": batch_rows, "offered_rps": rate, "achieved_rps": round(achieved, 1),
-           "requests": len(statuses), "status_200": statuses.count(200), "sampled": svc.core.sampler.sampled_total,
-           "compared_requests": svc.core.compared_requests,
+           "requests": len(statuses), "status_200": statuses.count(200), "sampled": svc.engine.sampler.sampled_total,
+           "compared_requests": svc.engine.compared_requests,
            "queue_full": get("tailguard_monitor_dropped_total", {"reason": "queue_full"}),
            "client_round_trip_ms": {"p50": _pct(times, 50), "p99": _pct(times, 99)}, "drained": idle}
     server.should_exit = True

@@ -19,8 +19,8 @@ def prepare_minilm(home_dir: Path, **data_kwargs: Any) -> tuple[Path, dict[str, 
         (spec path, {"validation": path, "calibration": path, "traffic": path}).
     """
     os.environ["TAILGUARD_HOME"] = str(Path(home_dir).resolve())
-    from tailguard.demo import write_demo_spec
-    from tailguard.demo_data import build_wordnet_datasets
+    from tailguard.demo.data import build_wordnet_datasets
+    from tailguard.demo.run import write_demo_spec
     from tailguard.core.home import home, quiet_environment
 
     quiet_environment()
@@ -53,7 +53,7 @@ def run_minilm(spec_path: Path, doc: dict[str, Any]) -> tuple[Any, str, Any, Any
     import mlflow
     import yaml
 
-    from tailguard.demo import register_demo_model
+    from tailguard.demo.run import register_demo_model
     from tailguard.runner import run_local
     from tailguard.core.spec import load_spec
     from tailguard.core.tracking import tracking_uri_for

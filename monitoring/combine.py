@@ -2,13 +2,13 @@
 
 A Kubernetes Service spreads the mirrored traffic over N replicas at random, so each replica sees about 1/N of
 every slice: alone, each would need N times the traffic to detect a drift. The detector's evidence is additive
-across replicas: a slice's betting CUSUM multiplies one e-value factor per sampled request (monitoring/stats.py),
+across replicas: a slice's betting CUSUM multiplies one e-value factor per sampled request (monitoring/detector.py),
 and a product over a set of requests does not depend on the order or the replica that computed each factor. So
 every replica exports, per (slice, metric), the running sums of its requests' log factors for each bet (the
 "walks", alarm and recovery side) and its row and sampled-request counts (`GET /v1/evidence`); one combiner
 (`tailguard monitor serve --peer URL ...`) polls them, adds each replica's increments since the last poll, and
 runs the CUSUM recursion on the merged increments, clipping at zero only between polls (fewer candidate change
-points: the false-alarm bound still holds, monitoring/stats.py). The combiner's own traffic is merged the same way
+points: the false-alarm bound still holds, monitoring/detector.py). The combiner's own traffic is merged the same way
 (source "self").
 
 Accounting is per **epoch**, not per URL. An epoch identifies one monitor process's evidence (a fresh UUID at
@@ -54,7 +54,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any, Callable, Mapping, Sequence
 
-from tailguard.monitoring.stats import DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
+from tailguard.monitoring.detector import DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring.combine")
 
@@ -173,7 +173,7 @@ class _Update:
 
 
 class Combiner:
-    """Merges evidence documents (MonitorCore.evidence) from several sources into one SliceStatistics, once per
+    """Merges evidence documents (MonitorEngine.evidence) from several sources into one SliceStatistics, once per
     epoch (module docstring).
 
     Args:
@@ -419,7 +419,7 @@ def _walk(v: Any, n: int, what: str) -> tuple[float, ...]:
 def _within(bet: Betting, now: tuple[float, ...], before: tuple[float, ...] | None, n: int, what: str
             ) -> list[float]:
     """Increments now - before per bet, each checked against what `n` new sampled requests can add: every
-    request adds log1p(lambda_j r ybar) with r in (0, 1] and ybar in [-span, cap] (monitoring/stats.py Betting),
+    request adds log1p(lambda_j r ybar) with r in (0, 1] and ybar in [-span, cap] (monitoring/detector.py Betting),
     so n log1p(-lambda_j span) <= increment_j <= n log1p(lambda_j cap), up to float rounding of the sums."""
     before = before or (0.0,) * len(now)
     inc = []

@@ -27,7 +27,7 @@ MISSING_VALUE = "missing"
 
 # Metric direction (True = higher is better, bad when low) and range of each per-row metric the monitor can
 # track, from the metric catalogue (tailguard.core.metrics.ROW_METRICS; formulas: tailguard.core.parity). The
-# detector bets against the bound on the good side (monitoring/stats.py), so only that one must be finite.
+# detector bets against the bound on the good side (monitoring/detector.py), so only that one must be finite.
 HIGHER_IS_BETTER: dict[str, bool] = {r.key: r.higher_is_better for r in ROW_METRICS if r.monitored}
 METRIC_RANGE: dict[str, tuple[float, float]] = {r.key: r.value_range for r in ROW_METRICS if r.monitored}
 # Slice values longer than this (characters) are cut to it, with "~" appended, and counted
@@ -286,7 +286,7 @@ class MonitorConfig:
 
         Returns:
             (keys, how many group labels `clean_label` had to change). Every key is measured
-            (monitoring/stats.py bounds the memory; monitoring/metrics.py bounds the exported labels). With
+            (monitoring/detector.py bounds the memory; monitoring/prometheus.py bounds the exported labels). With
             `new_values`, a value past its column's rate of new values is lumped into `<name>=__new__` (also in
             the pair keys).
         """

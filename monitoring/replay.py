@@ -25,8 +25,8 @@ from tailguard.core.data import Dataset, load_dataset
 from tailguard.core.errors import EXIT_ALERT, EXIT_OK, InputError, StepError, TailguardError
 from tailguard.monitoring.compare import compare_rows, reference_non_finite
 from tailguard.monitoring.config import MonitorConfig, resolve_config
-from tailguard.monitoring.core import MonitorCore
 from tailguard.monitoring.drift import DriftSnapshots
+from tailguard.monitoring.engine import MonitorEngine
 from tailguard.core.runtime import Runner, run_dataset, runner_for_file
 from tailguard.core.spec import load_spec
 from tailguard.core.spec.models import Spec
@@ -129,10 +129,10 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
     else:
         cand_runner = candidate if hasattr(candidate, "run") else runner_for_file(candidate, cfg.inputs)
 
-    core = MonitorCore(cfg, seed=seed)
+    engine = MonitorEngine(cfg, seed=seed)
     cols = cfg.metadata_columns
     meta_rows = ds.frame[cols].to_dict("records") if cols else [{}] * ds.n_rows
-    admitted = [core.admit(m) for m in meta_rows]
+    admitted = [engine.admit(m) for m in meta_rows]
     idx = np.array([i for i, (_, d) in enumerate(admitted) if d.sampled], dtype=np.int64)
     start = datetime.now(timezone.utc)
     stamps = _timestamps(ds.frame, start)
@@ -148,19 +148,19 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         for j, i in enumerate(idx):
             keys, d = admitted[i]
             if failed[j] is not None:  # the candidate failed on this row: compared as the worst disagreement
-                core.observe(keys, d, ref_out[j:j + 1], None, request_index=int(i), now=stamps[i],
-                             failure=failed[j])
+                engine.observe(keys, d, ref_out[j:j + 1], None, request_index=int(i), now=stamps[i],
+                               failure=failed[j])
                 continue
             if bad_ref[j]:
-                core.reference_failed(keys, 1)
+                engine.reference_failed(keys, 1)
                 continue
             row = {m: float(values[m][j]) for m in cfg.metrics}
-            core.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
+            engine.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
             if snaps is not None:
                 snaps.add({"inputs": {k: v[j] for k, v in sub.inputs.items()}, "meta": meta_rows[i],
                            "reference": ref_out[j], "candidate": cand_out[j]})
-    alerts = core.alerts()
-    slices = core.slices()
+    alerts = engine.alerts()
+    slices = engine.slices()
     slices["dropped_non_finite_reference"] = int(reference_non_finite(ref_out).sum()) if idx.size else 0
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +213,7 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
 
 
 # ---------------------------------------------------------------------------------------------- printing
-_ALERT_LOGGER = "tailguard.monitoring"  # MonitorCore logs "alert fired: {json}" / "alert cleared: {json}" there
+_ALERT_LOGGER = "tailguard.monitoring"  # MonitorEngine logs "alert fired: {json}" / "alert cleared: {json}" there
 
 
 class _DropAlertRecords(logging.Filter):
@@ -223,7 +223,7 @@ class _DropAlertRecords(logging.Filter):
 
 @contextlib.contextmanager
 def _alert_logs_held_back() -> Iterator[None]:
-    """Drop the monitor core's per-alert log records while the block runs (replay prints each alert itself)."""
+    """Drop the monitor engine's per-alert log records while the block runs (replay prints each alert itself)."""
     logger, flt = logging.getLogger(_ALERT_LOGGER), _DropAlertRecords()
     logger.addFilter(flt)
     try:

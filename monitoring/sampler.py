@@ -15,7 +15,7 @@ Frequencies are true ones: every slice key is counted, in a table bounded by `ma
 keys are evicted past it and counted in `evicted`; an evicted key that comes back starts again as new, i.e.
 rare). For each key k the decision also reports pi_k, the probability the key's own frequency would give, and
 the ratio pi_k / p <= 1 (p uses the rarest key, so p >= pi_k): the change detector weights its bets by it so
-that it tests each slice's traffic mean (monitoring/stats.py).
+that it tests each slice's traffic mean (monitoring/detector.py).
 """
 
 from __future__ import annotations

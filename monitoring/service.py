@@ -13,7 +13,7 @@ Endpoints:
     gRPC (`monitor serve --grpc-port`, monitoring/grpc_ingest.py): inference.GRPCInferenceService ModelInfer,
                                    ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata; ModelInfer
                                    goes the /infer way (metrics endpoint="grpc").
-    GET  /metrics                  Prometheus text format (names: monitoring/metrics.py METRIC_NAMES).
+    GET  /metrics                  Prometheus text format (names: monitoring/prometheus.py METRIC_NAMES).
     GET  /healthz                  200 while the process serves.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
                                    noise-floor mode) and answering, else 503 with what is missing or failing
@@ -79,12 +79,12 @@ from tailguard.monitoring.combine import Combiner, PeerError, PollLoop, http_fet
 from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
                                          resolve_config)
 from tailguard.monitoring.compare import compare_rows
-from tailguard.monitoring.core import MonitorCore
+from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
-from tailguard.monitoring.metrics import CANDIDATE_SOURCES, MonitorMetrics
 from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
 from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, attach_binary, load_json, parse_request,
                                       parse_response_output, split_binary, utf8_text)
+from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
 from tailguard.monitoring.sampler import Decision
 from tailguard.core.runtime import Runner, runner_for_file
 from tailguard.core.spec import load_spec
@@ -222,24 +222,24 @@ class MonitorService:
             self.drift = DriftSnapshots(cfg)
         self._lock = threading.Lock()
         role = "replica" if evidence_only else "combiner" if peers else "standalone"
-        self.core = MonitorCore(_redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
-                                on_sample=self._on_sample, lock=self._lock, role=role)
+        self.engine = MonitorEngine(_redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
+                                    on_sample=self._on_sample, lock=self._lock, role=role)
         self.combiner: Combiner | None = None
         self._poller: PollLoop | None = None
-        if self.core.combined is not None:
+        if self.engine.combined is not None:
             peer_fetch = http_fetch(headers=self.auth.header if self.auth is not None else None)
 
             def fetch(source: str, since: int) -> Mapping[str, Any]:
                 if source == "self":
                     with self._lock:
-                        return self.core.evidence(since)
+                        return self.engine.evidence(since)
                 return peer_fetch(source, since)
 
             for peer in peers or []:  # zeros from the start, so rate() and absent() work
                 for reason in PeerError:
                     self.metrics.peer_errors.labels(peer, reason.value)
-            self.combiner = Combiner(self.core.combined, fetch, ["self", *(peers or [])], lock=self._lock,
-                                     settings=self.core.settings, local="self",
+            self.combiner = Combiner(self.engine.combined, fetch, ["self", *(peers or [])], lock=self._lock,
+                                     settings=self.engine.settings, local="self",
                                      on_error=lambda peer, reason: self.metrics.peer_errors.labels(peer, reason).inc())
             self._poller = PollLoop(self.combine, poll_interval_s)
         self.queue: queue.Queue[_Item] = queue.Queue(maxsize=mon.queue_size)
@@ -267,7 +267,7 @@ class MonitorService:
         self.metrics.node_mismatch.labels(cfg.model_name).set(0)
         for s in CANDIDATE_SOURCES:  # zeros from the start, so rate() and absent() work
             self.metrics.candidate_source.labels(cfg.model_name, s)
-        self.core.alert_notes = self._alert_notes
+        self.engine.alert_notes = self._alert_notes
         if start:
             self.start()
 
@@ -286,7 +286,7 @@ class MonitorService:
     def combine(self) -> None:
         """Read every source's evidence once and merge it (the combiner's poll; tests call it directly)."""
         if self.combiner is not None:
-            self.core.report(self.combiner.poll())
+            self.engine.report(self.combiner.poll())
 
     def evidence(self, since: int = 0) -> dict[str, Any]:
         """This process's evidence since cursor `since` (GET /v1/evidence), built without holding the worker lock
@@ -294,14 +294,14 @@ class MonitorService:
         (a scan, no entry built), then the entries in chunks, each under the lock. An entry may be newer than the
         version returned: the next read (since=version) returns it again, and the combiner merges only what it
         has not merged (its walks are cumulative per epoch, monitoring/combine.py)."""
-        stats = self.core.stats
+        stats = self.engine.stats
         with self._lock:
             version, keys = stats.evidence_keys(since)
         out: dict[str, Any] = {}
         for i in range(0, len(keys), READ_CHUNK):
             with self._lock:
                 out.update(stats.evidence_entries(keys[i:i + READ_CHUNK]))
-        return self.core.with_identity({"version": version, "slices": out})
+        return self.engine.with_identity({"version": version, "slices": out})
 
     def stop(self) -> None:
         """Stop the worker, flush the sink (to S3 or the spool) and release the pools."""
@@ -381,7 +381,7 @@ class MonitorService:
         check = self.node_check
         return ready, {"ready": ready, "missing": missing, "failing": failing, "errors": self.load_errors,
                              "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
-                             "noise_floor": self.cfg.mon.noise_floor, "role": self.core.role,
+                             "noise_floor": self.cfg.mon.noise_floor, "role": self.engine.role,
                              "node_check": check.to_dict(), "node_mismatch": check.differences or None,
                              **({"peers": self.combiner.status()} if self.combiner is not None else {})}
 
@@ -595,7 +595,7 @@ class MonitorService:
         m.requests.labels(self.cfg.model_name, endpoint).inc()
         meta = redact_params(req.parameters, self.redact)
         with self._admit_lock:  # the sampler's counts and draws, and the sequence number, are not thread-safe
-            keys, decision = self.core.admit(meta)
+            keys, decision = self.engine.admit(meta)
             self._seq += 1
             seq = self._seq
         if decision.sampled:
@@ -616,7 +616,7 @@ class MonitorService:
     # The worker takes a sampled request, then whatever else is queued (up to monitoring.shadow_batch_rows rows,
     # waiting at most shadow_batch_wait_ms), groups the requests by input signature and runs each group as one
     # inference call per model; outputs are split back per request, so each request keeps its own evidence (one
-    # bet per request, monitoring/stats.py). A batched call that raises is retried request by request, so a
+    # bet per request, monitoring/detector.py). A batched call that raises is retried request by request, so a
     # failure is charged to the request that causes it (and a model that cannot batch, e.g. a fixed batch
     # dimension, is run one request at a time from then on). A timeout is charged to every request of the call.
     def _call(self, role: str, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray | None, str | None]:
@@ -701,7 +701,7 @@ class MonitorService:
             shared = self._compare_group(judged, seconds)
             with self._lock:
                 for it, reason in failed:
-                    self.core.reference_failed(it.keys, it.rows)
+                    self.engine.reference_failed(it.keys, it.rows)
                 for n, ((it, ref), (cand, reason)) in enumerate(zip(judged, seconds)):
                     if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):
                         self._drop(reason or "reference_error")
@@ -710,15 +710,15 @@ class MonitorService:
                     if source is not None:
                         self.sources[source] += 1
                         self.metrics.candidate_source.labels(self.cfg.model_name, source).inc()
-                    self.core.observe(it.keys, it.decision, ref, cand, request_index=it.index,
-                                      request_id=it.request_id, meta=it.meta, feeds=it.feeds, failure=reason,
-                                      values=shared.get(n), candidate_source=source)
+                    self.engine.observe(it.keys, it.decision, ref, cand, request_index=it.index,
+                                        request_id=it.request_id, meta=it.meta, feeds=it.feeds, failure=reason,
+                                        values=shared.get(n), candidate_source=source)
 
     def _compare_group(self, judged: list[tuple[_Item, np.ndarray]],
                        seconds: list[tuple[np.ndarray | None, str | None]]) -> dict[int, dict[str, np.ndarray]]:
         """Per-row parity of every answered request of a group in one `compare_rows` call (its numpy work is
         per call, not per row), split back per request: {position in `judged`: {metric: (rows,) values}}. Requests
-        the candidate failed on, or answered in another shape, are left to `MonitorCore.observe`."""
+        the candidate failed on, or answered in another shape, are left to `MonitorEngine.observe`."""
         ok = [n for n, ((_, ref), (cand, reason)) in enumerate(zip(judged, seconds))
               if reason is None and cand is not None and cand.shape == ref.shape]
         if len(ok) < 2 or len({judged[n][1].shape[1:] for n in ok}) > 1:
@@ -790,22 +790,22 @@ class MonitorService:
     def alerts(self) -> list[dict[str, Any]]:
         """Alert records fired so far."""
         with self._lock:
-            return self.core.alerts()
+            return self.engine.alerts()
 
     def slices(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
-        """Per-slice statistics, one page in key order (MonitorCore.slices' document). Only the key list is
+        """Per-slice statistics, one page in key order (MonitorEngine.slices' document). Only the key list is
         copied under the worker lock; it is sorted outside it, and the page's entries are built in chunks of
         READ_CHUNK, each under the lock (a slice evicted in between is left out of the page)."""
         with self._lock:
-            keys = list(self.core.decider.slices)
+            keys = list(self.engine.decider.slices)
         keys.sort()
         page = keys[offset: None if limit is None else offset + limit]
         entries: dict[str, Any] = {}
         for i in range(0, len(page), READ_CHUNK):
             with self._lock:
-                entries.update(self.core.slice_entries(page[i:i + READ_CHUNK]))
+                entries.update(self.engine.slice_entries(page[i:i + READ_CHUNK]))
         with self._lock:
-            doc = self.core.slices_header()
+            doc = self.engine.slices_header()
         end = offset + len(page)
         doc.update(slices_tracked=len(keys), slices_total=len(keys), offset=offset,
                    next_offset=end if end < len(keys) else None, slices=entries)

@@ -397,7 +397,7 @@ def demo(skip_monitor: bool = typer.Option(False, "--skip-monitor", help="Skip t
          n_validation: int = typer.Option(2500, help="Validation rows (WordNet glosses)."),
          n_calibration: int = typer.Option(256, help="Calibration rows.")) -> None:
     """The main job on real input: MiniLM + WordNet, embedded MLflow, local KFP run, monitor replay."""
-    from tailguard.demo import run_demo
+    from tailguard.demo.run import run_demo
 
     code = run_demo(console, skip_monitor=skip_monitor, n_validation=n_validation, n_calibration=n_calibration)
     raise typer.Exit(code)

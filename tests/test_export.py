@@ -1,6 +1,6 @@
 """Export step: torch -> ONNX with dynamic axes, the parity check against torch, and ONNX file checks.
 
-Real torch modules (tests/tiny_models.py) and real ONNX Runtime sessions; nothing is mocked.
+Real torch modules (tests/helpers/tiny_models.py) and real ONNX Runtime sessions; nothing is mocked.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
 from tailguard.core.errors import ExportMismatchError, InputError
 from tailguard.core.runtime import TorchRunner
-from tests.tiny_models import (HIDDEN, INPUT_NAMES, N_CLASSES, export_tiny, make_tiny_encoder, tiny_feeds,
-                               tiny_model_spec)
+from tests.helpers.tiny_models import (HIDDEN, INPUT_NAMES, N_CLASSES, export_tiny, make_tiny_encoder,
+                                       tiny_feeds, tiny_model_spec)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 bert` that fused no attention, INT8 that quantized attention MatMuls (both inputs activations) without fused
 attention, and the torch exporter's warnings (a value traced as a constant).
 
-Real parts: the tiny attention-like encoder of tests/tiny_models.py (its score and context MatMuls take two
+Real parts: the tiny attention-like encoder of tests/helpers/tiny_models.py (its score and context MatMuls take two
 activations) and small torch modules exported with tailguard's exporter, ONNX Runtime's optimizer and quantizer
 through `build_variant`, the rich console of the summary. Nothing is mocked.
 """
@@ -19,7 +19,7 @@ from tailguard.components.quantize.logic import attention_matmuls, build_variant
 from tailguard.core.contract import EXPORT_FACTS_FILE
 from tailguard.core.results import VariantResult
 from tailguard.core.spec.models import VariantSpec
-from tests.tiny_models import export_tiny, tiny_dataset, tiny_feeds, tiny_model_spec
+from tests.helpers.tiny_models import export_tiny, tiny_dataset, tiny_feeds, tiny_model_spec
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
 from tailguard.core.reference import (RegistryDigestWarning, ResolvedModel, confined_file, load_torch_reference,
                                       resolve_reference)
 from tailguard.registration import register_reference
-from tests._resolve_models import make_tiny
+from tests.helpers.resolve_models import make_tiny
 from tests.test_resolve import CLASS_PATH, X, make_spec
 
 ONNX_BYTES = b"not parsed by resolve: only hashed"

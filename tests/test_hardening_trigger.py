@@ -22,7 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tailguard.trigger import REASONS, TriggerConfig, create_app, run_environment, sign
-from tests._mlflow_server import uvicorn_in_thread
+from tests.helpers.mlflow_server import uvicorn_in_thread
 from tests.test_trigger import NOW, SECRET, RecordingLauncher, counts, delivery, write_config
 
 TIMEOUT_S = 60.0  # generous: the answers come at once; a receiver that reads first never answers

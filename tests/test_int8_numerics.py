@@ -1,7 +1,7 @@
 """INT8 numerics that depend on the CPU (issue 23, item 2): the validate step's second parity pass with exact
 integer accumulation (`session.x64quantprecision`), the `hardware_dependent` flag, and the 7-bit CPU presets.
 
-Real ONNX Runtime throughout: the tiny encoder (tests/tiny_models.py) is exported, quantized and validated with
+Real ONNX Runtime throughout: the tiny encoder (tests/helpers/tiny_models.py) is exported, quantized and validated with
 real sessions. This machine's CPU has avx512_vnni, whose u8 x s8 kernel accumulates in int32 exactly, so the
 native and exact passes give the same numbers here for real; on an x86 CPU without VNNI the 8-bit per-channel
 variant's native pass saturates int16 pair sums (tests/test_quantize.py, "MatMulInteger arithmetic"). The flag
@@ -27,7 +27,7 @@ from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.results import VariantResult
 from tailguard.core.runtime import OrtRunner, run_dataset
 from tailguard.core.spec import parse_spec
-from tests.tiny_models import INPUT_NAMES, N_CLASSES, export_tiny, tiny_dataset
+from tests.helpers.tiny_models import INPUT_NAMES, N_CLASSES, export_tiny, tiny_dataset
 
 GATES = [{"metric": "top1_agreement", "min": 0.9},
          {"metric": "top1_agreement", "scope": "per_slice", "min": 0.8, "min_support": 20}]

@@ -25,17 +25,17 @@ from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.combine import RETIRE_AFTER_POLLS, Combiner, PeerError, http_fetch, settings_hash
 from tailguard.monitoring.config import Bound, resolve_config
-from tailguard.monitoring.metrics import MonitorMetrics
 from tailguard.monitoring.oip import request_json, tensor_json
+from tailguard.monitoring.prometheus import MonitorMetrics
 from tailguard.monitoring.service import MonitorService, build_app
-from tests._mlflow_server import free_port
+from tests.helpers.mlflow_server import free_port
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
 NAME = "tiny-clf"
 
 
 def _stats(**kw: Any):
-    from tailguard.monitoring.stats import SliceStatistics
+    from tailguard.monitoring.detector import SliceStatistics
 
     args = dict(streams_per_request=1, alpha=0.01, horizon=10_000, min_support=1)
     return SliceStatistics("m", ["top1_agree"], TOP1, **{**args, **kw})
@@ -144,7 +144,7 @@ def test_settings_hash_differs_when_threshold_alpha_slices_or_monitoring_section
     base = settings_hash(_stats(), {"sample_rate": 0.1})
     assert base == settings_hash(_stats(export_walks=True, alerting=False, source="combined"), {"sample_rate": 0.1})
     other = {"top1_agree": Bound("top1_agree", 0.96, True, "min")}
-    from tailguard.monitoring.stats import SliceStatistics
+    from tailguard.monitoring.detector import SliceStatistics
 
     assert settings_hash(SliceStatistics("m", ["top1_agree"], other, streams_per_request=1, alpha=0.01,
                                          horizon=10_000, min_support=1), {"sample_rate": 0.1}) != base
@@ -451,11 +451,11 @@ def test_combined_counts_equal_replica_totals_when_peer_url_round_robins_between
                 _wait(lambda: _totals(c, urls, "all") == sent["all"], "the replicas compared every request")
                 for _ in range(5):  # however many polls: each epoch's increments merged once
                     comb.combine()
-                    assert _counts(comb.core.combined)[0] <= sent["all"][0]
+                    assert _counts(comb.engine.combined)[0] <= sent["all"][0]
                 for key in ("all", "domain=legal", "domain=news"):
-                    assert _counts(comb.core.combined, key) == _totals(c, urls, key), key
+                    assert _counts(comb.engine.combined, key) == _totals(c, urls, key), key
             peer = comb.readiness()[1]["peers"][proxy.url]
-            assert peer["new_epochs"] == 2 and set(peer["epochs"]) == {s.core.epoch for s in svcs}
+            assert peer["new_epochs"] == 2 and set(peer["epochs"]) == {s.engine.epoch for s in svcs}
             assert peer["errors_by_reason"]["epoch_flip"] >= 10  # shown: the URL reaches two processes
             assert comb.metrics.registry.get_sample_value(
                 "tailguard_monitor_peer_errors_total", {"peer": proxy.url, "reason": "epoch_flip"}) >= 10
@@ -482,7 +482,7 @@ def test_combined_counts_equal_replica_totals_when_own_url_and_one_replica_under
                     _wait(lambda: _totals(c, urls, "all") == sent, "the replicas compared every request")
                     for _ in range(3):
                         comb.combine()
-                    assert _counts(comb.core.combined) == sent
+                    assert _counts(comb.engine.combined) == sent
                 peers = c.get(own + "/readyz").json()["peers"]
                 assert peers[own]["errors_by_reason"] == {"duplicate_epoch": 6}  # its epoch is source self's
                 assert peers[alias.url]["errors_by_reason"] == {"duplicate_epoch": 6}

@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tailguard.monitoring import testing as T  # noqa: E402
-from tests._mlflow_server import free_port  # noqa: E402
+from tests.helpers.mlflow_server import free_port  # noqa: E402
 from tests.test_monitor_binary import (BATCH, N, NAME, assert_all_compared, domain, features,  # noqa: E402
                                        live_monitor, value)
 
@@ -77,7 +77,7 @@ def test_model_infer_reads_typed_contents_and_parameters_when_client_sends_no_ra
             for i in range(6):
                 answer = stub.ModelInfer(_stub_request(i, typed=True))
                 assert answer.id == f"t{i}" and answer.parameters["tailguard.sampled"].bool_param
-        assert svc.wait_idle(60) and svc.core.compared_rows == 6 * BATCH
+        assert svc.wait_idle(60) and svc.engine.compared_rows == 6 * BATCH
         assert value(svc, "tailguard_monitor_sampled_total", model=NAME, slice="domain=legal") == 2
 
 
@@ -116,7 +116,7 @@ def test_grpc_ingest_answers_status_code_counts_reason_and_stays_healthy_when_re
         # still serving, and a good request is compared
         assert client.is_server_live()
         _infer(client, 3)
-        assert svc.wait_idle(60) and svc.core.compared_rows == BATCH
+        assert svc.wait_idle(60) and svc.engine.compared_rows == BATCH
         for reason in ("body_too_large", "batch_too_large", "unknown_model", *cases):
             assert value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) == 1, reason
         assert value(svc, "tailguard_monitor_requests_total", model=NAME, endpoint="grpc") == 1

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from tailguard.core.errors import InputError, SpecError
+from tailguard.demo.planted_drift import replay_with_drift
 from tailguard.monitoring import testing as T
-from tailguard.monitoring.demo import replay_with_drift
 from tailguard.monitoring.replay import replay, replay_cli
 from tailguard.core.spec import parse_spec
 

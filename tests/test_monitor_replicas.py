@@ -18,9 +18,9 @@ import yaml
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.combine import Combiner, settings_hash
 from tailguard.monitoring.config import Bound
+from tailguard.monitoring.detector import SliceStatistics
 from tailguard.monitoring.oip import request_json, tensor_json
-from tailguard.monitoring.stats import SliceStatistics
-from tests._mlflow_server import free_port
+from tests.helpers.mlflow_server import free_port
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
 NAME = "tiny-clf"

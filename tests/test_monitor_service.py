@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import resolve_config
-from tailguard.monitoring.metrics import METRIC_NAMES
 from tailguard.monitoring.oip import request_json, tensor_json
+from tailguard.monitoring.prometheus import METRIC_NAMES
 from tailguard.monitoring.service import MonitorService, build_app
 from tailguard.core.spec import parse_spec
 
@@ -117,7 +117,7 @@ def test_live_responses_unaffected_and_errors_counted_when_reference_crashes(mod
         assert statuses == [200] * 20
         assert svc.wait_idle(20)
         assert _value(svc, "tailguard_monitor_dropped_total", reason="reference_error") == 20
-        assert svc.core.compared_rows == 0
+        assert svc.engine.compared_rows == 0
 
 
 def test_readyz_503_naming_the_reference_when_its_last_calls_all_failed(models):
@@ -185,7 +185,7 @@ def test_ingest_never_blocks_and_counts_queue_full_when_shadow_overloaded(models
             assert statuses == [200] * 40
             full = _value(svc, "tailguard_monitor_dropped_total", reason="queue_full")
             # at most queue_size waiting plus one micro-batch (what was queued when the worker took it) in its hands
-            assert full >= 40 - 2 - 3 and svc.queue.qsize() <= 2 and svc.core.compared_rows == 0
+            assert full >= 40 - 2 - 3 and svc.queue.qsize() <= 2 and svc.engine.compared_rows == 0
     finally:
         ref.gate.set()  # a failed assertion must not leave the worker blocked (the test process would hang)
         svc.stop()
@@ -244,7 +244,7 @@ def test_noise_floor_service_never_alerts_when_reference_compared_with_itself(mo
     with client:
         _send(client, 60)
         assert svc.wait_idle(20)
-        assert svc.alerts() == [] and svc.core.compared_rows == 60
+        assert svc.alerts() == [] and svc.engine.compared_rows == 60
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all", metric="top1_agree") == 1.0
 
 

@@ -8,8 +8,8 @@ import pytest
 from tailguard.core.errors import SpecError
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import Bound, clean_label, resolve_config
+from tailguard.monitoring.detector import SliceStatistics, alarm_threshold, bettings, sprt_expected_samples
 from tailguard.monitoring.sampler import LongTailSampler
-from tailguard.monitoring.stats import SliceStatistics, alarm_threshold, bettings, sprt_expected_samples
 from tailguard.core.spec import parse_spec
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}

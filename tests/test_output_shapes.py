@@ -22,7 +22,7 @@ from tailguard.cli import app
 from tailguard.components.export.logic import check_declared_outputs
 from tailguard.core.errors import EXIT_USAGE, SpecError
 from tailguard.core.spec.models import ModelSpec
-from tests.tiny_models import export_tiny, tiny_feeds
+from tests.helpers.tiny_models import export_tiny, tiny_feeds
 
 runner = CliRunner()
 N_IN, N_CLASSES = 8, 15

@@ -5,8 +5,8 @@ Real ONNX Runtime quantization and sessions throughout. Mocked (narrow seams, sa
 version probe `_calibration_cache_supported` (to exercise the fixed-length fallback for older ORT builds).
 
 Dynamic INT8 accuracy is checked against a bound derived from the quantization steps
-(`tests.tiny_models.int8_dynamic_error_bound`). That bound assumes exact int32 accumulation. ORT's u8s8 kernels on
-x86 CPUs without VNNI (SSE4.1/AVX2/AVX512BW, pmaddubsw) add adjacent u8*s8 products in int16 with saturation,
+(`tests.helpers.tiny_models.int8_dynamic_error_bound`). That bound assumes exact int32 accumulation. ORT's u8s8
+kernels on x86 CPUs without VNNI (SSE4.1/AVX2/AVX512BW, pmaddubsw) add adjacent u8*s8 products in int16 with saturation,
 which 8-bit per-channel weights overflow (`session.x64quantprecision` in ORT's
 onnxruntime_session_options_config_keys.h). The tests that check it are under "MatMulInteger arithmetic".
 """
@@ -31,7 +31,7 @@ from tailguard.core.presets import QUANTIZATION_PRESETS, quantization_preset
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.spec.models import VariantSpec
 from tailguard.components.quantize.registry import UnknownStepError, get_step, registered_steps
-from tests.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
+from tests.helpers.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
 
 @pytest.fixture(scope="module")

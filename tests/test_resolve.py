@@ -21,9 +21,9 @@ from tailguard.core.reference import (DESCRIPTOR_FILE, ResolvedModel, load_torch
 from tailguard.registration import register_reference
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.spec import parse_spec
-from tests._resolve_models import N_IN, OtherClassifier, make_tiny
+from tests.helpers.resolve_models import N_IN, OtherClassifier, make_tiny
 
-CLASS_PATH = "tests._resolve_models:TinyClassifier"
+CLASS_PATH = "tests.helpers.resolve_models:TinyClassifier"
 X = torch.linspace(-1.0, 1.0, 5 * N_IN).reshape(5, N_IN)  # (batch=5, features=4) float32
 
 
@@ -203,9 +203,9 @@ def test_resolve_reference_raises_input_error_when_stored_file_changed(store, tm
 
 # --------------------------------------------------------------------------------------------- loading
 def test_load_torch_reference_raises_input_error_listing_keys_when_state_dict_does_not_fit(store, tmp_path):
-    spec = make_spec("tiny-sd", class_path="tests._resolve_models:OtherClassifier")
+    spec = make_spec("tiny-sd", class_path="tests.helpers.resolve_models:OtherClassifier")
     resolved = resolve_reference(spec, tracking_uri=store["uri"], out_dir=tmp_path)
-    assert resolved.class_path == "tests._resolve_models:OtherClassifier"
+    assert resolved.class_path == "tests.helpers.resolve_models:OtherClassifier"
     with pytest.raises(InputError) as exc:
         load_torch_reference(resolved, spec.model)
     msg = exc.value.message
@@ -223,7 +223,7 @@ def test_load_torch_reference_raises_input_error_when_layer_sizes_differ(store, 
 
 
 def test_load_torch_reference_raises_input_error_naming_field_when_class_unknown(store, tmp_path):
-    spec = make_spec("tiny-sd", class_path="tests._resolve_models:TinyClasifier")
+    spec = make_spec("tiny-sd", class_path="tests.helpers.resolve_models:TinyClasifier")
     resolved = resolve_reference(spec, tracking_uri=store["uri"], out_dir=tmp_path)
     with pytest.raises(InputError) as exc:
         load_torch_reference(resolved, spec.model)

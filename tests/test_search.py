@@ -1,5 +1,5 @@
 """Accuracy-driven search (components/search/logic.py) on a tiny MLP with one planted sensitive MatMul
-(tests/search_models.py).
+(tests/helpers/search_models.py).
 
 Real throughout: ONNX Runtime quantization (build_variant), sessions, and the evaluation -- each trial is
 validated by `validate_variant` against FP32 reference outputs on validation rows, with a real parity gate
@@ -23,7 +23,7 @@ from tailguard.components.validate.logic import validate_variant
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import OrtRunner, run_dataset
 from tailguard.core.spec.models import NAME_RE, SearchSpec
-from tests.search_models import PLANTED, mlp_dataset, mlp_spec, mlp_variant, planted_mlp
+from tests.helpers.search_models import PLANTED, mlp_dataset, mlp_spec, mlp_variant, planted_mlp
 
 # A small space: 2 families (per-tensor, per-channel), k in {0, 1, 2, 4} -> {0, 1, 2, 3} (3 candidates).
 SPACE = {"exclude_most_sensitive": [0, 1, 2, 4], "per_channel": [False, True], "float_op_types": [[]]}

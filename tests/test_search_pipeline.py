@@ -2,7 +2,7 @@
 after its validation (kfp.local SubprocessRunner, real SQLite MLflow store), logs one nested run per trial
 under the variant's run, and hands the chosen trial to register-and-promote as '<variant>-searched'.
 
-Model: tests/search_models.py's planted MLP (one MatMul, mm2, whose INT8 weights are ruined by a planted outlier
+Model: tests/helpers/search_models.py's planted MLP (one MatMul, mm2, whose INT8 weights are ruined by a planted outlier
 row), registered as an ONNX reference. INT8 dynamic as specified fails cosine_similarity.min >= 0.99; keeping
 the most sensitive node in float passes it.
 """
@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.search_models import IN, OUT, PLANTED, planted_mlp
+from tests.helpers.search_models import IN, OUT, PLANTED, planted_mlp
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

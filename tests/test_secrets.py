@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from tailguard.cli import app
 from tailguard.core.redact import MASK, redact_spec_yaml, redact_text, redact_uri
-from tests._mlflow_server import mlflow_server
-from tests._resolve_models import make_tiny
+from tests.helpers.mlflow_server import mlflow_server
+from tests.helpers.resolve_models import make_tiny
 from tests.test_resolve import N_IN, X
 
 runner = CliRunner()

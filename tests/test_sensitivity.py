@@ -1,5 +1,5 @@
 """Per-node quantization sensitivity (components/quantize/sensitivity.py) on a tiny MLP with one planted
-sensitive MatMul (tests/search_models.py), with real ONNX Runtime quantization and sessions.
+sensitive MatMul (tests/helpers/search_models.py), with real ONNX Runtime quantization and sessions.
 
 Mocked (narrow seam, said where): `_quantize_dynamic` raising for one node, to check how a node ORT cannot
 quantize alone is ranked.
@@ -17,7 +17,7 @@ from tailguard.components.quantize.sensitivity import (SENSITIVITY_COLUMNS, cand
                                                      output_errors)
 from tailguard.core.errors import InputError
 from tailguard.core.spec.models import QuantizationSpec, VariantSpec
-from tests.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
+from tests.helpers.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
 
 
 PLANTED_MARGIN = 5.0  # the planted node's output_rel_l2 over the next node's, on every CPU

@@ -7,8 +7,8 @@ A local run has one node, this one: every target's validate task runs here, reco
 (/proc/cpuinfo), so the test holds on any machine: "here" expects an ISA flag this node has, "anywhere" expects
 nothing, "elsewhere" expects one it lacks (or, on a CPU with every flag tailguard reads, the absence of one it has).
 
-Model: tests/search_models.py's tiny MLP (16 -> 32 -> 32 -> 8), registered as an ONNX reference; variants FP32 and
-INT8 dynamic, gated on cosine_similarity.mean >= 0 (both pass: the test is about where they were validated).
+Model: tests/helpers/search_models.py's tiny MLP (16 -> 32 -> 32 -> 8), registered as an ONNX reference; variants
+FP32 and INT8 dynamic, gated on cosine_similarity.mean >= 0 (both pass: the test is about where they were validated).
 """
 
 import json
@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tailguard.core.hardware import KERNEL_ISA_FLAGS, node_facts
-from tests.search_models import IN, OUT, planted_mlp
+from tests.helpers.search_models import IN, OUT, planted_mlp
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

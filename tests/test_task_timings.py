@@ -184,7 +184,7 @@ def _env() -> dict[str, str]:
 
 
 def test_build_task_imports_no_pandas_mlflow_or_torch_when_the_variant_is_int8_dynamic(tmp_path):
-    from tests.tiny_models import export_tiny
+    from tests.helpers.tiny_models import export_tiny
 
     _, model_spec, path = export_tiny(tmp_path)
     onnx_dir = tmp_path / "onnx"

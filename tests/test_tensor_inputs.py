@@ -1,7 +1,7 @@
 """Inputs of any fixed rank (issue 13 item 2): a CNN on scikit-learn digits with `image: [batch, 1, 8, 8]` and an
 audio-like classifier with `frames: [batch, sequence, 80]` (variable length) plus `frame_mask: [batch, sequence]`.
 
-Real parts only: models trained for a few epochs (tests/user_models.py), Parquet files written with pyarrow as
+Real parts only: models trained for a few epochs (tests/helpers/user_models.py), Parquet files written with pyarrow as
 nested lists and as Arrow fixed-shape tensors, Great Expectations, torch.onnx export, ONNX Runtime quantization
 and sessions. Each step's logic is called directly, as the pipeline's tasks call it.
 """
@@ -27,7 +27,7 @@ from tailguard.core.errors import DataCheckError, InputError, SpecError
 from tailguard.core.runtime import OrtRunner, TorchRunner, run_dataset
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.models import BenchmarkSpec, ModelSpec, VariantSpec
-from tests.user_models import (DIGITS_SHAPE, N_BANDS, digits_model_doc, digits_spec, frames_frame, frames_model_doc,
+from tests.helpers.user_models import (DIGITS_SHAPE, N_BANDS, digits_model_doc, digits_spec, frames_frame, frames_model_doc,
                                frames_spec, train_digits_cnn, train_frame_classifier, write_digits, write_frames)
 
 VARIANTS = {
@@ -350,7 +350,7 @@ def test_run_validates_fp32_and_int8_variants_per_class_when_a_cnn_takes_images(
     import mlflow
     import yaml
 
-    from tests.user_models import export_digits_onnx
+    from tests.helpers.user_models import export_digits_onnx
 
     root = tmp_path
     split = digits["split"]

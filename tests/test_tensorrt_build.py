@@ -423,7 +423,7 @@ def test_tensorrt_runner_says_tensorrt_is_missing_when_the_plan_checks_out_on_a_
 
 def test_ort_runner_refuses_a_session_when_onnxruntime_drops_the_gpu_provider(tmp_path):
     from tailguard.core.runtime import OrtRunner, ProviderFallbackError, ort_providers_unavailable_reason
-    from tests.tiny_models import export_tiny
+    from tests.helpers.tiny_models import export_tiny
 
     if ort_providers_unavailable_reason("CUDAExecutionProvider") is None:
         pytest.skip("onnxruntime-gpu with CUDA is installed here")

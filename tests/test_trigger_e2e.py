@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from tests._mlflow_server import mlflow_server, uvicorn_in_thread
+from tests.helpers.mlflow_server import mlflow_server, uvicorn_in_thread
 from tests.test_pipeline_local import TINY_KWARGS, make_rows, write_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -97,7 +97,7 @@ def write_tiny_bundle(out: Path, *, rows: int = 240, seed: int = 0) -> Path:
     import yaml
     from safetensors.torch import save_file
 
-    from tailguard.demo import demo_spec_text
+    from tailguard.demo.run import demo_spec_text
     from tailguard.models import MeanPooledEncoder
 
     out.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from tailguard.core.cache import file_sha256
     from tailguard.core.data import load_dataset
     from tailguard.core.runtime import TorchRunner, run_dataset
-    from tailguard.demo import demo_spec_text
-    from tailguard.demo_data import build_wordnet_datasets
+    from tailguard.demo.data import build_wordnet_datasets
+    from tailguard.demo.run import demo_spec_text
     from tailguard.models import MeanPooledEncoder, minilm_init_kwargs, minilm_state_dict
     from tailguard.core.spec import load_spec
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 "vocab_rows_kept": int(len(used)), "validation_rows": pruned_table.num_rows,
                 "pruning_check": {"rows": CHECK_ROWS, "max_abs_diff_full_vs_pruned": diff},
                 "weights_sha256": file_sha256(out / "weights.safetensors"),
-                "data": "WordNet 3.0 glosses (tailguard.demo_data.build_wordnet_datasets, seed 0)"}
+                "data": "WordNet 3.0 glosses (tailguard.demo.data.build_wordnet_datasets, seed 0)"}
         (out / "bundle.json").write_text(json.dumps(meta, indent=1))
         if diff != 0.0:
             print(f"the pruned model differs from the full one (max |diff| {diff}); bundle refused", file=sys.stderr)

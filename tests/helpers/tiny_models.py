@@ -10,7 +10,7 @@ masked reduction.
 
 Reuse from other tests::
 
-    from tests.tiny_models import export_tiny, tiny_model_spec, tiny_dataset, int8_dynamic_error_bound
+    from tests.helpers.tiny_models import export_tiny, tiny_model_spec, tiny_dataset, int8_dynamic_error_bound
 """
 
 from __future__ import annotations

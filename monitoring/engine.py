@@ -19,21 +19,21 @@ from tailguard.core.errors import InputError
 from tailguard.monitoring.combine import settings_hash
 from tailguard.monitoring.compare import compare_rows, failure_rows, reference_non_finite
 from tailguard.monitoring.config import ALL_SLICE, MonitorConfig
-from tailguard.monitoring.metrics import MonitorMetrics, SliceExport, SliceRow
+from tailguard.monitoring.detector import Evaluation, SliceStatistics
+from tailguard.monitoring.prometheus import MonitorMetrics, SliceExport, SliceRow
 from tailguard.monitoring.sampler import Decision, LongTailSampler
-from tailguard.monitoring.stats import Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring")
 
 
-class MonitorCore:
+class MonitorEngine:
     """Sampler + per-slice statistics and detectors + exporters' hooks for one (reference, candidate) pair.
 
     Args:
         cfg: resolved monitoring configuration.
         seed: sampler seed (default: the spec's monitoring.seed).
         metrics: Prometheus collectors to update, or None (replay without metrics). The per-slice families are
-            attached to read this core at scrape time (`export`).
+            attached to read this engine at scrape time (`export`).
         on_sample: called with each sampled row's record (dict) after comparison (S3 sink, drift snapshots).
         lock: held while the exporter reads the statistics (the service's worker lock); None for replay.
         role: "standalone" (detects and alerts on its own rows), "replica" (`--evidence-only`: measures and exports
@@ -91,7 +91,7 @@ class MonitorCore:
                 failure: str | None = None, values: Mapping[str, np.ndarray] | None = None,
                 candidate_source: str | None = None) -> Evaluation:
         """Compare one sampled request's outputs row by row and update statistics and alerts (one bet per slice
-        and metric on the request: monitoring/stats.py).
+        and metric on the request: monitoring/detector.py).
 
         Rows whose reference output is non-finite are excluded (`dropped_total{reason="non_finite"}`, and each
         slice's `reference_failures`); a non-finite candidate row stays in, scored worst-case by parity. A

@@ -4,7 +4,7 @@ dashboard and the PrometheusRule in manifests/: change them only with a deprecat
 Label sets are bounded: every slice is measured, but the per-slice series (`sampled_total`, `slice_parity`,
 `slice_samples`, `slice_evidence`, `alert_active`) exist only for the exported set, built at each scrape: `all`,
 every slice with an active alert, and the monitoring.max_slices others with the most evidence
-(monitoring/stats.py `SliceStatistics.exported`). `metric` takes the tracked per-row metrics; `reason` /
+(monitoring/detector.py `SliceStatistics.exported`). `metric` takes the tracked per-row metrics; `reason` /
 `status` / `role` / `endpoint` the fixed sets below. `alerts_total` carries the slices that ever fired.
 """
 
@@ -85,7 +85,7 @@ class SliceRow:
 
 @dataclass
 class SliceExport:
-    """What the slice collector exposes at one scrape (monitoring/core.py `MonitorCore.export`)."""
+    """What the slice collector exposes at one scrape (monitoring/engine.py `MonitorEngine.export`)."""
 
     model: str
     rows: list[SliceRow]

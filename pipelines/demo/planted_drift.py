@@ -1,5 +1,7 @@
 """The demo's monitor stage: replay logged traffic against the promoted variant with a PLANTED drift.
 
+Application layer (it drives the monitor's replay; the monitor never imports it).
+
 The drift is artificial, made by this module, not by the model: for rows of one (rare) slice in the last part of
 the replayed traffic, the candidate's outputs are perturbed after inference (classification: top-1 and top-2
 logits swapped with probability `drift_rate`; embedding: the vector mixed with noise; regression/generic: an
@@ -15,11 +17,11 @@ import numpy as np
 import pandas as pd
 
 from tailguard.core.errors import InputError
+from tailguard.core.spec import load_spec
+from tailguard.core.spec.models import Spec
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.testing import flip_top1
-from tailguard.core.spec import load_spec
-from tailguard.core.spec.models import Spec
 
 
 def perturb_outputs(task: str, outputs: np.ndarray, mask: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:

