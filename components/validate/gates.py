@@ -156,7 +156,9 @@ class _Context:
     spec: Spec
 
 
-def _op(gate: GateSpec) -> str:
+def gate_op(gate: GateSpec) -> str:
+    """The comparison a gate makes: ">=" (value must be at least the threshold) or "<=" (at most): `min` gives
+    ">=", `max` gives "<=", `max_drop` follows the metric catalogue's `higher_is_better`."""
     if gate.min is not None:
         return ">="
     if gate.max is not None:
@@ -164,7 +166,7 @@ def _op(gate: GateSpec) -> str:
     return ">=" if higher_is_better(gate.metric) else "<="
 
 
-def _static_threshold(gate: GateSpec) -> float | None:
+def static_threshold(gate: GateSpec) -> float | None:
     """The threshold known before looking at data (None: relative accuracy gates, whose reference varies)."""
     if gate.min is not None:
         return float(gate.min)
@@ -219,7 +221,7 @@ def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
     "difference_bound" (relative accuracy gates with confidence) and "reason" (when it cannot be judged).
     """
     out: dict[str, Any] = {"estimate": number_or_none(point), "bound": None, "observed": None,
-                           "threshold": _static_threshold(gate), "ok": False}
+                           "threshold": static_threshold(gate), "ok": False}
     if out["estimate"] is None:
         out["reason"] = missing_reason
         return out
@@ -549,7 +551,7 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
     ctx = _Context(task=spec.model.task, per_sample=per_sample, masks=masks, discovered=discovered, spec=spec)
     results: list[GateResult] = []
     for gate in spec.gates:
-        op, thr = _op(gate), _static_threshold(gate)
+        op, thr = gate_op(gate), static_threshold(gate)
         batched = gate.metric in BATCHED_METRICS
         bs = spec.gate_batch_size(gate) if batched else None
         base = dict(gate=gate.key, metric=gate.metric, scope=gate.scope, threshold=thr, op=op, batch_size=bs,

@@ -40,10 +40,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tailguard.core.metrics import higher_is_better
 from tailguard.core.results import GateStatus
 from tailguard.core.spec.models import BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec, Spec
 from tailguard.core.stats import wilson_bound, wor_confidence_sequence, wor_log_evidence
+
+from .gates import gate_op, static_threshold
 
 METHOD = ("prior-posterior-ratio confidence sequence for the all-rows count, rows drawn without replacement in a "
           "seeded shuffled order (Waudby-Smith & Ramdas 2020)")
@@ -178,29 +179,6 @@ def _percentile_counts(n: int, how: str, op: str) -> tuple[int, int]:
     return n - 1 - hi, n - lo  # "<=": bad rows (value > threshold) are the top of the sorted values
 
 
-def _op(gate: GateSpec) -> str:
-    if gate.min is not None:
-        return ">="
-    if gate.max is not None:
-        return "<="
-    return ">=" if higher_is_better(gate.metric) else "<="
-
-
-def _threshold(gate: GateSpec) -> float | None:
-    from tailguard.core.metrics import metric as catalogue_metric
-
-    if gate.min is not None:
-        return float(gate.min)
-    if gate.max is not None:
-        return float(gate.max)
-    if gate.metric in ("accuracy", "reference_accuracy"):
-        return None
-    ref = catalogue_metric(gate.metric).self_score
-    if ref is None:
-        return None
-    return ref - gate.max_drop if higher_is_better(gate.metric) else ref + gate.max_drop  # type: ignore[operator]
-
-
 def _proportion_unit(sl: str, val: str, mask: np.ndarray, n: int, op: str, threshold: float,
                      confidence: float | None) -> Unit:
     """A unit of a gate on a 0/1 metric. Bad rows: 0s of a higher-is-better metric (">=" gates), 1s of a
@@ -250,7 +228,7 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
             continue
         if gate.metric in PERF_METRICS or gate.metric in BUILD_METRICS:
             continue
-        op, thr = _op(gate), _threshold(gate)
+        op, thr = gate_op(gate), static_threshold(gate)
         key, how = row_source(gate.metric)
         plan.key = key
         proportion = gate.metric in PROPORTION_METRICS
