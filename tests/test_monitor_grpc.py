@@ -117,6 +117,11 @@ def test_grpc_ingest_answers_status_code_counts_reason_and_stays_healthy_when_re
         assert client.is_server_live()
         _infer(client, 3)
         assert svc.wait_idle(60) and svc.engine.compared_rows == BATCH
+        # gRPC answers RESOURCE_EXHAUSTED to the client before the handler thread counts the refusal: wait for it
+        deadline = time.monotonic() + 60
+        while value(svc, "tailguard_monitor_invalid_requests_total", reason="body_too_large") < 1 and \
+                time.monotonic() < deadline:
+            time.sleep(0.01)
         for reason in ("body_too_large", "batch_too_large", "unknown_model", *cases):
             assert value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) == 1, reason
         assert value(svc, "tailguard_monitor_requests_total", model=NAME, endpoint="grpc") == 1
