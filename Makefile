@@ -37,7 +37,7 @@ lock:
 	@echo "now: make image-locks (the images' hashed requirements follow the new lock)"
 
 # The container images' hashed requirement files (manifests/images/requirements-<image>.lock): each image's
-# dependency closure with the pins and sha256 hashes of $(LOCK). tests/test_images.py fails while they are stale.
+# dependency closure with the pins and sha256 hashes of $(LOCK). tests/integration/test_images.py fails while they are stale.
 image-locks: $(VENV)
 	$(BIN)/python scripts/image_locks.py
 
@@ -85,6 +85,6 @@ golden: $(VENV)
 	  $(BIN)/tailguard compile $${s#*:} -o tests/golden/$${s%%:*}.pipeline.yaml && \
 	  sed -i 's|$(CURDIR)|@REPO@|g' tests/golden/$${s%%:*}.pipeline.yaml; done
 
-# The cluster copy of the example spec: identical but for s3:// data URIs (tests/test_manifests.py checks it).
+# The cluster copy of the example spec: identical but for s3:// data URIs (tests/integration/test_manifests.py checks it).
 manifests-spec:
 	{ head -2 manifests/base/specs/minilm-embedder.yaml; sed -e 's#uri: data/#uri: s3://tailguard-data/minilm/#' examples/minilm/spec.yaml; } > manifests/base/specs/.tmp && mv manifests/base/specs/.tmp manifests/base/specs/minilm-embedder.yaml

@@ -12,7 +12,7 @@ every file of each pinned version). The Dockerfiles install the result with `pip
 Run it with the project's virtualenv (installed from requirements.lock, so its metadata is the lock's):
 
     .venv/bin/python scripts/image_locks.py           # rewrite the .lock files
-    .venv/bin/python scripts/image_locks.py --check   # exit 1 when one is stale (tests/test_images.py)
+    .venv/bin/python scripts/image_locks.py --check   # exit 1 when one is stale (tests/integration/test_images.py)
 
 Errors (exit 2): a top-level pin that differs from the lock, or a distribution of the closure that the lock or
 the virtualenv does not hold.

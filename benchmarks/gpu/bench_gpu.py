@@ -90,7 +90,7 @@ def _version(pkg: str) -> str | None:
 # --------------------------------------------------------------------------------------------- inputs
 def write_tiny_bundle(out: Path, *, rows: int = 240, seed: int = 0) -> Path:
     """A bundle with a 2-layer random-weight MeanPooledEncoder (vocab 120, width 32) and `rows` synthetic rows with
-    the demo's metadata columns, for the CPU dry run (tests/test_gpu_bench.py). Returns the folder."""
+    the demo's metadata columns, for the CPU dry run (tests/integration/test_gpu_bench.py). Returns the folder."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch

@@ -20,7 +20,7 @@ FP16/INT8 and IBuilderConfig.int8_calibrator are gone). A TensorRT 11 node skips
 rather than building something else than the spec asked for. Explicit batch is the only mode since TensorRT 10
 (NetworkDefinitionCreationFlag.EXPLICIT_BATCH is deprecated and ignored), so the network is created with no flag.
 
-What can run without a GPU is plain Python over numpy and is tested on CPU (tests/test_tensorrt_build.py):
+What can run without a GPU is plain Python over numpy and is tested on CPU (tests/components/test_tensorrt_build.py):
 `optimization_profile` (shapes from the spec's named axes, the benchmark batch sizes and the data's lengths),
 `engine_build_config` (flags, pools, profiles, calibration as a dict: what `configure_builder` applies and what the
 fingerprint hashes), `CalibrationBatches` (the rows fed in order, padded like `tailguard.core.data.make_batch`, then

@@ -53,7 +53,7 @@ Tests (one-sided, H1: the slice is worse than the rest; computed by `tailguard.c
 - correction: Benjamini-Hochberg step-up over every candidate tested (Benjamini & Hochberg 1995, JRSS B 57:
   289-300; `scipy.stats.false_discovery_control(method="bh")`), giving `q_value`. BH controls the FDR under
   independence and positive regression dependence (Benjamini & Yekutieli 2001); groups of one column are
-  negatively dependent (they share the rest), which the simulation tests in tests/test_discovery.py check
+  negatively dependent (they share the rest), which the simulation tests in tests/components/test_discovery.py check
   empirically. A candidate is `significant` when q_value <= alpha and drop > 0.
 
 Reported values (metric units): `value_in_slice` / `value_rest` are the means of the per-row values of the

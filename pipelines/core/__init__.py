@@ -7,6 +7,6 @@ cache (`cache`), the constants and tag names that cross units (`contract`), the 
 (`results`), artifact checks (`artifacts`), the reference model's reader (`reference`), node facts (`hardware`),
 URI redaction (`redact`), parity, slices and latency (`parity`, `slices`, `latency`), the reports' shared building
 blocks (`report`), the metric catalogue (`metrics`) and statistics (`stats`). It imports no component, no monitor
-and no application module; each module has two or more importing units (tests/test_layout.py keeps both so;
+and no application module; each module has two or more importing units (tests/integration/test_layout.py keeps both so;
 docs/architecture.md, Layers).
 """

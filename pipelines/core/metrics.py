@@ -508,7 +508,7 @@ def _check_task(task: str) -> None:
 
 def catalogue_markdown() -> str:
     """The catalogue as two Markdown tables (aggregate metrics, then per-row values), as docs/spec.md holds them
-    between its `metric-catalogue` markers (tests/test_metric_catalogue.py keeps the copy in step)."""
+    between its `metric-catalogue` markers (tests/core/test_metric_catalogue.py keeps the copy in step)."""
 
     def rng(r: tuple[float, float]) -> str:
         return f"[{r[0]:g}, {r[1]:g}]".replace("inf]", "inf)").replace("[-inf", "(-inf")

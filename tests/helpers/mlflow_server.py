@@ -1,6 +1,6 @@
 """A real `mlflow server` for integration tests (SQLite store, artifacts proxied by the server, webhooks on).
 
-Shared by tests/test_trigger.py and tests/test_trigger_e2e.py. The server runs with `--serve-artifacts` and an
+Shared by tests/integration/test_trigger.py and tests/integration/test_trigger_e2e.py. The server runs with `--serve-artifacts` and an
 `--artifacts-destination` folder, so new experiments get `mlflow-artifacts:/` locations and every client (the test,
 the pipeline's task subprocesses) uploads and downloads artifacts over HTTP, as pods of a cluster would.
 """

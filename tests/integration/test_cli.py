@@ -1,0 +1,76 @@
+"""The CLI contract: exit codes and messages without tracebacks (README.md: 0 ok, 1 runtime, 2 bad input, 3 no passing variant)."""
+
+import json
+
+import yaml
+from typer.testing import CliRunner
+
+from tailguard.cli import app
+
+from tests.core.test_spec import TINY
+
+runner = CliRunner()
+
+
+def test_spec_check_exits_0_when_the_spec_is_valid():
+    r = runner.invoke(app, ["spec", "check", "--no-data", str(TINY)])  # TINY names no real files
+    assert r.exit_code == 0, r.output
+    assert "valid" in r.output
+
+
+def test_spec_check_exits_2_listing_every_field_path_when_the_spec_is_invalid(tmp_path):
+    doc = yaml.safe_load(TINY.read_text())
+    doc["model"]["task"] = "embeding"
+    doc["variants"][0]["precison"] = "fp32"
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    r = runner.invoke(app, ["spec", "check", str(p)])
+    assert r.exit_code == 2
+    assert "model.task" in r.output and "variants.0.precison" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_spec_schema_prints_the_json_schema_when_asked():
+    r = runner.invoke(app, ["spec", "schema"])
+    assert r.exit_code == 0
+    assert json.loads(r.output)["title"] == "Spec"
+
+
+def test_run_exits_2_without_traceback_when_the_spec_file_is_missing(tmp_path):
+    r = runner.invoke(app, ["run", str(tmp_path / "none.yaml")])
+    assert r.exit_code == 2
+    assert "file not found" in r.output and "Traceback" not in r.output
+
+
+def test_compile_writes_kfp_ir_when_the_spec_is_valid(tmp_path):
+    out = tmp_path / "pipeline.yaml"
+    r = runner.invoke(app, ["compile", str(TINY), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert next(yaml.safe_load_all(out.read_text()))["pipelineInfo"]["name"] == "tiny"
+
+
+def test_monitor_replay_exits_2_naming_the_option_when_a_model_file_is_missing(tmp_path):
+    r = runner.invoke(app, ["monitor", "replay", "--spec", str(TINY), "--reference", str(tmp_path / "r.onnx"),
+                            "--candidate", str(tmp_path / "c.onnx"), "--requests", str(tmp_path / "q.parquet"),
+                            "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2
+    assert "--reference" in r.output and "Traceback" not in r.output
+
+
+def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys):
+    from tailguard.terminal import print_summary
+    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.components.validate.task import discovered_summary
+    from tailguard.runner import summary_rows
+
+    table = [{"slice": "pos&n_tokens", "value": "verb&[2,8)", "support": 40, "metric": "nn_top1_agreement",
+              "value_in_slice": 0.8, "value_rest": 0.95, "q_value": 0.004, "significant": True, "drop": 0.15},
+             {"slice": "pos", "value": "adj", "support": 300, "metric": "nn_top1_agreement",
+              "value_in_slice": 0.94, "value_rest": 0.95, "q_value": 0.6, "significant": False, "drop": 0.01}]
+    v = VariantSummary("ort-int8", "onnxruntime", "int8", "ok", discovered=discovered_summary(table))
+    summary = RunSummary("p", "0", "m", "1", "m-optimized", "production", True, 1, variants=[v])
+    assert summary_rows(summary)[0]["discovered"] == "pos&n_tokens=verb&[2,8): 0.800 vs 0.950 (n=40, q=0.004)"
+    assert RunSummary.from_dict(summary.to_dict()).variants[0].discovered == v.discovered
+    print_summary(summary)
+    out = capsys.readouterr().out
+    assert "discovered slices" in out and "verb&[2,8)" in out and "pos=adj" not in out
