@@ -231,10 +231,16 @@ def test_cli_spec_check_exits_2_naming_a_removed_monitoring_key_and_its_replacem
     assert "unknown field" not in text and "Traceback" not in r.output
 
 
-def test_spec_refuses_a_promotion_select_other_than_fastest_passing_when_given():
+@pytest.mark.parametrize("value", ["fastest_passing", "cheapest_passing"])
+def test_cli_spec_check_exits_2_naming_promotion_select_as_removed_when_given(tmp_path, value):
     doc = _doc()
-    doc.setdefault("promotion", {})["select"] = "cheapest_passing"
-    assert "promotion.select" in _locs(doc)
+    doc.setdefault("promotion", {})["select"] = value
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(doc))
+    r = runner.invoke(app, ["spec", "check", str(tmp_path / "spec.yaml")])
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "promotion.select" in text and "removed" in text and "promotion.margin" in text, r.output
+    assert "unknown field" not in text and "Traceback" not in r.output
 
 
 # ------------------------------------------------------------------------------------------- size limits

@@ -37,6 +37,9 @@ REMOVED_FIELDS: dict[str, str] = {
     "monitoring.clear_factor": (
         "removed: an alert clears when the recovery detector finds the slice back on the good side of its "
         "threshold (docs/monitor.md, Statistics and alerts); delete this key"),
+    "promotion.select": (
+        "removed: it had one value and nothing read it; the variant to promote is the fastest passing one decided "
+        "with confidence by promotion.margin (docs/spec.md, Gates and promotion); delete this key"),
 }
 
 

@@ -740,11 +740,8 @@ class PromotionSpec(SpecModel):
         "or per_slice gate on a parity metric of the task): performance gates alone never promote."))
     alias: str = Field("production", pattern=r"^[A-Za-z][A-Za-z0-9_\-]*$",
                        description="Registry alias set on the selected version.")
-    select: Literal["fastest_passing"] = Field("fastest_passing", description=(
-        "The selection rule; it has one value, fastest_passing (the only rule implemented; any other value is "
-        "refused): the fastest variant passing every gate at `batch_size`, decided with confidence (`margin`)."))
     register_variants: Literal["promoted", "passing", "all"] = Field("promoted", description=(
-        "Which variants get a registry version: promoted (default): only the one `select` chose (also with "
+        "Which variants get a registry version: promoted (default): only the one promotion chose (also with "
         "enabled: false, then without the alias); passing: every variant that passed every gate; all: every "
         "built variant, failing ones included. Every variant's MLflow run is logged whatever this says, and an "
         "artefact whose sha256 an existing version already holds reuses that version (docs/spec.md, promotion)."))
