@@ -64,7 +64,7 @@ from tailguard.components.validate.logic import ValidationResult
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
-from tailguard.core.results import BuildStatus, GateStatus, number_or_none
+from tailguard.core.results import BuildStatus, GateStatus, json_ready, number_or_none
 from tailguard.core.spec.models import NAME_RE, SearchSpec, Spec, VariantSpec
 
 from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
@@ -206,31 +206,18 @@ class SearchResult:
         Infinity)."""
         trials = []
         for rec, t in zip(self.pareto().to_dict("records"), self.trials):
-            rec = {k: _plain(v) for k, v in rec.items()}
-            rec.update(excluded_nodes=list(t.config.get("excluded_nodes", [])), config=_plain(t.config),
+            rec = {k: json_ready(v, nan_as_none=True) for k, v in rec.items()}
+            rec.update(excluded_nodes=list(t.config.get("excluded_nodes", [])), config=json_ready(t.config, nan_as_none=True),
                        model_path=t.model_path)
             trials.append(rec)
-        sens = [{k: _plain(v) for k, v in r.items()}
+        sens = [{k: json_ready(v, nan_as_none=True) for k, v in r.items()}
                 for r in self.sensitivity.head(TOP_SENSITIVITY).to_dict("records")]
         return {"variant": self.variant, "seed": self.seed, "stopped_by": self.stopped_by, "chosen": self.chosen,
                 "chosen_name": self.trials[self.chosen].name if self.chosen is not None else None,
                 "n_trials": len(self.trials), "n_passed": sum(1 for t in self.trials if t.passed),
                 "sensitivity_seconds": self.sensitivity_seconds, "trials": trials,
-                "skipped": _plain(self.skipped), "n_skipped": len(self.skipped),
+                "skipped": json_ready(self.skipped, nan_as_none=True), "n_skipped": len(self.skipped),
                 "dropped_op_types": dict(self.dropped_op_types), "sensitivity": sens}
-
-
-def _plain(v: Any) -> Any:
-    """numpy scalars / NaN / containers -> plain JSON-able Python values (NaN -> None)."""
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    if isinstance(v, np.generic):
-        v = v.item()
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    return v
 
 
 # ------------------------------------------------------------------------------------------ configurations

@@ -194,7 +194,8 @@ def _ok(value: float | None, op: str, threshold: float | None) -> bool:
     return value >= threshold if op == ">=" else value <= threshold
 
 
-def _plain(gate: GateSpec) -> bool:
+def _point_gate(gate: GateSpec) -> bool:
+    """A gate on the point estimate: no confidence bound and no max_drop (its threshold is fixed, its value exact)."""
     return gate.confidence is None and gate.max_drop is None
 
 
@@ -316,7 +317,7 @@ def _groups(gate: GateSpec, base: dict[str, Any], ctx: _Context, candidates: Seq
             method: str, where: str) -> GateResult:
     """Judge every candidate group (dicts: slice, value, support, point, ref_point, mask, mask_known[, extra])."""
     op = base["op"]
-    plain = _plain(gate)
+    plain = _point_gate(gate)
     judged, failing, insufficient = [], [], []
     assessed: list[dict[str, Any]] = []
     for c in candidates:
@@ -586,7 +587,7 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
             reason = f"{gate.metric} was not computed"
             if gate.metric in ("accuracy", "reference_accuracy"):
                 reason += " (needs data.validation.label_column)"
-            if _plain(gate):
+            if _point_gate(gate):
                 results.append(_single(gate, base, overall.get(gate.metric), "overall, all validation rows",
                                        reason))
             else:

@@ -343,7 +343,7 @@ def _unknown(name: str, what: str = "metric") -> InputError:
                            f"{', '.join(sorted(_ROWS))} (docs/spec.md, Metrics)")
 
 
-def _plain(name: str) -> tuple[Metric, dict] | None:
+def _catalogue_entry(name: str) -> tuple[Metric, dict] | None:
     """A catalogue name, optionally with a .lb<C>/.ub<C> bound suffix."""
     if name in CATALOGUE:
         return CATALOGUE[name], {}
@@ -370,7 +370,7 @@ def parse_key(key: str) -> MetricKey:
     """
     if not isinstance(key, str) or not key:
         raise InputError(f"metric key must be a non-empty string, got {key!r}")
-    found = _plain(key)
+    found = _catalogue_entry(key)
     if found is not None:
         return MetricKey(key, found[0], **found[1])
     m = _BASELINE.match(key)
@@ -380,7 +380,7 @@ def parse_key(key: str) -> MetricKey:
                          confidence=inner.confidence, baseline=m.group(1))
     m = _BS.match(key)
     if m:
-        found = _plain(m.group(2))
+        found = _catalogue_entry(m.group(2))
         if found is None:
             raise _unknown(m.group(2))
         if not found[0].batched:
@@ -391,7 +391,7 @@ def parse_key(key: str) -> MetricKey:
     if m:
         parts = m.group(2).split(".")
         for i in range(1, len(parts)):  # longest trailing name first; the value keeps at least one part
-            found = _plain(".".join(parts[i:]))
+            found = _catalogue_entry(".".join(parts[i:]))
             if found is not None:
                 if not found[0].per_slice:
                     raise InputError(f"metric key {key!r}: {found[0].name} is not computed per slice",

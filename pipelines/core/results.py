@@ -106,14 +106,22 @@ def number_or_none(value: Any) -> float | None:
     return None if math.isnan(f) else f
 
 
-def _plain(obj: Any) -> Any:
-    """`obj` with numpy scalars turned into Python numbers and tuples into lists (JSON-ready, inf/NaN kept)."""
+def json_ready(obj: Any, *, nan_as_none: bool = False) -> Any:
+    """`obj` with numpy scalars turned into Python numbers and tuples into lists, for json.dumps.
+
+    Args:
+        obj: a number, numpy scalar, str, dict, list or tuple (nested).
+        nan_as_none: False keeps inf/NaN (results files); True writes NaN as None (JSON null: tables a reader
+            loads with pandas, e.g. the search's trials).
+    """
     if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
+        return {str(k): json_ready(v, nan_as_none=nan_as_none) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+        return [json_ready(v, nan_as_none=nan_as_none) for v in obj]
     if hasattr(obj, "item") and not isinstance(obj, (str, bytes)):  # numpy scalar
-        return obj.item()
+        obj = obj.item()
+    if nan_as_none and isinstance(obj, float) and math.isnan(obj):
+        return None
     return obj
 
 
@@ -169,7 +177,7 @@ class StepResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form, with `schema_version`."""
-        return {**_plain(asdict(self)), "schema_version": STEP_RESULT_SCHEMA}
+        return {**json_ready(asdict(self)), "schema_version": STEP_RESULT_SCHEMA}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "build result") -> "StepResult":
@@ -285,7 +293,7 @@ class VariantResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form, with `schema_version` (perf batch sizes become strings; `from_dict` turns them
         back; inf/NaN stay floats, so write with Python's json)."""
-        d = _plain(asdict(self))
+        d = json_ready(asdict(self))
         return {"schema_version": VARIANT_RESULT_SCHEMA, **d}
 
     @classmethod
