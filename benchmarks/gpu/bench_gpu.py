@@ -171,11 +171,11 @@ def ort_fp32_runner(factory: Any, spec: Any, example: dict[str, np.ndarray], out
     the same rounds; the validate step times torch variants beside the same kind of session)."""
     from tailguard.components.export.logic import export_onnx
     from tailguard.core.runtime import OrtRunner
-    from tailguard.components.quantize.registry import get_step
+    from tailguard.components.quantize.registry import get_builder
 
     variant = next(v for v in spec.variants if v.name == ORT)
     export_onnx(factory(), spec.model, example, out / "fp32" / "model.onnx")
-    built = get_step("quantize.onnxruntime")(variant, out / "fp32" / "model.onnx", out / "built", calibration=None,
+    built = get_builder("quantize.onnxruntime")(variant, out / "fp32" / "model.onnx", out / "built", calibration=None,
                                              model=spec.model)
     if built.status != "ok":
         raise RuntimeError(f"{ORT} build {built.status}: {built.reason}")

@@ -12,7 +12,7 @@ def build_variant(spec_yaml: str, variant_name: str, onnx_model: Input[Model], v
     """Quantize/compile the FP32 ONNX model into variant `variant_name`.
 
     Returns:
-        JSON StepResult: status ok | failed | skipped, reason, artifact file name, build details.
+        JSON BuildResult: status ok | failed | skipped, reason, artifact file name, build details.
     """
     from tailguard.components.quantize.task import main
 
@@ -26,7 +26,7 @@ def build_torch_variant(spec_yaml: str, variant_name: str, resolved: str, refere
     """Build torch variant `variant_name` (eager / inductor / AOTInductor) from the registered torch reference.
 
     Returns:
-        JSON StepResult: status ok | failed | skipped, reason, artifact file name (program.pt2 or package.pt2),
+        JSON BuildResult: status ok | failed | skipped, reason, artifact file name (program.pt2 or package.pt2),
         build details (export and compile seconds, fingerprint).
     """
     from tailguard.components.quantize.task import torch_main

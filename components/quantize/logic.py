@@ -1,9 +1,9 @@
 """Build one inference variant from the FP32 ONNX reference: ONNX Runtime graph optimization, FP16 conversion,
 INT8 dynamic / static quantization, and the TensorRT seam.
 
-One entry point, `build_variant`, dispatches through the step registry (`registry.py`) on the variant's
+One entry point, `build_variant`, dispatches through the builder registry (`registry.py`) on the variant's
 backend: `quantize.onnxruntime` builds every ONNX Runtime variant, `compile.tensorrt` builds TensorRT engines
-(skipped, with the reason, where no GPU / TensorRT is present). Each step returns a `StepResult`: ok with the
+(skipped, with the reason, where no GPU / TensorRT is present). Each builder returns a `BuildResult`: ok with the
 artifact and the facts of the build, failed with the reason when ONNX Runtime's tooling breaks for that variant
 (the run goes on with the other variants), or skipped with the reason.
 
@@ -55,12 +55,12 @@ if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no c
     from tailguard.core.spec.models import GraphOptimizationSpec, ModelSpec, QuantizationSpec, TensorSpec, VariantSpec
 from tailguard.core.errors import InputError
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
-from tailguard.core.results import StepResult
-from tailguard.components.quantize.registry import get_step, register_step
+from tailguard.core.results import BuildResult
+from tailguard.components.quantize.registry import get_builder, register_builder
 
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
-STEP_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt", "torch": "compile.torch"}
+BUILDER_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt", "torch": "compile.torch"}
 
 # ORT graph optimization levels by spec name, and the matching `opt_level` of onnxruntime.transformers.optimizer
 # (0 disables ORT's own pass; 99 = ORT_ENABLE_ALL).
@@ -82,14 +82,14 @@ _MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "Conv", "FusedConv"
 
 
 # --------------------------------------------------------------------------------------------- dispatch
-def step_name_for(variant: VariantSpec) -> str:
-    """Registered step name that builds `variant` (by its backend), e.g. "quantize.onnxruntime"."""
-    return STEP_FOR_BACKEND[variant.backend]
+def builder_name_for(variant: VariantSpec) -> str:
+    """Registered builder name that builds `variant` (by its backend), e.g. "quantize.onnxruntime"."""
+    return BUILDER_FOR_BACKEND[variant.backend]
 
 
 def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None,
-                  model: ModelSpec, calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
-    """Build one variant from the FP32 ONNX reference, through the step registered for its backend.
+                  model: ModelSpec, calibration_batch_size: int = 8, profile: dict | None = None) -> BuildResult:
+    """Build one variant from the FP32 ONNX reference, through the builder registered for its backend.
 
     Args:
         variant: `tailguard.core.spec.models.VariantSpec`.
@@ -104,14 +104,14 @@ def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Pa
             or on TensorrtExecutionProvider; None for the others.
 
     Returns:
-        StepResult: ok (artifact = the .onnx file, details = facts of the build), failed (ORT tooling broke for
+        BuildResult: ok (artifact = the .onnx file, details = facts of the build), failed (ORT tooling broke for
         this variant; reason and log path), or skipped (execution provider / GPU / TensorRT missing; reason).
 
     Raises:
         InputError: `fp32_onnx` is missing or not an ONNX file, or a static INT8 variant gets no calibration rows.
-        UnknownStepError: no step is registered for the variant's backend.
+        UnknownBuilderError: no builder is registered for the variant's backend.
     """
-    return get_step(step_name_for(variant))(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
+    return get_builder(builder_name_for(variant))(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
                                             calibration_batch_size=calibration_batch_size, profile=profile)
 
 
@@ -136,10 +136,10 @@ def _check_inputs(variant: VariantSpec, fp32_onnx: str | Path, calibration: Data
 
 
 # --------------------------------------------------------------------------------------------- TensorRT
-@register_step("compile.tensorrt")
+@register_builder("compile.tensorrt")
 def compile_tensorrt(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
                      calibration: Dataset | None = None, model: ModelSpec | None = None,
-                     calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
+                     calibration_batch_size: int = 8, profile: dict | None = None) -> BuildResult:
     """Build a TensorRT engine for `variant`: skipped with the reason where no GPU or TensorRT is present.
 
     TensorRT is never imported at module level; `tailguard.core.runtime.tensorrt_unavailable_reason` is the seam.
@@ -153,7 +153,7 @@ def compile_tensorrt(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str |
 
     reason = tensorrt_unavailable_reason()
     if reason:
-        return StepResult("skipped", reason=f"TensorRT variant {variant.name} needs a GPU with TensorRT: {reason}",
+        return BuildResult("skipped", reason=f"TensorRT variant {variant.name} needs a GPU with TensorRT: {reason}",
                           details={"backend": "tensorrt", "precision": variant.precision})
     return _build_tensorrt_engine(variant, Path(fp32_onnx), Path(out_dir), calibration, model,
                                   calibration_batch_size=calibration_batch_size, profile=profile)
@@ -161,7 +161,7 @@ def compile_tensorrt(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str |
 
 def _build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, calibration: Dataset | None,
                            model: ModelSpec, *, calibration_batch_size: int = 8,
-                           profile: dict | None = None) -> StepResult:
+                           profile: dict | None = None) -> BuildResult:
     """The engine build on a GPU node with TensorRT (`tensorrt_build.build_tensorrt_engine`; tensorrt imported
     there, lazily)."""
     from tailguard.components.quantize.tensorrt_build import build_tensorrt_engine
@@ -171,10 +171,10 @@ def _build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path,
 
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime
-@register_step("quantize.onnxruntime")
+@register_builder("quantize.onnxruntime")
 def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
                          calibration: Dataset | None = None, model: ModelSpec | None = None,
-                         calibration_batch_size: int = 8, profile: dict | None = None) -> StepResult:
+                         calibration_batch_size: int = 8, profile: dict | None = None) -> BuildResult:
     """Build an ONNX Runtime variant (fp32-optimized, fp16, int8 dynamic, int8 static). See `build_variant`.
 
     Raises:
@@ -187,7 +187,7 @@ def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: s
 
     reason = ort_providers_unavailable_reason(variant.execution_provider)
     if reason:
-        return StepResult("skipped", reason=f"variant {variant.name}: {reason}",
+        return BuildResult("skipped", reason=f"variant {variant.name}: {reason}",
                           details={"backend": "onnxruntime", "execution_provider": variant.execution_provider})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,15 +212,15 @@ def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: s
                        f"{traceback.format_exc()}")
         first = (str(exc).splitlines() or [""])[0][:600]
         details["build_seconds"] = round(time.perf_counter() - t0, 3)
-        return StepResult("failed", reason=f"variant {variant.name}: {progress['stage']} failed: "
+        return BuildResult("failed", reason=f"variant {variant.name}: {progress['stage']} failed: "
                                            f"{type(exc).__name__}: {first} (log: {log})", details=details)
     details["build_seconds"] = round(time.perf_counter() - t0, 3)
     log.write_text(captured.getvalue())
     details["warnings"] = details.get("warnings", []) + export_warnings(fp32)
     if failure:
-        return StepResult("failed", reason=failure, details=details)
+        return BuildResult("failed", reason=failure, details=details)
     details["reproduce"] = str(_write_reproduce(variant, fp32, out, model, calibration_batch_size))
-    return StepResult("ok", artifact=str(target), details=details)
+    return BuildResult("ok", artifact=str(target), details=details)
 
 
 def _build_ort(variant: VariantSpec, fp32: Path, target: Path, calibration: Dataset | None, model: ModelSpec,

@@ -1,8 +1,9 @@
-"""Step registry and step results.
+"""The builder registry: one build backend per stable name.
 
-Every build/compile step is registered under a stable name (`quantize.onnxruntime`, `compile.tensorrt`, ...).
-A duplicate name raises; an unknown name raises with the list of known names. Steps return a
-`StepResult` with a status (ok / failed / skipped, with the reason): a variant that cannot be built on
+Every builder (a function that builds one variant: quantize, compile) is registered under a stable name
+(`quantize.onnxruntime`, `compile.tensorrt`, `compile.torch`). "Step" is kept for pipeline steps (KFP tasks).
+A duplicate name raises; an unknown name raises with the list of known names. Builders return a
+`BuildResult` with a status (ok / failed / skipped, with the reason): a variant that cannot be built on
 this node (TensorRT without a GPU) is skipped visibly, never dropped.
 """
 
@@ -12,31 +13,31 @@ import importlib
 from typing import Callable
 
 from tailguard.core.errors import TailguardError
-from tailguard.core.results import StepResult
+from tailguard.core.results import BuildResult
 
-# Modules whose import registers steps; `load_all()` imports them so the registry is complete.
-STEP_MODULES = (
+# Modules whose import registers builders; `load_all()` imports them so the registry is complete.
+BUILDER_MODULES = (
     "tailguard.components.quantize.logic",
-    "tailguard.components.quantize.torch_step",
+    "tailguard.components.quantize.torch_builder",
 )
 
-_REGISTRY: dict[str, Callable[..., "StepResult"]] = {}
+_REGISTRY: dict[str, Callable[..., "BuildResult"]] = {}
 
 
-class UnknownStepError(TailguardError):
-    """No step is registered under that name."""
+class UnknownBuilderError(TailguardError):
+    """No builder is registered under that name."""
 
 
-def register_step(name: str) -> Callable[[Callable[..., StepResult]], Callable[..., StepResult]]:
+def register_builder(name: str) -> Callable[[Callable[..., BuildResult]], Callable[..., BuildResult]]:
     """Decorator: register `fn` under `name` (e.g. "quantize.onnxruntime").
 
     Raises:
         ValueError: the name is already registered.
     """
 
-    def deco(fn: Callable[..., StepResult]) -> Callable[..., StepResult]:
+    def deco(fn: Callable[..., BuildResult]) -> Callable[..., BuildResult]:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"step {name!r} is already registered by {_REGISTRY[name].__module__}")
+            raise ValueError(f"builder {name!r} is already registered by {_REGISTRY[name].__module__}")
         _REGISTRY[name] = fn
         return fn
 
@@ -44,25 +45,25 @@ def register_step(name: str) -> Callable[[Callable[..., StepResult]], Callable[.
 
 
 def load_all() -> None:
-    """Import every module in STEP_MODULES so that all steps are registered."""
-    for mod in STEP_MODULES:
+    """Import every module in BUILDER_MODULES so that every builder is registered."""
+    for mod in BUILDER_MODULES:
         importlib.import_module(mod)
 
 
-def get_step(name: str) -> Callable[..., StepResult]:
-    """The step registered under `name`.
+def get_builder(name: str) -> Callable[..., BuildResult]:
+    """The builder registered under `name`.
 
     Raises:
-        UnknownStepError: with the list of known names.
+        UnknownBuilderError: with the list of known names.
     """
     load_all()
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise UnknownStepError(f"unknown step {name!r}; known: {sorted(_REGISTRY)}") from None
+        raise UnknownBuilderError(f"unknown builder {name!r}; known: {sorted(_REGISTRY)}") from None
 
 
-def registered_steps() -> list[str]:
-    """Names of all registered steps (after importing every step module)."""
+def registered_builders() -> list[str]:
+    """Names of all registered builders (after importing every builder module)."""
     load_all()
     return sorted(_REGISTRY)

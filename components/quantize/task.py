@@ -1,7 +1,7 @@
 """Task glue of the build-variant component.
 
-A pure step: it writes the variant's files and returns a StepResult, and writes nothing to MLflow (the validate
-task logs what the build measured, from the StepResult it receives). Under `tailguard run` its output is served
+A pure step: it writes the variant's files and returns a BuildResult, and writes nothing to MLflow (the validate
+task logs what the build measured, from the BuildResult it receives). Under `tailguard run` its output is served
 from the local cache (tailguard.core.cache) when the FP32 model, the variant's sections, the data it reads and the
 versions are the same as in an earlier run.
 """
@@ -115,7 +115,7 @@ def main(*, spec_yaml: str, variant_name: str, onnx_dir: str, out_dir: str) -> s
     skipped/failed and its reason; the run goes on with the other variants. Only ok builds are cached.
 
     Returns:
-        JSON StepResult plus "variant" and "cached" (true: copied from the local cache, not built);
+        JSON BuildResult plus "variant" and "cached" (true: copied from the local cache, not built);
         `artifact` is the model file name relative to `out_dir`.
     """
     from tailguard.core.cache import cached_step
@@ -162,10 +162,10 @@ def torch_cache_parts(spec: Spec, variant: VariantSpec, resolved: ResolvedModel)
 @task_entry("build-variant")
 def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, reference_dir: str, out_dir: str) -> str:
     """Build torch variant `variant_name` from the registered torch reference into `out_dir` (the
-    `compile.torch` step; components/quantize/torch_step.py). Served from the local cache like `main`.
+    `compile.torch` builder; components/quantize/torch_builder.py). Served from the local cache like `main`.
 
     Returns:
-        JSON StepResult plus "variant" and "cached"; `artifact` is the artefact's file name relative to `out_dir`.
+        JSON BuildResult plus "variant" and "cached"; `artifact` is the artefact's file name relative to `out_dir`.
     """
     from tailguard.core.cache import cached_step
     from tailguard.core.reference import load_resolved
@@ -181,9 +181,9 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
         from tailguard.core.data import load_calibration
         from tailguard.core.hardware import node_facts
         from tailguard.core.reference import load_torch_reference
-        from tailguard.components.quantize.registry import get_step
+        from tailguard.components.quantize.registry import get_builder
 
-        result = get_step("compile.torch")(variant, lambda: load_torch_reference(resolved, spec.model), out,
+        result = get_builder("compile.torch")(variant, lambda: load_torch_reference(resolved, spec.model), out,
                                            calibration=load_calibration(spec), model=spec.model,
                                            source_sha256=resolved.sha256 or "", reference_format=resolved.format)
         if result.artifact:
@@ -201,7 +201,7 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
 
 
 def _build(spec: Spec, variant: VariantSpec, onnx_dir: Path, out: Path, profile: dict | None = None) -> dict[str, Any]:
-    """Build the variant into `out` (build.json included); returns the StepResult dict plus "variant" and
+    """Build the variant into `out` (build.json included); returns the BuildResult dict plus "variant" and
     "hardware" (`tailguard.core.hardware.node_facts()` of this node: CPU model, ISA flags, cores, GPUs, versions)."""
     skip_torch_in_ort_tools()
     from tailguard.components.quantize.logic import build_variant

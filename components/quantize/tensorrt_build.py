@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from tailguard.core.errors import InputError
-from tailguard.core.results import StepResult
+from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas
     from tailguard.core.data import Dataset
@@ -522,8 +522,8 @@ def tensorrt_skip_reason(variant: VariantSpec, trt_version: str) -> str | None:
 def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, calibration: "Dataset | None",
                           model: ModelSpec, *, profile: Profile | None, calibration_batch_size: int = 8,
                           probe: Callable[[], dict[str, str]] | None = None, trt: Any = None,
-                          build: Callable[..., tuple[bytes, bytes | None, list[str]]] | None = None) -> StepResult:
-    """Build `variant`'s TensorRT engine into `out_dir/<variant>.plan` with its manifest (the step
+                          build: Callable[..., tuple[bytes, bytes | None, list[str]]] | None = None) -> BuildResult:
+    """Build `variant`'s TensorRT engine into `out_dir/<variant>.plan` with its manifest (the builder
     `compile.tensorrt` calls this once TensorRT and a GPU are present).
 
     Order: TensorRT version check -> build config (`engine_build_config`) -> the GPU build (`build`, default
@@ -544,7 +544,7 @@ def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, 
             bytes or None, warnings); default `_build_serialized`, the GPU seam.
 
     Returns:
-        StepResult ok (artifact = the plan; details: build_config, fingerprint, build_seconds, timing_cache,
+        BuildResult ok (artifact = the plan; details: build_config, fingerprint, build_seconds, timing_cache,
         calibration_cache), skipped (TensorRT major version not 10) or failed (parser / builder errors; build.log).
 
     Raises:
@@ -566,7 +566,7 @@ def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, 
                                "tensorrt_version": device["tensorrt_version"]}
     reason = tensorrt_skip_reason(variant, device["tensorrt_version"])
     if reason:
-        return StepResult("skipped", reason=reason, details=details)
+        return BuildResult("skipped", reason=reason, details=details)
     out_dir.mkdir(parents=True, exist_ok=True)
     onnx_sha = file_sha256(fp32_onnx)
     cfg = engine_build_config(variant, profile, tensorrt_version=device["tensorrt_version"], onnx_sha256=onnx_sha,
@@ -602,7 +602,7 @@ def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, 
         log.write_text("\n".join(log_lines) + f"\n\n{traceback.format_exc()}")
         details["build_seconds"] = round(time.perf_counter() - t0, 3)
         first = (str(exc).splitlines() or [""])[0][:600]
-        return StepResult("failed", reason=f"TensorRT variant {variant.name}: engine build failed: "
+        return BuildResult("failed", reason=f"TensorRT variant {variant.name}: engine build failed: "
                                            f"{type(exc).__name__}: {first} (log: {log})", details=details)
     details["build_seconds"] = round(time.perf_counter() - t0, 3)
     fp = fingerprint(fp32_onnx, cfg, probe=lambda: device)
@@ -613,7 +613,7 @@ def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, 
         atomic_write(timing, timing_bytes)
     details["warnings"] = list(warnings)
     details["bytes"] = target.stat().st_size
-    return StepResult("ok", artifact=str(target), details=details)
+    return BuildResult("ok", artifact=str(target), details=details)
 
 
 def _build_serialized(trt: Any, onnx_path: Path, cfg: Mapping[str, Any],

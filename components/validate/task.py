@@ -15,7 +15,7 @@ from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVE
                                      MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG,
                                      TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
                                      VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
-from tailguard.core.results import BuildStatus, GatesVerdict, StepResult, VariantResult
+from tailguard.core.results import BuildStatus, GatesVerdict, BuildResult, VariantResult
 from tailguard.core.spec.models import target_task_name
 from tailguard.core.taskio import task_entry, write_json
 
@@ -97,7 +97,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     spec = spec_from_yaml(spec_yaml)
     variant = next(v for v in spec.variants if v.name == variant_name)
     build = json.loads(build_json)
-    step = StepResult.from_dict(build, source=f"build output of variant {variant_name!r}")
+    step = BuildResult.from_dict(build, source=f"build output of variant {variant_name!r}")
     exp_id = configure(tracking_uri, experiment_name_for(spec))
     client = mlflow.MlflowClient()
     from tailguard.core.hardware import hardware_tags, node_facts

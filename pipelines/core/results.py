@@ -2,7 +2,7 @@
 
 Two results cross a unit boundary:
 
-    StepResult      a build (quantize/compile): status ok | failed | skipped, reason, artifact, details. The build
+    BuildResult      a build (quantize/compile): status ok | failed | skipped, reason, artifact, details. The build
                     task returns it as JSON; the validate task reads it and logs it as build.json.
     VariantResult   one candidate's validation: the validate task writes it for every outcome (ok, failed build,
                     skipped build) as the artifact variant_result.json of the variant's MLflow run, the search
@@ -30,7 +30,7 @@ from tailguard.core.errors import InputError
 # The status vocabularies that cross units. Str-valued (StrEnum): a member is the string it names, so JSON files,
 # MLflow tags and comparisons with text read from them are the same as with the plain words.
 class BuildStatus(StrEnum):
-    """A build's and a candidate's status (StepResult.status, VariantResult.status, the tag tailguard.status, the
+    """A build's and a candidate's status (BuildResult.status, VariantResult.status, the tag tailguard.status, the
     summary's build_status)."""
 
     OK = "ok"            # built (and, for a candidate, validated)
@@ -74,7 +74,7 @@ class RunOutcome(StrEnum):
     FAILED = "failed"                          # a task failed or the run was interrupted (tracking.mark_failed)
 
 # Bump when a field is renamed, removed or changes meaning (adding an optional field is not a bump).
-STEP_RESULT_SCHEMA = 1
+BUILD_RESULT_SCHEMA = 1
 VARIANT_RESULT_SCHEMA = 1
 
 
@@ -152,9 +152,9 @@ def _check_status(status: Any, what: str) -> None:
         raise ValueError(f"{what}.status must be one of {[s.value for s in BuildStatus]}, got {status!r}")
 
 
-# ------------------------------------------------------------------------------------------------ StepResult
+# ------------------------------------------------------------------------------------------------ BuildResult
 @dataclass
-class StepResult:
+class BuildResult:
     """Outcome of one build step for one variant.
 
     Attributes:
@@ -173,14 +173,14 @@ class StepResult:
     details: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_status(self.status, "StepResult")
+        _check_status(self.status, "BuildResult")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form, with `schema_version`."""
-        return {**json_ready(asdict(self)), "schema_version": STEP_RESULT_SCHEMA}
+        return {**json_ready(asdict(self)), "schema_version": BUILD_RESULT_SCHEMA}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str = "build result") -> "StepResult":
+    def from_dict(cls, d: dict[str, Any], *, source: str = "build result") -> "BuildResult":
         """Inverse of `to_dict`. Keys it does not know (the build task's "variant", "cached") are ignored; a dict
         without `schema_version` (written before it existed, e.g. a local cache entry) reads as version 1.
 
@@ -191,7 +191,7 @@ class StepResult:
         Raises:
             ResultFormatError: another schema version, a missing status, or an unknown status.
         """
-        _check_version(d, STEP_RESULT_SCHEMA, "build result", source, missing_ok=True)
+        _check_version(d, BUILD_RESULT_SCHEMA, "build result", source, missing_ok=True)
         return _build(cls, d, "build result", source)
 
 
@@ -225,7 +225,7 @@ class VariantResult:
         quantized_mac_fraction: INT8 builds: MACs computed in INT8 / all MACs, in [0, 1]; else None.
         search_of: for '<V>-searched': the searched spec variant V; else None.
         trial_run_id: for '<V>-searched': the run of the chosen trial; else None.
-        warnings: what the build flagged although no gate asked (its StepResult details["warnings"]: fusion that
+        warnings: what the build flagged although no gate asked (its BuildResult details["warnings"]: fusion that
             did not happen, INT8 attention MatMuls without fused attention, the torch exporter's warnings);
             [] when none. Optional field: results written before it existed read with [].
         hardware_dependent: the validate step's numerics check (components/validate/logic.py

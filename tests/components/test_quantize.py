@@ -1,5 +1,5 @@
 """Quantize/compile step: every ONNX Runtime variant built for real on the tiny encoder, the TensorRT skip, the
-step registry.
+builder registry.
 
 Real ONNX Runtime quantization and sessions throughout. Mocked (narrow seams, said where): the onnxruntime
 version probe `_calibration_cache_supported` (to exercise the fixed-length fallback for older ORT builds).
@@ -30,7 +30,7 @@ from tailguard.components.quantize.logic import DatasetCalibrationReader, build_
 from tailguard.core.presets import QUANTIZATION_PRESETS, quantization_preset
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.spec.models import VariantSpec
-from tailguard.components.quantize.registry import UnknownStepError, get_step, registered_steps
+from tailguard.components.quantize.registry import UnknownBuilderError, get_builder, registered_builders
 from tests.helpers.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
 
@@ -398,14 +398,14 @@ def test_build_variant_skips_tensorrt_with_a_reason_naming_gpu_or_tensorrt(tiny,
 
 # ------------------------------------------------------------------------------------------------ registry
 def test_registered_steps_include_onnxruntime_and_tensorrt_when_loaded():
-    names = registered_steps()
+    names = registered_builders()
     assert {"quantize.onnxruntime", "compile.tensorrt"} <= set(names)
-    assert get_step("compile.tensorrt") is logic.compile_tensorrt
+    assert get_builder("compile.tensorrt") is logic.compile_tensorrt
 
 
 def test_get_step_raises_listing_known_names_when_the_name_is_unknown():
-    with pytest.raises(UnknownStepError, match="quantize.onnxruntime"):
-        get_step("quantize.nothing")
+    with pytest.raises(UnknownBuilderError, match="quantize.onnxruntime"):
+        get_builder("quantize.nothing")
 
 
 # ---------------------------------------------------------------------------------------- reproduce / presets

@@ -101,7 +101,7 @@ def test_validate_task_tags_the_variant_run_with_the_nodes_cpu_and_isa(tmp_path,
     import mlflow
 
     from tailguard.components.validate import task as validate_task
-    from tailguard.core.results import StepResult
+    from tailguard.core.results import BuildResult
     from tailguard.core.spec import dump_spec
     from tailguard.core.tracking import configure, experiment_name_for
     from tests.core.test_results import _spec
@@ -117,7 +117,7 @@ def test_validate_task_tags_the_variant_run_with_the_nodes_cpu_and_isa(tmp_path,
         out = json.loads(validate_task.main(
             spec_yaml=dump_spec(spec), variant_name="ort-fp16", baselines_json="{}", parent_run_id=parent,
             tracking_uri=uri, variant_dir=str(tmp_path / "built"), reference_dir=str(tmp_path / "ref"),
-            build_json=json.dumps(StepResult("skipped", reason="no CUDA execution provider here").to_dict())))
+            build_json=json.dumps(BuildResult("skipped", reason="no CUDA execution provider here").to_dict())))
         tags = client.get_run(out["run_id"]).data.tags
     finally:
         mlflow.set_tracking_uri(before[0])

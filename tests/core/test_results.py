@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from tailguard.core.contract import VARIANT_RESULT_FILE
-from tailguard.core.results import (STEP_RESULT_SCHEMA, VARIANT_RESULT_SCHEMA, ResultFormatError, StepResult,
+from tailguard.core.results import (BUILD_RESULT_SCHEMA, VARIANT_RESULT_SCHEMA, ResultFormatError, BuildResult,
                                     VariantResult)
 from tailguard.core.spec import parse_spec
 from tests.components.test_gates import _tiny_onnx  # the identity ONNX model of the promotion tests
@@ -67,17 +67,17 @@ def test_variant_result_from_dict_raises_result_format_error_when_a_failed_resul
 
 
 def test_step_result_round_trips_and_reads_a_dict_without_version_when_it_predates_the_field():
-    s = StepResult("skipped", reason="no GPU", details={"n": 3})
+    s = BuildResult("skipped", reason="no GPU", details={"n": 3})
     d = s.to_dict()
-    assert d["schema_version"] == STEP_RESULT_SCHEMA
-    assert StepResult.from_dict(json.loads(json.dumps(d))) == s
+    assert d["schema_version"] == BUILD_RESULT_SCHEMA
+    assert BuildResult.from_dict(json.loads(json.dumps(d))) == s
     # the build task's output: extra keys (variant, cached), no schema_version (a cache entry from before it)
-    assert StepResult.from_dict({"status": "ok", "reason": "", "artifact": "m.onnx", "details": {},
-                                 "variant": "v", "cached": True}) == StepResult("ok", artifact="m.onnx")
+    assert BuildResult.from_dict({"status": "ok", "reason": "", "artifact": "m.onnx", "details": {},
+                                 "variant": "v", "cached": True}) == BuildResult("ok", artifact="m.onnx")
     with pytest.raises(ResultFormatError, match="schema_version"):
-        StepResult.from_dict({**d, "schema_version": STEP_RESULT_SCHEMA + 1})
+        BuildResult.from_dict({**d, "schema_version": BUILD_RESULT_SCHEMA + 1})
     with pytest.raises(ResultFormatError, match="status"):
-        StepResult.from_dict({"status": "done"})
+        BuildResult.from_dict({"status": "done"})
 
 
 # ------------------------------------------------------------------------------------------------ register
@@ -219,10 +219,10 @@ def test_validate_task_writes_a_variant_result_when_the_build_was_skipped_or_val
         kw = dict(spec_yaml=dump_spec(spec), baselines_json="{}", parent_run_id=parent, tracking_uri=uri,
                   variant_dir=str(tmp_path / "built"), reference_dir=str(tmp_path / "ref"))
         out = json.loads(validate_task.main(variant_name="ort-fp16", build_json=json.dumps(
-            StepResult("skipped", reason="no CUDA execution provider here").to_dict()), **kw))
+            BuildResult("skipped", reason="no CUDA execution provider here").to_dict()), **kw))
         with pytest.raises(TailguardError):
             validate_task.main(variant_name="ort-fp32", build_json=json.dumps(
-                StepResult("ok", artifact="missing.onnx").to_dict()), **kw)
+                BuildResult("ok", artifact="missing.onnx").to_dict()), **kw)
         skipped, failed = (read_variant_result(client, r.info.run_id) for r in sorted(
             client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'"),
             key=lambda r: r.data.tags["tailguard.variant"] != "ort-fp16"))
@@ -264,7 +264,7 @@ def test_status_enums_read_as_their_words_when_dumped_to_json_tags_and_csv():
                                            "outcome": "no_passing_variant"}
     assert str(GateStatus.FAILED) == f"{GateStatus.FAILED}" == "failed"  # what MLflow's set_tag stores (str())
     assert pd.DataFrame({"s": [BuildStatus.OK]}).to_csv(index=False) == "s\nok\n"
-    assert StepResult.from_dict(StepResult(BuildStatus.FAILED, reason="x").to_dict()).status == "failed"
+    assert BuildResult.from_dict(BuildResult(BuildStatus.FAILED, reason="x").to_dict()).status == "failed"
     with pytest.raises(ValueError, match=r"one of \['ok', 'failed', 'skipped'\]"):
-        StepResult("done")
+        BuildResult("done")
 

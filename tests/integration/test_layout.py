@@ -4,7 +4,7 @@ Units: core (`tailguard.core.*`), each component
 (`tailguard.components.<name>`; `tailguard.components.images` is shared), monitoring (`tailguard.monitoring.*`) and
 the application (every other `tailguard.*` module: builder, runner, cli, demo, ...). Every import statement counts,
 at module level and inside functions, `import x` and `from x import y`, relative ones resolved. Imports by string
-(`importlib.import_module(...)`, the step registry's module names) are not import statements and do not count.
+(`importlib.import_module(...)`, the builder registry's module names) are not import statements and do not count.
 
 Rules:
 - core imports no other unit, and each of its modules is imported by two or more units (a module only the kernel

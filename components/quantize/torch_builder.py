@@ -1,7 +1,7 @@
-"""The `compile.torch` step: a torch variant built from the registered FP32 torch reference (not from the ONNX
+"""The `compile.torch` builder: a torch variant built from the registered FP32 torch reference (not from the ONNX
 export), through the kernel's torch backend (tailguard.core.torch_backend).
 
-Outcomes, as every step's (StepResult):
+Outcomes, as every builder's (BuildResult):
     ok        the artefact (program.pt2 or package.pt2) and its manifest `<artefact>.json` in out_dir; details hold
               the build facts: export and compile seconds, the dynamic axes as exported, the fingerprint (torch
               version, device, GPU name and compute capability or CPU model and ISA flags) and the source model's
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from tailguard.core.results import StepResult
-from tailguard.components.quantize.registry import register_step
+from tailguard.core.results import BuildResult
+from tailguard.components.quantize.registry import register_builder
 
 if TYPE_CHECKING:  # pragma: no cover
     from tailguard.core.data import Dataset
@@ -50,10 +50,10 @@ def example_batch(rows: "Dataset", model: "ModelSpec") -> dict[str, np.ndarray]:
     return make_batch(rows, idx, model.inputs, pad_values=model.pad_values)
 
 
-@register_step("compile.torch")
+@register_builder("compile.torch")
 def compile_torch(variant: "VariantSpec", load_module: Callable[[], Any], out_dir: str | Path, *,
                   calibration: "Dataset", model: "ModelSpec", source_sha256: str,
-                  reference_format: str = "state_dict") -> StepResult:
+                  reference_format: str = "state_dict") -> BuildResult:
     """Build a torch variant into `out_dir` (module docstring for the outcomes).
 
     Args:
@@ -67,7 +67,7 @@ def compile_torch(variant: "VariantSpec", load_module: Callable[[], Any], out_di
         reference_format: the reference's format (`ResolvedModel.format`); "onnx" cannot be built with torch.
 
     Returns:
-        StepResult ok / skipped / failed.
+        BuildResult ok / skipped / failed.
     """
     from tailguard.core.torch_backend import TorchBuildError, build_torch_variant, config_of, unavailable_reason
 
@@ -78,25 +78,25 @@ def compile_torch(variant: "VariantSpec", load_module: Callable[[], Any], out_di
                                "device": config.device, "cuda_graphs": config.cuda_graphs,
                                "source_sha256": source_sha256}
     if reference_format == "onnx":
-        return StepResult("skipped", reason=(f"torch variant {variant.name}: the registered reference is an ONNX "
+        return BuildResult("skipped", reason=(f"torch variant {variant.name}: the registered reference is an ONNX "
                                              "model; the torch backend builds from a torch reference (state dict, "
                                              "torch.export program or trusted pickle)"), details=details)
     reason = unavailable_reason(config)
     if reason:
-        return StepResult("skipped", reason=f"torch variant {variant.name}: {reason}", details=details)
+        return BuildResult("skipped", reason=f"torch variant {variant.name}: {reason}", details=details)
     log = out / "build.log"
     try:
         build = build_torch_variant(load_module(), example_batch(calibration, model), model.inputs, config, out,
                                     source_sha256=source_sha256)
     except TorchBuildError as exc:
         log.write_text(traceback.format_exc())
-        return StepResult("failed", reason=f"torch variant {variant.name}: {exc.message}"
+        return BuildResult("failed", reason=f"torch variant {variant.name}: {exc.message}"
                           + (f" (fix: {exc.hint})" if exc.hint else "") + f" (log: {log})", details=details)
     except Exception as exc:  # an op without a kernel, an out-of-memory, a compiler crash: the variant fails
         log.write_text(traceback.format_exc())
         first = str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ""
-        return StepResult("failed", reason=f"torch variant {variant.name}: {type(exc).__name__}: {first} "
+        return BuildResult("failed", reason=f"torch variant {variant.name}: {type(exc).__name__}: {first} "
                                            f"(log: {log})", details=details)
     details.update({k: v for k, v in build.details.items() if k not in ("config",)})
     details["build_seconds"] = round(build.export_seconds + build.compile_seconds, 3)
-    return StepResult("ok", artifact=str(build.path), details=details)
+    return BuildResult("ok", artifact=str(build.path), details=details)
