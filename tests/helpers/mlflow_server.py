@@ -78,24 +78,25 @@ def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str
 
 
 @contextlib.contextmanager
-def uvicorn_in_thread(app, startup_timeout_s: float = 20.0) -> Iterator[str]:
-    """Serve an ASGI app with uvicorn in a daemon thread on 127.0.0.1; yields its base URL (real HTTP)."""
+def uvicorn_in_thread(app, startup_timeout_s: float = 60.0, port: int | None = None) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a daemon thread on 127.0.0.1 (`port`, default a free one); yields its base
+    URL (real HTTP). `startup_timeout_s` bounds a hung server; it is not a timing assumption."""
     import threading
     import time
 
     import uvicorn
 
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+                                           access_log=False, timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.time() + startup_timeout_s
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert server.started, f"uvicorn did not start in {startup_timeout_s} s"
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=30)

@@ -10,7 +10,6 @@ import contextlib
 import json
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -26,7 +25,7 @@ from tailguard.monitoring.config import resolve_config  # noqa: E402
 from tailguard.monitoring.join import CE_REQUEST, CE_RESPONSE  # noqa: E402
 from tailguard.monitoring.oip import OIP_ITEMSIZE, OipError, decode_binary, parse_request  # noqa: E402
 from tailguard.monitoring.service import MonitorService, build_app  # noqa: E402
-from tests.helpers.mlflow_server import free_port  # noqa: E402
+from tests.helpers.mlflow_server import uvicorn_in_thread  # noqa: E402
 
 NAME = "tiny-clf"
 N = 24  # requests per client run
@@ -47,35 +46,23 @@ def live_monitor(reference, candidate, *, grpc=False, **mon):
     Yields:
         (service, HTTP base URL, gRPC address or None).
     """
-    import uvicorn
-
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, **mon})))
     svc = MonitorService(cfg, reference, candidate)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (svc.readiness()[0] or svc.load_errors):
         time.sleep(0.02)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(svc), host="127.0.0.1", port=port, log_level="error",
-                                           access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     grpc_server, addr = None, None
     if grpc:
         from tailguard.monitoring.grpc_ingest import start_grpc
 
         grpc_server, gport = start_grpc(svc, "127.0.0.1", 0)
         addr = f"127.0.0.1:{gport}"
-    deadline = time.monotonic() + 60
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
     try:
-        yield svc, f"http://127.0.0.1:{port}", addr
+        with uvicorn_in_thread(build_app(svc)) as url:
+            yield svc, url, addr
     finally:
         if grpc_server is not None:
             grpc_server.stop(None)
-        server.should_exit = True
-        thread.join(30)
         svc.stop()
 
 

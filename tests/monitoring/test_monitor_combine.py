@@ -28,7 +28,7 @@ from tailguard.monitoring.config import Bound, resolve_config
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.prometheus import MonitorMetrics
 from tailguard.monitoring.service import MonitorService, build_app
-from tests.helpers.mlflow_server import free_port
+from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
 NAME = "tiny-clf"
@@ -362,21 +362,8 @@ class _RoundRobin:
         self.server.server_close()
 
 
-@contextlib.contextmanager
-def _served(svc: MonitorService, port: int | None = None) -> Iterator[str]:
-    import uvicorn
-
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(svc), host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    _wait(lambda: server.started, "uvicorn started")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+def _served(svc: MonitorService, port: int | None = None) -> contextlib.AbstractContextManager[str]:
+    return uvicorn_in_thread(build_app(svc), port=port)
 
 
 def _wait(pred: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:

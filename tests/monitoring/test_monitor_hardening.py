@@ -34,7 +34,7 @@ from tailguard.monitoring.join import CE_REQUEST, CE_RESPONSE, EntryTooLarge, Jo
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.sampler import Decision
 from tailguard.monitoring.service import READ_CHUNK, MonitorService, build_app
-from tests.helpers.mlflow_server import free_port
+from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
 
 NAME = "tiny-clf"
 TOKEN = "s3cret-token-0123456789abcdef"
@@ -66,30 +66,21 @@ def _cfg(**mon: Any):
 def _live(reference, candidate, *, grpc: bool = False, auth_token: str | None = None, peers=None,
           evidence_only: bool = False, **mon: Any) -> Iterator[tuple[MonitorService, str, str | None]]:
     """A MonitorService served by uvicorn on 127.0.0.1 (and the gRPC ingest when `grpc`) until the block ends."""
-    import uvicorn
-
     svc = MonitorService(_cfg(**mon), reference, candidate, auth_token=auth_token, peers=peers,
                          evidence_only=evidence_only, poll_interval_s=3600.0)
     _wait(lambda: svc.readiness()[0] or bool(svc.load_errors) or reference is None, "models loaded")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(svc), host="127.0.0.1", port=port, log_level="error",
-                                           access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     grpc_server, addr = None, None
     if grpc:
         from tailguard.monitoring.grpc_ingest import start_grpc
 
         grpc_server, gport = start_grpc(svc, "127.0.0.1", 0)
         addr = f"127.0.0.1:{gport}"
-    _wait(lambda: server.started, "uvicorn started")
     try:
-        yield svc, f"http://127.0.0.1:{port}", addr
+        with uvicorn_in_thread(build_app(svc)) as url:
+            yield svc, url, addr
     finally:
         if grpc_server is not None:
             grpc_server.stop(None)
-        server.should_exit = True
-        thread.join(30)
         svc.stop()
 
 
