@@ -455,8 +455,10 @@ class PromotionRule(str, Enum):
     ONLY_PASSING = "only_passing"        # one variant passed: nothing to compare
     FASTEST_P50 = "fastest_p50"          # promotion.margin null: the lowest validation p50
     CONFIDENT = "confident"              # the fastest is confidently faster than every other by the margin
-    HOLDER = "holder"                    # within the margin of the fastest: the current alias holder stays
-    MOST_EXACT = "most_exact"            # within the margin of the fastest: the most exact of them
+    HOLDER = "holder"                    # within the margin of the fastest (or timed on a contended node): the
+                                         # current alias holder stays
+    MOST_EXACT = "most_exact"            # within the margin of the fastest (or timed on a contended node): the
+                                         # most exact of them
 
 
 @dataclass
@@ -484,7 +486,7 @@ def _exactness(row: VariantSummary) -> int:
 
 
 def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, holder: str | None = None,
-                     compare: Any = None) -> PromotionDecision:
+                     compare: Any = None, max_cpu_pressure: float | None = None) -> PromotionDecision:
     """Choose the variant to promote, with confidence, not by noise (docs/spec.md, Gates and promotion).
 
     Rule: among the variants that passed every gate,
@@ -493,7 +495,9 @@ def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, 
     3. else the passing variants are timed interleaved in one process (`compare(rows)`, paired rounds at the
        promotion batch size, `compare_passing`); the fastest (lowest median) takes the alias when, against every
        other passing variant, the lower one-sided 95% bound of its speed ratio (corrected for the looks) is above
-       1 + margin;
+       1 + margin; unless the node was short of CPU for more than `max_cpu_pressure` of the comparison's wall
+       time (the comparison's `cpu_pressure.some_share`, Linux PSI, `tailguard.core.hardware.CpuPressure`): then
+       the timings are not trusted to rank anything and every passing variant is tied (rule 4);
     4. otherwise the variants not confidently slower than the fastest by the margin are tied: the current alias
        holder keeps the alias if it is one of them (`holder`: the name of the passing row holding the artefact the
        alias points to), else the most exact of them (EXACTNESS: fp32, then fp16, then int8; ties: the order of
@@ -505,7 +509,9 @@ def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, 
         margin: spec `promotion.margin` (e.g. 0.03), or None.
         holder: the passing row that holds the alias now, or None.
         compare: callable(list of passing rows) -> comparison dict {"leader": name, "ratios": {name: {"ratio",
-            "lower", "upper"}}, ...} or None.
+            "lower", "upper"}}, "cpu_pressure": {"some_share": float | None, ...}, ...} or None.
+        max_cpu_pressure: spec `promotion.max_cpu_pressure` (e.g. 0.1), or None: the comparison is trusted
+            whatever the node's load. A share that could not be read (no PSI) is not held against the comparison.
 
     Returns:
         PromotionDecision.
@@ -523,10 +529,17 @@ def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, 
                                  "promotion.margin: null, no paired comparison)")
     comparison = compare(passing) if compare is not None else None
     by_name = {v.variant: v for v in passing}
+    share = ((comparison or {}).get("cpu_pressure") or {}).get("some_share")
     if not comparison:
         tied = list(passing)
         why = "no paired comparison could be timed here"
         leader = None
+    elif max_cpu_pressure is not None and share is not None and share > max_cpu_pressure:
+        tied = list(passing)
+        leader = by_name[comparison["leader"]]
+        why = (f"the node was short of CPU for {share:.0%} of the paired comparison (Linux PSI cpu 'some'; "
+               f"promotion.max_cpu_pressure {max_cpu_pressure:g}), so its timings ({leader.variant} fastest over "
+               f"{comparison['rounds']} paired rounds) are not trusted to rank the passing variants")
     else:
         leader = by_name[comparison["leader"]]
         ratios = comparison["ratios"]
@@ -580,7 +593,8 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
 
     Returns:
         {"leader": name, "ratios": {name: {"name", "ratio", "lower", "upper"}} for every other row, "rounds",
-        "confidence" (per look), "stopped_by", "batch_size", "method"}; None when a row cannot be timed here
+        "confidence" (per look), "stopped_by", "batch_size", "p50_ms", "cpu_pressure" (`CpuPressure.to_dict()` over
+        the timed rounds), "method"}; None when a row cannot be timed here
         (not a CPU variant of onnxruntime or torch, no logged model, a model that does not load) or the budget
         allows fewer than
         `latency.DECISION_MIN_ROUNDS` rounds. No look before that many rounds decides.
@@ -592,6 +606,7 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
 
     from tailguard.core.data import load_validation
     from tailguard.core.errors import TailguardError
+    from tailguard.core.hardware import CpuPressure
     from tailguard.core.latency import DECISION_MIN_ROUNDS, interleaved_benchmark, speed_ratio
     from tailguard.core.runtime import OrtRunner, runner_for_file
     from tailguard.core.stats import look_confidence
@@ -624,6 +639,7 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
         leader, ratios, _ = judge(samples, n_looks)
         return all(r["lower"] > 1.0 + margin or r["upper"] < 1.0 + margin for r in ratios.values())
 
+    pressure = CpuPressure()
     with tempfile.TemporaryDirectory(prefix="tailguard-promotion-") as tmp:
         runners = {}
         try:
@@ -644,8 +660,9 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
                                                intra_op_num_threads=spec.benchmark.intra_op_num_threads,
                                                stop_spinning_after_run=True, allow_spinning=not beside_torch)
             ds = load_validation(spec)
-            timed = interleaved_benchmark(runners, ds, spec.model.inputs, bench, pad_values=spec.model.pad_values,
-                                          decide=decide)
+            with pressure:  # how short of CPU the node was while the rounds were timed
+                timed = interleaved_benchmark(runners, ds, spec.model.inputs, bench,
+                                              pad_values=spec.model.pad_values, decide=decide)
         except (TailguardError, OSError, mlflow.exceptions.MlflowException) as exc:
             print(f"tailguard register: no paired promotion comparison: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
@@ -660,6 +677,7 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
     return {"leader": leader, "ratios": ratios, "rounds": int(first["n_iterations"]), "confidence": level,
             "stopped_by": first.get("stopped_by"), "batch_size": batch_size,
             "p50_ms": {n: float(np.median(v)) for n, v in samples.items()},
+            "cpu_pressure": pressure.to_dict(),
             "method": (f"{first['method']}; leader = lowest median; ratio = median(other) / median(leader), "
                        f"one-sided bounds at {level * 100:.4g}% per look (95% over the looks), paired bootstrap")}
 
@@ -828,7 +846,8 @@ def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, 
         holder=_holder_row(client, spec.optimized_model_name, expected, built),
         compare=lambda rows: compare_passing(spec, rows, {row.variant: r for row, r, *_ in built},
                                              {row.variant: v for row, _, v, _ in built},
-                                             margin=float(spec.promotion.margin or 0.0), batch_size=bs))
+                                             margin=float(spec.promotion.margin or 0.0), batch_size=bs),
+        max_cpu_pressure=spec.promotion.max_cpu_pressure)
     chosen = decision.chosen
     summary.promotion_rule, summary.promotion_reason = decision.rule, decision.reason
     summary.promotion_comparison = decision.comparison

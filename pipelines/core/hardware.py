@@ -241,3 +241,83 @@ def fact_differences(node: dict[str, str], validated: dict[str, str],
     if "gpu" in compare and set(n_gpu.split()) != set(v_gpu.split()):
         out["gpu"] = {"node": n_gpu, "validated": v_gpu}
     return out
+
+
+# ------------------------------------------------------------------------------------------ CPU contention
+# Linux pressure stall information (PSI, kernel >= 4.20, Documentation/accounting/psi.rst): the `some` line of
+# cpu.pressure counts, in microseconds (`total=`), the wall time during which at least one runnable task waited for a
+# CPU. Its growth over a timed window divided by the window's length is the share of that window in which the
+# node (or, with cgroup v2, this process' cgroup) was short of CPU: timings taken then are not representative
+# of the node at rest.
+PROC_CPU_PRESSURE = Path("/proc/pressure/cpu")
+CGROUP_ROOTS = (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
+
+
+def cpu_pressure_file(proc_cgroup: str | Path = "/proc/self/cgroup", *, roots: tuple[Path, ...] = CGROUP_ROOTS,
+                      node: Path = PROC_CPU_PRESSURE) -> Path | None:
+    """The PSI file that covers this process: its cgroup v2 `cpu.pressure` (a pod's own stalls) when the unified
+    hierarchy (`0::<path>` in /proc/self/cgroup, under one of `roots`) has one, else the node-wide `node`
+    (/proc/pressure/cpu); None where neither exists (not Linux, PSI off)."""
+    try:
+        for line in Path(proc_cgroup).read_text().splitlines():
+            if line.startswith("0::"):
+                rel = line[3:].strip().lstrip("/")
+                for root in roots:
+                    if rel and (root / rel / "cpu.pressure").is_file():
+                        return root / rel / "cpu.pressure"
+    except OSError:
+        pass
+    return node if node.is_file() else None
+
+
+def cpu_stall_us(path: str | Path | None) -> int | None:
+    """The `some total=` counter of a PSI cpu.pressure file: microseconds (cumulative since boot or cgroup
+    creation) during which at least one runnable task waited for a CPU; None when it cannot be read."""
+    if path is None:
+        return None
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("some "):
+                for field in line.split():
+                    if field.startswith("total="):
+                        return int(field[6:])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class CpuPressure:
+    """The share of a timed window in which this node (or this process' cgroup) was short of CPU (PSI `some`).
+
+    Use: `with CpuPressure() as p: ...timing...`, then `p.share` (float in [0, 1], e.g. 0.02 on an idle 2-core
+    node; None where PSI cannot be read) and `p.source` (the file read). The share is the `some total` growth
+    (`cpu_stall_us`, microseconds) over the window's wall time (time.monotonic_ns), clipped to [0, 1].
+
+    Args:
+        path: the PSI file (default `cpu_pressure_file()`); a test passes its own.
+    """
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        import time
+
+        self._clock = time.monotonic_ns
+        self.source = Path(path) if path is not None else cpu_pressure_file()
+        self.share: float | None = None
+        self._start: tuple[int, int | None] | None = None
+
+    def __enter__(self) -> "CpuPressure":
+        self._start = (self._clock(), cpu_stall_us(self.source))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        t1, s1 = self._clock(), cpu_stall_us(self.source)
+        t0, s0 = self._start or (t1, None)
+        wall_us = (t1 - t0) / 1e3
+        if s0 is None or s1 is None or wall_us <= 0:
+            self.share = None
+        else:
+            self.share = min(1.0, max(0.0, (s1 - s0) / wall_us))
+
+    def to_dict(self) -> dict[str, Any]:
+        """{"some_share": share or None, "source": the file or None} for JSON and MLflow params."""
+        return {"some_share": self.share, "source": str(self.source) if self.source else None}

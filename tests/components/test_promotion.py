@@ -78,6 +78,24 @@ def test_decide_promotion_without_a_comparison_treats_every_passing_variant_as_t
     assert none.chosen is None and none.rule == PromotionRule.NONE_PASSED.value
 
 
+def test_decide_promotion_ranks_nothing_when_the_node_was_short_of_cpu_during_the_comparison():
+    # the fifth demo of issue 25's repeats: timed at load 1.6-4 on 2 cores, int8 looked 1.29x faster with a lower
+    # bound above 1.03; with the node short of CPU for 40% of the comparison the timings rank nothing
+    comp = {**_comparison("ort-int8", {"ort-fp32": (1.4, 1.3, 1.5), "ort-fp16": (1.294, 1.032, 1.5)}),
+            "cpu_pressure": {"some_share": 0.40, "source": "/proc/pressure/cpu"}}
+    d = decide_promotion(ROWS, margin=0.03, compare=lambda rows: comp, max_cpu_pressure=0.1)
+    assert d.chosen.variant == "ort-fp32" and d.rule == PromotionRule.MOST_EXACT.value
+    assert d.tied == ["ort-fp32", "ort-fp16", "ort-int8"] and "short of CPU for 40%" in d.reason
+    held = decide_promotion(ROWS, margin=0.03, holder="ort-fp16", compare=lambda rows: comp, max_cpu_pressure=0.1)
+    assert held.chosen.variant == "ort-fp16" and held.rule == PromotionRule.HOLDER.value
+    # the same comparison on a quiet node (or with the check off, or where PSI cannot be read) is trusted
+    quiet = {**comp, "cpu_pressure": {"some_share": 0.02, "source": "/proc/pressure/cpu"}}
+    unread = {**comp, "cpu_pressure": {"some_share": None, "source": None}}
+    for c, limit in ((quiet, 0.1), (comp, None), (unread, 0.1)):
+        d = decide_promotion(ROWS, margin=0.03, compare=lambda rows, c=c: c, max_cpu_pressure=limit)
+        assert d.chosen.variant == "ort-int8" and d.rule == PromotionRule.CONFIDENT.value
+
+
 # ------------------------------------------------------------------------------------ compare_passing, real
 def _chain(path, layers, width=512):
     import onnx
@@ -133,6 +151,8 @@ def test_compare_passing_finds_the_confidently_faster_model_when_one_does_far_le
     comp = compare_passing(spec, rows, results, variants, margin=0.03, batch_size=1)
     assert comp["leader"] == "ort-fp16" and comp["ratios"]["ort-fp32"]["lower"] > 1.03
     assert comp["stopped_by"] == "decided" and comp["rounds"] < 200  # decided at an early look
+    share = comp["cpu_pressure"]["some_share"]  # the node's CPU pressure over the rounds (None without PSI)
+    assert share is None or 0.0 <= share <= 1.0
     d = decide_promotion(rows, margin=0.03, compare=lambda r: comp)
     assert d.chosen.variant == "ort-fp16" and d.rule == PromotionRule.CONFIDENT.value
 

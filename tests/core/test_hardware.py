@@ -147,3 +147,50 @@ def test_run_summary_carries_baseline_hardware_and_warnings_and_prints_ran_on_li
     text = buf.getvalue()
     assert "ran on: AMD EPYC 7B13 (avx2 fma f16c), 2 cores" in text
     assert "torch baseline at batch 1 unstable: 1.8x" in text
+
+
+# ------------------------------------------------------------------------------------------ CPU pressure (PSI)
+def _psi(path, total_us):
+    path.write_text(f"some avg10=1.00 avg60=2.00 avg300=3.00 total={total_us}\n"
+                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    return path
+
+
+def test_cpu_pressure_file_prefers_the_cgroup_v2_file_of_this_process_when_it_exists(tmp_path):
+    from tailguard.core.hardware import cpu_pressure_file
+
+    node = _psi(tmp_path / "node.pressure", 5)
+    (tmp_path / "cgroup").write_text("4:memory:/x\n0::/kubepods/pod1/c1\n")
+    assert cpu_pressure_file(tmp_path / "cgroup", roots=(tmp_path / "fs",), node=node) == node
+    own = tmp_path / "fs" / "kubepods" / "pod1" / "c1"
+    own.mkdir(parents=True)
+    _psi(own / "cpu.pressure", 7)
+    assert cpu_pressure_file(tmp_path / "cgroup", roots=(tmp_path / "fs",), node=node) == own / "cpu.pressure"
+    assert cpu_pressure_file(tmp_path / "missing", roots=(), node=tmp_path / "no-psi") is None
+
+
+def test_cpu_pressure_share_is_the_stall_growth_over_the_window_when_psi_is_readable(tmp_path):
+    from tailguard.core.hardware import CpuPressure, cpu_stall_us
+
+    path = _psi(tmp_path / "cpu.pressure", 1_000)
+    assert cpu_stall_us(path) == 1_000
+    with CpuPressure(path) as idle:
+        pass  # the counter does not move: no stall
+    assert idle.share == 0.0
+    with CpuPressure(path) as busy:
+        _psi(path, 1_000 + 10**12)  # stalled far longer than the window lasted: clipped to the whole window
+    assert busy.share == 1.0 and busy.to_dict() == {"some_share": 1.0, "source": str(path)}
+    (tmp_path / "garbled").write_text("some avg10=x\n")
+    with CpuPressure(tmp_path / "garbled") as unread:
+        pass
+    assert unread.share is None and cpu_stall_us(tmp_path / "nope") is None
+
+
+def test_cpu_pressure_reads_this_node_when_it_has_psi():
+    from tailguard.core.hardware import CpuPressure, cpu_pressure_file
+
+    if cpu_pressure_file() is None:
+        pytest.skip("no PSI on this node (/proc/pressure/cpu missing)")
+    with CpuPressure() as p:
+        sum(i * i for i in range(10_000))
+    assert p.share is not None and 0.0 <= p.share <= 1.0

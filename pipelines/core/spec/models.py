@@ -751,6 +751,12 @@ class PromotionSpec(SpecModel):
         "variant at `batch_size`, the lower 95% bound of its speed ratio over each is above 1 + margin; "
         "otherwise the current alias holder keeps it if it is among the variants within that margin, else the "
         "most exact of them (fp32, then fp16, then int8). None: the lowest validation p50, no comparison."))
+    max_cpu_pressure: float | None = Field(0.1, ge=0, le=1, description=(
+        "The paired comparison ranks nothing when the node was short of CPU for more than this share of its wall "
+        "time (Linux PSI cpu.pressure 'some': the time at least one runnable task waited for a CPU, of this "
+        "process' cgroup v2, else the node): every passing variant is then within the margin (the holder keeps "
+        "the alias, else the most exact). None: trust the timings whatever the load. Nodes without PSI are "
+        "not checked."))
     registered_name: str | None = Field(None, description="Registered model for variants "
                                                           "(default: <model.registered_name>-optimized).")
 
