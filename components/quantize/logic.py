@@ -39,6 +39,7 @@ import contextlib
 import inspect
 import io
 import json
+import os
 import shlex
 import shutil
 import tempfile
@@ -291,9 +292,87 @@ def optimization_levels(variant: VariantSpec) -> tuple[str, str | None]:
     return go.level, None
 
 
+# ------------------------------------------------------------------------------- the prepared graph, memoized
+# One run prepares the same graph many times: every ORT variant of the demo spec optimizes the FP32 model with the
+# same `graph_optimization` (BERT fusion), and every INT8 build, the search's sensitivity analysis and each search
+# trial then run quant_pre_process on that result. Under `tailguard run` (the local cache on) both steps go through
+# the cache, keyed on their input file's SHA-256, the settings that shape their output and the machine (level
+# `all` may write CPU-specific layouts: ONNX Runtime warns that such a model "should only be used in the same
+# environment"): the first build of a run prepares the graph, the others copy it. Off the cache (a cluster task,
+# `--no-cache`) each prepares its own, as before. Measured on the demo: issue 25's notes (docs/timings.md).
+PREPARED_STEP = "prepared-graph"
+
+
+def _prepared(stage: str, parts: dict[str, Any], src: Path, dst: Path, details: dict[str, Any],
+              make: Any) -> Path:
+    """`make(dst, details) -> Path` through the local cache (tailguard.core.cache, step PREPARED_STEP).
+
+    Args:
+        stage: "optimize" or "preprocess" (part of the key and of the entry's label).
+        parts: what the output is a function of besides the input file (settings); the input's SHA-256, the
+            machine (`cache.machine_parts`) and the library versions (`cache.versions`, in every key) are added
+            by the caller / cache_key.
+        src: the input graph file.
+        dst: where the output file goes (its name is kept).
+        details: the build's details dict; the keys `make` sets in it are stored and restored on a hit.
+        make: the uncached step; returns the path of the graph to use next (dst, or `src` when it declined, e.g.
+            quant_pre_process failing on the graph).
+
+    Returns:
+        The path `make` returned (on a hit: dst, or `src` when `make` had declined).
+    """
+    from tailguard.core import cache
+
+    if not cache.enabled():
+        return make(dst, details)
+    key = cache.cache_key(PREPARED_STEP, {"stage": stage, **parts, "machine": cache.machine_parts()})
+    entry = cache.lookup(key)
+    if entry is not None:
+        try:
+            files = Path(entry.path) / "files"
+            result = json.loads((Path(entry.path) / "result.json").read_text())
+            if result["wrote"]:
+                shutil.copyfile(files / dst.name, dst)
+            for k, v in result["details"].items():
+                details[k] = details.get(k, []) + v if k == "warnings" else v
+            os.utime(Path(entry.path) / "entry.json")
+            return dst if result["wrote"] else Path(src)
+        except (OSError, KeyError, ValueError):  # pruned or replaced while read: prepare it here
+            pass
+    own: dict[str, Any] = {}
+    out = make(dst, own)
+    for k, v in own.items():
+        details[k] = details.get(k, []) + v if k == "warnings" else v
+    wrote = Path(out) == dst
+    with tempfile.TemporaryDirectory(prefix="tailguard-prepared-", dir=dst.parent) as folder:
+        if wrote:
+            try:
+                os.link(dst, Path(folder) / dst.name)  # the same file system (a folder beside dst): no copy
+            except OSError:
+                shutil.copyfile(dst, Path(folder) / dst.name)
+        try:
+            cache.store(key, folder, {"wrote": wrote, "details": own}, step=PREPARED_STEP,
+                        label=f"{stage} {dst.name}")
+            cache.prune()
+        except OSError:  # a full disk must not fail the build
+            pass
+    return out
+
+
 def _optimize_graph(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]) -> Path:
     """Graph optimization before quantization / fp16 conversion, at `optimization_levels(variant)[0]` (the
-    search's sensitivity analysis prepares its graph with this too, so node names match)."""
+    search's sensitivity analysis prepares its graph with this too, so node names match); memoized under
+    `tailguard run` (`_prepared`)."""
+    from tailguard.core.cache import file_sha256
+
+    parts = {"input": file_sha256(src), "graph_optimization": variant.graph_optimization.model_dump(mode="json"),
+             "levels": list(optimization_levels(variant)), "provider": variant.execution_provider}
+    return _prepared("optimize", parts, Path(src), Path(dst), details,
+                     lambda d, det: _optimize_graph_uncached(variant, src, d, det))
+
+
+def _optimize_graph_uncached(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]) -> Path:
+    """`_optimize_graph` without the cache."""
     go = variant.graph_optimization
     level, after = optimization_levels(variant)
     info: dict[str, Any] = {"level": go.level, "fusion": go.fusion}
@@ -483,6 +562,14 @@ def _to_fp16(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]
 
 # -------------------------------------------------------------------------------------------------- int8
 def _preprocess(src: Path, dst: Path, details: dict[str, Any]) -> Path:
+    """`_preprocess_uncached`, memoized under `tailguard run` (`_prepared`, keyed on the input's SHA-256)."""
+    from tailguard.core.cache import file_sha256
+
+    return _prepared("preprocess", {"input": file_sha256(src)}, Path(src), Path(dst), details,
+                     lambda d, det: _preprocess_uncached(src, d, det))
+
+
+def _preprocess_uncached(src: Path, dst: Path, details: dict[str, Any]) -> Path:
     """quant_pre_process: symbolic shape inference with auto_merge (MiniLM-like graphs need it), ORT basic
     optimization. Graphs with contrib ops that symbolic shape inference does not know (FusedMatMul after ORT's
     extended level) fail "Incomplete symbolic shape inference"; a second try guesses those ops' output rank

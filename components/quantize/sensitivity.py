@@ -17,7 +17,11 @@ Method ("one at a time" sensitivity):
    `_quantize_static` helpers the build calls, so per_channel, reduce_range, weight/activation types,
    calibration method and the DefaultTensorType option for contrib ops are identical) keeping EVERY OTHER node
    in float (nodes_to_exclude = all other node names; equivalent to nodes_to_quantize=[node]). Static
-   variants calibrate on the sensitivity rows themselves (one quantize_static call per node).
+   variants calibrate on the sensitivity rows themselves (one quantize_static call per node). The candidates
+   are scored by up to MAX_WORKERS spawned worker processes (one per usable core), each on its own link to the
+   prepared graph, with the cores shared among their ONNX Runtime sessions; the scores are those of one process
+   (tests/components/test_sensitivity.py). On MiniLM (25 candidates, 2 cores, load ~2): 31-34 s with 2 workers
+   against 45 s in one process, graph preparation included.
 4. The single-node model and the unquantized prepared graph run on the same `samples` rows (length-sorted
    batches, `tailguard.core.runtime.run_dataset` + `OrtRunner`); their first outputs y_q, y (rows, ...) give
 
@@ -138,11 +142,95 @@ def _has_quantized_ops(path: Path) -> bool:
                for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
-def _run(path: Path, ds: Dataset, model: ModelSpec, provider: str, batch_size: int) -> np.ndarray:
+def _run(path: Path, ds: Dataset, model: ModelSpec, provider: str, batch_size: int, threads: int = 0) -> np.ndarray:
     from tailguard.core.runtime import OrtRunner, run_dataset
 
-    runner = OrtRunner(path, providers=[provider])
+    runner = OrtRunner(path, providers=[provider], intra_op_num_threads=threads)
     return run_dataset(runner, ds, model.inputs, batch_size=batch_size, pad_values=model.pad_values)[0]
+
+
+# Candidates are scored by a pool of worker processes (`_workers`): quantizing one node is single-threaded Python
+# and protobuf work on the whole graph (load, shape inference, save), so on a 2-core node two workers score the
+# candidates in about half the wall time; each worker's ONNX Runtime sessions get cores / workers intra-op threads
+# (the reference output is computed with the same count). Spawned, not forked: the parent has ORT thread pools.
+MAX_WORKERS = 4
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity, else os.cpu_count())."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _workers(n_candidates: int) -> int:
+    """Worker processes for `n_candidates` nodes: min(usable cores, MAX_WORKERS, n_candidates), at least 1."""
+    return max(1, min(_cores(), MAX_WORKERS, n_candidates))
+
+
+_CTX: dict[str, Any] = {}
+
+
+def _init_worker(ctx: dict[str, Any]) -> None:
+    """Pool initializer: the context every candidate's scoring reads (graph loaded once per worker). Each worker
+    quantizes its own link to the prepared graph: ONNX Runtime's quantizer writes `<input>-inferred.onnx` beside
+    its input and deletes it after, so two workers sharing one input path would read each other's half-written
+    file."""
+    import os
+    import shutil
+
+    import onnx
+
+    _CTX.clear()
+    _CTX.update(ctx)
+    src = Path(ctx["named"])
+    own = src.with_name(f"{src.stem}-w{os.getpid()}{src.suffix}")
+    own.unlink(missing_ok=True)
+    try:
+        os.link(src, own)
+    except OSError:
+        shutil.copyfile(src, own)
+    _CTX["named"] = str(own)
+    _CTX["graph"] = onnx.load(str(own), load_external_data=False).graph
+
+
+def _score_node(name: str, op_type: str) -> dict[str, Any]:
+    """Quantize `name` alone and score the output against the reference (module docstring, steps 3-4), in a
+    worker (`_init_worker`'s context): its own scratch files, so workers never share one."""
+    import os
+
+    ctx = _CTX
+    q, work = ctx["q"], Path(ctx["work"])
+    t0 = time.perf_counter()
+    dst = work / f"single-{os.getpid()}.onnx"
+    rec: dict[str, Any] = {"node": name, "op_type": op_type, "error": ""}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from .logic import _quantize_dynamic, _quantize_static
+
+            excluded = _others_excluded(ctx["graph"], name)
+            if q.mode == "dynamic":
+                _quantize_dynamic(q, Path(ctx["named"]), dst, excluded, {})
+            else:
+                tmp = work / f"calibration-{os.getpid()}"
+                tmp.mkdir(exist_ok=True)
+                _quantize_static(q, Path(ctx["named"]), dst, excluded, ctx["rows"], ctx["model"],
+                                 ctx["batch_size"], tmp, {})
+        rec["quantized"] = _has_quantized_ops(dst)
+        rec["output_rel_l2"], rec["output_cosine_drop"] = output_errors(
+            ctx["reference"], _run(dst, ctx["rows"], ctx["model"], ctx["provider"], ctx["batch_size"],
+                                   ctx["threads"]))
+    except InputError:
+        raise
+    except Exception as exc:  # ORT's quantizer raises anything; a node it cannot quantize alone is reported
+        rec.update(quantized=False, output_rel_l2=float("inf"), output_cosine_drop=FAILED_COSINE_DROP,
+                   error=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
+    rec["seconds"] = round(time.perf_counter() - t0, 4)
+    dst.unlink(missing_ok=True)
+    return rec
 
 
 def output_errors(reference: np.ndarray, candidate: np.ndarray) -> tuple[float, float]:
@@ -183,7 +271,7 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
         data: rows to measure on (calibration rows); the first `samples` rows are used.
         model: `tailguard.core.spec.models.ModelSpec` (inputs, pad values; the first output is compared).
         samples: at most this many rows.
-        work_dir: scratch folder (created): the prepared graph and one quantized model at a time.
+        work_dir: scratch folder (created): the prepared graph and one quantized model per worker at a time.
         batch_size: rows per inference / calibration batch.
 
     Returns:
@@ -200,8 +288,7 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
     """
     import onnx
 
-    from .logic import (_excluded_nodes, _optimize_graph, _preprocess,
-                                                     _quantize_dynamic, _quantize_static)
+    from .logic import _excluded_nodes, _optimize_graph, _preprocess
 
     q = variant.quantization
     if variant.precision != "int8" or variant.backend != "onnxruntime" or q is None:
@@ -225,35 +312,24 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
     graph = onnx.load(str(source), load_external_data=False).graph
     cands = [(n, t) for n, t in candidate_nodes(graph, q) if n not in set(own_float)]
     named = _name_unnamed(source, work / "named.onnx")
-    graph = onnx.load(str(named), load_external_data=False).graph
     provider = variant.execution_provider
-    reference = _run(named, rows, model, provider, batch_size)
+    workers = _workers(len(cands))
+    threads = max(1, _cores() // workers)  # the node's usable cores shared among the workers
+    reference = _run(named, rows, model, provider, batch_size, threads)
+    ctx = {"q": q, "named": str(named), "work": str(work), "rows": rows, "model": model, "provider": provider,
+           "batch_size": batch_size, "threads": threads, "reference": reference}
+    if workers <= 1:
+        _init_worker(ctx)
+        records = [_score_node(n, t) for n, t in cands]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
-    records = []
-    for name, op_type in cands:
-        t0 = time.perf_counter()
-        dst = work / "single.onnx"
-        rec: dict[str, Any] = {"node": name, "op_type": op_type, "error": ""}
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                excluded = _others_excluded(graph, name)
-                if q.mode == "dynamic":
-                    _quantize_dynamic(q, named, dst, excluded, {})
-                else:
-                    tmp = work / "calibration"
-                    tmp.mkdir(exist_ok=True)
-                    _quantize_static(q, named, dst, excluded, rows, model, batch_size, tmp, {})
-            rec["quantized"] = _has_quantized_ops(dst)
-            rec["output_rel_l2"], rec["output_cosine_drop"] = output_errors(
-                reference, _run(dst, rows, model, provider, batch_size))
-        except InputError:
-            raise
-        except Exception as exc:  # ORT's quantizer raises anything; a node it cannot quantize alone is reported
-            rec.update(quantized=False, output_rel_l2=float("inf"), output_cosine_drop=FAILED_COSINE_DROP,
-                       error=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
-        rec["seconds"] = round(time.perf_counter() - t0, 4)
-        records.append(rec)
-        dst.unlink(missing_ok=True)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_init_worker, initargs=(ctx,)) as pool:
+            records = list(pool.map(_score_node, [n for n, _ in cands], [t for _, t in cands]))
+    for link in work.glob(f"{Path(named).stem}-w*{Path(named).suffix}"):  # the workers' links (_init_worker)
+        link.unlink(missing_ok=True)
     frame = pd.DataFrame.from_records(records, columns=[c for c in SENSITIVITY_COLUMNS if c != "rank"])
     if frame.empty:
         frame.insert(0, "rank", pd.Series(dtype=np.int64))

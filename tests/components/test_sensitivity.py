@@ -7,12 +7,15 @@ quantize alone is ranked.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.quantize import logic as quantize_logic
+from tailguard.components.quantize import sensitivity
 from tailguard.components.quantize.sensitivity import (SENSITIVITY_COLUMNS, candidate_nodes, node_sensitivity,
                                                      output_errors)
 from tailguard.core.errors import InputError
@@ -71,11 +74,32 @@ def test_node_sensitivity_ranks_a_node_first_with_its_error_when_quantizing_it_a
         return real(q, src, dst, excluded, details)
 
     monkeypatch.setattr(quantize_logic, "_quantize_dynamic", flaky)
+    monkeypatch.setattr(sensitivity, "MAX_WORKERS", 1)  # scored in this process, where the patch applies
     table = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=8, work_dir=tmp_path)
     first = table.iloc[0]
     assert first["node"] == "mm3" and np.isinf(first["output_rel_l2"]) and not first["quantized"]
     assert "RuntimeError: Unable to find data type" in first["error"]
     assert table["node"].iloc[1] == PLANTED
+
+
+def test_node_sensitivity_scores_the_same_in_worker_processes_as_in_one_process(fp32, rows, tmp_path, monkeypatch):
+    pooled = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=16, work_dir=tmp_path / "pool")
+    monkeypatch.setattr(sensitivity, "MAX_WORKERS", 1)
+    alone = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=16, work_dir=tmp_path / "one")
+    if sensitivity._cores() < 2:
+        pytest.skip("one usable core: no pool to compare")
+    cols = ["rank", "node", "op_type", "output_rel_l2", "output_cosine_drop", "quantized", "error"]
+    pd.testing.assert_frame_equal(pooled[cols], alone[cols], rtol=1e-6)
+
+
+def test_sensitivity_worker_quantizes_its_own_link_when_workers_share_the_prepared_graph(fp32, tmp_path):
+    # ONNX Runtime's quantizer writes <input>-inferred.onnx beside its input: two workers quantizing one path
+    # read each other's half-written file (seen on MiniLM: DecodeError, FileNotFoundError for 5 of 25 nodes)
+    shared = tmp_path / "named.onnx"
+    shared.write_bytes(fp32.read_bytes())
+    sensitivity._init_worker({"named": str(shared)})
+    own = Path(sensitivity._CTX["named"])
+    assert own != shared and own.parent == shared.parent and own.read_bytes() == shared.read_bytes()
 
 
 def test_node_sensitivity_uses_only_the_first_samples_rows_when_data_has_more(fp32, rows, tmp_path):
