@@ -76,6 +76,7 @@ from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import Runner, run_dataset
 from tailguard.core.spec.models import Spec
+from tailguard.core.results import GateStatus
 from tailguard.core.taskio import json_default
 
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
@@ -888,6 +889,40 @@ def _early_gates(plans: list[Any], gates: list[GateResult], rows_used: int, n_ro
     return [early_result(p, g, rows_used, n_rows, spec) for p, g in zip(plans, gates)]
 
 
+def _failed_before_timing(spec: Spec, variant_name: str, overall: dict[str, Any], table: Any,
+                          per_sample: dict[str, np.ndarray], groups: list[Any], discovery: Any, scoring: Any,
+                          idx: np.ndarray | None, n_rows: int) -> str | None:
+    """With `analysis.sequential.stop: verdict` (the default), the key of a gate that is not timed (a parity,
+    build or per-node gate) and already failed on the rows scored, whose failure decides the verdict before any
+    timing: the benchmark is then skipped (issue 25: a variant that fails clearly stops early; its search starts
+    early). None when timing is needed (every such gate passed or is undecided, `stop: all_gates`, sequential
+    validation off)."""
+    from tailguard.core.spec.models import BATCHED_METRICS
+
+    seq = spec.analysis.sequential
+    if not seq.enabled or seq.stop != "verdict":
+        return None
+    pre = evaluate_gates(spec, variant_name, overall, table, {}, per_sample=per_sample, groups=groups,
+                         discovered=discovery)
+    if idx is not None and scoring is not None:
+        pre = _early_gates(scoring.plans, pre, scoring.rows_used, n_rows, spec)
+    for g in pre:
+        if g.metric not in BATCHED_METRICS and g.status == GateStatus.FAILED:
+            return g.gate
+    return None
+
+
+def _not_timed(gates: list[GateResult], failed: str) -> list[GateResult]:
+    """The timed gates of a variant whose verdict a parity gate decided first (`_failed_before_timing`):
+    undecided, with the reason, as sequential validation reports the gates it did not need."""
+    from tailguard.core.spec.models import BATCHED_METRICS
+
+    why = f"not timed: the verdict was already failed by {failed} (analysis.sequential.stop: verdict)"
+    return [dataclasses.replace(g, status=GateStatus.UNDECIDED, passed=None, observed=None, method=why,
+                                detail={**(g.detail or {}), "reason": why})
+            if g.metric in BATCHED_METRICS else g for g in gates]
+
+
 def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_outputs: list[np.ndarray],
                      validation: Dataset, out_dir: str | Path, *, reference_perf: dict | None = None,
                      torch_perf: dict | None = None, model_path: str | Path | None = None,
@@ -987,7 +1022,11 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
         worst["row"] = idx[worst["row"].to_numpy()]
 
     interleaved: dict[str, Any] = {}
-    if baseline_runners:
+    failed_first = _failed_before_timing(spec, variant_name, overall, table, per_sample, groups, discovery,
+                                         scoring, idx, n_rows)
+    if failed_first is not None:  # stop: verdict, and a parity gate failed: no timing can change the verdict
+        perf = {}
+    elif baseline_runners:
         base_name = "onnx_fp32" if "onnx_fp32" in baseline_runners else next(iter(baseline_runners))
         timed = _timed(spec, {"variant": runner, **baseline_runners}, validation,
                        timing_rule(spec, variant_name, baseline=base_name, target="variant",
@@ -1022,6 +1061,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                            discovered=discovery)
     if idx is not None:  # stopped before the last row: the parity gates are the sequential decisions
         gates = _early_gates(scoring.plans, gates, scoring.rows_used, n_rows, spec)
+    if failed_first is not None:
+        gates = _not_timed(gates, failed_first)
     native_seconds += time.perf_counter() - t_gates
     passed = all_passed(gates)
     kernels = integer_kernel_nodes(model_path)
@@ -1051,6 +1092,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
                                      per_sample=exact_per_sample, groups=groups, discovered=discovery)
         if idx is not None and exact_plans is not None:
             exact_gates = _early_gates(exact_plans, exact_gates, scoring.rows_used, n_rows, spec)
+        if failed_first is not None:
+            exact_gates = _not_timed(exact_gates, failed_first)
         numerics = compare_numerics(
             spec, ParityPass(overall, table, gates, native_seconds),
             ParityPass(exact_overall, exact_table, exact_gates, time.perf_counter() - t_exact))

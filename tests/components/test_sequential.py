@@ -97,6 +97,24 @@ def test_sequential_validation_fails_early_and_leaves_the_other_gates_undecided_
     assert failed.detail["sequential"]["rows_used"] == res.rows_used
 
 
+LATENCY = {"metric": "latency_ms.p99", "max": 1000.0, "batch_size": 1}
+
+
+def test_sequential_validation_times_nothing_when_a_parity_gate_failed_first(tmp_path):
+    ref, ds, _ = _data(bad_rate=0.0, bad_group=3, group_rate=0.8)
+    runner = _Logits()
+    res = validate_variant(_spec([PER_SLICE, LATENCY]), "v", runner, [ref], ds, tmp_path / "verdict")
+    status = dict(_statuses(res))
+    assert not res.passed and status["top1_agreement>=0.85@lb95@per_slice"] == "failed"
+    assert runner.rows == res.rows_used and res.perf == {}  # only the rows scored: no timed run
+    latency = next(g for g in res.gates if g.metric == "latency_ms.p99")
+    assert latency.status == GateStatus.UNDECIDED and "not timed" in latency.method
+    # stop: all_gates decides every gate: the latency gate is timed and decided
+    runner = _Logits()
+    res = validate_variant(_spec([PER_SLICE, LATENCY], stop="all_gates"), "v", runner, [ref], ds, tmp_path / "all")
+    assert dict(_statuses(res))["latency_ms.p99<=1000@bs1"] == "passed" and runner.rows == res.rows_used + 2
+
+
 @pytest.mark.parametrize("gates", [[OVERALL, PER_SLICE, DISCOVERED, P99], [PER_SLICE, {"metric": "kl_divergence.mean",
                                                                                       "max": 5.0}]])
 def test_sequential_validation_gives_the_all_rows_outcome_when_it_uses_every_row(tmp_path, gates):

@@ -689,7 +689,8 @@ class SequentialSpec(SpecModel):
     seed: int = Field(0, description="Seed of the row order: the same data and seed score the same rows.")
     stop: Literal["verdict", "all_gates"] = Field("verdict", description=(
         "verdict: stop as soon as the variant's verdict is known (every gate decided passed, or one decided "
-        "failed: the others are then reported undecided); all_gates: stop only when every gate is decided."))
+        "failed: the others are then reported undecided; a variant a parity gate failed is not timed, its "
+        "latency gates undecided); all_gates: stop only when every gate is decided, every variant timed."))
 
 
 class AnalysisSpec(SpecModel):
