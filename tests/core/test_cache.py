@@ -94,8 +94,8 @@ def test_build_step_reuses_the_cached_variant_when_run_again_with_only_a_gate_ch
     assert json.loads((env["root"] / "run2" / "build.json").read_text())["cached"] is True
     # paths inside the output folder point into the new folder, not the run that built it
     assert str(env["root"] / "run1") not in json.dumps(second)
-    [entry] = cache.entries()
-    assert entry.step == "build" and entry.label == "build ort-int8" and entry.bytes > 0
+    [entry] = [e for e in cache.entries() if e.step == "build"]  # (beside the prepared-graph entries it made)
+    assert entry.label == "build ort-int8" and entry.bytes > 0
 
 
 def test_build_step_rebuilds_when_the_variants_quantization_section_changes(env):
@@ -104,7 +104,7 @@ def test_build_step_rebuilds_when_the_variants_quantization_section_changes(env)
 
     assert first["cached"] is False and second["cached"] is False
     assert env["builds"] == ["ort-int8", "ort-int8"]
-    assert len(cache.entries()) == 2
+    assert len([e for e in cache.entries() if e.step == "build"]) == 2
 
 
 def test_build_step_rebuilds_when_the_fp32_model_bytes_change(env):
@@ -223,10 +223,11 @@ def test_cache_ls_and_prune_commands_report_entries_when_run(env):
     ls = subprocess.run([sys.executable, "-m", "tailguard.cli", "cache", "ls", "--json"], env=environ,
                         capture_output=True, text=True, timeout=120)
     assert ls.returncode == 0, ls.stderr
-    assert [e["label"] for e in json.loads(ls.stdout)] == ["build ort-int8"]
+    labels = [e["label"] for e in json.loads(ls.stdout)]
+    assert "build ort-int8" in labels and len(labels) == len(cache.entries())  # with the prepared graphs
     pr = subprocess.run([sys.executable, "-m", "tailguard.cli", "cache", "prune", "--max-bytes", "0"],
                         env=environ, capture_output=True, text=True, timeout=120)
-    assert pr.returncode == 0 and "removed 1 entries" in pr.stdout
+    assert pr.returncode == 0 and f"removed {len(labels)} entries" in pr.stdout
     bad = subprocess.run([sys.executable, "-m", "tailguard.cli", "cache", "prune"],
                          env={**environ, cache.ENV_MAX_BYTES: "lots"}, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and cache.ENV_MAX_BYTES in bad.stderr and "Traceback" not in bad.stderr
