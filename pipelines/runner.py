@@ -130,6 +130,14 @@ def run_local(spec: Spec, *, model_version: str | None = None,
 
     Before it starts, RUNNING parent runs of the same model whose local runner died (kill -9) are marked FAILED
     (`reap_dead_runs`); this run's runner pid / host / start time go on its parent run for the same purpose.
+
+    A gate-only re-run (with `cache`): when an earlier finished run in this home differs from this one only in
+    `gates` and/or `promotion` (`tailguard.rerun.earlier_run`: same reference version and SHA-256, data bytes, code,
+    node), a one-task pipeline (`builder.build_redecide_pipeline`, components/redecide) decides it on that run's
+    stored measurements; when it cannot (it logged nothing), one line on stderr says why and the whole pipeline
+    runs, in the same run folder and log. The summary's `tasks["redecide"]` says which: {"used": bool, "from_run":
+    the earlier pipeline run (when one matched), "reason": why not ("" when used)}. Each finished run keeps its
+    record for the next (`rerun.write_record`; the validate tasks keep their inputs under $TAILGUARD_RUN_DIR).
     """
     quiet_environment()
     os.environ[ENV_HOME] = str(home())
