@@ -246,8 +246,9 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     summary = RunSummary.from_dict(json.loads(output))
     summary.tasks = {**task_timings(log_path.read_text(errors="replace")), "redecide": redecide}
     (run_dir / "summary.json").write_text(json.dumps(summary_document(summary), indent=2))
-    write_record(run_dir, spec, uri, pipeline_run=pipeline_run, version=summary.source_version,
-                 sha256=_source_sha256(uri, summary.parent_run_id))
+    if cache:  # without the cache no measurements were stored: nothing to decide on again
+        write_record(run_dir, spec, uri, pipeline_run=pipeline_run, version=summary.source_version,
+                     sha256=_source_sha256(uri, summary.parent_run_id))
     return LocalRun(pipeline_run, log_path, summary)
 
 
