@@ -13,7 +13,7 @@ from tailguard import rerun
 from tailguard.components.redecide.logic import NotDecidable, StoredOnly, spec_reasons
 from tailguard.core.spec import parse_spec
 
-URI = "sqlite:///unused.db"
+URI = "sqlite:////nonexistent/tailguard-rerun-test/mlflow.db"  # never opened: each case is refused first
 
 
 def spec_doc(root: Path, **overrides) -> dict:
