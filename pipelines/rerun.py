@@ -82,13 +82,18 @@ def earlier_run(spec: Spec, tracking_uri: str, model_version: str | None, runs_d
                 ) -> tuple[dict[str, Any] | None, str]:
     """The newest earlier local run in `runs_dir` this run may be decided on again, or why none.
 
-    Equal: `identity` (spec but gates and promotion, tracking URI, data bytes, code, node) and the reference
-    version and SHA-256 (the registry's tag; the redecide task checks the downloaded file's SHA-256 again); and
+    None at once for a spec the redecide task never decides (`redecide.logic.spec_reasons`: a search,
+    serving targets, a gate on peak_rss_mb). Equal: `identity` (spec but gates and promotion, tracking URI, data
+    bytes, code, node) and the reference version and SHA-256 (the registry's tag; the redecide task checks the downloaded file's SHA-256 again); and
     every variant of the spec has its validation record.
 
     Returns:
         ({"pipeline_run", "version", "sha256", "validations": {variant: record}}, "") or (None, the reason).
     """
+    from tailguard.components.redecide.logic import spec_reasons
+
+    if why := spec_reasons(spec):  # never re-decided: no task is started for it
+        return None, why
     ident = identity(spec, tracking_uri)
     if ident is None:
         return None, "a data file is remote (its bytes cannot be compared)"

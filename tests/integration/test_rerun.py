@@ -103,3 +103,12 @@ def test_stored_only_runner_raises_not_decidable_when_asked_to_run_or_load():
         runner.run({"x": None})
     with pytest.raises(NotDecidable):
         runner.input_names  # noqa: B018 - any use of the runner is a measurement
+
+
+def test_earlier_run_finds_none_without_starting_a_task_when_a_variant_has_a_search(root):
+    doc = spec_doc(root)
+    doc["variants"] = [{"name": "ort-int8", "backend": "onnxruntime", "precision": "int8",
+                        "quantization": {"mode": "dynamic"}, "search": {"max_trials": 2}}]
+    spec = parse_spec(doc)
+    found, why = rerun.earlier_run(spec, URI, None, recorded(root, spec))
+    assert found is None and "search" in why
