@@ -5,7 +5,8 @@ back to the whole pipeline whenever the stored measurements cannot decide it.
 Real parts only: the planted MLP (tests/helpers/search_models.py) registered as ONNX in a SQLite MLflow store,
 Parquet data, `tailguard run` in a subprocess (kfp.local, ONNX Runtime). The MLP's INT8 dynamic variant agrees
 with FP32 on well under 90% of the rows (its planted MatMul), the FP32 variant on all of them, so with
-`top1_agreement >= 0.9` the sequential validation decides both after its first 200 of 400 rows.
+`top1_agreement >= 0.9` (or >= 0.05) the sequential validation decides both after its first 200 of 400 rows.
+The first run's gate passes both, so both are timed; a re-run that makes the INT8 variant fail needs nothing more.
 """
 
 import json
@@ -57,7 +58,7 @@ def write_spec(root: Path, *, gates: list, iterations: int = 3) -> Path:
     return path
 
 
-GATE_09 = [{"metric": "top1_agreement", "min": 0.9}]
+GATE_FIRST = [{"metric": "top1_agreement", "min": 0.05}]  # both pass (and are timed)
 
 
 def new_home(root: Path, name: str) -> dict:
@@ -100,13 +101,13 @@ def task_names(summary: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A home whose first run (`top1_agreement >= 0.9`) ran the whole pipeline."""
+    """A home whose first run (`top1_agreement >= 0.05`) ran the whole pipeline."""
     root = tmp_path_factory.mktemp("redecide")
     make_rows(400, 0).to_parquet(root / "validation.parquet")
     make_rows(32, 1).to_parquet(root / "calibration.parquet")
     planted_mlp(root / "planted.onnx")
     h = new_home(root, "home")
-    proc, summary = run(h, write_spec(root, gates=GATE_09))
+    proc, summary = run(h, write_spec(root, gates=GATE_FIRST))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {**h, "first": summary}
 
@@ -114,8 +115,8 @@ def base(tmp_path_factory):
 def test_run_redecides_in_one_task_with_a_full_runs_statuses_and_promotion_when_only_a_gate_changed(base):
     first = base["first"]
     assert first["tasks"]["redecide"]["used"] is False and "validate-ort-int8" in task_names(first)
-    assert outcome(first)["variants"]["ort-int8"][2] is False  # the planted MatMul: INT8 fails 0.9
-    gates = [{"metric": "top1_agreement", "min": 0.05}]  # INT8 passes now: a verdict changes
+    assert outcome(first)["variants"]["ort-int8"][2] is True
+    gates = [{"metric": "top1_agreement", "min": 0.9}]  # the planted MatMul: INT8 fails now, a verdict changes
     spec = write_spec(base["root"], gates=gates)
     proc, again = run(base, spec)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -129,8 +130,9 @@ def test_run_redecides_in_one_task_with_a_full_runs_statuses_and_promotion_when_
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{again['parent_run_id']}'")}
     assert set(kids) == {"ort-fp32", "ort-int8"}
     for name, r in kids.items():  # logged as the validate step logs a variant: gate tags, metrics, the result
-        assert r.data.tags["tailguard.gates"] == "passed", name
-        assert [v for k, v in r.data.tags.items() if k.startswith("gate.")] == ["passed"], r.data.tags
+        verdict = "passed" if name == "ort-fp32" else "failed"
+        assert r.data.tags["tailguard.gates"] == verdict, name
+        assert [v for k, v in r.data.tags.items() if k.startswith("gate.")] == [verdict], r.data.tags
         assert "top1_agreement" in r.data.metrics and r.data.tags["tailguard.model_uri"]
         files = {a.path for a in client.list_artifacts(r.info.run_id)}
         assert {"variant_result.json", "result.json", "slices.csv", "build.json"} <= files
