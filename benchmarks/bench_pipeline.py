@@ -27,9 +27,10 @@ What it does:
 JSON: header (command, machine, packages), config, `runs` (every run: tree, round, kind, wall_s, exit code, tasks),
 `summary` (per tree and kind: median and min wall seconds, median per-task wall seconds), `ratios` (baseline /
 current medians, > 1: faster than the baseline), `targets` (first run < 60 s, re-run < 30 s (issue 15) and < 10 s
-(issue 25), the validate tasks of the re-run that measured again instead of deciding on stored measurements, the
-re-run rebuilds
-nothing: export, reference-pass and every build `cached: true`) and `importtime`: per tree (current, the baseline
+(issue 25), the validate tasks of the re-run that measured again instead of deciding on stored measurements,
+`rerun_redecided`: every re-run was decided in one task, `redecide`, on the first run's stored measurements
+(components/redecide), the re-run rebuilds nothing: export, reference-pass and every build `cached: true`, true
+too when the re-run ran no build at all) and `importtime`: per tree (current, the baseline
 and the commits of --importtime) one more first run with PYTHONPROFILEIMPORTTIME=1, each task's top-level import
 seconds and its heaviest imports (`task_imports`).
 """
@@ -386,6 +387,9 @@ def main() -> None:
             # issue 25: a gate-only re-run decides on the stored measurements (validate tasks `cached: true`)
             "rerun_remeasured": sorted({t["task"] for r in reruns for t in r.get("tasks", [])
                                         if t["task"].startswith("validate-") and t.get("cached") is False}),
+            # issue 25: a gate-only re-run decided in one task (components/redecide) on the stored measurements
+            "rerun_redecided": bool(reruns) and all([t["task"] for t in r.get("tasks") or []] == ["redecide"]
+                                                    for r in reruns),
         },
         "load_average_at_end": os.getloadavg(),
         "elapsed_s": round(time.time() - started, 1),

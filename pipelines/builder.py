@@ -298,6 +298,33 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     return tailguard_pipeline_with_exit_handler
 
 
+def build_redecide_pipeline(spec: Spec) -> Callable[..., Any]:
+    """The local pipeline of a gate-only re-run (tailguard.rerun): one task, `redecide` (components/redecide), that
+    resolves the reference, decides every variant's new gates on the earlier run's stored measurements, logs the
+    runs, registers and promotes, or decides nothing and says why.
+
+    Returns:
+        The pipeline function; parameters spec_yaml, tracking_uri, model_version, pipeline_run and earlier (the
+        JSON of `rerun.earlier_run`); it returns the task's output (the run summary JSON, or
+        {"redecide_fallback": reason}).
+    """
+    from kfp import dsl
+
+    from tailguard.components.redecide.component import redecide
+
+    @dsl.pipeline(name=spec.metadata.name,
+                  description=f"tailguard: decide {spec.model.registered_name}'s variants again on stored measurements")
+    def tailguard_redecide(spec_yaml: str, tracking_uri: str, model_version: str = "", pipeline_run: str = "",
+                           earlier: str = "") -> str:
+        t = _configure_task(named(redecide, "redecide")(spec_yaml=spec_yaml, tracking_uri=tracking_uri,
+                                                        model_version=model_version, pipeline_run=pipeline_run,
+                                                        earlier=earlier),
+                            spec, name="redecide", gpu=False, cluster=False)
+        return t.outputs["Output"]
+
+    return tailguard_redecide
+
+
 def compile_pipeline(spec: Spec, out_path: str, *, cache: bool = True) -> str:
     """Compile the cluster form of the pipeline to KFP IR YAML at `out_path`; returns the path.
 

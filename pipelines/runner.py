@@ -24,8 +24,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from tailguard.core.contract import (PARENT_TAG, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
-                                     SOURCE_MODEL_TAG, insufficient_reason)
+from tailguard.core.contract import (PARENT_TAG, RUN_DIR_ENV, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
+                                     SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, insufficient_reason)
 from tailguard.core.cache import ENV_CACHE
 from tailguard.components.register.logic import RunSummary
 from tailguard.core.reference import MODEL_PATH_ENV
@@ -36,6 +36,7 @@ from tailguard.core.spec import dump_spec, load_spec
 from tailguard.core.spec.models import Spec
 from tailguard.core.taskio import find_error_records
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
+from tailguard.rerun import earlier_run, write_record
 
 if TYPE_CHECKING:
     from tailguard.components.register.logic import VariantSummary
@@ -129,6 +130,14 @@ def run_local(spec: Spec, *, model_version: str | None = None,
 
     Before it starts, RUNNING parent runs of the same model whose local runner died (kill -9) are marked FAILED
     (`reap_dead_runs`); this run's runner pid / host / start time go on its parent run for the same purpose.
+
+    A gate-only re-run (with `cache`): when an earlier finished run in this home differs from this one only in
+    `gates` and/or `promotion` (`tailguard.rerun.earlier_run`: same reference version and SHA-256, data bytes, code,
+    node), a one-task pipeline (`builder.build_redecide_pipeline`, components/redecide) decides it on that run's
+    stored measurements; when it cannot (it logged nothing), one line on stderr says why and the whole pipeline
+    runs, in the same run folder and log. The summary's `tasks["redecide"]` says which: {"used": bool, "from_run":
+    the earlier pipeline run (when one matched), "reason": why not ("" when used)}. Each finished run keeps its
+    record for the next (`rerun.write_record`; the validate tasks keep their inputs under $TAILGUARD_RUN_DIR).
     """
     quiet_environment()
     os.environ[ENV_HOME] = str(home())
@@ -155,6 +164,14 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     (tmp_dir / "kfp-workspace").mkdir(parents=True, exist_ok=True)
     inherited_tmpdir = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(tmp_dir)
+    inherited_run_dir = os.environ.get(RUN_DIR_ENV)
+    os.environ[RUN_DIR_ENV] = str(run_dir)  # validate tasks keep their inputs there (tailguard.rerun)
+    # A gate-only change of an earlier finished run is decided in one task on its stored measurements
+    try:
+        earlier, why_not = earlier_run(spec, uri, model_version, home() / "runs") if cache else (None, "--no-cache")
+    except Exception as exc:  # noqa: BLE001 - any doubt: the whole pipeline
+        earlier, why_not = None, f"the earlier runs could not be compared ({type(exc).__name__}: {exc})"
+    redecide: dict[str, Any] = {"used": False, "reason": why_not}
     received: list[str] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -172,13 +189,30 @@ def run_local(spec: Spec, *, model_version: str | None = None,
 
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(home() / "kfp"),
                    workspace_root=str(tmp_dir / "kfp-workspace"), raise_on_error=True)
-        from tailguard.builder import build_pipeline
+        from tailguard.builder import build_pipeline, build_redecide_pipeline
+        from tailguard.components.redecide.task import FALLBACK_KEY
 
-        pipeline = build_pipeline(spec, cluster=False)
-        with warnings.catch_warnings(), _redirect(log_path, on_event):
-            warnings.simplefilter("ignore")
-            task = pipeline(spec_yaml=dump_spec(spec), tracking_uri=uri, model_version=model_version or "",
-                            pipeline_run=pipeline_run)
+        output = None
+        if earlier is not None:
+            with warnings.catch_warnings(), _redirect(log_path, on_event):
+                warnings.simplefilter("ignore")
+                task = build_redecide_pipeline(spec)(spec_yaml=dump_spec(spec), tracking_uri=uri,
+                                                     model_version=model_version or "", pipeline_run=pipeline_run,
+                                                     earlier=json.dumps(earlier))
+            answer = json.loads(task.output)
+            if FALLBACK_KEY in answer:
+                redecide = {"used": False, "from_run": earlier["pipeline_run"], "reason": answer[FALLBACK_KEY]}
+                print(f"tailguard run: not decided on the stored measurements of run {earlier['pipeline_run']} "
+                      f"({answer[FALLBACK_KEY]}): running the whole pipeline", file=sys.stderr)
+            else:
+                output = task.output
+                redecide = {"used": True, "from_run": earlier["pipeline_run"], "reason": ""}
+        if output is None:
+            pipeline = build_pipeline(spec, cluster=False)
+            with warnings.catch_warnings(), _redirect(log_path, on_event):
+                warnings.simplefilter("ignore")
+                output = pipeline(spec_yaml=dump_spec(spec), tracking_uri=uri, model_version=model_version or "",
+                                  pipeline_run=pipeline_run).output
     except KeyboardInterrupt:
         for sig in previous:  # a second Ctrl-C must not cut the bookkeeping short
             signal.signal(sig, signal.SIG_IGN)
@@ -207,11 +241,25 @@ def run_local(spec: Spec, *, model_version: str | None = None,
         if model_path:
             _restore_env(MODEL_PATH_ENV, inherited_model_path)
         _restore_env("TMPDIR", inherited_tmpdir)
+        _restore_env(RUN_DIR_ENV, inherited_run_dir)
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    summary = RunSummary.from_dict(json.loads(task.output))
-    summary.tasks = task_timings(log_path.read_text(errors="replace"))
+    summary = RunSummary.from_dict(json.loads(output))
+    summary.tasks = {**task_timings(log_path.read_text(errors="replace")), "redecide": redecide}
     (run_dir / "summary.json").write_text(json.dumps(summary_document(summary), indent=2))
+    if cache:  # without the cache no measurements were stored: nothing to decide on again
+        write_record(run_dir, spec, uri, pipeline_run=pipeline_run, version=summary.source_version,
+                     sha256=_source_sha256(uri, summary.parent_run_id))
     return LocalRun(pipeline_run, log_path, summary)
+
+
+def _source_sha256(uri: str, parent_run_id: str) -> str | None:
+    """The reference's SHA-256 that resolve recorded on the parent run (tag tailguard.source_sha256), or None."""
+    try:
+        import mlflow
+
+        return mlflow.MlflowClient(tracking_uri=uri).get_run(parent_run_id).data.tags.get(SOURCE_SHA256_TAG) or None
+    except Exception:  # noqa: BLE001 - best effort: without it the next run is a full one
+        return None
 
 
 # ---------------------------------------------------------------------------------- per-task timings

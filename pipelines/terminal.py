@@ -180,6 +180,11 @@ def print_summary(summary: RunSummary) -> None:
     line = timings_line(getattr(summary, "tasks", None))
     if line:  # per-task seconds, cached / ran, the share in process start-up + imports (runner.task_timings)
         console.print(Text(line, style="dim"))
+    redecide = (getattr(summary, "tasks", None) or {}).get("redecide") or {}
+    if redecide.get("used"):  # a gate-only re-run (tailguard.rerun, components/redecide)
+        console.print(Text(f"decided again on the stored measurements of run {redecide.get('from_run')}: only "
+                           "gates or promotion changed (nothing built, measured or logged as a model again)",
+                           style="dim"))
 
 
 def print_search(search: dict) -> None:
@@ -218,6 +223,10 @@ def run_with_progress(spec: Spec, model_version: Optional[str], cache: bool = Tr
 
         def on_event(task: str, state: str) -> None:
             if state == "running":
+                if task == "redecide":  # a gate-only re-run: one task (tailguard.rerun)
+                    progress.update(bar, total=1, completed=0)
+                elif task == "check-data":  # the whole pipeline (also after a re-decide that could not decide)
+                    progress.update(bar, total=task_count(spec), completed=0)
                 progress.update(bar, description=f"{spec.metadata.name}: {task}")
             else:
                 progress.advance(bar)

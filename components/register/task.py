@@ -67,15 +67,33 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
     """
     import mlflow
 
-    from tailguard.components.register.logic import register_and_promote
-    from tailguard.core.contract import ALIAS_VERSION_TAG, PROMOTION_TAG
     from tailguard.core.spec import spec_from_yaml
     from tailguard.core.tracking import configure
 
     spec = spec_from_yaml(spec_yaml)
     resolved = json.loads(resolved_json)
     configure(tracking_uri)
-    client = mlflow.MlflowClient()
+    return json.dumps(finish_run(mlflow.MlflowClient(), spec, parent_run_id=parent_run_id, resolved=resolved,
+                                 baselines_json=baselines_json, reference_dir=reference_dir), default=str)
+
+
+def finish_run(client: Any, spec: Any, *, parent_run_id: str, resolved: dict[str, Any], baselines_json: str,
+               reference_dir: str | None) -> dict[str, Any]:
+    """What register-and-promote does after reading its inputs, in this process (also the re-decide task's last
+    step, components/redecide): `log_reference`, `logic.register_and_promote`, summary.json and the outcome tags
+    on the parent run, which is closed FINISHED.
+
+    Args:
+        client: an MlflowClient on the run's tracking store.
+        spec: the Spec. parent_run_id: the parent run. resolved: the resolved reference (its "version",
+            "sha256"). baselines_json, reference_dir: as `main`'s.
+
+    Returns:
+        The RunSummary as a dict (`RunSummary.to_dict`).
+    """
+    from tailguard.components.register.logic import register_and_promote
+    from tailguard.core.contract import ALIAS_VERSION_TAG, PROMOTION_TAG
+
     # before the registration: the report and summary read the baseline.* metrics from the parent run
     log_reference(client, parent_run_id, baselines_json, reference_dir)
     parent = client.get_run(parent_run_id)
@@ -93,4 +111,4 @@ def main(*, spec_yaml: str, resolved_json: str, parent_run_id: str, tracking_uri
         client.set_tag(parent_run_id, PROMOTION_TAG, PromotionStatus.NOT_PROMOTED)
         client.set_tag(parent_run_id, ALIAS_VERSION_TAG, summary.alias_version or "none")
     client.set_terminated(parent_run_id, "FINISHED")
-    return json.dumps(d, default=str)
+    return d

@@ -38,7 +38,6 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     """
     import mlflow
 
-    from tailguard.core.redact import redact_spec_yaml, redact_text
     from tailguard.core.reference import resolve_reference
     from tailguard.core.spec import spec_from_yaml
     from tailguard.core.tracking import configure, experiment_name_for
@@ -48,7 +47,30 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     resolved = resolve_reference(spec, tracking_uri=tracking_uri, out_dir=Path(out_dir),
                                  version=model_version or None)
-    client = mlflow.MlflowClient()
+    run_id = open_parent_run(mlflow.MlflowClient(), exp_id, spec, spec_yaml, resolved, pipeline_run=pipeline_run,
+                             kfp_run=kfp_run)
+    d = resolved.to_dict()
+    # Where the files sit inside the KFP artifact folder: later tasks see that folder at another path.
+    d["artifact_subdir"] = str(Path(resolved.local_dir).resolve().relative_to(Path(out_dir).resolve()))
+    return json.dumps(d, default=str), run_id
+
+
+def open_parent_run(client: Any, exp_id: str, spec: Any, spec_yaml: str, resolved: Any, *, pipeline_run: str,
+                    kfp_run: str = "", extra_tags: dict[str, str] | None = None) -> str:
+    """Create the pipeline run's parent MLflow run (RUNNING) for the resolved reference: its tags (pipeline run,
+    spec name and sha256, source model, version, format and sha256, labels, the local runner's pid / host / start
+    time from the environment, the KFP job id, where the alias pointed at the start, `extra_tags`), the spec
+    (credentials redacted) and its params. Used by resolve and by the re-decide task (components/redecide).
+
+    Args:
+        client: an MlflowClient. exp_id: the experiment. spec: the Spec. spec_yaml: its YAML as run.
+        resolved: the `tailguard.core.reference.ResolvedModel`.
+
+    Returns:
+        The parent run's id.
+    """
+    from tailguard.core.redact import redact_spec_yaml, redact_text
+
     spec_hash = hashlib.sha256(spec_yaml.encode()).hexdigest()
     tags = {PARENT_TAG: pipeline_run or "", SPEC_TAG: spec.metadata.name,
             SPEC_SHA256_TAG: spec_hash, SOURCE_MODEL_TAG: spec.model.registered_name,
@@ -58,6 +80,7 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     tags.update({tag: os.environ[env] for env, tag in RUNNER_ENV.items() if os.environ.get(env)})
     if kfp_run:
         tags[KFP_RUN_TAG] = kfp_run
+    tags.update(extra_tags or {})
     tags[ALIAS_AT_START_TAG] = alias_version(client, spec.optimized_model_name, spec.promotion.alias) or ""
     run = client.create_run(exp_id, run_name=f"{spec.metadata.name}-v{resolved.version}", tags=tags)
     # credentials in URIs (user:password@, ?token=) never reach the tracking store (tailguard.core.redact)
@@ -66,10 +89,7 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
               "variants": ",".join(v.name for v in spec.variants)}
     for key, value in params.items():
         client.log_param(run.info.run_id, key, redact_text(value))
-    d = resolved.to_dict()
-    # Where the files sit inside the KFP artifact folder: later tasks see that folder at another path.
-    d["artifact_subdir"] = str(Path(resolved.local_dir).resolve().relative_to(Path(out_dir).resolve()))
-    return json.dumps(d, default=str), run.info.run_id
+    return run.info.run_id
 
 
 @task_entry("fetch-reference")

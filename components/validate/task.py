@@ -103,10 +103,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     from tailguard.core.hardware import hardware_tags, node_facts
 
     facts = node_facts()
-    tags = {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name,
-            BACKEND_TAG: variant.backend, PRECISION_TAG: variant.precision,
-            STATUS_TAG: build["status"], GATES_TAG: GatesVerdict.NOT_EVALUATED.value,
-            **hardware_tags(facts)}  # tailguard.hw.*: the node that validates and times the variant
+    tags = variant_run_tags(variant, build, parent_run_id, hardware_tags(facts))
     mismatch, run_name = [], variant.name
     if target_name:
         mismatch, target_tags = target_check(spec, target_name, facts, placement)
@@ -120,13 +117,22 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
     identity = VariantResult(variant=variant.name, backend=variant.backend, precision=variant.precision,
                              status=step.status, reason=step.reason, run_id=run_id,
                              warnings=[str(w) for w in step.details.get("warnings") or []])
+    inputs = {"variant": variant.name, "target_name": target_name, "build": build, "baselines_json": baselines_json,
+              "variant_dir": variant_dir, "reference_dir": reference_dir,
+              "reference_model_dir": reference_model_dir}
+
+    def done() -> str:  # the task's output, and (local runs) the inputs a later re-decide reads
+        write_validation_record({**inputs, "run_id": run_id, "status": summary["status"],
+                                 "model_uri": summary.get("model_uri")})
+        return json.dumps(summary, default=str)
+
     with closing_run(client, run_id):
         client.log_dict(run_id, build, "build.json")
         log_coverage(client, run_id, build)
         if step.status != BuildStatus.OK:
             client.set_tag(run_id, REASON_TAG, step.reason[:5000])
             log_variant_result(client, run_id, identity)
-            return json.dumps(summary, default=str)
+            return done()
         if mismatch:  # not the node the target names: nothing validated here, so nothing can pass
             reason = (f"not validated on serving target {target_name!r}: this node does not match its expect: "
                       + "; ".join(mismatch))
@@ -135,7 +141,7 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
             log_variant_result(client, run_id,
                                dataclasses.replace(identity, status=BuildStatus.SKIPPED, reason=reason))
             summary.update(status=BuildStatus.SKIPPED, reason=reason)
-            return json.dumps(summary, default=str)
+            return done()
         try:
             summary.update(_validate(spec, variant, build, parse_baselines(baselines_json), Path(variant_dir),
                                      Path(reference_dir) / REFERENCE_FILE, run_id, client, metrics, report_path,
@@ -149,7 +155,39 @@ def main(*, spec_yaml: str, variant_name: str, build_json: str, baselines_json: 
         except Exception as exc:
             _log_failed_result(client, run_id, identity, f"validation raised {type(exc).__name__}: {exc}")
             raise
-        return json.dumps(summary, default=str)
+        return done()
+
+
+def variant_run_tags(variant: VariantSpec, build: dict[str, Any], parent_run_id: str,
+                     hw_tags: dict[str, str]) -> dict[str, str]:
+    """The tags a variant's run is created with: its parent run, name, backend, precision, the build's status,
+    tailguard.gates `not_evaluated` (until the gates are decided) and `hw_tags` (`hardware.hardware_tags`: the node
+    that validates and times the variant)."""
+    return {"mlflow.parentRunId": parent_run_id, VARIANT_TAG: variant.name, BACKEND_TAG: variant.backend,
+            PRECISION_TAG: variant.precision, STATUS_TAG: build["status"],
+            GATES_TAG: GatesVerdict.NOT_EVALUATED.value, **hw_tags}
+
+
+def write_validation_record(record: dict[str, Any]) -> None:
+    """Under a local run ($TAILGUARD_RUN_DIR set by the runner), keep what this validation read and logged in
+    `<run dir>/validations/<variant>[-on-<target>].json`: the build JSON, the baselines JSON, the folders of the
+    variant's model, the reference outputs and the FP32 reference model, the variant's run id, status and model
+    URI. A later run whose only change is in `gates` or `promotion` decides again on them (components/redecide).
+    Nothing on a cluster; a write error is ignored (the later run then runs the whole pipeline)."""
+    import os
+
+    from tailguard.core.contract import RUN_DIR_ENV, VALIDATIONS_DIR
+
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return
+    name = record["variant"] + (f"-on-{record['target_name']}" if record.get("target_name") else "")
+    try:
+        folder = Path(run_dir) / VALIDATIONS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / f"{name}.json", record)
+    except OSError:
+        pass
 
 
 def target_check(spec: Spec, target_name: str, facts: dict[str, Any],
@@ -540,7 +578,8 @@ def onnx_pip_requirements(execution_provider: str) -> list[str]:
 
 def log_validated_model(client: Any, run_id: str, result: ValidationResult, *, work_dir: Path, model_file: Path,
                         execution_provider: str, metrics: Any = None, report_path: str | None = None,
-                        identity: VariantResult | None = None, onnx: bool = True) -> dict[str, Any]:
+                        identity: VariantResult | None = None, onnx: bool = True,
+                        model_uri: str | None = None) -> dict[str, Any]:
     """Log a validated model to its run the way the register step reads it.
 
     Logs `log_validation`'s metrics and tags, result.json (`result.to_dict()`, written first so the logged copy
@@ -564,6 +603,9 @@ def log_validated_model(client: Any, run_id: str, result: ValidationResult, *, w
         report_path: optional path the report.html is copied to (a KFP Output[HTML]).
         identity: the candidate's name, backend, precision and search fields for variant_result.json (its
             verdict fields are filled here); None: named `result.variant`, backend and precision unknown ("").
+        model_uri: the URI of this same model (same bytes: `model_file`) already logged by an earlier run: it is
+            not logged again; the run's tailguard.model_uri and variant_result.json name that URI (a re-decided
+            run, components/redecide). None: the model is logged to this run.
 
     Returns:
         {passed, reason, model_uri, overall, perf, gates, worst_slice} for the task's output JSON.
@@ -583,7 +625,9 @@ def log_validated_model(client: Any, run_id: str, result: ValidationResult, *, w
         shutil.copyfile(Path(work_dir) / "report.html", report_path)
     sha = _sha256(Path(model_file))
     client.set_tag(run_id, SHA256_TAG, sha)
-    if onnx:
+    if model_uri is not None:
+        pass
+    elif onnx:
         import onnx as onnx_lib
 
         with mlflow.start_run(run_id=run_id):

@@ -51,6 +51,14 @@ FAILURE_TAG = "tailguard.failure"          # the failed task's name
 PROMOTED_VARIANT_TAG = "tailguard.promoted_variant"  # the promoted variant's name or "none"
 PROMOTED_VERSION_TAG = "tailguard.promoted_version"  # its registry version or "none"
 TARGET_ALIASES_TAG = "tailguard.target_aliases"  # JSON {alias: version | null} of the per-target aliases after a run
+REDECIDED_FROM_TAG = "tailguard.redecided_from"  # a re-decided run: the pipeline run whose measurements it decided on
+
+# ------------------------------------------------------------------------------------------------ local re-decide
+# Set by the local runner for its tasks: $TAILGUARD_HOME/runs/<run>. validate-<v> writes there, per variant, the
+# inputs it validated on (VALIDATIONS_DIR/<variant>.json), so a later run whose only change is in `gates` or
+# `promotion` can decide again on them in one task (components/redecide, tailguard.rerun). Absent on a cluster.
+RUN_DIR_ENV = "TAILGUARD_RUN_DIR"
+VALIDATIONS_DIR = "validations"
 
 # ------------------------------------------------------------------------------------------------ variant-run tags
 VARIANT_TAG = "tailguard.variant"

@@ -385,8 +385,11 @@ def test_local_rerun_with_one_gate_changed_serves_reference_pass_and_measurement
     configure(default_tracking_uri(), "registration")
     register_reference("mlp", onnx_path=env["onnx"] / "model.onnx")
     runs = []
-    for i, gate_min in enumerate((0.9, 0.5)):
+    # 0.9, then a gate-only change (decided in one task on the stored measurements: components/redecide), then a
+    # label added too (not only gates: the whole pipeline, whose pure steps and validations the cache serves)
+    for i, (gate_min, labels) in enumerate(((0.9, {}), (0.5, {}), (0.5, {"team": "a"}))):
         doc = sliced_spec(root, gate_min=gate_min)
+        doc["metadata"]["labels"] = labels
         doc["data"]["validation"]["label_column"] = "label"
         (root / f"spec{i}.yaml").write_text(yaml.safe_dump(doc))
         r = subprocess.run([sys.executable, "-m", "tailguard.cli", "run", str(root / f"spec{i}.yaml"),
@@ -396,16 +399,19 @@ def test_local_rerun_with_one_gate_changed_serves_reference_pass_and_measurement
         runs.append(json.loads((root / f"summary{i}.json").read_text()))
 
     cached = [{t["task"]: t["cached"] for t in s["tasks"]["tasks"]} for s in runs]
-    assert cached[0]["reference-pass"] is False and cached[1]["reference-pass"] is True
-    assert cached[1]["export"] is True and cached[1]["build-ort-fp32"] is True
-    assert cached[0]["fetch-reference"] is False and cached[1]["fetch-reference"] is True
-    # issue 25 item 4: the gate-only change re-decides on the variant's stored outputs and timing rounds
-    assert cached[0]["validate-ort-fp32"] is False and cached[1]["validate-ort-fp32"] is True
+    assert cached[0]["reference-pass"] is False and cached[2]["reference-pass"] is True
+    assert cached[2]["export"] is True and cached[2]["build-ort-fp32"] is True
+    assert cached[0]["fetch-reference"] is False and cached[2]["fetch-reference"] is True
+    # issue 25 item 4: a gate change decides again on the variant's stored outputs and timing rounds: in one task
+    # when only gates changed, in the validate task when the whole pipeline runs
+    assert list(cached[1]) == ["redecide"] and runs[1]["tasks"]["redecide"]["used"] is True
+    assert runs[2]["tasks"]["redecide"]["used"] is False
+    assert cached[0]["validate-ort-fp32"] is False and cached[2]["validate-ort-fp32"] is True
     rows = [next(v for v in s["variants"] if v["variant"] == "ort-fp32") for s in runs]
-    assert rows[1]["p50_ms"] == rows[0]["p50_ms"] and rows[1]["p99_ms"] == rows[0]["p99_ms"]  # the same rounds
-    assert rows[1]["rows_used"] == rows[0]["rows_used"] and rows[0]["rows"] == 40
-    assert rows[0]["gates"] == {"top1_agreement>=0.9": "passed"} and rows[1]["gates"] == {"top1_agreement>=0.5":
-                                                                                          "passed"}
+    for row in rows[1:]:
+        assert row["p50_ms"] == rows[0]["p50_ms"] and row["p99_ms"] == rows[0]["p99_ms"]  # the same rounds
+        assert row["rows_used"] == rows[0]["rows_used"] and row["gates"] == {"top1_agreement>=0.5": "passed"}
+    assert rows[0]["rows"] == 40 and rows[0]["gates"] == {"top1_agreement>=0.9": "passed"}
     client = mlflow.MlflowClient(default_tracking_uri())
     parents = [client.get_run(s["parent_run_id"]) for s in runs]
     for parent in parents:
@@ -415,7 +421,7 @@ def test_local_rerun_with_one_gate_changed_serves_reference_pass_and_measurement
         assert "calibration.min_coverage_ratio" in parent.data.metrics
         assert "calibration_coverage.csv" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     key = "baseline.onnx_fp32.bs1.latency_ms.p50"  # the cached timing, logged again
-    assert parents[1].data.metrics[key] == parents[0].data.metrics[key]
+    assert parents[1].data.metrics[key] == parents[2].data.metrics[key] == parents[0].data.metrics[key]
 
 
 def test_register_logs_the_reference_pass_baselines_and_coverage_on_the_parent_run_when_given_its_outputs(env):

@@ -131,9 +131,11 @@ def test_torch_builder_is_skipped_with_the_reason_when_the_reference_is_onnx(tmp
     assert result.status == "skipped" and "reference is an ONNX model" in result.reason
 
 
-def test_torch_build_is_served_from_the_cache_when_rerun_with_only_a_gate_changed(run):
+def test_torch_build_is_served_from_the_cache_when_rerun_with_a_gate_and_a_label_changed(run):
     doc = yaml.safe_load(run["spec"].read_text())
     doc["gates"] = [{"metric": "nn_top1_agreement", "min": 0.4}]
+    # a label too: a change of gates alone is decided in one task (components/redecide), with no build task
+    doc["metadata"]["labels"] = {"rerun": "whole-pipeline"}
     again = run["root"] / "spec-gate.yaml"
     again.write_text(yaml.safe_dump(doc, sort_keys=False))
     summary = run["root"] / "summary-gate.json"
