@@ -325,38 +325,22 @@ def _prepared(stage: str, parts: dict[str, Any], src: Path, dst: Path, details: 
 
     if not cache.enabled():
         return make(dst, details)
-    key = cache.cache_key(PREPARED_STEP, {"stage": stage, **parts, "machine": cache.machine_parts()})
-    entry = cache.lookup(key)
-    if entry is not None:
-        try:
-            files = Path(entry.path) / "files"
-            result = json.loads((Path(entry.path) / "result.json").read_text())
-            if result["wrote"]:
-                shutil.copyfile(files / dst.name, dst)
-            for k, v in result["details"].items():
-                details[k] = details.get(k, []) + v if k == "warnings" else v
-            os.utime(Path(entry.path) / "entry.json")
-            return dst if result["wrote"] else Path(src)
-        except (OSError, KeyError, ValueError):  # pruned or replaced while read: prepare it here
-            pass
-    own: dict[str, Any] = {}
-    out = make(dst, own)
-    for k, v in own.items():
-        details[k] = details.get(k, []) + v if k == "warnings" else v
-    wrote = Path(out) == dst
-    with tempfile.TemporaryDirectory(prefix="tailguard-prepared-", dir=dst.parent) as folder:
-        if wrote:
-            try:
-                os.link(dst, Path(folder) / dst.name)  # the same file system (a folder beside dst): no copy
-            except OSError:
-                shutil.copyfile(dst, Path(folder) / dst.name)
-        try:
-            cache.store(key, folder, {"wrote": wrote, "details": own}, step=PREPARED_STEP,
-                        label=f"{stage} {dst.name}")
-            cache.prune()
-        except OSError:  # a full disk must not fail the build
-            pass
-    return out
+    with tempfile.TemporaryDirectory(prefix=f"tailguard-{stage}-", dir=dst.parent) as tmp:
+        folder = Path(tmp)  # the step's own output folder: only what `make` wrote is stored
+
+        def run() -> dict[str, Any]:
+            own: dict[str, Any] = {}
+            return {"wrote": Path(make(folder / dst.name, own)) == folder / dst.name, "details": own}
+
+        result = cache.cached_step(PREPARED_STEP, {"stage": stage, **parts, "machine": cache.machine_parts()},
+                                   folder, run, label=f"{stage} {dst.name}")
+        for k, v in result["details"].items():
+            details[k] = details.get(k, []) + v if k == "warnings" else v
+        if not result["wrote"]:
+            return Path(src)
+        for f in folder.iterdir():  # the graph (and its external data file, if any) where the caller wants it
+            os.replace(f, dst.parent / f.name)
+    return dst
 
 
 def _optimize_graph(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]) -> Path:

@@ -69,6 +69,14 @@ def mlp_dataset(n_rows: int = 64, *, seed: int = 1):
     return Dataset({"x": xs}, frame, np.full(n_rows, IN, dtype=np.int64), "memory://planted-mlp")
 
 
+def mlp_rows(n: int, seed: int) -> pd.DataFrame:
+    """Parquet-ready rows for the MLP: `x` (a list of 16 float32 ~ N(0, 1)) and `group` ("a" | "b", alternating),
+    for the pipeline tests' validation and calibration files."""
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame({"x": [rng.normal(size=IN).astype(np.float32).tolist() for _ in range(n)],
+                         "group": np.where(np.arange(n) % 2 == 0, "a", "b")})
+
+
 def mlp_model_spec():
     """The ModelSpec of the MLP (task embedding: output y is compared by cosine similarity)."""
     from tailguard.core.spec.models import ModelSpec

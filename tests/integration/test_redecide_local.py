@@ -16,22 +16,14 @@ import sys
 from pathlib import Path
 
 import mlflow
-import numpy as np
-import pandas as pd
 import pytest
 import yaml
 
-from tests.helpers.search_models import IN, OUT, planted_mlp
+from tests.helpers.search_models import IN, OUT, mlp_rows, planted_mlp
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NAME = "planted-redecide"
-
-
-def make_rows(n: int, seed: int) -> pd.DataFrame:
-    rng = np.random.default_rng(seed)
-    return pd.DataFrame({"x": [rng.normal(size=IN).astype(np.float32).tolist() for _ in range(n)],
-                         "group": np.where(np.arange(n) % 2 == 0, "a", "b")})
 
 
 def write_spec(root: Path, *, gates: list, iterations: int = 3) -> Path:
@@ -103,8 +95,8 @@ def task_names(summary: dict) -> list[str]:
 def base(tmp_path_factory):
     """A home whose first run (`top1_agreement >= 0.05`) ran the whole pipeline."""
     root = tmp_path_factory.mktemp("redecide")
-    make_rows(400, 0).to_parquet(root / "validation.parquet")
-    make_rows(32, 1).to_parquet(root / "calibration.parquet")
+    mlp_rows(400, 0).to_parquet(root / "validation.parquet")
+    mlp_rows(32, 1).to_parquet(root / "calibration.parquet")
     planted_mlp(root / "planted.onnx")
     h = new_home(root, "home")
     proc, summary = run(h, write_spec(root, gates=GATE_FIRST))

@@ -14,22 +14,14 @@ import sys
 from pathlib import Path
 
 import mlflow
-import numpy as np
-import pandas as pd
 import pytest
 import yaml
 
-from tests.helpers.search_models import IN, OUT, PLANTED, planted_mlp
+from tests.helpers.search_models import IN, OUT, PLANTED, mlp_rows, planted_mlp
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 V = "mlp-int8"
-
-
-def make_rows(n: int, seed: int) -> pd.DataFrame:
-    rng = np.random.default_rng(seed)
-    return pd.DataFrame({"x": [rng.normal(size=IN).astype(np.float32).tolist() for _ in range(n)],
-                         "group": np.where(np.arange(n) % 2 == 0, "a", "b")})
 
 
 def write_spec(root: Path, *, gates: list, search: dict | None = None) -> Path:
@@ -67,8 +59,8 @@ COSINE_GATE = {"metric": "cosine_similarity.min", "min": 0.99, "variants": [V]}
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("search-e2e")
     home = root / "home"
-    make_rows(64, 0).to_parquet(root / "validation.parquet")
-    make_rows(32, 1).to_parquet(root / "calibration.parquet")
+    mlp_rows(64, 0).to_parquet(root / "validation.parquet")
+    mlp_rows(32, 1).to_parquet(root / "calibration.parquet")
     # configure() -> mlflow.set_tracking_uri also sets MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI in os.environ:
     # restore all three afterwards, or later modules' subprocesses would use this module's store
     saved = {k: os.environ.get(k) for k in ("TAILGUARD_HOME", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
