@@ -81,9 +81,10 @@ def test_earlier_run_finds_none_when_the_node_differs(root, monkeypatch):
 
 
 def test_earlier_run_finds_none_when_the_validation_data_is_remote(root):
+    runs = recorded(root, parse_spec(spec_doc(root)))  # an earlier run with local data exists
     spec = parse_spec(spec_doc(root, data={"calibration": {"uri": str(root / "calibration.parquet")},
                                            "validation": {"uri": "s3://bucket/validation.parquet"}}))
-    found, why = rerun.earlier_run(spec, URI, None, root / "runs")
+    found, why = rerun.earlier_run(spec, URI, None, runs)
     assert found is None and "remote" in why
 
 
