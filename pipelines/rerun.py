@@ -2,8 +2,8 @@
 
 `tailguard run` keeps, for each local run that finished (register-and-promote returned a summary), a record in
 $TAILGUARD_HOME/runs/<run>/rerun.json (`write_record`): the spec without `gates` and `promotion` (canonical JSON),
-the reference version and SHA-256 it ran on, the data files' content hashes, tailguard's code hash, the node's facts
-and the tracking URI; beside it, `validations/<variant>.json` holds what each validate task read
+the reference version and SHA-256 it ran on, the data files' content hashes, tailguard's code hash, the node's facts,
+the batch sizes a speed gate reads the reference pass's baselines at, and the tracking URI; beside it, `validations/<variant>.json` holds what each validate task read
 (components/validate/task.py `write_validation_record`). A new run of a spec that differs from such a run's only
 in `gates` and/or `promotion`, on the same reference version, data bytes, code and node (`earlier_run`), is decided
 in one task on the earlier run's stored measurements (components/redecide); anything else, or any doubt, runs the
@@ -21,7 +21,7 @@ from tailguard.core.contract import VALIDATIONS_DIR
 from tailguard.core.spec.models import Spec
 
 RECORD_FILE = "rerun.json"
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2  # 2: + baseline_gates
 REDECIDED_SECTIONS = ("gates", "promotion")  # what a re-decide may differ in
 
 
@@ -37,8 +37,11 @@ def spec_rest_sha256(spec: Spec) -> str:
 def identity(spec: Spec, tracking_uri: str) -> dict[str, Any] | None:
     """What must be equal between an earlier run and a new one for a re-decide, apart from the reference
     version: the spec without gates and promotion, the tracking URI, the data files' content hashes
-    (`cache.dataset_parts`), tailguard's code (`cache.code_sha256`) and the node (`hardware.node_facts`).
+    (`cache.dataset_parts`), tailguard's code (`cache.code_sha256`), the node (`hardware.node_facts`) and the
+    batch sizes a speed gate reads reference-pass's baselines at (`reference.logic.timing_gates_key`: they set
+    how long those baselines are timed, so a change there is measured again).
     None when a data file cannot be hashed (a remote URI): no re-decide then."""
+    from tailguard.components.reference.logic import timing_gates_key
     from tailguard.core.cache import code_sha256, dataset_parts
     from tailguard.core.hardware import node_facts
 
@@ -46,7 +49,7 @@ def identity(spec: Spec, tracking_uri: str) -> dict[str, Any] | None:
     if data["validation"] is None or data["calibration"] is None:
         return None
     return {"format": RECORD_FORMAT, "spec": spec_rest_sha256(spec), "tracking_uri": tracking_uri, "data": data,
-            "code": code_sha256(), "node": node_facts()}
+            "code": code_sha256(), "node": node_facts(), "baseline_gates": timing_gates_key(spec)}
 
 
 def write_record(run_dir: Path, spec: Spec, tracking_uri: str, *, pipeline_run: str, version: str,

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # so a change of the node's load still hits both alike.
 TORCH_SEGMENTS = 5        # the timed rounds are split into this many consecutive segments for the stability check
 TORCH_SPREAD_MAX = 1.5    # warn when the slowest segment's torch p50 is more than 1.5x the fastest's
+TORCH_STABILITY_MIN_ROUNDS = 30  # judged from 30 rounds (6 per segment): a median of 2 rounds is not a p50, and a
+                                 # batch size stopped at its first look (10 rounds) would be flagged on noise
 
 
 def reference_outputs(truth: Any, ds: Dataset, spec: Spec) -> list[np.ndarray]:
@@ -80,6 +82,7 @@ def torch_stability(samples_ms: Sequence[float], segments: int = TORCH_SEGMENTS,
     (numpy.array_split); each segment's median (np.median) is its p50; spread = largest / smallest segment p50.
     Stable when spread <= `max_spread` (TORCH_SPREAD_MAX = 1.5: a baseline that moves by more than 1.5x within one
     pass moves `speedup_vs_torch` by as much, enough to carry a variant across a typical `min: 2` gate either way).
+    Judged only from TORCH_STABILITY_MIN_ROUNDS (30) rounds on (at least 2 per segment).
 
     Args:
         samples_ms: torch's time per round, ms, shape (rounds,), time order (`samples_ms` of the benchmark row).
@@ -88,8 +91,8 @@ def torch_stability(samples_ms: Sequence[float], segments: int = TORCH_SEGMENTS,
 
     Returns:
         {"segment_p50_ms": list[float] (segments,), "spread": float | None, "max_spread": float,
-         "stable": bool | None, "method": str}; spread and stable are None when there are fewer than 2 rounds per
-        segment (no verdict).
+         "stable": bool | None, "method": str}; spread and stable are None below TORCH_STABILITY_MIN_ROUNDS rounds
+        or 2 rounds per segment (no verdict).
 
     Raises:
         ValueError: segments < 2 or max_spread < 1.
@@ -99,14 +102,39 @@ def torch_stability(samples_ms: Sequence[float], segments: int = TORCH_SEGMENTS,
     ms = np.asarray(samples_ms, dtype=np.float64).reshape(-1)
     method = (f"rounds split into {segments} consecutive segments (numpy.array_split), p50 = np.median per "
               f"segment, spread = max / min segment p50, stable when <= {max_spread:g}x")
-    if ms.size < 2 * segments:
+    need = max(2 * segments, TORCH_STABILITY_MIN_ROUNDS)
+    if ms.size < need:
         return {"segment_p50_ms": [], "spread": None, "max_spread": float(max_spread), "stable": None,
-                "method": method + f"; not judged: {ms.size} rounds < {2 * segments}"}
+                "method": method + f"; not judged: {ms.size} rounds < {need}"}
     p50s = [float(np.median(part)) for part in np.array_split(ms, segments)]
     low = min(p50s)
     spread = max(p50s) / low if low > 0 else float("inf")
     return {"segment_p50_ms": p50s, "spread": float(spread), "max_spread": float(max_spread),
             "stable": bool(spread <= max_spread), "method": method}
+
+
+BASELINE_METRICS = ("speedup_vs_torch", "speedup_vs_onnx_fp32")  # gate metrics read from the reference pass
+
+
+def baseline_gate_batch_sizes(spec: Spec) -> set[int]:
+    """The batch sizes at which a gate reads the reference pass's baselines: `speedup_vs_torch` (its torch p50
+    comes only from here) and `speedup_vs_onnx_fp32` (here for a variant not timed interleaved with the ONNX FP32
+    reference), at the gate's batch size (`Spec.gate_batch_size`).
+
+    Returns:
+        {batch size}; empty when no gate reads them (the demo spec: its only timing gate is a p99 one).
+    """
+    return {spec.gate_batch_size(g) for g in spec.gates if g.metric in BASELINE_METRICS}
+
+
+def timing_gates_key(spec: Spec) -> list[int] | None:
+    """The one thing the baselines' timing reads from `gates`: with `benchmark.precision`, the sorted
+    `baseline_gate_batch_sizes` (their timing stops at the first look elsewhere); None without it (the full
+    budget). Part of reference-pass's cache key and of a gate-only re-run's identity (`tailguard.rerun`), so
+    adding a speed gate that reads these baselines times them again instead of reusing a first-look timing."""
+    if getattr(spec.benchmark, "precision", None) is None:
+        return None
+    return sorted(baseline_gate_batch_sizes(spec))
 
 
 def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Dataset, spec: Spec, *,
@@ -117,8 +145,10 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Dataset,
     With a torch reference the two are timed interleaved in rounds on the same batches
     (`tailguard.core.latency.interleaved_benchmark`, as the validate step times a variant against the ONNX FP32
     reference): one `benchmark.max_seconds` budget per batch size covers both, and a load change hits both alike.
-    With `benchmark.precision` a batch size stops once the torch / ONNX ratio's interval (an ONNX reference: the
-    ONNX p50's interval) is within it (`latency.precision_reached`, bounds corrected for the looks).
+    With `benchmark.precision` a batch size that a gate reads these baselines at (`baseline_gate_batch_sizes`)
+    stops once the torch / ONNX ratio's interval (an ONNX reference: the ONNX p50's interval) is within it
+    (`latency.precision_reached`, bounds corrected for the looks); any other batch size decides nothing here and
+    stops at its first look (10 rounds), its figures reported with the rounds used.
     The ORT session is built here (`onnx_baseline_runner`) with `session.force_spinning_stop` so that torch is
     not timed waiting on ORT's spinning workers (why and the figures: the module comment above TORCH_SEGMENTS).
     Each torch row then gets the stability check (`torch_stability`): `segment_p50_ms`, `segment_spread`,
@@ -147,14 +177,22 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Dataset,
     precision = getattr(spec.benchmark, "precision", None)
 
     def rule(baseline: str | None, target: str) -> Any:
-        """Measured to benchmark.precision (None: the full budget): the torch / ONNX ratio's interval, or the ONNX
-        p50's alone, within the precision (`latency.precision_reached`, corrected for the looks)."""
+        """Measured to benchmark.precision (None: the full budget): at a batch size some gate reads these
+        baselines at (`baseline_gate_batch_sizes`), until the torch / ONNX ratio's interval, or the ONNX p50's
+        alone, is within the precision (`latency.precision_reached`, corrected for the looks); at any other batch
+        size the baselines decide nothing, so timing stops at the first look (as validate's `timing_rule` does)."""
         if precision is None:
             return None
         boot = spec.analysis.bootstrap
-        return lambda bs, samples, look, n_looks: precision_reached(
-            samples, precision, look, n_looks, baseline=baseline, target=target, boot_samples=boot.samples,
-            seed=boot.seed)
+        deciding = baseline_gate_batch_sizes(spec)
+
+        def decide(bs: int, samples: Any, look: int, n_looks: int) -> bool:
+            if bs not in deciding:
+                return True
+            return precision_reached(samples, precision, look, n_looks, baseline=baseline, target=target,
+                                     boot_samples=boot.samples, seed=boot.seed)
+
+        return decide
 
     if torch_runner is None:
         return {"rows": ds.n_rows, "torch": None, "warnings": [],

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 def cache_parts(spec: Spec, resolved: ResolvedModel, onnx_dir: str | Path) -> dict[str, Any] | None:
     """What reference-pass reads, for its cache key (tailguard.core.cache): the reference
     (`cache.reference_parts`), the validation rows, the exported FP32 ONNX model's bytes, the `benchmark`
-    section, the threads, the machine (CPU model, CPU count, OS, architecture: the baselines are timings) and,
+    section, the threads, the batch sizes a gate reads the baselines at (`logic.timing_gates_key`; not the rest
+    of `gates`, so a gate change still finds the cached pass), the machine (CPU model, CPU count, OS, architecture: the baselines are timings) and,
     with declared slices, the slices and the calibration rows (the coverage table).
 
     Returns:
@@ -29,13 +30,15 @@ def cache_parts(spec: Spec, resolved: ResolvedModel, onnx_dir: str | Path) -> di
     """
     from tailguard.core.cache import dataset_parts, dir_sha256, machine_parts, reference_parts
 
+    from .logic import timing_gates_key
+
     reference, validation = reference_parts(resolved, spec), dataset_parts(spec.data.validation)
     if reference is None or validation is None:
         return None
     parts: dict[str, Any] = {
         **reference, "validation": validation, "onnx": dir_sha256(onnx_dir, prefix=ONNX_FILE),
         "benchmark": spec.benchmark.model_dump(mode="json"), "threads": spec.benchmark.intra_op_num_threads,
-        "machine": machine_parts()}
+        "baseline_gates": timing_gates_key(spec), "machine": machine_parts()}
     if spec.slices:
         calibration = dataset_parts(spec.data.calibration)
         if calibration is None:

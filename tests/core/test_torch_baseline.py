@@ -147,3 +147,58 @@ def test_time_baselines_records_a_warning_when_torch_round_p50s_spread_beyond_th
     clock = _Clock()
     steady = time_baselines(path, _SlowingTorch(clock, fast=10**6), _dataset(), _spec(bench), clock=clock)
     assert steady["warnings"] == [] and steady["torch"][1]["segment_spread"] == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------ measured until decided
+class _NoisyTorch:
+    """Advances the fake clock 1 ms and 3 ms on alternate runs: the torch / ONNX ratio stays uncertain, so the
+    precision is never reached and only the stopping rule ends the timing early."""
+
+    def __init__(self, clock) -> None:
+        self.clock, self.runs = clock, 0
+
+    def run(self, feeds):
+        self.runs += 1
+        self.clock.now += 1_000_000 if self.runs % 2 else 3_000_000
+        return [np.zeros((len(feeds["x"]), 4), np.float32)]
+
+
+def _precision_spec(bench: BenchmarkSpec, gates: list):
+    from tailguard.core.spec.models import AnalysisSpec, GateSpec
+
+    spec = _spec(bench)
+    spec.gates = [GateSpec(**g) for g in gates]
+    spec.analysis = AnalysisSpec()
+    spec.gate_batch_size = lambda g: g.batch_size or bench.batch_sizes[0]
+    return spec
+
+
+@pytest.mark.parametrize("gates, rounds_bs1", [
+    ([], 10),                                                                  # nothing reads the baselines
+    ([{"metric": "latency_ms.p99", "max": 100, "batch_size": 1}], 10),         # a gate validate decides alone
+    ([{"metric": "speedup_vs_torch", "min": 1.5, "batch_size": 1}], 80),       # reads the torch p50 at batch 1
+    ([{"metric": "speedup_vs_onnx_fp32", "min": 1.5}], 80),                    # the ONNX p50, at the first size
+])
+def test_time_baselines_stops_at_the_first_look_when_no_gate_reads_the_baselines_at_that_batch_size(
+        encoder_onnx, gates, rounds_bs1):
+    _, path = encoder_onnx
+    bench = BenchmarkSpec(batch_sizes=[1], warmup=1, iterations=80, max_seconds=3600, precision=0.01)
+    clock = _Clock()
+    out = time_baselines(path, _NoisyTorch(clock), _dataset(), _precision_spec(bench, gates), clock=clock)
+    assert out["torch"][1]["n_iterations"] == rounds_bs1 and out["onnx_fp32"][1]["n_iterations"] == rounds_bs1
+    # 10 rounds are too few to judge torch's stability (its 1 ms / 3 ms rounds would be flagged): no verdict
+    assert (out["torch"][1]["segment_spread"] is None) == (rounds_bs1 == 10)
+    assert out["warnings"] == []
+
+
+def test_timing_gates_key_changes_only_when_a_gate_reading_the_baselines_changes():
+    from tailguard.components.reference.logic import timing_gates_key
+
+    bench = BenchmarkSpec(batch_sizes=[1, 8], precision=0.05)
+    plain = _precision_spec(bench, [{"metric": "top1_agreement", "min": 0.9}])
+    stricter = _precision_spec(bench, [{"metric": "top1_agreement", "min": 0.99},
+                                       {"metric": "latency_ms.p99", "max": 50, "batch_size": 8}])
+    speed = _precision_spec(bench, [{"metric": "top1_agreement", "min": 0.9},
+                                    {"metric": "speedup_vs_torch", "min": 2, "batch_size": 8}])
+    assert timing_gates_key(plain) == timing_gates_key(stricter) == [] and timing_gates_key(speed) == [8]
+    assert timing_gates_key(_precision_spec(BenchmarkSpec(batch_sizes=[1]), [])) is None  # full budget anyway

@@ -113,3 +113,15 @@ def test_earlier_run_finds_none_without_starting_a_task_when_a_variant_has_a_sea
     spec = parse_spec(doc)
     found, why = rerun.earlier_run(spec, URI, None, recorded(root, spec))
     assert found is None and "search" in why
+
+
+def test_earlier_run_finds_none_when_a_new_speed_gate_reads_the_reference_baselines(root):
+    bench = {"batch_sizes": [1], "precision": 0.05}
+    runs = recorded(root, parse_spec(spec_doc(root, benchmark=bench)))
+    speed = parse_spec(spec_doc(root, benchmark=bench, gates=[
+        {"metric": "top1_agreement", "min": 0.9}, {"metric": "speedup_vs_onnx_fp32", "min": 1.2}]))
+    found, why = rerun.earlier_run(speed, URI, None, runs)  # baselines timed at their first look: time them again
+    assert found is None and "only in gates or promotion" in why
+    other = parse_spec(spec_doc(root, benchmark=bench, gates=[{"metric": "top1_agreement", "min": 0.5}]))
+    found, why = rerun.earlier_run(other, URI, None, runs)  # matched: refused only at the (unreachable) registry
+    assert found is None and "could not be resolved here" in why
