@@ -15,7 +15,7 @@ import pytest
 from scipy import stats as st
 
 from tailguard.components.validate import sequential as S
-from tailguard.components.validate.logic import validate_variant
+from tailguard.components.validate.logic import CHUNK_ROWS, validate_variant
 from tailguard.core.data import Dataset
 from tailguard.core.results import GateStatus
 from tailguard.core.spec import parse_spec
@@ -26,11 +26,17 @@ class _Logits:
     """The 'variant': returns the logits stored as its input (so the test plants which rows disagree)."""
 
     def __init__(self):
-        self.rows = 0
+        self.rows = self.calls = self.timed = 0
 
     def run(self, feeds):
         self.rows += len(feeds["x"])
+        self.calls += 1
+        self.timed += len(feeds["x"]) == 1  # the timed runs are of batch 1; scoring runs batches of 50
         return [np.asarray(feeds["x"], dtype=np.float32)]
+
+    @property
+    def scored(self):
+        return self.rows - self.timed
 
 
 def _data(n=2000, bad_rate=0.02, bad_group=None, group_rate=0.0, groups=20, seed=0):
@@ -79,7 +85,8 @@ def test_sequential_validation_passes_early_on_a_fraction_of_the_rows_when_every
     res = validate_variant(_spec([OVERALL, P99]), "v", runner, [ref], ds, tmp_path)
     assert res.passed and _statuses(res) == [("top1_agreement>=0.9", "passed"), ("kl_divergence.p99<=50", "passed")]
     assert res.rows == 2000 and res.rows_used <= 1000  # (900 when written: the p99 gate needs that many)
-    assert runner.rows == res.rows_used + 2  # the rows scored, plus the 2 timed runs of batch 1
+    assert runner.timed == 2  # the 2 timed runs of batch 1
+    assert res.rows_used <= runner.scored < res.rows_used + CHUNK_ROWS  # rows asked for in chunks, not past one
     assert all(g.decided_on == "sequential" for g in res.gates)
     assert res.sequential["stopped_early"] and res.mlflow_metrics()["rows_used"] == res.rows_used
     assert res.overall["top1_agreement"] == 1.0  # metrics are over the rows scored
@@ -106,13 +113,36 @@ def test_sequential_validation_times_nothing_when_a_parity_gate_failed_first(tmp
     res = validate_variant(_spec([PER_SLICE, LATENCY]), "v", runner, [ref], ds, tmp_path / "verdict")
     status = dict(_statuses(res))
     assert not res.passed and status["top1_agreement>=0.85@lb95@per_slice"] == "failed"
-    assert runner.rows == res.rows_used and res.perf == {}  # only the rows scored: no timed run
+    assert runner.timed == 0 and res.perf == {}  # only rows scored: no timed run
+    assert res.rows_used <= runner.scored < res.rows_used + CHUNK_ROWS
     latency = next(g for g in res.gates if g.metric == "latency_ms.p99")
     assert latency.status == GateStatus.UNDECIDED and "not timed" in latency.method
     # stop: all_gates decides every gate: the latency gate is timed and decided
     runner = _Logits()
     res = validate_variant(_spec([PER_SLICE, LATENCY], stop="all_gates"), "v", runner, [ref], ds, tmp_path / "all")
-    assert dict(_statuses(res))["latency_ms.p99<=1000@bs1"] == "passed" and runner.rows == res.rows_used + 2
+    assert dict(_statuses(res))["latency_ms.p99<=1000@bs1"] == "passed" and runner.timed == 2
+
+
+@pytest.mark.parametrize("bad_group, group_rate", [(None, 0.0), (3, 0.8), (5, 0.06)])
+def test_sequential_validation_stops_at_the_block_by_block_look_when_rows_are_scored_in_chunks(
+        tmp_path, monkeypatch, bad_group, group_rate):
+    ref, ds, _ = _data(bad_rate=0.0 if bad_group != 5 else 0.01, bad_group=bad_group, group_rate=group_rate)
+    gates = [OVERALL, PER_SLICE, DISCOVERED]
+    import tailguard.components.validate.logic as L
+
+    runs = []  # rows per run_dataset call of the variant (each call is length-sorted on its own)
+    real = L._run_first_output
+    monkeypatch.setattr(L, "_run_first_output", lambda r, v, *a: runs.append(v.n_rows) or real(r, v, *a))
+    chunked, one = _Logits(), _Logits()
+    res = validate_variant(_spec(gates), "v", chunked, [ref], ds, tmp_path / "chunks")
+    chunk_runs, runs[:] = list(runs), []
+    monkeypatch.setattr(L, "CHUNK_ROWS", 100)  # one 100-row block per call past min_rows
+    ref_res = validate_variant(_spec(gates), "v", one, [ref], ds, tmp_path / "blocks")
+    assert res.rows_used == ref_res.rows_used and _statuses(res) == _statuses(ref_res)
+    assert [g.detail.get("sequential") for g in res.gates] == [g.detail.get("sequential") for g in ref_res.gates]
+    assert one.scored == ref_res.rows_used  # block by block: nothing scored past the stop
+    assert res.rows_used <= chunked.scored < res.rows_used + CHUNK_ROWS
+    assert max(chunk_runs) <= CHUNK_ROWS and (len(chunk_runs) < len(runs) or res.rows_used <= 300)
 
 
 @pytest.mark.parametrize("gates", [[OVERALL, PER_SLICE, DISCOVERED, P99], [PER_SLICE, {"metric": "kl_divergence.mean",
