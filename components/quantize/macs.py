@@ -11,6 +11,15 @@ as SkipLayerNormalization or Attention after BERT fusion), ONNX Runtime's symbol
 (`onnxruntime.tools.symbolic_shape_infer`, auto_merge, guess_output_rank) is tried too. A node whose shapes are
 still unknown gets `macs=None` and is listed, never guessed.
 
+Both inferences run on a skeleton of the graph, not on its weights: every float or 8-bit initializer of rank
+>= 2 with more than KEEP_VALUES_NUMEL elements becomes a graph input of its element type and dims, without data
+(copying and serializing MiniLM's 90 MB of weights took ~1 s per count). The shapes are the same, because
+neither inference reads such a tensor's values: ONNX's data propagation and the shape-computing inputs it reads
+(Reshape's shape, Slice's starts, Resize's scales, ...) are 0-D/1-D, and ORT's ignores values of rank > 1. As a
+guard, a graph in which such a weight feeds an input outside `_SHAPE_ONLY_USES` (MAC operands, Q/DQ, Gather's
+data, elementwise arithmetic, normalization weights), or which has sub-graphs, is inferred with all its
+weights. `keep_weights=True` forces that reference path; the tests check both give the same counts.
+
 Symbolic dimensions (`concrete_dims`): the first axis of every graph input is the batch and is evaluated at 1
 (MACs per sample); every other symbolic axis (sequence, time, ...) at `sequence`: the build passes the median
 row length of the calibration rows when it has them, else `DEFAULT_SEQUENCE` (128, a documented assumption).
@@ -204,8 +213,7 @@ _SHAPE_ONLY_USES: dict[str, tuple[int, ...] | None] = {
     "Add": None, "Sub": None, "Mul": None, "Div": None,
     "LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1,), "SkipLayerNormalization": (2, 3, 4),
     "SkipSimplifiedLayerNormalization": (2, 3), "EmbedLayerNormalization": (2, 3, 4, 5, 6),
-    "QEmbedLayerNormalization": None, "BiasGelu": (1,),
-    "FastGelu": (1,),
+    "QEmbedLayerNormalization": None, "BiasGelu": (1,), "FastGelu": (1,),
 }
 
 
@@ -215,11 +223,14 @@ def _strippable(t: Any) -> bool:
 
 def _value_read_risk(m: Any) -> bool:
     """True when a strippable initializer is used where shape inference might read its values: as an input
-    outside `_SHAPE_ONLY_USES`, or anywhere in a graph with sub-graphs (If/Loop/Scan bodies see outer tensors)."""
+    outside `_SHAPE_ONLY_USES`, as a graph output, or anywhere in a graph with sub-graphs (If/Loop/Scan bodies
+    see the outer graph's tensors)."""
     g = m.graph
     strip = {t.name for t in g.initializer if _strippable(t)}
     if not strip:
         return False
+    if any(o.name in strip for o in g.output):
+        return True
     for n in g.node:
         if any(a.type in (5, 10) for a in n.attribute):  # AttributeProto.GRAPH, GRAPHS
             return True
