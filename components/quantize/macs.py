@@ -13,7 +13,7 @@ still unknown gets `macs=None` and is listed, never guessed.
 
 Both inferences run on a skeleton of the graph, not on its weights: every float or 8-bit initializer of rank
 >= 2 with more than KEEP_VALUES_NUMEL elements becomes a graph input of its element type and dims, without data
-(copying and serializing MiniLM's 90 MB of weights took ~1 s per count). The shapes are the same, because
+(copying and serializing MiniLM's 90 MB of weights took ~1 s per coverage). The shapes are the same, because
 neither inference reads such a tensor's values: ONNX's data propagation and the shape-computing inputs it reads
 (Reshape's shape, Slice's starts, Resize's scales, ...) are 0-D/1-D, and ORT's ignores values of rank > 1. As a
 guard, a graph in which such a weight feeds an input outside `_SHAPE_ONLY_USES` (MAC operands, Q/DQ, Gather's
