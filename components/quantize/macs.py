@@ -11,6 +11,15 @@ as SkipLayerNormalization or Attention after BERT fusion), ONNX Runtime's symbol
 (`onnxruntime.tools.symbolic_shape_infer`, auto_merge, guess_output_rank) is tried too. A node whose shapes are
 still unknown gets `macs=None` and is listed, never guessed.
 
+Both inferences run on a skeleton of the graph, not on its weights: every float or 8-bit initializer of rank
+>= 2 with more than KEEP_VALUES_NUMEL elements becomes a graph input of its element type and dims, without data
+(copying and serializing MiniLM's 90 MB of weights took ~1 s per coverage). The shapes are the same, because
+neither inference reads such a tensor's values: ONNX's data propagation and the shape-computing inputs it reads
+(Reshape's shape, Slice's starts, Resize's scales, ...) are 0-D/1-D, and ORT's ignores values of rank > 1. As a
+guard, a graph in which such a weight feeds an input outside `_SHAPE_ONLY_USES` (MAC operands, Q/DQ, Gather's
+data, elementwise arithmetic, normalization weights), or which has sub-graphs, is inferred with all its
+weights. `keep_weights=True` forces that reference path; the tests check both give the same counts.
+
 Symbolic dimensions (`concrete_dims`): the first axis of every graph input is the batch and is evaluated at 1
 (MACs per sample); every other symbolic axis (sequence, time, ...) at `sequence`: the build passes the median
 row length of the calibration rows when it has them, else `DEFAULT_SEQUENCE` (128, a documented assumption).
@@ -172,12 +181,16 @@ def _symbolic_input_dims(m: Any) -> Iterator[tuple[str, int, Any]]:
                 yield d.dim_param or f"{inp.name}[{axis}]", axis, d
 
 
-def _with_concrete_inputs(m: Any, dims: dict[str, int]) -> Any:
-    """A copy of `m` whose graph inputs have concrete dims, without stale value_info or output shapes."""
+def _with_concrete_inputs(m: Any, dims: dict[str, int], *, keep_weights: bool = False) -> Any:
+    """A copy of `m` whose graph inputs have concrete dims, without stale value_info or output shapes; unless
+    `keep_weights`, a skeleton (`_skeleton`) whose large weights are typed graph inputs without data."""
     import onnx
 
-    c = onnx.ModelProto()
-    c.CopyFrom(m)
+    if keep_weights or _value_read_risk(m):
+        c = onnx.ModelProto()
+        c.CopyFrom(m)
+    else:
+        c = _skeleton(m)
     for key, axis, d in list(_symbolic_input_dims(c)):  # listed first: the loop rewrites the dims it walks
         value = dims.get(key, BATCH if axis == 0 else DEFAULT_SEQUENCE)
         d.Clear()
@@ -187,6 +200,78 @@ def _with_concrete_inputs(m: Any, dims: dict[str, int]) -> Any:
         if o.type.HasField("tensor_type"):
             o.type.tensor_type.ClearField("shape")
     return c
+
+
+# Initializers whose data the skeleton drops: float or 8-bit, rank >= 2, more than this many elements.
+KEEP_VALUES_NUMEL = 1024
+_STRIPPED_TYPES = frozenset({1, 2, 3, 10, 11, 16})  # FLOAT, UINT8, INT8, FLOAT16, DOUBLE, BFLOAT16
+# Where a stripped tensor may be consumed: op type -> input indices (None: any) whose shape inference (ONNX's and
+# ORT's symbolic) reads that input's shape only. Anywhere else the full graph is used.
+_SHAPE_ONLY_USES: dict[str, tuple[int, ...] | None] = {
+    **{op: None for op in MAC_OPS},
+    "DequantizeLinear": (0,), "QuantizeLinear": (0,), "Gather": (0,), "Transpose": (0,),
+    "Add": None, "Sub": None, "Mul": None, "Div": None,
+    "LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1,), "SkipLayerNormalization": (2, 3, 4),
+    "SkipSimplifiedLayerNormalization": (2, 3), "EmbedLayerNormalization": (2, 3, 4, 5, 6),
+    "QEmbedLayerNormalization": None, "BiasGelu": (1,), "FastGelu": (1,),
+}
+
+
+def _strippable(t: Any) -> bool:
+    return t.data_type in _STRIPPED_TYPES and len(t.dims) >= 2 and _prod(t.dims) > KEEP_VALUES_NUMEL
+
+
+def _value_read_risk(m: Any) -> bool:
+    """True when a strippable initializer is used where shape inference might read its values: as an input
+    outside `_SHAPE_ONLY_USES`, as a graph output, or anywhere in a graph with sub-graphs (If/Loop/Scan bodies
+    see the outer graph's tensors)."""
+    g = m.graph
+    strip = {t.name for t in g.initializer if _strippable(t)}
+    if not strip:
+        return False
+    if any(o.name in strip for o in g.output):
+        return True
+    for n in g.node:
+        if any(a.type in (5, 10) for a in n.attribute):  # AttributeProto.GRAPH, GRAPHS
+            return True
+        for i, name in enumerate(n.input):
+            if name in strip:
+                allowed = _SHAPE_ONLY_USES.get(n.op_type, ())
+                if allowed is not None and i not in allowed:
+                    return True
+    return False
+
+
+def _skeleton(m: Any) -> Any:
+    """A copy of `m` in which every strippable initializer (float or 8-bit, rank >= 2, more than
+    KEEP_VALUES_NUMEL elements) is a graph input of the same element type and dims instead: its data is neither
+    copied nor serialized. Initializers listed as graph inputs keep their place; the others are appended."""
+    import onnx
+
+    c = onnx.ModelProto()
+    for f, v in m.ListFields():
+        if f.name != "graph":
+            _copy_field(c, f, v)
+    for f, v in m.graph.ListFields():
+        if f.name != "initializer":
+            _copy_field(c.graph, f, v)
+    inputs = {i.name: i for i in c.graph.input}
+    for t in m.graph.initializer:
+        if not _strippable(t):
+            c.graph.initializer.add().CopyFrom(t)
+            continue
+        vi = inputs.get(t.name) or c.graph.input.add()
+        vi.CopyFrom(onnx.helper.make_tensor_value_info(t.name, t.data_type, [int(d) for d in t.dims]))
+    return c
+
+
+def _copy_field(dst: Any, f: Any, v: Any) -> None:
+    if f.label == f.LABEL_REPEATED:
+        getattr(dst, f.name).extend(v)
+    elif f.type == f.TYPE_MESSAGE:
+        getattr(dst, f.name).CopyFrom(v)
+    else:
+        setattr(dst, f.name, v)
 
 
 def _collect(m: Any) -> dict[str, Shape]:
@@ -202,7 +287,8 @@ def _collect(m: Any) -> dict[str, Shape]:
     return out
 
 
-def infer_shapes(model: Any, dims: dict[str, int], *, symbolic: bool = False) -> dict[str, Shape]:
+def infer_shapes(model: Any, dims: dict[str, int], *, symbolic: bool = False,
+                 keep_weights: bool = False) -> dict[str, Shape]:
     """Tensor shapes of a graph at concrete input dims.
 
     Args:
@@ -211,27 +297,40 @@ def infer_shapes(model: Any, dims: dict[str, int], *, symbolic: bool = False) ->
         symbolic: also run ONNX Runtime's symbolic shape inference (knows contrib ops such as Attention and
             SkipLayerNormalization) for the tensors ONNX shape inference left unknown. It runs in a scratch
             folder: it dumps a file into the current directory when it fails.
+        keep_weights: infer on a copy with every initializer's data (the reference; slower). By default large
+            weights are given by element type and dims only (module docstring), with the same result.
 
     Returns:
         {tensor name: shape tuple (int per axis, None where unknown)} for inputs, initializers and every
         tensor inference typed.
     """
+    m = _with_concrete_inputs(_load(model), dims, keep_weights=keep_weights)
+    shapes = _infer_onnx(m)
+    return _infer_symbolic(m, shapes) if symbolic else shapes
+
+
+def _infer_onnx(m: Any) -> dict[str, Shape]:
+    """Shapes of `m` (concrete inputs) from ONNX shape inference with data propagation."""
     import onnx
 
-    m = _with_concrete_inputs(_load(model), dims)
     shapes = _collect(m)
     with contextlib.suppress(Exception):  # inference may reject a graph; what was typed so far is kept
         shapes.update(_collect(onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False,
                                                                  data_prop=True)))
-    if symbolic:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    return shapes
 
-        with tempfile.TemporaryDirectory(prefix="tailguard-shapes-") as scratch, contextlib.chdir(scratch), \
-                contextlib.suppress(Exception):
-            inferred = SymbolicShapeInference.infer_shapes(m, auto_merge=True, guess_output_rank=True)
-            for name, shape in _collect(inferred).items():
-                if not _known(shapes.get(name)):
-                    shapes[name] = shape
+
+def _infer_symbolic(m: Any, shapes: dict[str, Shape]) -> dict[str, Shape]:
+    """`shapes` (from `_infer_onnx(m)`) plus ORT's symbolic shape inference for the tensors they leave unknown."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    shapes = dict(shapes)
+    with tempfile.TemporaryDirectory(prefix="tailguard-shapes-") as scratch, contextlib.chdir(scratch), \
+            contextlib.suppress(Exception):
+        inferred = SymbolicShapeInference.infer_shapes(m, auto_merge=True, guess_output_rank=True)
+        for name, shape in _collect(inferred).items():
+            if not _known(shapes.get(name)):
+                shapes[name] = shape
     return shapes
 
 
@@ -419,7 +518,7 @@ def _propagate(m: Any, shapes: dict[str, Shape]) -> None:
 
 
 def count_macs(model: Any, *, batch: int = BATCH, sequence: int = DEFAULT_SEQUENCE,
-               extra_shapes: dict[str, Shape] | None = None) -> MacCount:
+               extra_shapes: dict[str, Shape] | None = None, keep_weights: bool = False) -> MacCount:
     """MACs of every MAC-carrying node (MAC_OPS) of a graph, per sample (formulas: module docstring).
 
     Args:
@@ -428,6 +527,7 @@ def count_macs(model: Any, *, batch: int = BATCH, sequence: int = DEFAULT_SEQUEN
         sequence: value of every other symbolic input axis (the typical row length).
         extra_shapes: shapes to fall back on for tensors this graph's inference leaves unknown, e.g. the FP32
             graph's shapes when counting the graph the quantizer made from it (activations keep their names).
+        keep_weights: shape inference on the graph with all its weights (`infer_shapes`); the same result.
 
     Returns:
         MacCount (nodes in graph order, the dims used). A node whose operand shapes stay unknown has macs None.
@@ -438,9 +538,11 @@ def count_macs(model: Any, *, batch: int = BATCH, sequence: int = DEFAULT_SEQUEN
     producers = _producer_map(m)
     need = [n.input[i] for n in mac_nodes for i in MAC_OPS[n.op_type][1] if i < len(n.input)]
     shapes = dict(extra_shapes or {})
-    shapes.update({k: v for k, v in infer_shapes(m, dims).items() if _known(v) or k not in shapes})
+    concrete = _with_concrete_inputs(m, dims, keep_weights=keep_weights)
+    inferred = _infer_onnx(concrete)
+    shapes.update({k: v for k, v in inferred.items() if _known(v) or k not in shapes})
     if any(not _known(_trace(t, producers, shapes)) for t in need if t):  # contrib ops: ORT's inference too
-        shapes.update({k: v for k, v in infer_shapes(m, dims, symbolic=True).items()
+        shapes.update({k: v for k, v in _infer_symbolic(concrete, inferred).items()
                        if _known(v) and not _known(shapes.get(k))})
     if any(not _known(_trace(t, producers, shapes)) for t in need if t):
         _propagate(m, shapes)
@@ -479,8 +581,8 @@ def count_macs(model: Any, *, batch: int = BATCH, sequence: int = DEFAULT_SEQUEN
 
 
 # --------------------------------------------------------------------------------------------- coverage
-def quantization_coverage(fp32: Any, quantized: Any, *, sequence: int | None = None,
-                          top: int = 20) -> dict[str, Any]:
+def quantization_coverage(fp32: Any, quantized: Any, *, sequence: int | None = None, top: int = 20,
+                          keep_weights: bool = False) -> dict[str, Any]:
     """How much of a model the quantizer turned into INT8 compute: the facts an INT8 build reports.
 
     Args:
@@ -489,6 +591,7 @@ def quantization_coverage(fp32: Any, quantized: Any, *, sequence: int | None = N
         sequence: the typical length of the symbolic non-batch input axes (e.g. the calibration rows' median
             length); None: DEFAULT_SEQUENCE (recorded in `assumption`).
         top: float MAC nodes listed, largest first.
+        keep_weights: shape inference on the graphs with all their weights (`infer_shapes`); the same result.
 
     Returns:
         {"quantizable_nodes": MAC nodes of the FP32 graph (MatMul, Gemm, Conv, Attention-like: MAC_OPS),
@@ -506,8 +609,8 @@ def quantization_coverage(fp32: Any, quantized: Any, *, sequence: int | None = N
     seq = int(sequence) if sequence else DEFAULT_SEQUENCE
     f = _load(fp32)
     q = _load(quantized)
-    base = count_macs(f, sequence=seq)
-    qc = count_macs(q, sequence=seq, extra_shapes=base.shapes)
+    base = count_macs(f, sequence=seq, keep_weights=keep_weights)
+    qc = count_macs(q, sequence=seq, extra_shapes=base.shapes, keep_weights=keep_weights)
     floats = sorted((n for n in qc.nodes if not n.int8 and n.macs is not None), key=lambda n: -n.macs)
     frac = qc.fraction
     return {

@@ -80,43 +80,35 @@ def _int8(name, **quantization):
 
 
 # ---------------------------------------------------------------------------------------------- formulas
-def test_count_macs_gives_m_k_n_when_matmul_and_gemm_and_batched_matmul():
-    model = _model(
+def _matmul_gemm_graph():
+    return _model(
         [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm"),                       # (1,S,8)x(8,4)
          helper.make_node("Gemm", ["g_in", "w2"], ["g"], name="gemm", transB=1),          # (1,6)x(5,6)^T
          helper.make_node("MatMul", ["a", "b"], ["ab"], name="bmm")],                     # (2,S,3)x(2,3,S)
         [_vi("x", ["batch", "sequence", 8]), _vi("g_in", ["batch", 6]), _vi("a", ["batch", 2, "sequence", 3]),
          _vi("b", ["batch", 2, 3, "sequence"])],
         [_vi("h", None), _vi("g", None), _vi("ab", None)], [_w("w1", 8, 4), _w("w2", 5, 6)])
-    assert _macs(model, sequence=7) == {"mm": 7 * 8 * 4, "gemm": 6 * 5, "bmm": 2 * 7 * 3 * 7}
-    assert _macs(model)["mm"] == DEFAULT_SEQUENCE * 8 * 4  # no typical length given: the documented default
-    assert count_macs(model, sequence=7).dims == {"batch": 1, "sequence": 7}
 
 
-def test_count_macs_uses_output_size_times_kernel_when_conv_with_pads_or_strides():
-    model = _model(
+def _conv_graph():
+    return _model(
         [helper.make_node("Conv", ["x", "w"], ["y"], name="same", pads=[1, 1, 1, 1]),
          helper.make_node("Conv", ["x", "w"], ["z"], name="strided", strides=[2, 2]),
          helper.make_node("Conv", ["x", "wg"], ["u"], name="grouped", group=3, auto_pad="SAME_UPPER")],
         [_vi("x", ["batch", 3, 8, 8])], [_vi("y", None), _vi("z", None), _vi("u", None)],
         [_w("w", 4, 3, 3, 3), _w("wg", 6, 1, 3, 3)])
-    # out channels * output positions * (in channels / group) * kernel positions
-    assert _macs(model) == {"same": 4 * 8 * 8 * 3 * 9, "strided": 4 * 3 * 3 * 3 * 9, "grouped": 6 * 8 * 8 * 1 * 9}
 
 
-def test_count_macs_counts_projections_and_score_products_when_attention_and_lstm():
+def _attention_lstm_graph():
     attention = helper.make_node("Attention", ["x", "w", "bias"], ["y"], name="attn", domain="com.microsoft",
                                  num_heads=2)
     lstm = helper.make_node("LSTM", ["s", "lw", "lr"], ["ly"], name="lstm", hidden_size=3)
-    model = _model([attention, lstm], [_vi("x", ["batch", "sequence", 16]), _vi("s", ["sequence", "batch", 4])],
-                   [_vi("y", None), _vi("ly", None)],
-                   [_w("w", 16, 48), _w("bias", 48), _w("lw", 1, 12, 4), _w("lr", 1, 12, 3)], ms=True)
-    s = 5
-    assert _macs(model, sequence=s) == {"attn": s * 16 * 48 + s * s * (16 + 16),  # QKV projection, QK^T, AV
-                                        "lstm": s * 1 * (12 * 4 + 12 * 3)}      # 4 gates x H x (I + H) per step
+    return _model([attention, lstm], [_vi("x", ["batch", "sequence", 16]), _vi("s", ["sequence", "batch", 4])],
+                  [_vi("y", None), _vi("ly", None)],
+                  [_w("w", 16, 48), _w("bias", 48), _w("lw", 1, 12, 4), _w("lr", 1, 12, 3)], ms=True)
 
 
-def test_count_macs_marks_int8_only_when_every_operand_is_dequantized_from_8_bits():
+def _qdq_graph():
     zp, sc = numpy_helper.from_array(np.uint8(128), "zp"), numpy_helper.from_array(np.float32(0.1), "sc")
     w8 = numpy_helper.from_array(np.ones((8, 4), np.int8), "w8")
     w16 = numpy_helper.from_array(np.ones((8, 4), np.int16), "w16")
@@ -128,9 +120,32 @@ def test_count_macs_marks_int8_only_when_every_operand_is_dequantized_from_8_bit
              helper.make_node("MatMul", ["x", "wd"], ["y2"], name="weight_only"),     # float activation
              helper.make_node("MatMul", ["xd", "wd16"], ["y3"], name="int16_weight"),
              helper.make_node("MatMulInteger", ["xq", "w8"], ["y4"], name="integer")]
-    model = _model(nodes, [_vi("x", ["batch", 8])], [_vi(f"y{i}", None) for i in range(1, 5)],
-                   [zp, sc, w8, w16], opset=21)
-    count = count_macs(model)
+    return _model(nodes, [_vi("x", ["batch", 8])], [_vi(f"y{i}", None) for i in range(1, 5)],
+                  [zp, sc, w8, w16], opset=21)
+
+
+def test_count_macs_gives_m_k_n_when_matmul_and_gemm_and_batched_matmul():
+    model = _matmul_gemm_graph()
+    assert _macs(model, sequence=7) == {"mm": 7 * 8 * 4, "gemm": 6 * 5, "bmm": 2 * 7 * 3 * 7}
+    assert _macs(model)["mm"] == DEFAULT_SEQUENCE * 8 * 4  # no typical length given: the documented default
+    assert count_macs(model, sequence=7).dims == {"batch": 1, "sequence": 7}
+
+
+def test_count_macs_uses_output_size_times_kernel_when_conv_with_pads_or_strides():
+    model = _conv_graph()
+    # out channels * output positions * (in channels / group) * kernel positions
+    assert _macs(model) == {"same": 4 * 8 * 8 * 3 * 9, "strided": 4 * 3 * 3 * 3 * 9, "grouped": 6 * 8 * 8 * 1 * 9}
+
+
+def test_count_macs_counts_projections_and_score_products_when_attention_and_lstm():
+    model = _attention_lstm_graph()
+    s = 5
+    assert _macs(model, sequence=s) == {"attn": s * 16 * 48 + s * s * (16 + 16),  # QKV projection, QK^T, AV
+                                        "lstm": s * 1 * (12 * 4 + 12 * 3)}      # 4 gates x H x (I + H) per step
+
+
+def test_count_macs_marks_int8_only_when_every_operand_is_dequantized_from_8_bits():
+    count = count_macs(_qdq_graph())
     assert {n.name: n.int8 for n in count.nodes} == {"qdq": True, "weight_only": False, "int16_weight": False,
                                                      "integer": True}
     assert count.total == 4 * 32 and count.int8 == 2 * 32 and count.fraction == 0.5
@@ -334,3 +349,111 @@ def test_infer_shapes_evaluates_every_symbolic_input_axis_that_concrete_dims_nam
     shapes = infer_shapes(m, {**dims, "seq": 7})
     assert shapes["x"] == (2, 7, 8) and shapes["mask"] == (2, 5) and shapes["y"] == (2, 7, 8)
     assert [d.dim_param for d in m.graph.input[0].type.tensor_type.shape.dim][:2] == ["batch", "seq"]  # not mutated
+
+
+# ------------------------------------------------------------------- shape inference on a skeleton (no weights)
+def _attention_reshape_graph():
+    """A BERT-style self-attention written out: a Q projection, a Reshape to heads whose shape is an int64
+    initializer (its values are needed: data propagation), Transpose, Q.Q^T; the weight is (16, 96)."""
+    heads = numpy_helper.from_array(np.array([0, 0, 2, 48], np.int64), "heads")
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="proj"),
+             helper.make_node("Reshape", ["q", "heads"], ["qh"]),
+             helper.make_node("Transpose", ["qh"], ["qt"], perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["qh"], ["kt"], perm=[0, 2, 3, 1]),
+             helper.make_node("MatMul", ["qt", "kt"], ["scores"], name="scores")]
+    return _model(nodes, [_vi("x", ["batch", "sequence", 16])], [_vi("scores", None)],
+                  [_w("wq", 16, 96), heads])
+
+
+def _initializers_as_inputs_graph():
+    """IR 3 style: the weights are listed among the graph inputs too (with a symbolic axis in the input's type)."""
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                    helper.make_node("Gemm", ["h", "w2"], ["y"], name="gemm")],
+                   [_vi("x", ["batch", 40]), _vi("w", ["rows", 40]), _vi("w2", [40, 30])], [_vi("y", None)],
+                   [_w("w", 40, 40), _w("w2", 40, 30)])
+    return model
+
+
+SKELETON_GRAPHS = {"matmul_gemm": _matmul_gemm_graph, "conv": _conv_graph, "attention_lstm": _attention_lstm_graph,
+                   "qdq": _qdq_graph, "attention_reshape": _attention_reshape_graph,
+                   "initializers_as_inputs": _initializers_as_inputs_graph}
+
+
+@pytest.mark.parametrize("keep_values_numel", [0, 1024])
+@pytest.mark.parametrize("graph", sorted(SKELETON_GRAPHS))
+def test_count_macs_gives_the_full_weights_result_when_inferring_on_the_skeleton(graph, keep_values_numel,
+                                                                                 monkeypatch):
+    # 0: every float/8-bit weight of rank >= 2 loses its data, so the skeleton path is exercised on each graph
+    from tailguard.components.quantize import macs
+
+    monkeypatch.setattr(macs, "KEEP_VALUES_NUMEL", keep_values_numel)
+    model = SKELETON_GRAPHS[graph]()
+    if keep_values_numel == 0:  # the skeleton is used, and it lacks weights
+        assert not macs._value_read_risk(model) and any(macs._strippable(t) for t in model.graph.initializer)
+    for sequence in (5, DEFAULT_SEQUENCE):
+        fast, full = (count_macs(model, sequence=sequence, keep_weights=k) for k in (False, True))
+        assert (fast.nodes, fast.dims, fast.shapes) == (full.nodes, full.dims, full.shapes)
+        assert all(n.macs is not None for n in fast.nodes), fast.nodes
+
+
+def test_quantization_coverage_gives_the_full_weights_result_when_mlp_and_cnn_are_quantized(mlp, tmp_path):
+    import torch
+
+    path, spec, calib = mlp
+    pairs = []
+    for mode in ("dynamic", "static"):
+        q = _int8(f"int8-{mode}", mode=mode).quantization
+        out = tmp_path / f"{mode}.onnx"
+        if mode == "dynamic":
+            logic._quantize_dynamic(q, path, out, [], {})
+        else:
+            logic._quantize_static(q, path, out, [], calib, spec, 8, tmp_path, {})
+        pairs.append((path, out))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)).eval()
+    cnn = tmp_path / "cnn.onnx"
+    torch.onnx.export(net, (torch.randn(2, 1, 8, 8),), str(cnn), input_names=["image"], output_names=["logits"],
+                      dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    logic._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx", [], {})
+    pairs.append((cnn, tmp_path / "cnn-q.onnx"))
+    for fp32, quantized in pairs:
+        fast = quantization_coverage(fp32, quantized, sequence=7)
+        assert fast == quantization_coverage(fp32, quantized, sequence=7, keep_weights=True)
+        assert fast["macs_total"] and not fast["unknown_mac_nodes"]
+
+
+def _big_weight_graph(use):
+    """x [batch, 64] MatMul w [64, 64] (4,096 elements: stripped), plus one more use of w: `use`."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm")]
+    outputs = [_vi("h", None)]
+    if use == "reshape":  # a data input outside the shape-only uses
+        nodes.append(helper.make_node("Reshape", ["w", "flat"], ["wf"]))
+        outputs.append(_vi("wf", None))
+    elif use == "if":  # a sub-graph sees every tensor of the outer graph
+        branch = helper.make_graph([helper.make_node("Identity", ["h"], ["b"])], "branch", [], [_vi("b", None)])
+        nodes.append(helper.make_node("If", ["cond"], ["o"], then_branch=branch, else_branch=branch))
+        outputs.append(_vi("o", None))
+    elif use == "output":
+        outputs.append(_vi("w", [64, 64]))
+    inits = [_w("w", 64, 64), numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+             numpy_helper.from_array(np.array(True), "cond")]
+    return _model(nodes, [_vi("x", ["batch", 64])], outputs, inits)
+
+
+@pytest.mark.parametrize("use,skeleton", [("matmul", True), ("reshape", False), ("if", False), ("output", False)])
+def test_count_macs_infers_with_the_weights_data_only_when_a_large_weight_has_a_use_that_may_read_values(use,
+                                                                                                        skeleton):
+    from tailguard.components.quantize.macs import _with_concrete_inputs
+
+    model = _big_weight_graph(use)
+    concrete = _with_concrete_inputs(model, {"batch": 1})
+    kept = {t.name: len(t.raw_data) for t in concrete.graph.initializer}
+    if skeleton:  # typed graph input without data
+        assert "w" not in kept and [i.type.tensor_type.shape for i in concrete.graph.input if i.name == "w"] == [
+            helper.make_tensor_type_proto(TensorProto.FLOAT, [64, 64]).tensor_type.shape]
+    else:
+        assert kept["w"] == 64 * 64 * 4
+    assert kept["flat"] == 8 and "w" in {t.name for t in model.graph.initializer}  # small ints kept; not mutated
+    fast, full = count_macs(model), count_macs(model, keep_weights=True)
+    assert (fast.nodes, fast.shapes) == (full.nodes, full.shapes) and fast.nodes[0].macs == 64 * 64
