@@ -83,6 +83,36 @@ _MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "Conv", "FusedConv"
 
 
 # --------------------------------------------------------------------------------------------- dispatch
+# ----------------------------------------------------------------------------- one parse per graph file per build
+# A build reads the same .onnx files several times (op counts, excluded nodes, contrib-op check, graph inputs,
+# attention check, coverage, summary); each parse of MiniLM's 90 MB graph takes 0.1-0.2 s (py-spy of the demo: about
+# 1 s per INT8 build in parses). `_graph` parses a file once per build: keyed on the file's resolved path, inode, size
+# and mtime (a rewritten file is parsed again), at most _GRAPHS_MAX kept, and `quantize_onnxruntime` empties it when
+# its build ends, so no graph outlives the build that read it. Callers only read what it returns.
+_GRAPHS: OrderedDict[tuple, Any] = OrderedDict()
+_GRAPHS_MAX = 3
+
+
+def _graph(path: str | Path) -> Any:
+    """The onnx ModelProto of `path` (external data not loaded), parsed once per build (comment above); read only.
+
+    Raises:
+        OSError: the file cannot be read; onnx's DecodeError and friends: not an ONNX file.
+    """
+    import onnx
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _GRAPHS:
+        _GRAPHS.move_to_end(key)
+        return _GRAPHS[key]
+    proto = onnx.load(str(path), load_external_data=False)
+    _GRAPHS[key] = proto
+    while len(_GRAPHS) > _GRAPHS_MAX:
+        _GRAPHS.popitem(last=False)
+    return proto
+
+
 def builder_name_for(variant: VariantSpec) -> str:
     """Registered builder name that builds `variant` (by its backend), e.g. "quantize.onnxruntime"."""
     return BUILDER_FOR_BACKEND[variant.backend]
@@ -122,9 +152,7 @@ def _check_inputs(variant: VariantSpec, fp32_onnx: str | Path, calibration: Data
         raise InputError(f"variant {variant.name}: FP32 ONNX file not found: {path}",
                          hint="run the export step first, or pass the path of the exported .onnx file")
     try:
-        import onnx
-
-        onnx.load(str(path), load_external_data=False)
+        _graph(path)
     except Exception as exc:  # DecodeError and friends: not an ONNX file
         raise InputError(f"variant {variant.name}: {path} is not a readable ONNX model: "
                          f"{type(exc).__name__}: {str(exc)[:200]}",
@@ -181,6 +209,16 @@ def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: s
     Raises:
         InputError: `fp32_onnx` is missing, or static INT8 without calibration rows.
     """
+    try:
+        return _quantize_onnxruntime(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
+                                     calibration_batch_size=calibration_batch_size, profile=profile)
+    finally:
+        _GRAPHS.clear()  # the graphs this build parsed (`_graph`) go with it
+
+
+def _quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
+                          calibration: Dataset | None, model: ModelSpec | None, calibration_batch_size: int,
+                          profile: dict | None) -> BuildResult:
     fp32 = _check_inputs(variant, fp32_onnx, calibration)
     if model is None:
         raise InputError(f"variant {variant.name}: the model spec is required (model inputs and pad values)")
@@ -439,9 +477,7 @@ def attention_matmuls(path: str | Path) -> list[str]:
     Returns:
         Node names in graph order (unnamed nodes as "<op>#<index>").
     """
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = _graph(path).graph
     const = {t.name for t in graph.initializer} | {""}
     names = []
     for i, n in enumerate(graph.node):  # ONNX graphs are topologically sorted
@@ -522,7 +558,7 @@ def _coverage(source: Path, quantized: Path, calibration: Dataset | None,
     if calibration is not None and calibration.n_rows:
         sequence = max(1, int(np.median(np.asarray(calibration.lengths))))
     try:
-        cov = quantization_coverage(source, quantized, sequence=sequence)
+        cov = quantization_coverage(_graph(source), _graph(quantized), sequence=sequence)
     except Exception as exc:  # a measurement, not the build: recorded; a gate on it then fails with this reason
         cov = {"error": f"{type(exc).__name__}: {str(exc)[:500]}", "quantizable_nodes": None,
                "quantized_mac_nodes": None, "macs_total": None, "macs_int8": None, "quantized_mac_fraction": None}
@@ -586,9 +622,7 @@ def _excluded_nodes(src: Path, q: QuantizationSpec) -> tuple[list[str], list[str
     Returns:
         (sorted names to exclude, names from exclude_nodes that the graph does not have).
     """
-    import onnx
-
-    graph = onnx.load(str(src), load_external_data=False).graph
+    graph = _graph(src).graph
     names = {n.name for n in graph.node}
     unknown = [n for n in q.exclude_nodes if n not in names]
     by_type = {n.name for n in graph.node if n.op_type in set(q.exclude_op_types) and n.name}
@@ -600,9 +634,8 @@ def _excluded_nodes(src: Path, q: QuantizationSpec) -> tuple[list[str], list[str
 
 
 def _has_contrib_ops(src: Path) -> bool:
-    import onnx
 
-    graph = onnx.load(str(src), load_external_data=False).graph
+    graph = _graph(src).graph
     return any(n.domain not in ("", "ai.onnx") for n in graph.node)
 
 
@@ -698,7 +731,7 @@ def _quantize_static(q: QuantizationSpec, src: Path, dst: Path, excluded: list[s
 
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[q.calibration_method]
-    graph_inputs = [i.name for i in onnx.load(str(src), load_external_data=False).graph.input]
+    graph_inputs = [i.name for i in _graph(src).graph.input]
     extra: dict[str, Any] = {}
     if _has_contrib_ops(src):
         extra["DefaultTensorType"] = onnx.TensorProto.FLOAT  # see _quantize_dynamic
@@ -875,10 +908,9 @@ def _save_self_contained(src: Path, dst: Path, metadata: dict[str, str] | None =
 
 
 def _op_counts(path: Path) -> dict[str, int]:
-    import onnx
 
     counts: dict[str, int] = {}
-    for n in onnx.load(str(path), load_external_data=False).graph.node:
+    for n in _graph(path).graph.node:
         counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts
 
@@ -893,7 +925,7 @@ def _summary(path: Path, excluded: list[str]) -> dict[str, Any]:
     """
     import onnx
 
-    proto = onnx.load(str(path), load_external_data=False)
+    proto = _graph(path)
     nodes = list(proto.graph.node)
     is_quantized = _quantized_test(proto)
     counts: dict[str, int] = {}
@@ -950,9 +982,7 @@ def _quantized_test(proto: Any) -> Any:
 
 def _quantized_node_names(path: Path) -> set[str]:
     """Names of the nodes of `path` that compute in INT8 (`_quantized_test`; QDQ/integer ops themselves left out)."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
+    proto = _graph(path)
     test = _quantized_test(proto)
     return {n.name for n in proto.graph.node if n.op_type not in QDQ_OP_TYPES and test(n)}
 

@@ -60,3 +60,28 @@ def test_build_variant_prepares_its_own_graph_when_the_settings_differ(tiny, tmp
     # quant_pre_process is keyed on its input's bytes: on this tiny graph both levels write the same graph, so
     # it ran once; a different graph would have its own entry
     assert labels.count("preprocess preprocessed.onnx") == 1
+
+
+@pytest.mark.parametrize("quantization", [{"mode": "dynamic"}, {"mode": "static", "format": "qdq"}])
+def test_build_variant_parses_each_graph_file_once_and_keeps_none_when_it_ends(tiny, tmp_path, monkeypatch,
+                                                                               quantization):
+    import collections
+
+    import onnx
+
+    from tailguard.components.quantize import logic
+
+    monkeypatch.delenv(cache.ENV_CACHE, raising=False)  # off the cache: the build prepares its own graph
+    parses = collections.Counter()
+    real = onnx.load
+
+    def counting(f, *a, **kw):
+        if kw.get("load_external_data", True) is False:  # the structural reads (full loads save a model)
+            parses[str(f)] += 1
+        return real(f, *a, **kw)
+
+    monkeypatch.setattr(onnx, "load", counting)
+    result = _build(tiny, tmp_path / "out", "i8", quantization=quantization)
+    assert parses and max(parses.values()) == 1, parses  # op counts, checks, coverage, summary: one parse each
+    assert logic._GRAPHS == {}  # nothing parsed outlives the build
+    assert result.details["quantized_mac_fraction"] is not None
