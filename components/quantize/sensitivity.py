@@ -26,8 +26,9 @@ Method ("one at a time" sensitivity):
    processes (one per usable core), each on its own link to the prepared graph, with the cores shared among
    their ONNX Runtime sessions; the scores are those of one process (tests/components/test_sensitivity.py).
    On MiniLM (25 candidates, 64 rows, 2 workers, 2 shared cores at load 2-3, the prepared graph from the run's
-   cache as in the demo; 2026-11-26): 12-21 s against 22-37 s with one quantize_dynamic call per node
-   (interleaved runs); in one process, the model runs (64 rows x 26 models, ~11 s) are now most of the time.
+   cache as in the demo; 2026-11-26): 12.1-20.7 s against 17.9-37.4 s with one quantize_dynamic call per node
+   (5 interleaved rounds); in one process (cProfile) 28 s against 37 s, of which the model runs (64 rows x 26
+   models) take ~11 s either way and serializing the 90 MB single-node models ~5.5 s.
 4. The single-node model and the unquantized prepared graph run on the same `samples` rows (length-sorted
    batches, `tailguard.core.runtime.run_dataset` + `OrtRunner`); their first outputs y_q, y (rows, ...) give
 
