@@ -649,18 +649,26 @@ def _large(src: Path) -> bool:
     return src.stat().st_size >= TWO_GB
 
 
-def _quantize_dynamic(q: QuantizationSpec, src: Path, dst: Path, excluded: list[str], details: dict[str, Any]) -> None:
+def _dynamic_options(q: QuantizationSpec, src: Path) -> dict[str, Any]:
+    """quantize_dynamic's keyword arguments for `q` on the graph `src`, besides nodes_to_exclude and
+    use_external_data_format (shared with the sensitivity analysis's in-memory single-node quantization)."""
     import onnx
-    from onnxruntime.quantization import quantize_dynamic
 
     extra: dict[str, Any] = {}
     if _has_contrib_ops(src):
         # Shape inference does not type the outputs of fused contrib ops (SkipLayerNormalization, ...); without a
         # default the quantizer raises "Unable to find data type for weight_name=...".
         extra["DefaultTensorType"] = onnx.TensorProto.FLOAT
-    quantize_dynamic(str(src), str(dst), op_types_to_quantize=q.op_types or None, per_channel=q.per_channel,
-                     reduce_range=q.reduce_range, weight_type=_quant_type(q.weight_type),
-                     nodes_to_exclude=excluded, use_external_data_format=_large(src), extra_options=extra)
+    return {"op_types_to_quantize": q.op_types or None, "per_channel": q.per_channel, "reduce_range": q.reduce_range,
+            "weight_type": _quant_type(q.weight_type), "extra_options": extra}
+
+
+def _quantize_dynamic(q: QuantizationSpec, src: Path, dst: Path, excluded: list[str], details: dict[str, Any]) -> None:
+    from onnxruntime.quantization import quantize_dynamic
+
+    options = _dynamic_options(q, src)
+    extra = options["extra_options"]  # recorded after the call, with the defaults quantize_dynamic adds to it
+    quantize_dynamic(str(src), str(dst), nodes_to_exclude=excluded, use_external_data_format=_large(src), **options)
     details["quantization"] = {"mode": "dynamic", "per_channel": q.per_channel, "reduce_range": q.reduce_range,
                                "weight_type": q.weight_type, "activation_type": "uint8 (dynamic)",
                                "op_types": q.op_types or "all supported",

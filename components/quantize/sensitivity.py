@@ -17,11 +17,18 @@ Method ("one at a time" sensitivity):
    `_quantize_static` helpers the build calls, so per_channel, reduce_range, weight/activation types,
    calibration method and the DefaultTensorType option for contrib ops are identical) keeping EVERY OTHER node
    in float (nodes_to_exclude = all other node names; equivalent to nodes_to_quantize=[node]). Static
-   variants calibrate on the sensitivity rows themselves (one quantize_static call per node). The candidates
-   are scored by up to MAX_WORKERS spawned worker processes (one per usable core), each on its own link to the
-   prepared graph, with the cores shared among their ONNX Runtime sessions; the scores are those of one process
-   (tests/components/test_sensitivity.py). On MiniLM (25 candidates, 2 cores, load ~2): 31-34 s with 2 workers
-   against 45 s in one process, graph preparation included.
+   variants calibrate on the sensitivity rows themselves (one quantize_static call per node). Dynamic variants
+   (graph under 2 GB) do not call quantize_dynamic once per node: most of its time went into steps that do not
+   depend on the node (shape inference of the whole graph through a temp file, twice, and writing the model),
+   so each worker does those once (`_dynamic_base`) and builds every single-node model in memory from a copy
+   (`_quantize_dynamic_in_memory`): byte for byte the model quantize_dynamic writes, checked on every candidate
+   of the test models and of MiniLM (25 of 25). The candidates are scored by up to MAX_WORKERS spawned worker
+   processes (one per usable core), each on its own link to the prepared graph, with the cores shared among
+   their ONNX Runtime sessions; the scores are those of one process (tests/components/test_sensitivity.py).
+   On MiniLM (25 candidates, 64 rows, 2 workers, 2 shared cores at load 2-3, the prepared graph from the run's
+   cache as in the demo; 2026-11-26): 12.1-20.7 s against 17.9-37.4 s with one quantize_dynamic call per node
+   (5 interleaved rounds); in one process (cProfile) 28 s against 37 s, of which the model runs (64 rows x 26
+   models) take ~11 s either way and serializing the 90 MB single-node models ~5.5 s.
 4. The single-node model and the unquantized prepared graph run on the same `samples` rows (length-sorted
    batches, `tailguard.core.runtime.run_dataset` + `OrtRunner`); their first outputs y_q, y (rows, ...) give
 
@@ -133,13 +140,12 @@ def _name_unnamed(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _has_quantized_ops(path: Path) -> bool:
-    import onnx
-
+def _has_quantized_ops(graph: Any) -> bool:
+    """Whether onnx GraphProto `graph` holds integer, QDQ or QLinear ops."""
     from .logic import INTEGER_OP_TYPES, QDQ_OP_TYPES
 
     return any(n.op_type in INTEGER_OP_TYPES or n.op_type in QDQ_OP_TYPES or n.op_type.startswith("QLinear")
-               for n in onnx.load(str(path), load_external_data=False).graph.node)
+               for n in graph.node)
 
 
 def _run(path: Path, ds: Dataset, model: ModelSpec, provider: str, batch_size: int, threads: int = 0) -> np.ndarray:
@@ -147,6 +153,87 @@ def _run(path: Path, ds: Dataset, model: ModelSpec, provider: str, batch_size: i
 
     runner = OrtRunner(path, providers=[provider], intra_op_num_threads=threads)
     return run_dataset(runner, ds, model.inputs, batch_size=batch_size, pad_values=model.pad_values)[0]
+
+
+# ------------------------------------------------------------------ dynamic mode: single-node models in memory
+def _in_memory(q: QuantizationSpec, named: Path) -> bool:
+    """Whether the dynamic fast path applies: dynamic mode and a graph under 2 GB (one serializable protobuf)."""
+    from .logic import _large
+
+    return q.mode == "dynamic" and not _large(named)
+
+
+def _dynamic_base(q: QuantizationSpec, src: Path) -> tuple[Any, dict[str, Any]]:
+    """The part of quantize_dynamic that does not depend on nodes_to_exclude, done once per worker.
+
+    ONNX Runtime's `quantize_dynamic(src, ...)` (onnxruntime/quantization/quantize.py) loads `src` with shape
+    inference (`load_model_with_shape_infer`), sets MatMulConstBOnly=True unless given, raises the opset
+    (`update_opset_version`) and builds an `ONNXQuantizer`, whose __init__ in dynamic mode rewrites EVERY Gemm as
+    MatMul (+ Add) (`ONNXModel.replace_gemm_with_matmul`, excluded or not) and shape-infers the result again
+    (`save_and_reload_model_with_shape_infer`). This function does exactly those steps, in that order, with the
+    build's options (`logic._dynamic_options`).
+
+    Args:
+        q: the variant's quantization (mode dynamic).
+        src: the prepared graph (ORT writes `<src>-inferred.onnx` beside it for a moment).
+
+    Returns:
+        (the shape-inferred ModelProto quantize_model starts from, ONNXQuantizer's keyword arguments).
+    """
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.onnx_model import ONNXModel
+    from onnxruntime.quantization.quant_utils import (QuantizationMode, load_model_with_shape_infer,
+                                                      save_and_reload_model_with_shape_infer, update_opset_version)
+    from onnxruntime.quantization.registry import IntegerOpsRegistry
+
+    from .logic import _dynamic_options
+
+    options = _dynamic_options(q, src)
+    extra = dict(options["extra_options"])
+    extra.setdefault("MatMulConstBOnly", True)
+    model = update_opset_version(load_model_with_shape_infer(Path(src)), options["weight_type"])
+    ONNXModel(model).replace_gemm_with_matmul()
+    model = save_and_reload_model_with_shape_infer(model)
+    kwargs = {"per_channel": options["per_channel"], "reduce_range": options["reduce_range"],
+              "mode": QuantizationMode.IntegerOps, "weight_qType": options["weight_type"],
+              "activation_qType": QuantType.QUInt8, "tensors_range": None, "nodes_to_quantize": [],
+              "op_types_to_quantize": list(options["op_types_to_quantize"] or IntegerOpsRegistry.keys()),
+              "extra_options": extra}
+    return model, kwargs
+
+
+def _quantize_dynamic_in_memory(base: tuple[Any, dict[str, Any]], excluded: list[str]) -> Any:
+    """The model `quantize_dynamic(src, dst, nodes_to_exclude=excluded, ...)` writes to `dst`, built in memory
+    from `_dynamic_base(q, src)`: byte for byte the same serialized model (tests/components/test_sensitivity.py
+    compares them on every candidate), without the per-call shape inference on the whole graph, file write and
+    read.
+
+    The ONNXQuantizer is built with static=True, then switched to dynamic: in onnxruntime 1.32 `static` in its
+    __init__ only guards the Gemm rewrite and the second shape inference, which `base` already went through, and
+    is stored as `.static`; quantize_model reads `.static`. Then, as `ONNXModel.save_model_to_file` does before
+    writing: topological sort and its initializer check.
+
+    Args:
+        base: `_dynamic_base`'s result (not modified: the quantizer works on a copy).
+        excluded: nodes_to_exclude.
+
+    Returns:
+        The quantized onnx ModelProto.
+    """
+    import onnx
+    from onnxruntime.quantization.onnx_quantizer import ONNXQuantizer
+
+    inferred, kwargs = base
+    model = onnx.ModelProto()
+    model.CopyFrom(inferred)
+    quantizer = ONNXQuantizer(model, static=True, nodes_to_exclude=excluded,
+                              **{**kwargs, "extra_options": dict(kwargs["extra_options"])})
+    quantizer.static = False
+    quantizer.quantize_model()
+    quantizer.model.topological_sort()
+    for init in quantizer.model.model.graph.initializer:
+        quantizer.model._check_init(init, "end")
+    return quantizer.model.model
 
 
 # Candidates are scored by a pool of worker processes (`_workers`): quantizing one node is single-threaded Python
@@ -175,7 +262,8 @@ _CTX: dict[str, Any] = {}
 
 
 def _init_worker(ctx: dict[str, Any]) -> None:
-    """Pool initializer: the context every candidate's scoring reads (graph loaded once per worker). Each worker
+    """Pool initializer: the context every candidate's scoring reads (graph loaded once per worker; for dynamic
+    variants also `_dynamic_base`, the shape-inferred graph every single-node model starts from). Each worker
     quantizes its own link to the prepared graph: ONNX Runtime's quantizer writes `<input>-inferred.onnx` beside
     its input and deletes it after, so two workers sharing one input path would read each other's half-written
     file."""
@@ -195,11 +283,20 @@ def _init_worker(ctx: dict[str, Any]) -> None:
         shutil.copyfile(src, own)
     _CTX["named"] = str(own)
     _CTX["graph"] = onnx.load(str(own), load_external_data=False).graph
+    _CTX["base"] = _CTX["base_error"] = None
+    if "q" in ctx and _in_memory(ctx["q"], own):
+        try:  # a failure here is every candidate's failure: reported per candidate, as quantize_dynamic would
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                _CTX["base"] = _dynamic_base(ctx["q"], own)
+        except Exception as exc:  # ORT's quantizer raises anything
+            _CTX["base_error"] = exc
 
 
 def _score_node(name: str, op_type: str) -> dict[str, Any]:
     """Quantize `name` alone and score the output against the reference (module docstring, steps 3-4), in a
-    worker (`_init_worker`'s context): its own scratch files, so workers never share one."""
+    worker (`_init_worker`'s context): its own scratch files, so workers never share one. Dynamic: the model
+    built in memory is written to the worker's scratch file for the ONNX Runtime session (measured on MiniLM:
+    writing 90 MB and a session from the file cost about what a session from the bytes costs)."""
     import os
 
     ctx = _CTX
@@ -212,14 +309,24 @@ def _score_node(name: str, op_type: str) -> dict[str, Any]:
             from .logic import _quantize_dynamic, _quantize_static
 
             excluded = _others_excluded(ctx["graph"], name)
-            if q.mode == "dynamic":
-                _quantize_dynamic(q, Path(ctx["named"]), dst, excluded, {})
+            if ctx.get("base_error") is not None:
+                raise ctx["base_error"]
+            if ctx.get("base") is not None:  # dynamic: in memory from the worker's shape-inferred graph
+                quantized = _quantize_dynamic_in_memory(ctx["base"], excluded)
+                dst.write_bytes(quantized.SerializeToString())
+                graph = quantized.graph
             else:
-                tmp = work / f"calibration-{os.getpid()}"
-                tmp.mkdir(exist_ok=True)
-                _quantize_static(q, Path(ctx["named"]), dst, excluded, ctx["rows"], ctx["model"],
-                                 ctx["batch_size"], tmp, {})
-        rec["quantized"] = _has_quantized_ops(dst)
+                if q.mode == "dynamic":
+                    _quantize_dynamic(q, Path(ctx["named"]), dst, excluded, {})
+                else:
+                    tmp = work / f"calibration-{os.getpid()}"
+                    tmp.mkdir(exist_ok=True)
+                    _quantize_static(q, Path(ctx["named"]), dst, excluded, ctx["rows"], ctx["model"],
+                                     ctx["batch_size"], tmp, {})
+                import onnx
+
+                graph = onnx.load(str(dst), load_external_data=False).graph
+        rec["quantized"] = _has_quantized_ops(graph)
         rec["output_rel_l2"], rec["output_cosine_drop"] = output_errors(
             ctx["reference"], _run(dst, ctx["rows"], ctx["model"], ctx["provider"], ctx["batch_size"],
                                    ctx["threads"]))
@@ -278,9 +385,10 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
         DataFrame, one row per candidate node, ranked: rank (1 = most sensitive), node, op_type,
         output_rel_l2 (float, unitless), output_cosine_drop (float in [0, 2]), quantized (bool: the single-node
         model holds integer / QDQ ops; False means the quantizer left the node in float and both errors are 0),
-        seconds (quantize + run, s), error ("" or why quantizing that node failed; such nodes score +inf and
-        rank first: keeping them in float is the safe choice). Sorted by output_rel_l2 descending, ties by
-        node name. Empty (same columns) when the graph has no candidate.
+        seconds (quantize + run, s; a worker's one-off `_dynamic_base` not included), error ("" or why
+        quantizing that node failed; such nodes score +inf and rank first: keeping them in float is the safe
+        choice). Sorted by output_rel_l2 descending, ties by node name. Empty (same columns) when the graph has
+        no candidate.
 
     Raises:
         InputError: the variant is not an INT8 ONNX Runtime variant, `fp32_onnx` is missing, or `data` has

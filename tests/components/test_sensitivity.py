@@ -1,12 +1,14 @@
 """Per-node quantization sensitivity (components/quantize/sensitivity.py) on a tiny MLP with one planted
 sensitive MatMul (tests/helpers/search_models.py), with real ONNX Runtime quantization and sessions.
 
-Mocked (narrow seam, said where): `_quantize_dynamic` raising for one node, to check how a node ORT cannot
-quantize alone is ranked.
+Mocked (narrow seam, said where): the single-node quantization (`_quantize_dynamic_in_memory`, or
+`_quantize_dynamic` on the per-node path) raising for one node, to check how a node ORT cannot quantize alone is
+ranked. Spied (the real function runs): onnx's `infer_shapes_path`, to count shape inferences.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -64,16 +66,28 @@ def test_node_sensitivity_leaves_out_nodes_the_variant_keeps_float_when_exclude_
     assert sorted(table["node"]) == ["mm1", "mm3"] and list(table["rank"]) == [1, 2]
 
 
+@pytest.mark.parametrize("in_memory", [True, False], ids=["in-memory", "per-node-quantize-dynamic"])
 def test_node_sensitivity_ranks_a_node_first_with_its_error_when_quantizing_it_alone_raises(fp32, rows, tmp_path,
-                                                                                            monkeypatch):
-    real = quantize_logic._quantize_dynamic
+                                                                                            monkeypatch, in_memory):
+    if in_memory:
+        real = sensitivity._quantize_dynamic_in_memory
 
-    def flaky(q, src, dst, excluded, details):
-        if "mm3" not in excluded:  # the single-node model of mm3
-            raise RuntimeError("Unable to find data type for weight_name=W3")
-        return real(q, src, dst, excluded, details)
+        def flaky(base, excluded):
+            if "mm3" not in excluded:  # the single-node model of mm3
+                raise RuntimeError("Unable to find data type for weight_name=W3")
+            return real(base, excluded)
 
-    monkeypatch.setattr(quantize_logic, "_quantize_dynamic", flaky)
+        monkeypatch.setattr(sensitivity, "_quantize_dynamic_in_memory", flaky)
+    else:
+        real = quantize_logic._quantize_dynamic
+
+        def flaky(q, src, dst, excluded, details):
+            if "mm3" not in excluded:  # the single-node model of mm3
+                raise RuntimeError("Unable to find data type for weight_name=W3")
+            return real(q, src, dst, excluded, details)
+
+        monkeypatch.setattr(sensitivity, "_in_memory", lambda q, named: False)
+        monkeypatch.setattr(quantize_logic, "_quantize_dynamic", flaky)
     monkeypatch.setattr(sensitivity, "MAX_WORKERS", 1)  # scored in this process, where the patch applies
     table = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=8, work_dir=tmp_path)
     first = table.iloc[0]
@@ -90,6 +104,74 @@ def test_node_sensitivity_scores_the_same_in_worker_processes_as_in_one_process(
         pytest.skip("one usable core: no pool to compare")
     cols = ["rank", "node", "op_type", "output_rel_l2", "output_cosine_drop", "quantized", "error"]
     pd.testing.assert_frame_equal(pooled[cols], alone[cols], rtol=1e-6)
+
+
+@pytest.mark.parametrize("quantization", [
+    {"mode": "dynamic"},
+    {"mode": "dynamic", "per_channel": True, "reduce_range": True},
+    {"mode": "dynamic", "weight_type": "uint8"},
+], ids=["per-tensor", "per-channel-reduce-range", "uint8-weights"])
+def test_node_sensitivity_scores_exactly_as_per_node_quantize_dynamic_when_dynamic(fp32, rows, tmp_path,
+                                                                                  monkeypatch, quantization):
+    fast = node_sensitivity(mlp_variant(**quantization), fp32, rows, mlp_model_spec(), samples=16,
+                            work_dir=tmp_path / "fast")
+    monkeypatch.setattr(sensitivity, "_in_memory", lambda q, named: False)  # quantize_dynamic file per node
+    slow = node_sensitivity(mlp_variant(**quantization), fp32, rows, mlp_model_spec(), samples=16,
+                            work_dir=tmp_path / "slow")
+    pd.testing.assert_frame_equal(fast.drop(columns="seconds"), slow.drop(columns="seconds"), check_exact=True)
+
+
+def _gemm_graph_file(path: Path) -> Path:
+    """`_graph()` as a model file, its unnamed MatMul named (as node_sensitivity names it)."""
+    import onnx
+
+    graph = _graph()
+    graph.node[-1].name = "unnamed0"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save_model(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("quantization", [
+    {"mode": "dynamic"},
+    {"mode": "dynamic", "per_channel": True, "reduce_range": True},
+    {"mode": "dynamic", "op_types": ["MatMul"]},
+], ids=["per-tensor", "per-channel-reduce-range", "matmul-only"])
+@pytest.mark.parametrize("graph", ["planted-mlp", "gemm-gather"])
+def test_quantize_dynamic_in_memory_gives_quantize_dynamics_bytes_when_one_node_is_quantized(fp32, tmp_path, graph,
+                                                                                             quantization):
+    import onnx
+
+    src = fp32 if graph == "planted-mlp" else _gemm_graph_file(tmp_path / "g.onnx")
+    q = QuantizationSpec(**quantization)
+    proto = onnx.load(str(src))
+    base = sensitivity._dynamic_base(q, src)
+    cands = candidate_nodes(proto.graph, q)
+    assert cands
+    for name, _ in cands:
+        excluded = sensitivity._others_excluded(proto.graph, name)
+        quantize_logic._quantize_dynamic(q, src, tmp_path / "single.onnx", excluded, {})
+        got = sensitivity._quantize_dynamic_in_memory(base, excluded)
+        assert got.SerializeToString() == (tmp_path / "single.onnx").read_bytes(), name
+
+
+def test_node_sensitivity_shape_infers_the_prepared_graph_once_when_dynamic(fp32, rows, tmp_path, monkeypatch):
+    import onnx.shape_inference
+
+    real = onnx.shape_inference.infer_shapes_path
+    inputs = []
+
+    def spy(model_path, *args, **kwargs):
+        inputs.append(Path(model_path).name)
+        return real(model_path, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes_path", spy)
+    monkeypatch.setattr(sensitivity, "MAX_WORKERS", 1)  # scored in this process, where the spy sees it
+    table = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=8, work_dir=tmp_path)
+    assert len(table) == 3 and table["quantized"].all()
+    # the worker's link to the prepared graph (`_init_worker`): once in all, not once per candidate (3)
+    assert len([n for n in inputs if f"-w{os.getpid()}." in n]) == 1
 
 
 def test_sensitivity_worker_quantizes_its_own_link_when_workers_share_the_prepared_graph(fp32, tmp_path):
