@@ -669,8 +669,10 @@ def _score_chunk(runner: Runner, validation: Dataset, spec: Spec, variant_name: 
     batches more than a longer run does. MiniLM, the demo's 2,500 validation rows at batch 32 on its ORT FP32
     variant (one-off timing of run_dataset, min of 2, 2-core Intel Xeon, load ~2): 5.15 s in runs of 100 rows,
     4.19 s of 200, 3.88 s of 400, 3.77 s of 800, 3.4 s at once. The looks are unchanged (after every block, in
-    the same order), so the stopping point is the block-by-block one; at most the rest of one chunk (< 400 rows)
-    is scored past it and not used.
+    the same order); at most the rest of one chunk (< 400 rows) is scored past the stopping look and not used.
+    A model whose row outputs depend on their batch mates (dynamic INT8: one activation scale per batch tensor)
+    gives slightly different outputs than block by block, so its stopping look can move (the demo's
+    ort-int8-dynamic: 1,000 rows instead of 800, the same failure).
 
     Returns:
         [(block rows (global indices, int64), the variant's first output for them (block, ...))] in scoring order.
@@ -689,7 +691,8 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
     """Score the validation rows in a seeded shuffled order, `analysis.sequential.block_rows` at a time, until the
     gates are decided (`sequential.should_stop`; never before `min_rows` rows) or the rows run out. The runner is
     asked for several blocks at once (`_score_chunk`: the first chunk reaches `min_rows`, then up to CHUNK_ROWS rows);
-    the gates still look after every block, so the stopping point is the block-by-block one.
+    the gates still look after every block (the block-by-block looks; `_score_chunk` on models whose outputs
+    depend on the batch).
 
     Args:
         spec: the validated spec (analysis.sequential, gates, data.validation.batch_size).
