@@ -196,17 +196,24 @@ def test_build_variant_reports_the_float_share_when_a_layer_is_excluded(mlp, tmp
     assert [n["macs"] for n in res.details["quantization_coverage"]["float_mac_nodes"]] == [IN * H1]
 
 
-def test_build_variant_quantizes_every_conv_when_cnn_uses_the_default_spec(tmp_path):
+
+def _export_cnn(path, *, channels: int):
+    """A 2-conv CNN on 1x8x8 images (conv 1->channels, conv channels->8, linear to 10 logits), exported to `path`
+    with a dynamic batch axis (the TorchScript exporter)."""
     import torch
 
-    from tailguard.core.data import load_dataset
-
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 8, 3),
-                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)).eval()
-    path = tmp_path / "cnn.onnx"
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(channels, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 6 * 6, 10)).eval()
     torch.onnx.export(net, (torch.randn(2, 1, 8, 8),), str(path), input_names=["image"], output_names=["logits"],
                       dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    return path
+
+def test_build_variant_quantizes_every_conv_when_cnn_uses_the_default_spec(tmp_path):
+    from tailguard.core.data import load_dataset
+
+    path = _export_cnn(tmp_path / "cnn.onnx", channels=4)
     spec = ModelSpec.model_validate({
         "registered_name": "cnn", "task": "classification",
         "inputs": [{"name": "image", "dtype": "float32", "shape": ["batch", 1, 8, 8]}],
@@ -397,8 +404,6 @@ def test_count_macs_gives_the_full_weights_result_when_inferring_on_the_skeleton
 
 
 def test_quantization_coverage_gives_the_full_weights_result_when_mlp_and_cnn_are_quantized(mlp, tmp_path):
-    import torch
-
     path, spec, calib = mlp
     pairs = []
     for mode in ("dynamic", "static"):
@@ -409,12 +414,7 @@ def test_quantization_coverage_gives_the_full_weights_result_when_mlp_and_cnn_ar
         else:
             logic._quantize_static(q, path, out, [], calib, spec, 8, tmp_path, {})
         pairs.append((path, out))
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3),
-                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)).eval()
-    cnn = tmp_path / "cnn.onnx"
-    torch.onnx.export(net, (torch.randn(2, 1, 8, 8),), str(cnn), input_names=["image"], output_names=["logits"],
-                      dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    cnn = _export_cnn(tmp_path / "cnn.onnx", channels=16)
     logic._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx", [], {})
     pairs.append((cnn, tmp_path / "cnn-q.onnx"))
     for fp32, quantized in pairs:
