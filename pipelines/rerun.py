@@ -3,8 +3,9 @@
 `tailguard run` keeps, for each local run that finished (register-and-promote returned a summary), a record in
 $TAILGUARD_HOME/runs/<run>/rerun.json (`write_record`): the spec without `gates` and `promotion` (canonical JSON),
 the reference version and SHA-256 it ran on, the data files' content hashes, tailguard's code hash, the node's facts,
-the batch sizes a speed gate reads the reference pass's baselines at, and the tracking URI; beside it, `validations/<variant>.json` holds what each validate task read
-(components/validate/task.py `write_validation_record`). A new run of a spec that differs from such a run's only
+the batch sizes a speed gate reads the reference pass's baselines at, and the tracking URI; beside it,
+`validations/<variant>.json` holds what each validate task read (components/validate/task.py
+`write_validation_record`). A new run of a spec that differs from such a run's only
 in `gates` and/or `promotion`, on the same reference version, data bytes, code and node (`earlier_run`), is decided
 in one task on the earlier run's stored measurements (components/redecide); anything else, or any doubt, runs the
 whole pipeline.
@@ -87,8 +88,9 @@ def earlier_run(spec: Spec, tracking_uri: str, model_version: str | None, runs_d
 
     None at once for a spec the redecide task never decides (`redecide.logic.spec_reasons`: a search,
     serving targets, a gate on peak_rss_mb). Equal: `identity` (spec but gates and promotion, tracking URI, data
-    bytes, code, node) and the reference version and SHA-256 (the registry's tag; the redecide task checks the downloaded file's SHA-256 again); and
-    every variant of the spec has its validation record.
+    bytes, code, node, the speed gates' baseline batch sizes) and the reference version and SHA-256 (the
+    registry's tag; the redecide task checks the downloaded file's SHA-256 again); and every variant of the spec
+    has its validation record.
 
     Returns:
         ({"pipeline_run", "version", "sha256", "validations": {variant: record}}, "") or (None, the reason).

@@ -86,11 +86,23 @@ _MATMUL_OPS = ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "Conv", "FusedConv"
 # ----------------------------------------------------------------------------- one parse per graph file per build
 # A build reads the same .onnx files several times (op counts, excluded nodes, contrib-op check, graph inputs,
 # attention check, coverage, summary); each parse of MiniLM's 90 MB graph takes 0.1-0.2 s (py-spy of the demo: about
-# 1 s per INT8 build in parses). `_graph` parses a file once per build: keyed on the file's resolved path, inode, size
-# and mtime (a rewritten file is parsed again), at most _GRAPHS_MAX kept, and `quantize_onnxruntime` empties it when
-# its build ends, so no graph outlives the build that read it. Callers only read what it returns.
-_GRAPHS: OrderedDict[tuple, Any] = OrderedDict()
+# 1 s per INT8 build in parses). Inside `build_variant` (`_graph_scope`), `_graph` parses a file once: keyed on the
+# file's resolved path, inode, size and mtime (a rewritten file is parsed again), at most _GRAPHS_MAX kept; the scope
+# drops them when the build ends. Outside a build (the sensitivity analysis, checks) every call parses. Callers
+# only read what it returns.
+_GRAPHS: OrderedDict[tuple, Any] | None = None
 _GRAPHS_MAX = 3
+
+
+@contextlib.contextmanager
+def _graph_scope() -> Iterator[None]:
+    """Within it, `_graph` parses each file once; on leaving, the parsed graphs are dropped."""
+    global _GRAPHS
+    outer, _GRAPHS = _GRAPHS, OrderedDict() if _GRAPHS is None else _GRAPHS
+    try:
+        yield
+    finally:
+        _GRAPHS = outer
 
 
 def _graph(path: str | Path) -> Any:
@@ -101,6 +113,8 @@ def _graph(path: str | Path) -> Any:
     """
     import onnx
 
+    if _GRAPHS is None:
+        return onnx.load(str(path), load_external_data=False)
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
     if key in _GRAPHS:
@@ -142,8 +156,10 @@ def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Pa
         InputError: `fp32_onnx` is missing or not an ONNX file, or a static INT8 variant gets no calibration rows.
         UnknownBuilderError: no builder is registered for the variant's backend.
     """
-    return get_builder(builder_name_for(variant))(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
-                                            calibration_batch_size=calibration_batch_size, profile=profile)
+    with _graph_scope():  # each graph file parsed once by this build (`_graph`)
+        return get_builder(builder_name_for(variant))(variant, fp32_onnx, out_dir, calibration=calibration,
+                                                      model=model, calibration_batch_size=calibration_batch_size,
+                                                      profile=profile)
 
 
 def _check_inputs(variant: VariantSpec, fp32_onnx: str | Path, calibration: Dataset | None) -> Path:
@@ -209,16 +225,6 @@ def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: s
     Raises:
         InputError: `fp32_onnx` is missing, or static INT8 without calibration rows.
     """
-    try:
-        return _quantize_onnxruntime(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
-                                     calibration_batch_size=calibration_batch_size, profile=profile)
-    finally:
-        _GRAPHS.clear()  # the graphs this build parsed (`_graph`) go with it
-
-
-def _quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
-                          calibration: Dataset | None, model: ModelSpec | None, calibration_batch_size: int,
-                          profile: dict | None) -> BuildResult:
     fp32 = _check_inputs(variant, fp32_onnx, calibration)
     if model is None:
         raise InputError(f"variant {variant.name}: the model spec is required (model inputs and pad values)")

@@ -21,8 +21,9 @@ def cache_parts(spec: Spec, resolved: ResolvedModel, onnx_dir: str | Path) -> di
     """What reference-pass reads, for its cache key (tailguard.core.cache): the reference
     (`cache.reference_parts`), the validation rows, the exported FP32 ONNX model's bytes, the `benchmark`
     section, the threads, the batch sizes a gate reads the baselines at (`logic.timing_gates_key`; not the rest
-    of `gates`, so a gate change still finds the cached pass), the machine (CPU model, CPU count, OS, architecture: the baselines are timings) and,
-    with declared slices, the slices and the calibration rows (the coverage table).
+    of `gates`, so a gate change still finds the cached pass), the machine (CPU model, CPU count, OS,
+    architecture: the baselines are timings) and, with declared slices, the slices and the calibration rows (the
+    coverage table).
 
     Returns:
         The parts, or None when an input cannot be hashed (a remote data file, a model class without a source

@@ -835,24 +835,14 @@ def _exact_outputs(runner: Runner, validation: Dataset, spec: Spec, variant_name
     have = m.exact_outputs if m is not None and m.exact_outputs is not None else None
     n_have = 0 if have is None else have.shape[0]
     order = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
-    keep = sum(b.size for b in _whole_blocks(blocks, n_have))  # stored outputs are used whole blocks at a time
+    ends = np.cumsum([b.size for b in blocks]) if blocks else np.zeros(0, dtype=np.int64)
+    keep = int(ends[ends <= n_have].max(initial=0))  # stored outputs are used whole blocks at a time
     parts = [have[:keep]] if keep else []
     if keep < order.size:  # the rest in one length-sorted run (fewer, fuller batches than block by block)
         parts.append(_run_first_output(runner, validation.subset(order[keep:]), spec, variant_name))
     out = np.concatenate(parts)
     if m is not None and out.shape[0] > n_have and m.order is not None and out.shape[0] <= m.order.size:
         m.exact_outputs, m.changed = out, True
-    return out
-
-
-def _whole_blocks(blocks: list[np.ndarray], n_rows: int) -> list[np.ndarray]:
-    """The leading blocks that fit entirely within the first `n_rows` rows."""
-    out, done = [], 0
-    for b in blocks:
-        if done + b.size > n_rows:
-            break
-        out.append(b)
-        done += b.size
     return out
 
 

@@ -83,5 +83,5 @@ def test_build_variant_parses_each_graph_file_once_and_keeps_none_when_it_ends(t
     monkeypatch.setattr(onnx, "load", counting)
     result = _build(tiny, tmp_path / "out", "i8", quantization=quantization)
     assert parses and max(parses.values()) == 1, parses  # op counts, checks, coverage, summary: one parse each
-    assert logic._GRAPHS == {}  # nothing parsed outlives the build
+    assert not logic._GRAPHS  # nothing parsed outlives the build
     assert result.details["quantized_mac_fraction"] is not None
