@@ -1,6 +1,7 @@
 """Registration policy of register-and-promote (components/register/logic.py, issue 26 item 5): which variants
 get a registry version (`promotion.register_variants`), and an artefact already registered (same sha256) is
-reused, never registered again.
+reused, never registered again; and what `log_validated_model` leaves for it on the LoggedModel (the run's
+metrics, linked without MLflow's per-metric copy).
 
 Real parts: a sqlite MLflow store (tracking + registry) under tmp_path (MLflow 3 refuses its file-system store,
 `./mlruns`, without an opt-out); variant runs logged by the validate step's own `log_validated_model` with real
@@ -145,3 +146,48 @@ def test_register_and_promote_reuses_the_version_within_a_run_when_two_variants_
     assert _versions(client) == [(1, "ort-fp32"), (2, "ort-int8")]
     assert (rows["ort-fp16"].version, rows["ort-fp16"].registration) == ("1", "reused")
     assert summary.promoted_variant == "ort-fp16" and summary.alias_version == "1"
+
+
+def test_log_validated_model_links_the_metrics_to_the_logged_model_without_a_history_query_each_when_it_logs_onnx(
+        tmp_path, store, monkeypatch):
+    """The LoggedModel that log_validated_model logs carries every metric of its run (keys and values), as MLflow
+    3's log_model links them; the validation's own metrics are linked in its log_batch, not by MLflow's copy
+    (one get_metric_history query per metric: what made this slow), while a metric logged on the run before
+    (here a stand-in for one from the build) is still copied by MLflow. The counting wrapper around the sqlite
+    store's get_metric_history only counts: the real method runs."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from tailguard.components.validate.logic import ValidationResult
+    from tailguard.components.validate.task import log_validated_model
+
+    client, exp, _ = store
+    queried = []
+    real = SqlAlchemyStore.get_metric_history
+
+    def counting(self, run_id, metric_key, *args, **kwargs):
+        queried.append(metric_key)
+        return real(self, run_id, metric_key, *args, **kwargs)
+
+    monkeypatch.setattr(SqlAlchemyStore, "get_metric_history", counting)
+    slices = [{"slice": "lang", "value": f"l{i}", "support": 100 + i, "top1_agreement": 0.9 + i / 1000,
+               "abs_error.max": 0.01 * i} for i in range(40)]
+    perf = {bs: {"latency_ms.p50": 1.0 * bs, "latency_ms.p99": 2.0 * bs, "throughput_per_s": 1000.0 / bs}
+            for bs in (1, 8)}
+    result = ValidationResult("ort-fp32", "classification", 300, {"top1_agreement": 0.95}, perf, slices, [], True,
+                              0, [1, 8])
+    run_id = client.create_run(exp).info.run_id
+    client.log_metric(run_id, "build.seconds", 12.5, step=0)
+    work = tmp_path / "work"
+    work.mkdir()
+    queried.clear()
+    log_validated_model(client, run_id, result, work_dir=work, model_file=_onnx(tmp_path / "m.onnx"),
+                        execution_provider="CPUExecutionProvider")
+    during = list(queried)
+
+    run = client.get_run(run_id)
+    model = client.get_logged_model(run.outputs.model_outputs[0].model_id)
+    validation = set(result.mlflow_metrics())
+    assert len(validation) > 100 and validation <= set(run.data.metrics)
+    assert {m.key: m.value for m in model.metrics} == run.data.metrics  # build.seconds included
+    assert len(model.metrics) == len(run.data.metrics) and {(m.step, m.run_id) for m in model.metrics} == {(0, run_id)}
+    assert validation.isdisjoint(during) and during == ["build.seconds"]
