@@ -34,6 +34,7 @@ from tailguard.core.home import ENV_HOME, home, quiet_environment
 from tailguard.core.results import BuildStatus, GateStatus
 from tailguard.core.spec import dump_spec, load_spec
 from tailguard.core.spec.models import Spec
+from tailguard.core.taskhost import task_host
 from tailguard.core.taskio import find_error_records
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
 from tailguard.rerun import earlier_run, write_record
@@ -128,6 +129,10 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     `ephemeral_component.py` folders land there, and kfp's workspace too); the folder is removed when the run
     ends, passed, failed or interrupted, and TMPDIR is restored, so a local run leaves no temporary folder.
 
+    The task bodies run in children of a task host started for the run (tailguard.core.taskhost: one process
+    imports the libraries once, each task's process hands its body to a fresh fork of it; Linux, unless
+    $TAILGUARD_TASK_HOST is "0"); the host stops when the run ends, however it ends.
+
     Before it starts, RUNNING parent runs of the same model whose local runner died (kill -9) are marked FAILED
     (`reap_dead_runs`); this run's runner pid / host / start time go on its parent run for the same purpose.
 
@@ -166,6 +171,10 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     os.environ["TMPDIR"] = str(tmp_dir)
     inherited_run_dir = os.environ.get(RUN_DIR_ENV)
     os.environ[RUN_DIR_ENV] = str(run_dir)  # validate tasks keep their inputs there (tailguard.rerun)
+    # The tasks' bodies fork from one warm interpreter (tailguard.core.taskhost): started now, so that its imports
+    # overlap the comparison with earlier runs and the pipeline's compilation; stopped in the `finally` below
+    stack = contextlib.ExitStack()
+    stack.enter_context(task_host(run_dir))
     # A gate-only change of an earlier finished run is decided in one task on its stored measurements
     try:
         earlier, why_not = earlier_run(spec, uri, model_version, home() / "runs") if cache else (None, "--no-cache")
@@ -236,6 +245,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
         _mark_failed(spec, uri, pipeline_run, f"Failed: {err.message}")
         raise err from None
     finally:
+        stack.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if model_path:
@@ -284,10 +294,11 @@ def task_timings(log_text: str) -> dict[str, Any]:
     part of those inside its outermost import statements; `overhead_s` = wall_s - body_s: process start,
     interpreter and kfp executor start-up, the component module's imports, the executor's input/output files;
     `cached`: true / false for the steps served by the local cache (export, reference-pass, builds), None for
-    the others. `task` is the pipeline's task name (build-<variant>, as in the compiled IR: builder.named).
+    the others; `hosted`: the body ran in a child of the run's task host (tailguard.core.taskhost), None without a
+    timing line. `task` is the pipeline's task name (build-<variant>, as in the compiled IR: builder.named).
 
     Returns:
-        {"tasks": [{task, variant, status, cached, wall_s, body_s, imports_s, overhead_s}, ...] in run order
+        {"tasks": [{task, variant, status, cached, hosted, wall_s, body_s, imports_s, overhead_s}, ...] in run order
          (variant: the build / validate / search task's variant, from its timing line; else None),
          "total_s": first task start to the pipeline's end (seconds; None without tasks),
          "startup_s": the sum of overhead_s + imports_s over the tasks with a timing line,
@@ -310,7 +321,7 @@ def task_timings(log_text: str) -> dict[str, Any]:
             previous = t
         if t is not None and (m := _EXEC.search(line)):
             current = {"task": m.group(1), "variant": None, "status": "running", "cached": None, "start": t,
-                       "end": None, "body_s": None, "imports_s": None}
+                       "end": None, "body_s": None, "imports_s": None, "hosted": None}
             tasks.append(current)
             first = t if first is None else first
         elif t is not None and (m := _DONE.search(line)):
@@ -327,7 +338,7 @@ def task_timings(log_text: str) -> dict[str, Any]:
             except ValueError:
                 continue
             current.update(body_s=rec.get("body_s"), imports_s=rec.get("imports_s"), cached=rec.get("cached"),
-                           variant=rec.get("variant"))
+                           variant=rec.get("variant"), hosted=rec.get("hosted"))
     rows, startup, timed_wall = [], 0.0, 0.0
     for task in tasks:
         wall = None if task["end"] is None else round(task["end"] - task["start"], 3)
@@ -338,7 +349,7 @@ def task_timings(log_text: str) -> dict[str, Any]:
             startup += overhead + (imports or 0.0)
             timed_wall += wall
         rows.append({"task": task["task"], "variant": task["variant"], "status": task["status"],
-                     "cached": task["cached"], "wall_s": wall,
+                     "cached": task["cached"], "hosted": task["hosted"], "wall_s": wall,
                      "body_s": body, "imports_s": imports, "overhead_s": overhead})
     return {"tasks": rows, "total_s": None if first is None or last is None else round(last - first, 3),
             "startup_s": round(startup, 3) if timed_wall else None,

@@ -136,7 +136,7 @@ class RunSummary:
             chosen, chosen_name, trials = Pareto records, sensitivity), spec order; [] without searches.
         tasks: per-task timings of a local run, filled by the runner after the pipeline ends (None on a cluster
             and inside the register task): {"tasks": [{task, status, cached (bool | None), wall_s, body_s,
-            imports_s, overhead_s}], "total_s", "startup_s", "startup_share"} (tailguard.runner.task_timings).
+            imports_s, overhead_s, hosted}], "total_s", "startup_s", "startup_share"} (tailguard.runner.task_timings).
         hardware: the facts of the node the FP32 baselines were timed on (`tailguard.core.hardware.node_facts`:
             cpu model / isa flags / cores, gpus, os, library versions), from reference-pass; None when unknown.
         warnings: run-level warnings, e.g. an unstable torch baseline (components/reference/logic.py

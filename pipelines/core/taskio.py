@@ -27,11 +27,20 @@ def task_entry(step: str) -> Callable[[F], F]:
     Every call also prints one `TAILGUARD_TASK_TIMING {json}` line to stdout when the body ends (returned or
     raised): the body's seconds, the seconds inside its import statements and whether its result came from the
     local cache (`_timing_record`); the local runner turns them into the run summary's per-task timings
-    (`tailguard.runner.task_timings`)."""
+    (`tailguard.runner.task_timings`).
+
+    During a local run the body runs in a process forked from the run's task host, which has the task's
+    libraries imported already (tailguard.core.taskhost): the markers and the timing line then come from that
+    process, into the same log, and the task exits with its exit code."""
 
     def deco(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from tailguard.core.taskhost import NOT_HOSTED, call_in_host
+
+            hosted = call_in_host(wrapper, args, kwargs)  # a local run: the body runs in a child of the task host
+            if hosted is not NOT_HOSTED:
+                return hosted
             from tailguard.core.home import quiet_environment
 
             quiet_environment()
@@ -117,8 +126,11 @@ class _ImportClock:
 
 def _timing_record(step: str, clock: _ImportClock, ok: bool, result: Any, variant: Any = None) -> dict[str, Any]:
     """The TAILGUARD_TASK_TIMING record: step, variant (the task's variant_name, or None), body_s, imports_s
-    (seconds), ok, and `cached` (bool) when the task's JSON result says whether it came from the local cache
-    (export, builds), else None."""
+    (seconds), ok, `hosted` (the body ran in a child of the local run's task host: tailguard.core.taskhost) and
+    `cached` (bool) when the task's JSON result says whether it came from the local cache (export, builds), else
+    None."""
+    from tailguard.core import taskhost
+
     cached = None
     if isinstance(result, str) and result.startswith("{"):
         try:
@@ -127,6 +139,7 @@ def _timing_record(step: str, clock: _ImportClock, ok: bool, result: Any, varian
             cached = None
     return {"step": step, "variant": variant if isinstance(variant, str) else None,
             "body_s": round(clock.body_s, 4), "imports_s": round(clock.imports_s, 4), "ok": ok,
+            "hosted": taskhost._in_child,
             "cached": cached if isinstance(cached, bool) else None}
 
 

@@ -140,6 +140,8 @@ def test_run_promotes_the_fastest_passing_variant_and_logs_everything_when_gates
     r = tailguard(env, "run", spec, "--summary-json", out)
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads(out.read_text())
+    tasks = summary["tasks"]["tasks"]
+    assert tasks and all(t["hosted"] for t in tasks), tasks  # every body ran in a child of the run's task host
     rows = {v["variant"]: v for v in summary["variants"]}
     assert rows["trt-fp16"]["status"] == "skipped" and "GPU" in rows["trt-fp16"]["reason"] + "GPU"
     assert rows["ort-fp32"]["status"] == "ok" and rows["ort-fp32"]["passed"]

@@ -136,7 +136,7 @@ def test_task_timings_reads_wall_body_cached_and_task_names_when_kfp_local_ran_t
 LOG = """\
 23:59:58.000 - INFO - Running pipeline: 'p'
 23:59:58.100 - INFO - Executing task \x1b[96m'check-data'\x1b[0m
-    TAILGUARD_TASK_TIMING {"step": "check-data", "body_s": 1.0, "imports_s": 0.5, "ok": true, "cached": null}
+    TAILGUARD_TASK_TIMING {"step": "check-data", "body_s": 1.0, "imports_s": 0.5, "ok": true, "hosted": true, "cached": null}
 00:00:00.100 - INFO - Task \x1b[96m'check-data'\x1b[0m finished with status \x1b[92mSUCCESS\x1b[0m
 00:00:00.200 - INFO - Executing task 'export'
     Traceback: the task died before its body ran
@@ -148,9 +148,10 @@ LOG = """\
 def test_task_timings_crosses_midnight_and_leaves_body_unknown_when_a_task_printed_no_timing_line():
     t = task_timings(LOG)
     check, export = t["tasks"]
-    assert check == {"task": "check-data", "variant": None, "status": "success", "cached": None, "wall_s": 2.0,
-                     "body_s": 1.0, "imports_s": 0.5, "overhead_s": 1.0}
+    assert check == {"task": "check-data", "variant": None, "status": "success", "cached": None, "hosted": True,
+                     "wall_s": 2.0, "body_s": 1.0, "imports_s": 0.5, "overhead_s": 1.0}
     assert export["status"] == "failure" and export["wall_s"] == 1.0 and export["body_s"] is None
+    assert export["hosted"] is None
     assert t["total_s"] == 3.2 and t["startup_s"] == 1.5 and t["startup_share"] == 0.75
 
 
