@@ -129,9 +129,10 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     `ephemeral_component.py` folders land there, and kfp's workspace too); the folder is removed when the run
     ends, passed, failed or interrupted, and TMPDIR is restored, so a local run leaves no temporary folder.
 
-    The task bodies run in children of a task host started for the run (tailguard.core.taskhost: one process
-    imports the libraries once, each task's process hands its body to a fresh fork of it; Linux, unless
-    $TAILGUARD_TASK_HOST is "0"); the host stops when the run ends, however it ends.
+    The whole pipeline's task bodies run in children of a task host started for the run (tailguard.core.taskhost:
+    one process imports the libraries once, each task's process hands its body to a fresh fork of it; Linux,
+    unless $TAILGUARD_TASK_HOST is "0"; not for the one-task `redecide` pipeline); the host stops when the run
+    ends, however it ends.
 
     Before it starts, RUNNING parent runs of the same model whose local runner died (kill -9) are marked FAILED
     (`reap_dead_runs`); this run's runner pid / host / start time go on its parent run for the same purpose.
@@ -171,10 +172,6 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     os.environ["TMPDIR"] = str(tmp_dir)
     inherited_run_dir = os.environ.get(RUN_DIR_ENV)
     os.environ[RUN_DIR_ENV] = str(run_dir)  # validate tasks keep their inputs there (tailguard.rerun)
-    # The tasks' bodies fork from one warm interpreter (tailguard.core.taskhost): started now, so that its imports
-    # overlap the comparison with earlier runs and the pipeline's compilation; stopped in the `finally` below
-    stack = contextlib.ExitStack()
-    stack.enter_context(task_host(run_dir))
     # A gate-only change of an earlier finished run is decided in one task on its stored measurements
     try:
         earlier, why_not = earlier_run(spec, uri, model_version, home() / "runs") if cache else (None, "--no-cache")
@@ -193,6 +190,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
             previous[sig] = signal.signal(sig, on_signal)
         except ValueError:  # not the main thread: no handlers (the caller owns the signals)
             pass
+    stack = contextlib.ExitStack()  # the task host, when the whole pipeline runs; closed in the `finally` below
     try:
         from kfp import local
 
@@ -217,6 +215,9 @@ def run_local(spec: Spec, *, model_version: str | None = None,
                 output = task.output
                 redecide = {"used": True, "from_run": earlier["pipeline_run"], "reason": ""}
         if output is None:
+            # The tasks' bodies fork from one warm interpreter (tailguard.core.taskhost); not for the one-task
+            # `redecide` pipeline above, whose single task would only wait for the host's imports
+            stack.enter_context(task_host(run_dir))
             pipeline = build_pipeline(spec, cluster=False)
             with warnings.catch_warnings(), _redirect(log_path, on_event):
                 warnings.simplefilter("ignore")

@@ -17,7 +17,7 @@ Where the host is not used, the body runs in the stub's own process as before (`
 NOT_HOSTED): on a cluster (no TAILGUARD_TASK_HOST in the pod), off Linux, with TAILGUARD_TASK_HOST=0, when the
 host cannot be reached or refuses before forking, when the arguments do not pickle, and when an environment
 variable that libraries read once at load time (`LOAD_TIME_ENV`: OpenMP / BLAS threads, PYTHON*, LD_*, HF_*, ...)
-differs between the stub and the host, since the host's value would silently win.
+differs between the stub and the host (the host checks and refuses), since the host's value would silently win.
 
 Lifetimes: the runner creates the listening socket (so a task never races the host's start) and a pipe whose end
 it keeps; the host exits when that pipe closes (the runner ended, even by SIGKILL) or on SIGTERM, and then kills
@@ -26,8 +26,11 @@ terminates the stubs) the host sends SIGTERM to that group. SIGINT is left to th
 process it started (`runner._stop_children`).
 
 Protocol (one connection per task): stub -> host `MAGIC` + payload length (8 bytes, big-endian) with the three
-file descriptors, then the pickled request; host -> stub b"S" + child pid (8 bytes) once forked, b"E" + the wait
-status as `os.waitstatus_to_exitcode` gives it (8 bytes, signed: -N when killed by signal N) when it ended.
+file descriptors, then the pickled request; host -> stub b"R" + 8 bytes when it refuses (the request's
+load-time environment differs from the one the host imported its libraries with: the stub runs the body itself),
+b"S" + child pid (8 bytes) once forked, b"E" + the wait status as `os.waitstatus_to_exitcode` gives it (8 bytes,
+signed: -N when killed by signal N) when it ended. The socket lives in the run's folder, the stub's result file in
+the run's TMPDIR (mode 0600); nothing of the environment is written to disk.
 """
 
 from __future__ import annotations
@@ -51,20 +54,21 @@ ENV_TASK_HOST = "TAILGUARD_TASK_HOST"  # the host's socket path during a local r
 MAGIC = b"TGH1"
 NOT_HOSTED = object()  # call_in_host's answer when the body must run in this process
 
-# Modules every local task imports some of, in import order. Importing them once is the point of the host:
+# Modules every local task imports some of, roughly in the order the pipeline's tasks first need them (check-data,
+# resolve, export, builds, reference-pass, validate). Importing them once is the point of the host:
 # 7.1 s in one process here (torch 1.7, Great Expectations 1.7, mlflow + its SQLAlchemy store 1.5, scipy.stats 0.5,
 # transformers 0.5, pandas 0.3), plus 2.6 s for what the demo's tasks still imported in their bodies after those
 # (sys.modules before and after each body: sympy and torch._dynamo for the torch export and torch variants,
 # transformers.modeling_utils, matplotlib.pyplot and GitPython for MLflow's runs). A missing module is skipped.
 PRELOAD = (
-    "numpy", "pandas", "pyarrow.parquet", "scipy.special", "scipy.stats", "yaml", "pydantic", "onnx", "onnxruntime",
-    "onnxruntime.quantization", "sqlalchemy", "mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
-    "mlflow.onnx", "mlflow.pyfunc", "git", "torch", "torch.onnx", "torch._dynamo", "sympy", "networkx",
-    "transformers", "transformers.modeling_utils", "matplotlib.pyplot", "onnxruntime.transformers.optimizer",
-    "great_expectations", "psutil", "jinja2",
-    "tailguard.core.spec", "tailguard.core.tracking", "tailguard.core.runtime", "tailguard.core.latency",
-    "tailguard.core.cache", "tailguard.components.check_data.task", "tailguard.components.resolve.task",
-    "tailguard.components.export.task", "tailguard.components.reference.task", "tailguard.components.quantize.task",
+    "numpy", "pandas", "pyarrow.parquet", "yaml", "pydantic", "tailguard.core.spec", "great_expectations",
+    "tailguard.components.check_data.task", "sqlalchemy", "mlflow", "mlflow.tracking",
+    "mlflow.store.tracking.sqlalchemy_store", "git", "tailguard.core.tracking", "tailguard.components.resolve.task",
+    "torch", "onnx", "onnxruntime", "transformers", "transformers.modeling_utils", "torch.onnx", "sympy",
+    "torch._dynamo", "tailguard.components.export.task", "onnxruntime.quantization",
+    "onnxruntime.transformers.optimizer", "tailguard.components.quantize.task", "scipy.special", "scipy.stats",
+    "networkx", "tailguard.core.runtime", "tailguard.core.latency", "tailguard.core.cache",
+    "tailguard.components.reference.task", "mlflow.onnx", "mlflow.pyfunc", "matplotlib.pyplot", "psutil", "jinja2",
     "tailguard.components.validate.task", "tailguard.components.search.task", "tailguard.components.register.task",
     "tailguard.components.redecide.task", "tailguard.components.finalize.task",
 )
@@ -101,12 +105,6 @@ def call_in_host(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
         return NOT_HOSTED
     if "<locals>" in fn.__qualname__ or fn.__module__ in ("__main__", "ephemeral_component"):
         return NOT_HOSTED  # a child could not find it again by name
-    try:
-        host_env = _read_host_env(path)
-    except OSError:
-        return NOT_HOSTED
-    if _load_time_env(os.environ) != host_env:
-        return NOT_HOSTED
     fd, result_path = tempfile.mkstemp(prefix="tailguard-task-", suffix=".pickle")
     os.close(fd)
     try:
@@ -128,7 +126,8 @@ def call_in_host(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             started = _recv_exact(conn, 9)
         except OSError:
             return NOT_HOSTED
-        if started[:1] != b"S":
+        if started[:1] != b"S":  # refused (another load-time environment) or gone before it forked
+            conn.close()
             return NOT_HOSTED
         with conn:
             try:
@@ -163,15 +162,6 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
             break
         buf += chunk
     return buf
-
-
-def _env_file(path: str) -> Path:
-    return Path(path + ".env")
-
-
-def _read_host_env(path: str) -> dict[str, str]:
-    """The host's load-time environment (`LOAD_TIME_ENV`), written beside its socket when it started."""
-    return pickle.loads(_env_file(path).read_bytes())
 
 
 def _load_time_env(env: Any) -> dict[str, str]:
@@ -219,7 +209,6 @@ def task_host(run_dir: Path) -> Iterator[str | None]:
     listener.bind(path)
     os.chmod(path, 0o600)
     listener.listen(64)
-    _env_file(path).write_bytes(pickle.dumps(_load_time_env(os.environ)))
     alive_r, alive_w = os.pipe()
     proc = subprocess.Popen([sys.executable, "-m", "tailguard.core.taskhost", str(listener.fileno()), str(alive_r)],
                             pass_fds=(listener.fileno(), alive_r), stdin=subprocess.DEVNULL)
@@ -236,9 +225,8 @@ def task_host(run_dir: Path) -> Iterator[str | None]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        for p in (path, str(_env_file(path))):
-            with contextlib.suppress(OSError):
-                os.unlink(p)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
         if folder:
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
@@ -288,12 +276,18 @@ class _Child:
 
 
 def serve(listener_fd: int, alive_fd: int) -> _Child | None:
-    """The host's loop: preload, then fork a child per request until the runner's pipe closes.
+    """The host's loop: fork a child per request until the runner's pipe closes, importing `PRELOAD` meanwhile.
+
+    The modules are imported one at a time while no request waits, so a task that arrives early is forked at
+    once and imports what is not loaded yet itself, while the host goes on with the rest on another core (a task
+    never waits for the whole preload).
 
     Returns:
         In a forked child, the `_Child` to run (the loop's frames are left behind); in the host, None when it
         stops.
     """
+    import gc
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner stops the run and its processes (_stop_children)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
@@ -301,16 +295,10 @@ def serve(listener_fd: int, alive_fd: int) -> _Child | None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    from tailguard.core.home import quiet_environment
-
-    quiet_environment()
-    for name in PRELOAD:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-    import gc
-
-    gc.collect()
-    gc.freeze()  # the children do not copy the preloaded objects' pages when their collector runs
+    # The runner's environment as it is (run_local quieted it before starting the host): what the preloaded
+    # libraries read, and what each request must match
+    loaded_with = _load_time_env(os.environ)
+    pending = list(PRELOAD)
     listener = socket.socket(fileno=listener_fd)
     poller = select.poll()
     poller.register(listener, select.POLLIN)
@@ -320,14 +308,16 @@ def serve(listener_fd: int, alive_fd: int) -> _Child | None:
     by_fd: dict[int, int] = {}  # connection fd -> pid
     try:
         while not stopping:
-            for fd, _ev in poller.poll(1000):
+            events = poller.poll(0 if pending else 1000)
+            for fd, _ev in events:
                 if fd == alive_fd:
                     stopping.append(1)
                 elif fd == wake_r:
                     with contextlib.suppress(BlockingIOError, InterruptedError):
                         os.read(wake_r, 4096)
                 elif fd == listener_fd:
-                    child = _accept(listener, children, by_fd, poller, (listener, alive_fd, wake_r, wake_w))
+                    child = _accept(listener, children, by_fd, poller, (listener, alive_fd, wake_r, wake_w),
+                                    loaded_with)
                     if child is not None:
                         return child
                 elif fd in by_fd:  # the stub closed its end: nobody waits for the task any more
@@ -335,6 +325,12 @@ def serve(listener_fd: int, alive_fd: int) -> _Child | None:
                         os.killpg(by_fd[fd], signal.SIGTERM)
                     poller.unregister(fd)
             _reap(children, by_fd, poller)
+            if pending and not events and not stopping:
+                with contextlib.suppress(Exception):
+                    importlib.import_module(pending.pop(0))
+                if not pending:
+                    gc.collect()
+                    gc.freeze()  # the children do not copy the preloaded objects' pages when their collector runs
     finally:
         if not _in_child:
             for pid in children:
@@ -347,7 +343,7 @@ def serve(listener_fd: int, alive_fd: int) -> _Child | None:
 
 
 def _accept(listener: socket.socket, children: dict[int, socket.socket], by_fd: dict[int, int], poller: Any,
-            own: tuple[Any, ...]) -> _Child | None:
+            own: tuple[Any, ...], loaded_with: dict[str, str]) -> _Child | None:
     conn, _ = listener.accept()
     fds: list[int] = []
     try:
@@ -363,7 +359,10 @@ def _accept(listener: socket.socket, children: dict[int, socket.socket], by_fd: 
         size = struct.unpack(">Q", msg[4:])[0]
         request = pickle.loads(_recv_exact(conn, size))
         conn.settimeout(None)
-    except Exception:  # noqa: BLE001 - a bad or vanished stub: it runs its task itself (nothing was forked)
+        if _load_time_env(request["env"]) != loaded_with:  # the host's libraries were loaded with other values
+            conn.sendall(b"R" + struct.pack(">q", 0))
+            raise OSError("load-time environment differs")
+    except Exception:  # noqa: BLE001 - a refused, bad or vanished stub: it runs its task itself (nothing forked)
         for fd in fds:
             os.close(fd)
         conn.close()

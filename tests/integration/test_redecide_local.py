@@ -114,6 +114,8 @@ def test_run_redecides_in_one_task_with_a_full_runs_statuses_and_promotion_when_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert again["tasks"]["redecide"]["used"] is True, again["tasks"]["redecide"]
     assert task_names(again) == ["redecide"]
+    assert again["tasks"]["tasks"][0]["hosted"] is False  # one task: no task host is started for it
+    assert all(t["hosted"] for t in first["tasks"]["tasks"])  # the whole pipeline's bodies ran in the host
     client = mlflow.MlflowClient(base["uri"], base["uri"])
     parent = client.get_run(again["parent_run_id"])
     assert parent.info.status == "FINISHED"
