@@ -34,7 +34,7 @@ from tailguard.core.home import ENV_HOME, home, quiet_environment
 from tailguard.core.results import BuildStatus, GateStatus
 from tailguard.core.spec import dump_spec, load_spec
 from tailguard.core.spec.models import Spec
-from tailguard.core.taskhost import task_host
+from tailguard.core.taskhost import PRELOAD as HOST_PRELOAD, task_host
 from tailguard.core.taskio import find_error_records
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
 from tailguard.rerun import earlier_run, write_record
@@ -217,7 +217,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
         if output is None:
             # The tasks' bodies fork from one warm interpreter (tailguard.core.taskhost); not for the one-task
             # `redecide` pipeline above, whose single task would only wait for the host's imports
-            stack.enter_context(task_host(run_dir))
+            stack.enter_context(task_host(run_dir, preload=(*HOST_PRELOAD, *TASK_MODULES)))
             pipeline = build_pipeline(spec, cluster=False)
             with warnings.catch_warnings(), _redirect(log_path, on_event):
                 warnings.simplefilter("ignore")
@@ -271,6 +271,11 @@ def _source_sha256(uri: str, parent_run_id: str) -> str | None:
         return mlflow.MlflowClient(tracking_uri=uri).get_run(parent_run_id).data.tags.get(SOURCE_SHA256_TAG) or None
     except Exception:  # noqa: BLE001 - best effort: without it the next run is a full one
         return None
+
+
+# The task modules the task host imports after its libraries (tailguard.core.taskhost.PRELOAD), in pipeline order
+TASK_MODULES = tuple(f"tailguard.components.{c}.task" for c in (
+    "check_data", "resolve", "export", "quantize", "reference", "validate", "search", "register", "finalize"))
 
 
 # ---------------------------------------------------------------------------------- per-task timings

@@ -48,29 +48,27 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 ENV_TASK_HOST = "TAILGUARD_TASK_HOST"  # the host's socket path during a local run; "0" / "off" turns hosting off
 MAGIC = b"TGH1"
 NOT_HOSTED = object()  # call_in_host's answer when the body must run in this process
 
-# Modules every local task imports some of, roughly in the order the pipeline's tasks first need them (check-data,
-# resolve, export, builds, reference-pass, validate). Importing them once is the point of the host:
+# Libraries (and kernel modules) every local task imports some of, roughly in the order the pipeline's tasks first
+# need them (check-data, resolve, export, builds, reference-pass, validate); the runner adds the task modules
+# themselves (`task_host(preload=)`: the kernel names nothing above it). Importing them once is the point of the host:
 # 7.1 s in one process here (torch 1.7, Great Expectations 1.7, mlflow + its SQLAlchemy store 1.5, scipy.stats 0.5,
 # transformers 0.5, pandas 0.3), plus 2.6 s for what the demo's tasks still imported in their bodies after those
 # (sys.modules before and after each body: sympy and torch._dynamo for the torch export and torch variants,
 # transformers.modeling_utils, matplotlib.pyplot and GitPython for MLflow's runs). A missing module is skipped.
 PRELOAD = (
     "numpy", "pandas", "pyarrow.parquet", "yaml", "pydantic", "tailguard.core.spec", "great_expectations",
-    "tailguard.components.check_data.task", "sqlalchemy", "mlflow", "mlflow.tracking",
-    "mlflow.store.tracking.sqlalchemy_store", "git", "tailguard.core.tracking", "tailguard.components.resolve.task",
-    "torch", "onnx", "onnxruntime", "transformers", "transformers.modeling_utils", "torch.onnx", "sympy",
-    "torch._dynamo", "tailguard.components.export.task", "onnxruntime.quantization",
-    "onnxruntime.transformers.optimizer", "tailguard.components.quantize.task", "scipy.special", "scipy.stats",
-    "networkx", "tailguard.core.runtime", "tailguard.core.latency", "tailguard.core.cache",
-    "tailguard.components.reference.task", "mlflow.onnx", "mlflow.pyfunc", "matplotlib.pyplot", "psutil", "jinja2",
-    "tailguard.components.validate.task", "tailguard.components.search.task", "tailguard.components.register.task",
-    "tailguard.components.redecide.task", "tailguard.components.finalize.task",
+    "sqlalchemy", "mlflow", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store", "git",
+    "tailguard.core.tracking", "tailguard.core.reference", "torch", "onnx", "onnxruntime", "transformers",
+    "transformers.modeling_utils", "torch.onnx", "sympy", "torch._dynamo", "onnxruntime.quantization",
+    "onnxruntime.transformers.optimizer", "scipy.special", "scipy.stats", "networkx", "tailguard.core.runtime",
+    "tailguard.core.latency", "tailguard.core.cache", "mlflow.onnx", "mlflow.pyfunc", "matplotlib.pyplot", "psutil",
+    "jinja2",
 )
 # Environment variables that libraries read once, when they are loaded (libgomp, OpenBLAS, MKL, the interpreter,
 # the dynamic linker, huggingface_hub / transformers constants, MLflow's and GX's import-time switches, the locale):
@@ -183,7 +181,7 @@ def _set_metadata(args: tuple[Any, ...], kwargs: dict[str, Any], metadata: dict[
 
 # ------------------------------------------------------------------------------------------------ the runner side
 @contextlib.contextmanager
-def task_host(run_dir: Path) -> Iterator[str | None]:
+def task_host(run_dir: Path, preload: Sequence[str] = PRELOAD) -> Iterator[str | None]:
     """Start a task host for the tasks of one local run, and stop it when the block ends.
 
     Sets $TAILGUARD_TASK_HOST to its socket for the block (the tasks inherit it) and restores it after. Does
@@ -193,6 +191,7 @@ def task_host(run_dir: Path) -> Iterator[str | None]:
     Args:
         run_dir: the run's folder; the socket is `<run_dir>/task-host.sock` (a path under 108 bytes is needed:
             a longer one falls back to a private folder under the system's temporary directory).
+        preload: the modules the host imports, in this order, between requests (a missing one is skipped).
 
     Yields:
         The socket path, or None.
@@ -210,7 +209,8 @@ def task_host(run_dir: Path) -> Iterator[str | None]:
     os.chmod(path, 0o600)
     listener.listen(64)
     alive_r, alive_w = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-m", "tailguard.core.taskhost", str(listener.fileno()), str(alive_r)],
+    proc = subprocess.Popen([sys.executable, "-m", "tailguard.core.taskhost", str(listener.fileno()), str(alive_r),
+                             *preload],
                             pass_fds=(listener.fileno(), alive_r), stdin=subprocess.DEVNULL)
     listener.close()
     os.close(alive_r)
@@ -275,8 +275,8 @@ class _Child:
             return 1
 
 
-def serve(listener_fd: int, alive_fd: int) -> _Child | None:
-    """The host's loop: fork a child per request until the runner's pipe closes, importing `PRELOAD` meanwhile.
+def serve(listener_fd: int, alive_fd: int, preload: Sequence[str] = PRELOAD) -> _Child | None:
+    """The host's loop: fork a child per request until the runner's pipe closes, importing `preload` meanwhile.
 
     The modules are imported one at a time while no request waits, so a task that arrives early is forked at
     once and imports what is not loaded yet itself, while the host goes on with the rest on another core (a task
@@ -298,7 +298,7 @@ def serve(listener_fd: int, alive_fd: int) -> _Child | None:
     # The runner's environment as it is (run_local quieted it before starting the host): what the preloaded
     # libraries read, and what each request must match
     loaded_with = _load_time_env(os.environ)
-    pending = list(PRELOAD)
+    pending = list(preload)
     listener = socket.socket(fileno=listener_fd)
     poller = select.poll()
     poller.register(listener, select.POLLIN)
@@ -416,8 +416,8 @@ def _reap(children: dict[int, socket.socket], by_fd: dict[int, int], poller: Any
 
 
 def main(argv: list[str]) -> int:
-    """`python -m tailguard.core.taskhost LISTENER_FD ALIVE_FD` (started by `task_host`)."""
-    child = serve(int(argv[0]), int(argv[1]))
+    """`python -m tailguard.core.taskhost LISTENER_FD ALIVE_FD [MODULE ...]` (started by `task_host`)."""
+    child = serve(int(argv[0]), int(argv[1]), argv[2:])
     if child is None:
         return 0
     code = child.run()
