@@ -181,12 +181,14 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     records the signature (version tag `tailguard.core.contract.OUTPUTS_TAG`) for ONNX files and torch.export
     programs; a state dict has none (its outputs are known only by running it: the export step checks them).
 
-    Nothing here is an error but a mismatch: a remote registry, a model not registered yet or a version without a
-    recorded signature only give the note.
+    A remote registry, a local one not created yet or a version without a recorded signature only give the note;
+    a local registry that exists but lacks the model, the version or the alias the spec names is an error at
+    `model.registered_name` / `model.version` naming the store (the run would stop at its first step).
 
     Returns:
-        (one FieldError per mismatch, as `components.export.signature.output_signature_errors` words them;
-        a one-line note of what was compared, or why nothing was).
+        (one FieldError per mismatch, as `components.export.signature.output_signature_errors` words them, or the
+        one naming a model/version/alias the existing local registry lacks; a one-line note of what was compared,
+        or why nothing was).
     """
     import json
 
@@ -211,8 +213,13 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     name = spec.model.registered_name
     try:
         mv = resolve_version(MlflowClient(tracking_uri=uri, registry_uri=uri), name, str(spec.model.version))
-    except InputError as err:
-        return [], f"model.outputs: {err.message}; {later}"
+    except InputError as err:  # the run would stop at its first step: an error here, with the store it looked in
+        field, _, message = err.message.partition(": ")
+        if field not in ("model.registered_name", "model.version"):
+            field, message = "model.registered_name", err.message
+        fix = (f"; {err.hint}" if err.hint else "") + f"; or register it: tailguard register {name} MODEL_FILE"
+        return [FieldError(field, f"{message} (registry {uri}){fix}", getattr(spec.model, field.split('.')[1]))], \
+            f"model: not found in the registry {uri}"
     where = f"{name} v{mv.version}"
     try:
         recorded = json.loads((mv.tags or {})[OUTPUTS_TAG])
