@@ -74,3 +74,17 @@ def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys)
     print_summary(summary)
     out = capsys.readouterr().out
     assert "discovered slices" in out and "verb&[2,8)" in out and "pos=adj" not in out
+
+
+def test_summary_rows_count_only_passed_gates_as_passed_when_some_are_undecided_or_insufficient():
+    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.core.results import GateStatus
+    from tailguard.runner import summary_rows
+
+    gates = {"a>=1": GateStatus.PASSED, "b>=1": GateStatus.FAILED, "c>=1": GateStatus.UNDECIDED,
+             "d>=1": GateStatus.UNDECIDED, "e>=1@per_slice:x": GateStatus.INSUFFICIENT_DATA,
+             "f>=1": GateStatus.UNDECIDED}
+    v = VariantSummary("ort-int8", "onnxruntime", "int8", "ok", gates=gates)
+    cell = summary_rows(RunSummary("p", "0", "m", "1", "m-optimized", "production", True, 1, variants=[v]))[0]["gates"]
+    assert cell.startswith("1/6 passed; failed: G2; undecided: G3, G4, G6")  # was "5/6 passed; failed: G2"
+    assert "G5" in cell  # the insufficient gate is named too
