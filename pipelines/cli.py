@@ -89,11 +89,13 @@ def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file."),
                    "read)."))) -> None:
     """Validate SPEC and, by default, its local data files; print every error with its field path at once
     (exit 2 when invalid)."""
-    from tailguard.preflight import check_spec_file
+    from tailguard.preflight import check_spec_file, unpassable_gate_warnings
 
     s, check = check_spec_file(spec, data=data)
     console.print(f"[green]valid[/green]: {spec} ({s.metadata.name}: {len(s.variants)} variants, "
                   f"{len(s.gates)} gates, {len(s.slices)} slices)")
+    for warning in unpassable_gate_warnings(s):
+        console.print(f"  [yellow]warning[/yellow]: {warning}", markup=True, highlight=False)
     if check is not None:
         for name, n in check.rows.items():
             console.print(f"  data.{name}: {n} rows checked (file, input columns and shapes, named columns)")

@@ -233,6 +233,38 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     return errors, f"model.outputs checked against {where} ({len(found)} output(s) recorded at registration)"
 
 
+def unpassable_gate_warnings(spec: Spec, *, largest: int = 100_000) -> list[str]:
+    """Per-slice and discovered gates on a 0/1 metric (`PROPORTION_METRICS`) decided on a Wilson lower bound that a
+    group of `min_support` rows cannot pass even when every row agrees (n/n has a one-sided Wilson bound of
+    n / (n + z^2), `core.stats.wilson_bound`): such a gate fails the FP32 reference against itself on every group
+    between `min_support` rows and the smallest size that can pass.
+
+    Returns:
+        One warning per such gate, naming it (`gates.<i>`), the sizes that cannot pass and the two fixes.
+    """
+    from tailguard.core.spec.models import PROPORTION_METRICS
+    from tailguard.core.stats import wilson_bound
+
+    out = []
+    for i, g in enumerate(spec.gates):
+        if (g.scope == "overall" or g.confidence is None or g.min is None or g.metric not in PROPORTION_METRICS
+                or g.min <= 0):
+            continue
+        n = g.min_support
+        if wilson_bound(n, n, g.confidence, "lower") >= g.min:
+            continue
+        lo, hi = n, largest  # the smallest n whose n/n bound reaches min (the bound grows with n)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if wilson_bound(mid, mid, g.confidence, "lower") >= g.min else (mid + 1, hi)
+        bound = float(wilson_bound(n, n, g.confidence, "lower"))
+        sizes = f"{n}-{lo - 1} rows" if lo < largest else f"any size up to {largest} rows"
+        out.append(f"gates.{i} ({g.metric} >= {g.min:g} at {g.confidence:g} confidence, min_support {n}): a group of "
+                   f"{sizes} fails it even when every row agrees ({n}/{n} has a lower bound of {bound:.3f}); "
+                   f"raise min_support to {lo} or lower min" if lo < largest else "lower min")
+    return out
+
+
 def check_spec_file(path: str | Path, *, data: bool = True) -> tuple[Spec, DataCheck | None]:
     """`tailguard spec check`: validate a spec file and, with `data`, its local data files; every error at once.
 
