@@ -402,6 +402,12 @@ class Cusum:
         """Add one evidence unit: u = S / M (S its clipped excess sum in the bet's sign, `request_units`), weight
         ratio r in (0, 1], `row` the slice's unit number, `acc` the stream's window sums before this unit."""
         s, walk = self.s, self.walk
+        if u == 0.0:  # every factor is 1 (e.g. candidate_error_rate 0 at threshold 0): only idle CUSUMs move start
+            for j in range(N_BETS):
+                if s[j] == 0.0:
+                    self.start[j] = row + 1
+                    self.start_request[j] = None
+            return
         for j, lam in enumerate(bet.lambdas):
             inc = math.log1p(lam * r * u)
             walk[j] += inc
