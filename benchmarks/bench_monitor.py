@@ -22,6 +22,14 @@ Sections of the JSON it writes:
   size for the same alpha / beta (beta = 1 - the measured detection rate target, 0.05).
 * false_alarms: FP32 vs FP32 (the same real ONNX reference as candidate) replayed over 100k requests:
   alerts must be 0; plus a stream whose slices sit at 0.99 (above the 0.97 threshold) over 100k requests.
+* row_weighted_detection (issue 41): the row-weighted detector's delay at 1, 16 and 64 rows per request (M
+  declared = the request size; the default M = 64 beside it on smaller requests), 1.00 -> 0.94 in a 1% slice and
+  0.99 -> 0.95 in a 0.3% slice, over all runs with 95% intervals, beside the best valid linear bet (one fixed
+  lambda on the request's row sum, best by simulation) and Wald's row-level SPRT oracle at the same h. Target:
+  within 1.2x the best valid linear bet.
+* mixed_size_false_alarms (issue 41): honest traffic of 1-, 16- and 64-row requests with size-correlated
+  agreement, per row >= 1 point above the threshold (per request below it): no alert, 100k requests x 5 seeds;
+  bad traffic 2+ points below per row (per request above): an alert in every run.
 """
 
 from __future__ import annotations
@@ -403,7 +411,8 @@ def _detect_case(args):
             "detected": len(delays), "missed": misses, "false_alarms_elsewhere_or_before_change": fas,
             "change_at_request": change_at, "max_requests": max_requests,
             "delay_sampled_slice_rows": {"mean": mean, "median": med, "min": min(delays) if delays else None,
-                                         "max": max(delays) if delays else None, "all": delays},
+                                         "max": max(delays) if delays else None, "all": delays,
+                                         "interval": _interval(delays)},
             "requests_per_stream_median": float(np.median(reqs)),
             "alarm_threshold_h": h, "sprt_asn_h1": sprt["asn_h1"], "sprt_alpha": math.exp(-h),
             "sprt_simulated": {"mean": sim_mean, "median": sim_median},
@@ -659,7 +668,8 @@ def bench_batched_detection(runs=50, sizes=(1, 16, 64), share=0.01, sample_rate=
                     "delay_sampled_slice_requests": {
                         "mean": float(np.mean(delays)) if delays else None,
                         "median": float(np.median(delays)) if delays else None,
-                        "p90": float(np.percentile(delays, 90)) if delays else None},
+                        "p90": float(np.percentile(delays, 90)) if delays else None,
+                        "interval": _interval(delays)},
                     "sprt_requests": {"wald_asn_mean": wald / r, "simulated_mean": sim_mean,
                                       "simulated_median": sim_median},
                     "mean_over_sprt_mean": (float(np.mean(delays)) / sim_mean) if delays else None,
