@@ -39,11 +39,13 @@ class MonitorEngine:
         role: "standalone" (detects and alerts on its own rows), "replica" (`--evidence-only`: measures and exports
             evidence, never alerts) or "combiner" (`--peer`: its own rows and its peers' evidence feed one combined
             detector, whose alerts are the deployment's; monitoring/combine.py).
+        max_request_rows: the detector's bound M on a request's rows (default: min(monitoring.max_request_rows,
+            monitoring.max_batch_rows)); replay passes 1 (every logged row is a one-row request).
     """
 
     def __init__(self, cfg: MonitorConfig, *, seed: int | None = None, metrics: MonitorMetrics | None = None,
                  on_sample: Callable[[dict[str, Any]], None] | None = None, lock: Any = None,
-                 role: str = "standalone") -> None:
+                 role: str = "standalone", max_request_rows: int | None = None) -> None:
         if role not in ("standalone", "replica", "combiner"):
             raise ValueError(f"role must be standalone, replica or combiner, got {role!r}")
         mon = cfg.mon
@@ -58,7 +60,9 @@ class MonitorEngine:
         self.epoch = uuid.uuid4().hex  # identifies this process's evidence (a restart starts new walks)
         shared = dict(streams_per_request=cfg.keys_per_request, alpha=mon.alpha, horizon=mon.horizon,
                       window_size=mon.window_size, min_support=mon.min_support,
-                      max_tracked_slices=mon.max_tracked_slices)
+                      max_tracked_slices=mon.max_tracked_slices,
+                      max_request_rows=(max_request_rows if max_request_rows is not None
+                                        else min(mon.max_request_rows, mon.max_batch_rows)))
         self.stats = SliceStatistics(cfg.model_name, cfg.metrics, cfg.bounds, export_walks=role != "standalone",
                                      alerting=role == "standalone", **shared)
         self.stats.requests_seen = _SeenView(self.sampler)
@@ -273,6 +277,7 @@ class MonitorEngine:
                 "compared_requests": self.compared_requests,
                 "sample_rate": mon.sample_rate, "window_size": mon.window_size, "min_support": mon.min_support,
                 "alpha": mon.alpha, "horizon": mon.horizon, "detector": st.method,
+                "max_request_rows": st.max_request_rows,
                 "alarm_threshold": round(st.h, 6), "keys_per_request": self.cfg.keys_per_request, "role": self.role,
                 "slices_evicted": st.evicted, "slices_evicted_strong": st.evicted_strong,
                 "sampler_keys_evicted": self.sampler.evicted, "slice_values_cut": self.labels_cut,
