@@ -43,23 +43,27 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
+import itertools
 import json
 import logging
 import math
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Callable, Mapping, Sequence
 
+from tailguard.monitoring.config import ALL_SLICE
 from tailguard.monitoring.detector import DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring.combine")
 
 Fetch = Callable[[str, int], Mapping[str, Any]]  # (peer, since) -> evidence document
 OnError = Callable[[str, str], None]  # (source, PeerError value) -> None
+INCOMPLETE_REASONS = ("several_processes", "replicas_missing")  # Combiner.incomplete, per poll
 
 MAX_EVIDENCE_BYTES = 128 * 2**20  # a body past this is refused (about 250k (slice, metric) walks)
 FETCH_TIMEOUT_S = 5.0  # connect / per-read timeout of one poll
@@ -68,6 +72,9 @@ RETIRE_AFTER_POLLS = 20  # an epoch its source has not shown for this many accep
 MAX_RETIRED_EPOCHS = 100_000  # retired epoch ids remembered (about 10 MB); the oldest are forgotten past it
 MAX_EPOCH_CHARS = 128
 MAX_COUNT = 2**62  # a row / request count or cursor above this is not a real one
+CHECKPOINT_EVERY = 256  # sampled requests between two checkpoints of a replica's walks (CheckpointLog)
+MAX_CHECKPOINTS = 128  # checkpoints a replica keeps: a backlog of up to 128 x 256 sampled requests merges in order
+WAIT_POLLS = 12  # a source that answered before is waited for through this many failed polls (Combiner, Ordering)
 REPLICA = "replica"
 COMBINER = "combiner"
 
@@ -148,7 +155,8 @@ class _EpochState:
     cursor: int = 0  # next `since` for this epoch (advanced only by a document complete since the last one)
     version: int = -1  # highest document version read
     seen: int = 0  # the source's accepted-document number when this epoch was last shown
-    last: dict[str, _SliceMark] = field(default_factory=dict)
+    last: dict[str, _SliceMark] = field(default_factory=dict)  # what was queued last per slice (merged, or pending)
+    time: float = -math.inf  # time stamp of the last increment queued (increments of an epoch stay in order)
 
 
 @dataclass
@@ -161,6 +169,13 @@ class _SourceState:
     errors: Counter = field(default_factory=Counter)
     last_error: str = ""
     last_error_reason: str = ""
+    failed: int = 0  # polls failed in a row
+    as_of: float | None = None  # the clock of its last accepted document (None: it sends none, not ordered)
+    flip_at: int = 0  # `accepted` at its last epoch flip (0: never)
+    increments: int = 0  # increments queued (checkpoints and tails)
+    late: int = 0  # increments merged after newer evidence of other sources (it was not waited for)
+    coarse: int = 0  # documents whose backlog reached past the peer's oldest checkpoint (partly merged in one step)
+    skipped_requests: int = 0  # sampled requests of epochs read by an earlier combiner, not merged (Restart)
 
 
 @dataclass
@@ -172,9 +187,31 @@ class _Update:
     walks: dict[str, tuple[list[float], list[float]]]
 
 
+@dataclass
+class _Stage:
+    """One increment of one epoch: a checkpoint's (or the document's tail's) per-slice increments and its time."""
+
+    time: float | None
+    updates: list[_Update]
+    tail: bool = False
+
+
+@dataclass
+class _Read:
+    """An accepted document, checked: what the merge step queues."""
+
+    epoch: str
+    version: int
+    stages: list[_Stage]
+    as_of: float | None
+    baseline: bool  # first read of an epoch an earlier combiner read: its history is not merged
+    coarse: bool  # the backlog reached past the peer's oldest checkpoint
+    since: int  # the cursor it was read with
+
+
 class Combiner:
     """Merges evidence documents (MonitorEngine.evidence) from several sources into one SliceStatistics, once per
-    epoch (module docstring).
+    epoch, in time order (module docstring).
 
     Args:
         stats: the combined statistics (source "combined"); its alerts are the deployment's.
@@ -185,23 +222,44 @@ class Combiner:
         settings: the combiner's `settings_hash`; a document with other settings is refused.
         local: the source that is the combiner's own evidence (role "combiner"); every other must be "replica".
         on_error: called with (source, reason) for every counted error (the service's Prometheus counter).
+        reader: this combiner's id (its epoch), sent with every fetch; a replica whose previous reader differs
+            was read by an earlier combiner: its history up to the first read is not merged (Restart).
+        expect_replicas: the number of replica processes the deployment runs (`--expect-replicas`); fewer live
+            replica epochs than this makes the combined view incomplete (`incomplete`). None: not checked.
+        wait_polls: a source that answered before is waited for (its evidence ordered with the others') through
+            this many failed polls in a row; past them the others' evidence is merged without it.
+        on_incomplete: called once per poll and INCOMPLETE_REASONS reason while the combined view is incomplete
+            (the service's `tailguard_monitor_incomplete_polls_total`).
     """
 
     def __init__(self, stats: SliceStatistics, fetch: Fetch, sources: Sequence[str], lock: Any = None, *,
-                 settings: str, local: str | None = None, on_error: OnError | None = None) -> None:
+                 settings: str, local: str | None = None, on_error: OnError | None = None, reader: str = "",
+                 expect_replicas: int | None = None, wait_polls: int = WAIT_POLLS,
+                 on_incomplete: Callable[[str], None] | None = None) -> None:
+        if expect_replicas is not None and expect_replicas < 1:
+            raise ValueError(f"expect_replicas must be >= 1, got {expect_replicas}")
         self.stats = stats
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.fetch = fetch
         self.settings = settings
         self.on_error = on_error
+        self.reader = reader
+        self.expect_replicas = expect_replicas
+        self.wait_polls = int(wait_polls)
         self.sources = {s: _SourceState(local=s == local) for s in dict.fromkeys(sources)}
         self.epochs: dict[str, _EpochState] = {}
         self.retired: OrderedDict[str, str] = OrderedDict()  # epoch -> the source it was read from
         self.polls = 0
+        self.pending: list[tuple[float, int, str, list[_Update]]] = []  # heap of (time, order, source, updates)
+        self._order = itertools.count()
+        self.merged_through = -math.inf  # time of the newest increment merged
+        self.incomplete_polls: Counter = Counter()  # polls that found the combined view incomplete, by reason
+        self.on_incomplete = on_incomplete
 
     # ------------------------------------------------------------------------------------------ polling
     def poll(self, now: datetime | None = None) -> Evaluation:
-        """Fetch every source once, check each document whole, and merge what is new.
+        """Fetch every source once, check each document whole, queue its increments (one per checkpoint, and
+        the tail), and merge, in time order, every queued increment up to the watermark (module docstring).
 
         Args:
             now: time stamp for alert records (default now).
@@ -209,15 +267,21 @@ class Combiner:
         Returns:
             Alerts fired and cleared by the merge.
         """
-        ev = Evaluation()
-        for name in self.sources:
-            part = self._poll_one(name, now)
-            ev.fired += part.fired
-            ev.cleared += part.cleared
+        reads = {name: r for name in self.sources if (r := self._poll_one(name)) is not None}
+        waited = [s.as_of for s in self.sources.values()
+                  if s.as_of is not None and s.accepted and s.failed <= self.wait_polls]
+        watermark = min(waited, default=math.inf)
+        for name, r in reads.items():
+            self._queue(name, r, watermark)
+        ev = self._merge_until(watermark, now)
         self.polls += 1
+        for reason in sorted({r.split(":", 1)[0] for r in self.incomplete().values()}):
+            self.incomplete_polls[reason] += 1
+            if self.on_incomplete is not None:
+                self.on_incomplete(reason)
         return ev
 
-    def _poll_one(self, name: str, now: datetime | None) -> Evaluation:
+    def _poll_one(self, name: str) -> _Read | None:
         src = self.sources[name]
         owned = [e for e in self.epochs.values() if e.source == name]
         since = min((e.cursor for e in owned), default=0)  # complete for every epoch this source may answer from
@@ -229,14 +293,16 @@ class Combiner:
             except Exception as exc:  # a peer down must not stop the others: count, retry next poll
                 raise PeerDocumentError(PeerError.FETCH_FAILED, f"{type(exc).__name__}: {exc}") from None
             try:
-                epoch, version, updates = self._check(name, doc)
+                read = self._check(name, doc, since)
             except PeerDocumentError:
                 raise
             except Exception as exc:  # a check this module did not foresee: still this document's fault
                 raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{type(exc).__name__}: {exc}") from None
         except PeerDocumentError as exc:
+            src.failed += 1
             self._error(name, exc.reason, exc.message)
-            return Evaluation()
+            return None
+        epoch = read.epoch
         es = self.epochs.get(epoch)
         if es is None:
             es = self.epochs[epoch] = _EpochState(name)
@@ -245,24 +311,81 @@ class Combiner:
                 log.info("source %s shows a new epoch %s (was %s): a restart, or another process behind it",
                          name, epoch, src.epoch)
         elif src.epoch and src.epoch != epoch:
+            src.flip_at = src.accepted + 1
             self._error(name, PeerError.EPOCH_FLIP, f"epoch went back from {src.epoch} to {epoch}: the URL reaches "
-                        "more than one live process (merged once per epoch; list each pod instead)")
-        ev = Evaluation()
-        with self.lock:
-            for u in updates:
-                part = self.stats.merge(u.key, u.walks, u.rows, u.requests, now=now)
-                es.last[u.key] = u.mark  # per slice, right after its merge: state says exactly what was merged
-                ev.fired += part.fired
-                ev.cleared += part.cleared
-        if since <= es.cursor:  # the document holds every slice updated since this epoch's cursor
-            es.cursor = max(es.cursor, version)
-        es.version = max(es.version, version)
+                        "more than one live process (merged once per epoch, but a pod it does not reach is lost: "
+                        "list each pod, or --peer-dns a headless Service)")
         src.accepted += 1
         src.ok = True
+        src.failed = 0
         src.epoch = epoch
+        if read.as_of is not None:
+            src.as_of = read.as_of if src.as_of is None else max(src.as_of, read.as_of)
         es.seen = src.accepted
         self._retire(name, src)
+        return read
+
+    def _queue(self, name: str, read: _Read, watermark: float) -> None:
+        """Queue a checked document's increments in order (or, for a baseline, only record what it showed)."""
+        src, es = self.sources[name], self.epochs.get(read.epoch)
+        if es is None:  # retired within this poll (cannot happen for the epoch just shown); nothing to do
+            return
+        if read.coarse and not read.baseline:
+            src.coarse += 1
+            log.warning("evidence from %s: backlog older than the peer's oldest checkpoint, partly merged in one "
+                        "increment", name)
+        for st in read.stages:
+            for u in st.updates:
+                es.last[u.key] = u.mark  # per slice: state says exactly what was queued
+            if read.baseline:
+                src.skipped_requests += sum(u.requests for u in st.updates if u.key == ALL_SLICE)
+                continue
+            t = -math.inf if st.time is None else st.time
+            if st.tail and st.time is not None:
+                t = min(t, watermark)  # a tail is merged with the poll round that read it (ordered to the round)
+            t = max(t, es.time)  # an epoch's increments stay in its own order whatever its clock did
+            es.time = t
+            ups = [u for u in st.updates if u.requests > 0]
+            if ups:
+                heapq.heappush(self.pending, (t, next(self._order), name, ups))
+                src.increments += 1
+        if read.since <= es.cursor:  # the document holds every slice updated since this epoch's cursor
+            es.cursor = max(es.cursor, read.version)
+        es.version = max(es.version, read.version)
+
+    def _merge_until(self, watermark: float, now: datetime | None) -> Evaluation:
+        ev = Evaluation()
+        with self.lock:
+            while self.pending and self.pending[0][0] <= watermark:
+                t, _, name, ups = heapq.heappop(self.pending)
+                if t < self.merged_through:
+                    self.sources[name].late += 1
+                self.merged_through = max(self.merged_through, t)
+                for u in ups:
+                    part = self.stats.merge(u.key, u.walks, u.rows, u.requests, now=now)
+                    ev.fired += part.fired
+                    ev.cleared += part.cleared
         return ev
+
+    def incomplete(self) -> dict[str, str]:
+        """Why the combined evidence is known to miss processes: {source: reason} for a source URL that reached
+        several live processes (an epoch flip within the last RETIRE_AFTER_POLLS documents: a load-balanced
+        Service, whose pods it does not all reach), and {"replicas": reason} while fewer live replica epochs
+        answer than `expect_replicas`. Empty: nothing known to be missing."""
+        out: dict[str, str] = {}
+        for name, s in self.sources.items():
+            if s.flip_at and s.accepted - s.flip_at < RETIRE_AFTER_POLLS:
+                live = sum(1 for e in self.epochs.values() if e.source == name)
+                out[name] = (f"several_processes: this URL answered from {live} processes (epochs flip; HTTP "
+                             "keep-alive or a load balancer pins it to one at a time, so some of their evidence "
+                             "is never read): list one URL per pod, or --peer-dns a headless Service")
+        if self.expect_replicas is not None:
+            live = sum(1 for e in self.epochs.values()
+                       if not self.sources[e.source].local and self.sources[e.source].ok)
+            if live < self.expect_replicas:
+                out["replicas"] = (f"replicas_missing: {live} live replica process(es) answer, "
+                                   f"{self.expect_replicas} expected (--expect-replicas): list one URL per pod")
+        return out
 
     def _retire(self, name: str, src: _SourceState) -> None:
         for epoch in [e for e, s in self.epochs.items()
@@ -283,11 +406,12 @@ class Combiner:
             self.on_error(name, reason.value)
 
     # ------------------------------------------------------------------------------------------ checks
-    def _check(self, name: str, doc: Any) -> tuple[str, int, list[_Update]]:
+    def _check(self, name: str, doc: Any, since: int = 0) -> _Read:
         """The whole document checked against this source's and epoch's state; nothing is changed.
 
         Returns:
-            (epoch, version, the per-slice increments to merge).
+            The epoch, version, and the per-slice increments of each checkpoint after the epoch's cursor and of
+            the tail, in order.
 
         Raises:
             PeerDocumentError: the first thing wrong (its reason is counted).
@@ -317,13 +441,52 @@ class Combiner:
         version = _count(doc.get("version"), "version")
         if es is not None and version < es.version:
             raise PeerDocumentError(PeerError.BAD_COUNT, f"version went back from {es.version} to {version}")
+        as_of = _time(doc.get("as_of"), "as_of", optional=True)
+        reader = doc.get("last_reader")
+        if reader is not None and (not isinstance(reader, str) or len(reader) > MAX_EPOCH_CHARS):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"last_reader must be a string of at most "
+                                    f"{MAX_EPOCH_CHARS} characters, got {_show(reader)}")
+        floor = _count(doc.get("checkpoint_floor", 0), "checkpoint_floor")
         slices = doc.get("slices")
         if not isinstance(slices, Mapping):
             raise PeerDocumentError(PeerError.BAD_DOCUMENT, "slices must be an object")
-        last = es.last if es is not None else {}
-        return epoch, version, [self._increment(key, entry, last.get(key), version) for key, entry in slices.items()]
+        checkpoints = doc.get("checkpoints", [])
+        if not isinstance(checkpoints, list):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, "checkpoints must be a list")
+        marks = dict(es.last) if es is not None else {}
+        cursor = es.cursor if es is not None else 0
+        stages, prev_v, prev_t = [], cursor, -math.inf
+        for i, cp in enumerate(checkpoints):
+            if not isinstance(cp, Mapping) or not isinstance(cp.get("slices"), Mapping):
+                raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"checkpoint {i}: not an object with slices")
+            cv = _count(cp.get("version"), f"checkpoint {i} version")
+            ct = _time(cp.get("time"), f"checkpoint {i} time")
+            if cv > version or ct < prev_t or (as_of is not None and ct > as_of):
+                raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"checkpoint {i}: version {cv} / time {ct} out of "
+                                        f"order (document version {version}, as_of {as_of})")
+            prev_t = ct
+            if cv <= prev_v:  # already queued from an earlier document
+                continue
+            prev_v = cv
+            ups = []
+            for key, entry in cp["slices"].items():
+                u = self._increment(key, entry, marks.get(key), version, covered_ok=True)
+                if u is not None:
+                    marks[key] = u.mark
+                    ups.append(u)
+            stages.append(_Stage(ct, ups))
+        ups = []
+        for key, entry in slices.items():
+            u = self._increment(key, entry, marks.get(key), version)
+            assert u is not None
+            marks[key] = u.mark
+            ups.append(u)
+        stages.append(_Stage(as_of, ups, tail=True))
+        baseline = es is None and bool(reader) and reader != self.reader
+        return _Read(epoch, version, stages, as_of, baseline, coarse=since < floor, since=since)
 
-    def _increment(self, key: Any, entry: Any, prev: _SliceMark | None, version: int) -> _Update:
+    def _increment(self, key: Any, entry: Any, prev: _SliceMark | None, version: int, *,
+                   covered_ok: bool = False) -> _Update | None:
         if not isinstance(key, str) or not isinstance(entry, Mapping):
             raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {_show(key)}: not a key and an object")
         inc = _count(entry.get("incarnation"), f"slice {key!r} incarnation")
@@ -334,6 +497,9 @@ class Combiner:
                                     f"{version}")
         if requests > rows:
             raise PeerDocumentError(PeerError.BAD_COUNT, f"slice {key!r}: {requests} requests but {rows} rows")
+        if covered_ok and prev is not None and (inc < prev.incarnation or (
+                inc == prev.incarnation and requests <= prev.requests and rows <= prev.rows)):
+            return None  # a checkpoint older than what an earlier document's tail already showed of this slice
         if prev is not None and inc < prev.incarnation:
             raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {key!r}: incarnation went back from "
                                     f"{prev.incarnation} to {inc}")
@@ -373,8 +539,15 @@ class Combiner:
     def status(self) -> dict[str, Any]:
         """Per source (served in /readyz `peers`): whether its last poll was merged (`ok`), its current epoch and
         cursor, documents accepted, epochs first seen from it, errors (total and by PeerError reason) and the last
-        one, and the live epochs it owns with their cursors."""
+        one, the live epochs it owns with their cursors; and for ordering (module docstring): `as_of` (its clock
+        at its last document), `failed_polls` in a row, `waited` (the merge waits for it), `pending` increments
+        queued and not merged yet, `late` increments merged after newer ones of other sources, `coarse` documents
+        whose backlog reached past the peer's oldest checkpoint, `skipped_requests` of epochs an earlier combiner
+        read (not merged after a restart), and `incomplete` (why its evidence is known to miss a process, or
+        null)."""
         out: dict[str, Any] = {}
+        pending = Counter(name for _, _, name, _ in self.pending)
+        incomplete = self.incomplete()
         for name, s in self.sources.items():
             owned = {e: {"cursor": st.cursor, "slices": len(st.last)} for e, st in self.epochs.items()
                      if st.source == name}
@@ -382,7 +555,11 @@ class Combiner:
             out[name] = {"ok": s.ok, "epoch": s.epoch, "cursor": cur.cursor if cur is not None else 0,
                          "accepted": s.accepted, "new_epochs": s.new_epochs, "epochs": owned,
                          "errors": sum(s.errors.values()), "errors_by_reason": dict(s.errors),
-                         "last_error": s.last_error, "last_error_reason": s.last_error_reason}
+                         "last_error": s.last_error, "last_error_reason": s.last_error_reason,
+                         "as_of": s.as_of, "failed_polls": s.failed,
+                         "waited": s.as_of is not None and s.accepted > 0 and s.failed <= self.wait_polls,
+                         "pending": pending[name], "increments": s.increments, "late": s.late, "coarse": s.coarse,
+                         "skipped_requests": s.skipped_requests, "incomplete": incomplete.get(name)}
         return out
 
 
@@ -396,6 +573,14 @@ def _count(v: Any, what: str) -> int:
     if not 0 <= v <= MAX_COUNT:
         raise PeerDocumentError(PeerError.BAD_COUNT, f"{what} must be in [0, 2^62], got {_show(v)}")
     return v
+
+
+def _time(v: Any, what: str, optional: bool = False) -> float | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{what} must be a finite number (seconds), got {_show(v)}")
+    return float(v)
 
 
 def _walk(v: Any, n: int, what: str) -> tuple[float, ...]:
@@ -434,9 +619,67 @@ def _within(bet: Betting, now: tuple[float, ...], before: tuple[float, ...] | No
     return inc
 
 
+class CheckpointLog:
+    """A replica's (and the combiner's own) checkpoints: every `every` sampled requests, the cumulative evidence
+    entries of the slices updated since the previous checkpoint, with the version and the clock at that moment.
+    A combiner that reads a backlog (it could not reach this process for a while) merges it one checkpoint at a
+    time, in time order with the other processes' evidence (Ordering, module docstring), instead of as one
+    increment that would mix rows from before a change with rows after it.
+
+    Memory: at most `keep` checkpoints, each at most `every` x G slice entries (G: slice keys per request), each
+    entry 2 x N_BETS floats per thresholded metric. Past `keep` the oldest is dropped, and `floor` (its version)
+    tells a reader whose cursor is older that part of its backlog arrives as one increment (counted, `coarse`).
+
+    Args:
+        stats: the process's SliceStatistics (export_walks=True).
+        every: sampled requests between two checkpoints.
+        keep: checkpoints kept.
+        clock: wall clock (s); replicas and combiner compare these, so they must share time (NTP).
+    """
+
+    def __init__(self, stats: SliceStatistics, every: int = CHECKPOINT_EVERY, keep: int = MAX_CHECKPOINTS,
+                 clock: Callable[[], float] = time.time) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError("every and keep must be >= 1")
+        self.stats = stats
+        self.every = int(every)
+        self.clock = clock
+        self.items: deque[tuple[int, float, dict[str, Any]]] = deque(maxlen=int(keep))
+        self.count = 0  # sampled requests since the last checkpoint
+        self.version = 0  # the last checkpoint's version
+        self.floor = 0  # version of the newest checkpoint dropped (0: none)
+
+    def tick(self, requests: int = 1) -> None:
+        """Count sampled requests added to the statistics; take a checkpoint every `every` of them (call under
+        the lock that guards the statistics)."""
+        self.count += requests
+        if self.count >= self.every:
+            self.take()
+
+    def take(self) -> None:
+        """Checkpoint now (the slices updated since the last checkpoint; nothing when none was)."""
+        self.count = 0
+        version, keys = self.stats.evidence_keys(self.version)
+        if version == self.version:
+            return
+        if len(self.items) == self.items.maxlen:
+            self.floor = self.items[0][0]
+        self.items.append((version, self.clock(), self.stats.evidence_entries(keys)))
+        self.version = version
+
+    def after(self, since: int) -> list[dict[str, Any]]:
+        """The checkpoints with a version above `since`, oldest first: [{"version", "time", "slices"}]."""
+        return [{"version": v, "time": t, "slices": sl} for v, t, sl in self.items if v > since]
+
+
 def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDENCE_BYTES,
-               deadline_s: float = FETCH_DEADLINE_S, headers: Mapping[str, str] | None = None) -> Fetch:
-    """A Fetch over HTTP: GET {peer}/v1/evidence?since=N (httpx, streamed), with bounded size and time.
+               deadline_s: float = FETCH_DEADLINE_S, headers: Mapping[str, str] | None = None,
+               reader: str = "") -> Fetch:
+    """A Fetch over HTTP: GET {peer}/v1/evidence?since=N&reader=ID (httpx, streamed), with bounded size and time.
+
+    Every fetch opens a new connection (no keep-alive): a URL that load-balances per connection (a Kubernetes
+    Service) is then answered by its pods in turn, so the combiner sees their epochs flip and reports the URL
+    incomplete (Combiner.incomplete), instead of reading one pinned pod forever as if it were the whole URL.
 
     Args:
         timeout_s: connect and per-read timeout (s).
@@ -445,6 +688,7 @@ def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDE
             peer ends within deadline_s + timeout_s.
         headers: sent with every fetch: the monitor's `Authorization: Bearer <token>` when it has one
             (monitoring.auth_token_env / auth_token_file; replicas and combiner share the token), else none.
+        reader: the combiner's id, sent as `reader` (the replica reports the previous one: Restart).
 
     Returns:
         fetch(peer, since) -> the parsed document; raises PeerDocumentError (body_too_large, read_timeout,
@@ -452,11 +696,13 @@ def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDE
     """
     import httpx
 
-    client = httpx.Client(timeout=timeout_s, headers=dict(headers or {}))
+    client = httpx.Client(timeout=timeout_s, headers=dict(headers or {}),
+                          limits=httpx.Limits(max_keepalive_connections=0))
 
     def fetch(peer: str, since: int) -> Mapping[str, Any]:
         end = time.monotonic() + deadline_s
-        with client.stream("GET", peer.rstrip("/") + "/v1/evidence", params={"since": since}) as r:
+        params = {"since": since, "reader": reader}
+        with client.stream("GET", peer.rstrip("/") + "/v1/evidence", params=params) as r:
             r.raise_for_status()
             declared = r.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > max_bytes:

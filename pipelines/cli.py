@@ -437,6 +437,10 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                       "the deployment's only alerting process (docs/monitor.md, Replicas).")),
                   poll_interval: float = typer.Option(5.0, "--poll-interval", min=0.1,
                                                       help="Seconds between reads of the peers' evidence."),
+                  expect_replicas: Optional[int] = typer.Option(None, "--expect-replicas", min=1, help=(
+                      "With --peer: the number of replica processes the deployment runs; while fewer answer (or a "
+                      "--peer URL answers from several processes) /readyz is not ready and "
+                      "tailguard_monitor_incomplete_polls_total counts the polls (docs/monitor.md, Replicas).")),
                   grpc_port: Optional[int] = typer.Option(None, "--grpc-port", min=0, max=65535, help=(
                       "Also accept the Open Inference Protocol over gRPC (inference.GRPCInferenceService: "
                       "ModelInfer, ServerLive/Ready, ModelReady, metadata) on this port, feeding the same "
@@ -463,7 +467,7 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
         err_console.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
           poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
-          candidate_version=candidate_version, tracking_uri=tracking_uri)
+          expect_replicas=expect_replicas, candidate_version=candidate_version, tracking_uri=tracking_uri)
 
 
 # ------------------------------------------------------------------------------------------- trigger
