@@ -268,11 +268,13 @@ class Combiner:
             Alerts fired and cleared by the merge.
         """
         reads = {name: r for name in self.sources if (r := self._poll_one(name)) is not None}
+        # the round: every tail read now is ordered at the earliest clock of the round (one poll is the grain)
+        round_mark = min((r.as_of for r in reads.values() if r.as_of is not None), default=math.inf)
         waited = [s.as_of for s in self.sources.values()
                   if s.as_of is not None and s.accepted and s.failed <= self.wait_polls]
-        watermark = min(waited, default=math.inf)
+        watermark = min(waited, default=math.inf)  # a late source still waited for holds the others back
         for name, r in reads.items():
-            self._queue(name, r, watermark)
+            self._queue(name, r, round_mark)
         ev = self._merge_until(watermark, now)
         self.polls += 1
         for reason in sorted({r.split(":", 1)[0] for r in self.incomplete().values()}):
@@ -325,7 +327,7 @@ class Combiner:
         self._retire(name, src)
         return read
 
-    def _queue(self, name: str, read: _Read, watermark: float) -> None:
+    def _queue(self, name: str, read: _Read, round_mark: float) -> None:
         """Queue a checked document's increments in order (or, for a baseline, only record what it showed)."""
         src, es = self.sources[name], self.epochs.get(read.epoch)
         if es is None:  # retired within this poll (cannot happen for the epoch just shown); nothing to do
@@ -342,7 +344,7 @@ class Combiner:
                 continue
             t = -math.inf if st.time is None else st.time
             if st.tail and st.time is not None:
-                t = min(t, watermark)  # a tail is merged with the poll round that read it (ordered to the round)
+                t = min(t, round_mark)  # a tail is ordered with the poll round that read it
             t = max(t, es.time)  # an epoch's increments stay in its own order whatever its clock did
             es.time = t
             ups = [u for u in st.updates if u.requests > 0]
