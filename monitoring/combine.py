@@ -17,8 +17,7 @@ epoch, its cursor and the walks it merged last, and merges each epoch's incremen
 
 * a `--peer` URL that load-balances (a Service name, round-robin DNS) and answers from different pods on
   different polls merges each pod's increments once (no double counting); the change back to an epoch it showed
-  before is counted (`epoch_flip`: such a URL may miss a pod for long, and only lists of single pods are a
-  supported layout);
+  before is counted (`epoch_flip`) and makes the view incomplete (below);
 * an epoch already read under another source (one pod listed under two URLs, or the combiner's own URL in its
   `--peer` list: its epoch is the one of source "self") is refused from the second source (`duplicate_epoch`);
 * a replica that restarts shows a new epoch, merged from zero once; its old epoch, not seen again for
@@ -34,6 +33,35 @@ counted per (peer, reason) (`PeerError`; the service exports `tailguard_monitor_
 /readyz, and that peer's document is not merged; the other peers are unaffected. The HTTP fetch caps the body size
 and the total read time.
 
+**Incomplete views.** A Service URL does not reach every pod: HTTP keep-alive pins a client to one pod, and a new
+connection reaches a random one. The combiner opens a new connection per fetch, so such a URL shows its pods'
+epochs in turn, and an epoch flip (back to an epoch it showed before; a restart never does that) marks it
+`several_processes` for RETIRE_AFTER_POLLS of its documents. With `expect_replicas` (`--expect-replicas N`) fewer
+live replica epochs than N (a URL pinned to one pod, a pod down or not listed) is `replicas_missing`. Either makes
+`incomplete()` non-empty: /readyz answers 503 with the reasons, and `tailguard_monitor_incomplete_polls_total`
+counts the polls. Supported layouts: one `--peer` URL per pod, or `--peer-dns NAME:PORT` of a headless Service
+(every address of the name is one peer, looked up at every poll: `peers_from_dns`).
+
+**Ordering.** A replica (and the combiner's own evidence) keeps a `CheckpointLog`: every CHECKPOINT_EVERY sampled
+requests, the cumulative entries of the slices updated since the last checkpoint, with the version and its wall
+clock; a document carries the checkpoints after the reader's cursor and `as_of` (the clock when it was read). The
+combiner turns each document into one increment per checkpoint plus the tail, queues them, and merges, in time
+order, those at or before the watermark: the smallest `as_of` of the sources it waits for (every source that
+answered before and has failed fewer than `wait_polls` polls in a row). So a replica that could not be read while a
+drift started delays the others' evidence (up to `wait_polls` polls) instead of landing later as one increment
+that mixes rows from before the change with rows after it; its backlog merges checkpoint by checkpoint, between
+the others' increments of the same time. The CUSUM clips at zero only between increments, as before (each
+increment is a product of e-value factors over requests: any merge order keeps the bound). A source past
+`wait_polls` is merged when it comes back, in its own order (`late` counts increments merged after newer ones);
+a backlog older than the replica's oldest checkpoint (MAX_CHECKPOINTS) arrives partly as one increment
+(`coarse`). Clocks are the processes' wall clocks: keep them in sync (NTP), the ordering grain is one poll.
+
+**Restart.** The combiner sends its epoch as `reader`; a replica reports the reader before (`last_reader`). The
+first document of an epoch whose previous reader was another combiner (this one restarted, or replaced another)
+is not merged: the detectors start after the replicas' current walks (`skipped_requests`), so history an earlier
+combiner judged (an incident that fired and cleared) is never judged again. An epoch no combiner read yet (a new
+replica) merges from zero.
+
 Family accounting: the replicas run with `--evidence-only` (they measure, export parity gauges for their share
 and never alert), so the alerts of a deployment are the combiner's, and its alpha covers the horizon counted in
 sampled requests of all replicas together.
@@ -48,6 +76,7 @@ import itertools
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -176,6 +205,9 @@ class _SourceState:
     late: int = 0  # increments merged after newer evidence of other sources (it was not waited for)
     coarse: int = 0  # documents whose backlog reached past the peer's oldest checkpoint (partly merged in one step)
     skipped_requests: int = 0  # sampled requests of epochs read by an earlier combiner, not merged (Restart)
+    discovered: bool = False  # found by --peer-dns (else listed by --peer, or `self`)
+    listed: bool = True  # polled: a discovered source the last lookup did not return is not
+    unlisted_at: int = 0  # the combiner's poll number when it was last dropped from the lookup
 
 
 @dataclass
@@ -230,12 +262,17 @@ class Combiner:
             this many failed polls in a row; past them the others' evidence is merged without it.
         on_incomplete: called once per poll and INCOMPLETE_REASONS reason while the combined view is incomplete
             (the service's `tailguard_monitor_incomplete_polls_total`).
+        discover: called at the start of every poll for the current peer URLs found by name (`--peer-dns`:
+            `peers_from_dns`); sources it stops returning are no longer polled and, RETIRE_AFTER_POLLS polls
+            later, forgotten (their epochs retired). A lookup that raises keeps the last list (counted in
+            `discovery`). None: the static `sources` only.
     """
 
     def __init__(self, stats: SliceStatistics, fetch: Fetch, sources: Sequence[str], lock: Any = None, *,
                  settings: str, local: str | None = None, on_error: OnError | None = None, reader: str = "",
                  expect_replicas: int | None = None, wait_polls: int = WAIT_POLLS,
-                 on_incomplete: Callable[[str], None] | None = None) -> None:
+                 on_incomplete: Callable[[str], None] | None = None,
+                 discover: Callable[[], Sequence[str]] | None = None) -> None:
         if expect_replicas is not None and expect_replicas < 1:
             raise ValueError(f"expect_replicas must be >= 1, got {expect_replicas}")
         self.stats = stats
@@ -255,6 +292,8 @@ class Combiner:
         self.merged_through = -math.inf  # time of the newest increment merged
         self.incomplete_polls: Counter = Counter()  # polls that found the combined view incomplete, by reason
         self.on_incomplete = on_incomplete
+        self.discover = discover
+        self.discovery: dict[str, Any] = {"lookups": 0, "errors": 0, "last_error": "", "peers": []}
 
     # ------------------------------------------------------------------------------------------ polling
     def poll(self, now: datetime | None = None) -> Evaluation:
@@ -267,11 +306,14 @@ class Combiner:
         Returns:
             Alerts fired and cleared by the merge.
         """
-        reads = {name: r for name in self.sources if (r := self._poll_one(name)) is not None}
+        if self.discover is not None:
+            self._rediscover()
+        reads = {name: r for name, s in list(self.sources.items())
+                 if s.listed and (r := self._poll_one(name)) is not None}
         # the round: every tail read now is ordered at the earliest clock of the round (one poll is the grain)
         round_mark = min((r.as_of for r in reads.values() if r.as_of is not None), default=math.inf)
         waited = [s.as_of for s in self.sources.values()
-                  if s.as_of is not None and s.accepted and s.failed <= self.wait_polls]
+                  if s.listed and s.as_of is not None and s.accepted and s.failed <= self.wait_polls]
         watermark = min(waited, default=math.inf)  # a late source still waited for holds the others back
         for name, r in reads.items():
             self._queue(name, r, round_mark)
@@ -282,6 +324,39 @@ class Combiner:
             if self.on_incomplete is not None:
                 self.on_incomplete(reason)
         return ev
+
+    def _rediscover(self) -> None:
+        """Refresh the discovered sources from `discover` (a failed lookup keeps the last list)."""
+        d = self.discovery
+        d["lookups"] += 1
+        try:
+            found = list(dict.fromkeys(self.discover()))  # type: ignore[misc]
+        except Exception as exc:  # DNS down: keep polling what was found before
+            d["errors"] += 1
+            d["last_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("peer discovery failed: %s (polling the %d peers found before)", d["last_error"],
+                        len(d["peers"]))
+            return
+        d["peers"] = found
+        for name in found:
+            src = self.sources.get(name)
+            if src is None:
+                self.sources[name] = _SourceState(local=False, discovered=True)
+                log.info("peer %s discovered", name)
+            elif src.discovered:
+                src.listed = True
+        for name, src in list(self.sources.items()):
+            if not src.discovered or name in found:
+                continue
+            if src.listed:
+                src.listed, src.unlisted_at = False, self.polls
+                log.info("peer %s no longer in the lookup: not polled", name)
+            elif self.polls - src.unlisted_at >= RETIRE_AFTER_POLLS and not any(
+                    n == name for _, _, n, _ in self.pending):
+                for epoch in [e for e, st in self.epochs.items() if st.source == name]:
+                    del self.epochs[epoch]
+                    self.retired[epoch] = name
+                del self.sources[name]
 
     def _poll_one(self, name: str) -> _Read | None:
         src = self.sources[name]
@@ -376,14 +451,14 @@ class Combiner:
         answer than `expect_replicas`. Empty: nothing known to be missing."""
         out: dict[str, str] = {}
         for name, s in self.sources.items():
-            if s.flip_at and s.accepted - s.flip_at < RETIRE_AFTER_POLLS:
+            if s.listed and s.flip_at and s.accepted - s.flip_at < RETIRE_AFTER_POLLS:
                 live = sum(1 for e in self.epochs.values() if e.source == name)
                 out[name] = (f"several_processes: this URL answered from {live} processes (epochs flip; HTTP "
                              "keep-alive or a load balancer pins it to one at a time, so some of their evidence "
                              "is never read): list one URL per pod, or --peer-dns a headless Service")
         if self.expect_replicas is not None:
-            live = sum(1 for e in self.epochs.values()
-                       if not self.sources[e.source].local and self.sources[e.source].ok)
+            live = sum(1 for e in self.epochs.values() if not self.sources[e.source].local
+                       and self.sources[e.source].ok and self.sources[e.source].listed)
             if live < self.expect_replicas:
                 out["replicas"] = (f"replicas_missing: {live} live replica process(es) answer, "
                                    f"{self.expect_replicas} expected (--expect-replicas): list one URL per pod")
@@ -559,7 +634,9 @@ class Combiner:
                          "errors": sum(s.errors.values()), "errors_by_reason": dict(s.errors),
                          "last_error": s.last_error, "last_error_reason": s.last_error_reason,
                          "as_of": s.as_of, "failed_polls": s.failed,
-                         "waited": s.as_of is not None and s.accepted > 0 and s.failed <= self.wait_polls,
+                         "waited": (s.listed and s.as_of is not None and s.accepted > 0
+                                    and s.failed <= self.wait_polls),
+                         "discovered": s.discovered, "listed": s.listed,
                          "pending": pending[name], "increments": s.increments, "late": s.late, "coarse": s.coarse,
                          "skipped_requests": s.skipped_requests, "incomplete": incomplete.get(name)}
         return out
@@ -672,6 +749,31 @@ class CheckpointLog:
     def after(self, since: int) -> list[dict[str, Any]]:
         """The checkpoints with a version above `since`, oldest first: [{"version", "time", "slices"}]."""
         return [{"version": v, "time": t, "slices": sl} for v, t, sl in self.items if v > since]
+
+
+def peers_from_dns(target: str, resolver: Callable[..., Any] = socket.getaddrinfo) -> list[str]:
+    """The peers behind a headless Service: `NAME:PORT` -> one base URL per address its DNS name resolves to
+    (A and AAAA records; `http://ADDR:PORT`, IPv6 bracketed), sorted. A headless Service (`clusterIP: None`)
+    answers with every ready pod's address, so each pod is one source, polled on its own connection.
+
+    Args:
+        target: `NAME:PORT` (e.g. `tailguard-monitor-replicas.ns.svc.cluster.local:8080`).
+        resolver: `socket.getaddrinfo` (the stdlib resolver); tests pass a function with its signature, the one
+            seam that stands in for a DNS server.
+
+    Returns:
+        The peer URLs ([] when the name has no address).
+
+    Raises:
+        ValueError: `target` is not NAME:PORT with a port in 1..65535.
+        OSError: the lookup failed (socket.gaierror; the combiner keeps the last list).
+    """
+    name, sep, port = target.rpartition(":")
+    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--peer-dns {target!r}: expected NAME:PORT, e.g. tailguard-monitor-replicas:8080")
+    infos = resolver(name, int(port), 0, socket.SOCK_STREAM)
+    addrs = sorted({info[4][0] for info in infos})
+    return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
 
 
 def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDENCE_BYTES,

@@ -59,9 +59,11 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,7 +77,8 @@ from prometheus_client import Counter
 
 from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
-from tailguard.monitoring.combine import INCOMPLETE_REASONS, Combiner, PeerError, PollLoop, http_fetch
+from tailguard.monitoring.combine import (INCOMPLETE_REASONS, Combiner, PeerError, PollLoop, http_fetch,
+                                          peers_from_dns)
 from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
                                          resolve_config)
 from tailguard.monitoring.compare import compare_rows
@@ -174,6 +177,10 @@ class MonitorService:
         poll_interval_s: seconds between two reads of the peers' evidence.
         expect_replicas: replica processes the deployment runs (`--expect-replicas`): while fewer live ones
             answer, /readyz is not ready (`incomplete`; monitoring/combine.py Combiner.incomplete). None: unchecked.
+        peer_dns: `NAME:PORT` of headless Services whose DNS records list the replicas (`--peer-dns`): looked up
+            at every poll, one peer per address (combine.peers_from_dns); with `peers` or alone.
+        resolver: the DNS lookup, `socket.getaddrinfo` (tests pass one with its signature: the seam that stands
+            in for a DNS server).
         auth_token: the bearer token every endpoint but /healthz requires (config.load_auth_token), also sent
             when the combiner reads its peers; None: no authentication.
         clock: monotonic time source in seconds for the per-column cap on new slice values
@@ -186,11 +193,18 @@ class MonitorService:
                  candidate: str | Path | Runner | None, *, metrics: MonitorMetrics | None = None,
                  seed: int | None = None, s3_client: Any = None, start: bool = True, evidence_only: bool = False,
                  peers: list[str] | None = None, poll_interval_s: float = 5.0, auth_token: str | None = None,
-                 expect_replicas: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 expect_replicas: int | None = None, peer_dns: list[str] | None = None,
+                 resolver: Callable[..., Any] = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic,
                  node_check: Callable[[], NodeCheck] | None = None) -> None:
-        if evidence_only and peers:
-            raise InputError("--evidence-only and --peer exclude each other: a replica exports evidence, the "
-                             "combiner reads it", hint="start replicas with --evidence-only, one combiner with --peer")
+        if evidence_only and (peers or peer_dns):
+            raise InputError("--evidence-only and --peer / --peer-dns exclude each other: a replica exports evidence, "
+                             "the combiner reads it", hint="start replicas with --evidence-only, one combiner with --peer")
+        for target in peer_dns or []:
+            name, sep, port = target.rpartition(":")
+            if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+                raise InputError(f"--peer-dns {target!r} is not NAME:PORT",
+                                 hint="give the headless Service's DNS name and port, e.g. "
+                                      "tailguard-monitor-replicas.<ns>.svc.cluster.local:8080")
         mon = cfg.mon
         self.metrics = metrics or MonitorMetrics()
         self.lumped = Counter("tailguard_monitor_slice_values_lumped", "Slice values lumped into <name>=__new__ "
@@ -223,7 +237,7 @@ class MonitorService:
 
             self.drift = DriftSnapshots(cfg)
         self._lock = threading.Lock()
-        role = "replica" if evidence_only else "combiner" if peers else "standalone"
+        role = "replica" if evidence_only else "combiner" if peers or peer_dns else "standalone"
         self.engine = MonitorEngine(_redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
                                     on_sample=self._on_sample, lock=self._lock, role=role)
         self.combiner: Combiner | None = None
@@ -247,6 +261,8 @@ class MonitorService:
                                      settings=self.engine.settings, local="self", reader=self.engine.epoch,
                                      expect_replicas=expect_replicas,
                                      on_incomplete=lambda reason: self.metrics.incomplete_polls.labels(reason).inc(),
+                                     discover=(functools.partial(_discover, list(peer_dns), resolver)
+                                               if peer_dns else None),
                                      on_error=lambda peer, reason: self.metrics.peer_errors.labels(peer, reason).inc())
             self._poller = PollLoop(self.combine, poll_interval_s)
         self.queue: queue.Queue[_Item] = queue.Queue(maxsize=mon.queue_size)
@@ -395,6 +411,8 @@ class MonitorService:
                              "noise_floor": self.cfg.mon.noise_floor, "role": self.engine.role,
                              "node_check": check.to_dict(), "node_mismatch": check.differences or None,
                              **({"incomplete": incomplete} if self.combiner is not None else {}),
+                             **({"discovery": self.combiner.discovery}
+                                if self.combiner is not None and self.combiner.discover is not None else {}),
                              **({"peers": self.combiner.status()} if self.combiner is not None else {})}
 
     # --------------------------------------------------------------------------------------- ingest
@@ -1006,10 +1024,15 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
     return b"".join(chunks), None, held
 
 
+def _discover(targets: list[str], resolver: Callable[..., Any]) -> list[str]:
+    """Every peer URL the `--peer-dns` targets resolve to (combine.peers_from_dns), in target order."""
+    return [url for t in targets for url in peers_from_dns(t, resolver)]
+
+
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,
                    seed: int | None = None, start: bool = True, evidence_only: bool = False,
                    peers: list[str] | None = None, poll_interval_s: float = 5.0, expect_replicas: int | None = None,
-                   auth_token_file: str | Path | None = None, candidate_version: str | None = None,
+                   peer_dns: list[str] | None = None, auth_token_file: str | Path | None = None, candidate_version: str | None = None,
                    tracking_uri: str | None = None) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
     `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).
@@ -1027,13 +1050,14 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     token = load_auth_token(cfg.mon, auth_token_file)
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
                           peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
-                          expect_replicas=expect_replicas,
+                          expect_replicas=expect_replicas, peer_dns=peer_dns,
                           node_check=lambda: run_node_check(candidate_version, tracking_uri))
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
           host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
           poll_interval_s: float = 5.0, grpc_port: int | None = None, expect_replicas: int | None = None,
+          peer_dns: list[str] | None = None,
           auth_token_file: str | Path | None = None, candidate_version: str | None = None,
           tracking_uri: str | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
@@ -1053,6 +1077,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         poll_interval_s: seconds between reads of the peers' evidence.
         expect_replicas: replica processes the deployment runs (combiner only; /readyz not ready while fewer
             answer).
+        peer_dns: headless Services (`NAME:PORT`) whose addresses are the replicas (run as the combiner).
         grpc_port: also serve the OIP over gRPC on this port (monitoring/grpc_ingest.py), feeding the same
             admission; None: HTTP only.
         auth_token_file: file holding the bearer token every endpoint but /healthz requires (overrides
@@ -1069,7 +1094,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
                              poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
-                             expect_replicas=expect_replicas,
+                             expect_replicas=expect_replicas, peer_dns=peer_dns,
                              candidate_version=candidate_version, tracking_uri=tracking_uri)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "

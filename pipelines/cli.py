@@ -437,6 +437,10 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                       "the deployment's only alerting process (docs/monitor.md, Replicas).")),
                   poll_interval: float = typer.Option(5.0, "--poll-interval", min=0.1,
                                                       help="Seconds between reads of the peers' evidence."),
+                  peer_dns: Optional[list[str]] = typer.Option(None, "--peer-dns", help=(
+                      "NAME:PORT of a headless Service (clusterIP: None) whose DNS records list the replicas "
+                      "(repeatable): looked up at every poll, each address one peer; with or instead of --peer "
+                      "(docs/monitor.md, Replicas).")),
                   expect_replicas: Optional[int] = typer.Option(None, "--expect-replicas", min=1, help=(
                       "With --peer: the number of replica processes the deployment runs; while fewer answer (or a "
                       "--peer URL answers from several processes) /readyz is not ready and "
@@ -467,7 +471,7 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
         err_console.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
           poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
-          expect_replicas=expect_replicas, candidate_version=candidate_version, tracking_uri=tracking_uri)
+          expect_replicas=expect_replicas, peer_dns=list(peer_dns or []), candidate_version=candidate_version, tracking_uri=tracking_uri)
 
 
 # ------------------------------------------------------------------------------------------- trigger
