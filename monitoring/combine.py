@@ -447,18 +447,18 @@ class Combiner:
     def incomplete(self) -> dict[str, str]:
         """Why the combined evidence is known to miss processes: {source: reason} for a source URL that reached
         several live processes (an epoch flip within the last RETIRE_AFTER_POLLS documents: a load-balanced
-        Service, whose pods it does not all reach), and {"replicas": reason} while fewer live replica epochs
-        answer than `expect_replicas`. Empty: nothing known to be missing."""
+        Service, whose pods it does not all reach), and {"replicas": reason} while fewer replica processes answer
+        (distinct current epochs of the sources whose last poll was merged) than `expect_replicas`. Empty: nothing known to be missing."""
         out: dict[str, str] = {}
-        for name, s in self.sources.items():
+        sources, epochs = list(self.sources.items()), list(self.epochs.values())  # the poll thread may change them
+        for name, s in sources:
             if s.listed and s.flip_at and s.accepted - s.flip_at < RETIRE_AFTER_POLLS:
-                live = sum(1 for e in self.epochs.values() if e.source == name)
+                live = sum(1 for e in epochs if e.source == name)
                 out[name] = (f"several_processes: this URL answered from {live} processes (epochs flip; HTTP "
                              "keep-alive or a load balancer pins it to one at a time, so some of their evidence "
                              "is never read): list one URL per pod, or --peer-dns a headless Service")
         if self.expect_replicas is not None:
-            live = sum(1 for e in self.epochs.values() if not self.sources[e.source].local
-                       and self.sources[e.source].ok and self.sources[e.source].listed)
+            live = len({s.epoch for _, s in sources if not s.local and s.ok and s.listed})
             if live < self.expect_replicas:
                 out["replicas"] = (f"replicas_missing: {live} live replica process(es) answer, "
                                    f"{self.expect_replicas} expected (--expect-replicas): list one URL per pod")
@@ -623,11 +623,11 @@ class Combiner:
         read (not merged after a restart), and `incomplete` (why its evidence is known to miss a process, or
         null)."""
         out: dict[str, Any] = {}
-        pending = Counter(name for _, _, name, _ in self.pending)
+        pending = Counter(name for _, _, name, _ in list(self.pending))
         incomplete = self.incomplete()
-        for name, s in self.sources.items():
-            owned = {e: {"cursor": st.cursor, "slices": len(st.last)} for e, st in self.epochs.items()
-                     if st.source == name}
+        epochs = list(self.epochs.items())  # the poll thread may change them meanwhile
+        for name, s in list(self.sources.items()):
+            owned = {e: {"cursor": st.cursor, "slices": len(st.last)} for e, st in epochs if st.source == name}
             cur = self.epochs.get(s.epoch)
             out[name] = {"ok": s.ok, "epoch": s.epoch, "cursor": cur.cursor if cur is not None else 0,
                          "accepted": s.accepted, "new_epochs": s.new_epochs, "epochs": owned,

@@ -198,7 +198,8 @@ class MonitorService:
                  node_check: Callable[[], NodeCheck] | None = None) -> None:
         if evidence_only and (peers or peer_dns):
             raise InputError("--evidence-only and --peer / --peer-dns exclude each other: a replica exports evidence, "
-                             "the combiner reads it", hint="start replicas with --evidence-only, one combiner with --peer")
+                             "the combiner reads it",
+                             hint="start replicas with --evidence-only, one combiner with --peer")
         for target in peer_dns or []:
             name, sep, port = target.rpartition(":")
             if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
@@ -1032,7 +1033,8 @@ def _discover(targets: list[str], resolver: Callable[..., Any]) -> list[str]:
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,
                    seed: int | None = None, start: bool = True, evidence_only: bool = False,
                    peers: list[str] | None = None, poll_interval_s: float = 5.0, expect_replicas: int | None = None,
-                   peer_dns: list[str] | None = None, auth_token_file: str | Path | None = None, candidate_version: str | None = None,
+                   peer_dns: list[str] | None = None, auth_token_file: str | Path | None = None,
+                   candidate_version: str | None = None,
                    tracking_uri: str | None = None) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
     `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).

@@ -449,7 +449,8 @@ def test_combiner_merges_every_request_of_three_real_replicas_found_by_dns_and_r
                           resolver=resolver, start=False)
     try:
         with contextlib.ExitStack() as stack, httpx.Client(timeout=30) as c:
-            urls = [stack.enter_context(uvicorn_in_thread(build_app(s), port=port, host=h)) for s, h in zip(svcs, hosts)]
+            urls = [stack.enter_context(uvicorn_in_thread(build_app(s), port=port, host=h))
+                    for s, h in zip(svcs, hosts)]
             for s in svcs:
                 _wait(lambda s=s: s.readiness()[0], "replica ready")
             sent = sum(_feed(c, u, 100 * k, 5 + k) for k, u in enumerate(urls))
