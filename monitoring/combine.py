@@ -448,7 +448,8 @@ class Combiner:
         """Why the combined evidence is known to miss processes: {source: reason} for a source URL that reached
         several live processes (an epoch flip within the last RETIRE_AFTER_POLLS documents: a load-balanced
         Service, whose pods it does not all reach), and {"replicas": reason} while fewer replica processes answer
-        (distinct current epochs of the sources whose last poll was merged) than `expect_replicas`. Empty: nothing known to be missing."""
+        (distinct current epochs of the sources whose last poll was merged) than `expect_replicas`. Empty: nothing
+        known to be missing."""
         out: dict[str, str] = {}
         sources, epochs = list(self.sources.items()), list(self.epochs.values())  # the poll thread may change them
         for name, s in sources:

@@ -77,8 +77,8 @@ from prometheus_client import Counter
 
 from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
-from tailguard.monitoring.combine import (INCOMPLETE_REASONS, Combiner, PeerError, PollLoop, http_fetch,
-                                          peers_from_dns)
+from tailguard.monitoring.combine import (INCOMPLETE_REASONS, WAIT_POLLS, Combiner, PeerError, PollLoop,
+                                          http_fetch, peers_from_dns)
 from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
                                          resolve_config)
 from tailguard.monitoring.compare import compare_rows
@@ -181,6 +181,8 @@ class MonitorService:
             at every poll, one peer per address (combine.peers_from_dns); with `peers` or alone.
         resolver: the DNS lookup, `socket.getaddrinfo` (tests pass one with its signature: the seam that stands
             in for a DNS server).
+        peer_wait_polls: polls the combiner waits for a replica it cannot read before merging the others' newer
+            evidence without it (`--peer-wait-polls`; monitoring/combine.py Ordering).
         auth_token: the bearer token every endpoint but /healthz requires (config.load_auth_token), also sent
             when the combiner reads its peers; None: no authentication.
         clock: monotonic time source in seconds for the per-column cap on new slice values
@@ -194,7 +196,8 @@ class MonitorService:
                  seed: int | None = None, s3_client: Any = None, start: bool = True, evidence_only: bool = False,
                  peers: list[str] | None = None, poll_interval_s: float = 5.0, auth_token: str | None = None,
                  expect_replicas: int | None = None, peer_dns: list[str] | None = None,
-                 resolver: Callable[..., Any] = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic,
+                 resolver: Callable[..., Any] = socket.getaddrinfo, peer_wait_polls: int = WAIT_POLLS,
+                 clock: Callable[[], float] = time.monotonic,
                  node_check: Callable[[], NodeCheck] | None = None) -> None:
         if evidence_only and (peers or peer_dns):
             raise InputError("--evidence-only and --peer / --peer-dns exclude each other: a replica exports evidence, "
@@ -260,7 +263,7 @@ class MonitorService:
                     self.metrics.peer_errors.labels(peer, reason.value)
             self.combiner = Combiner(self.engine.combined, fetch, ["self", *(peers or [])], lock=self._lock,
                                      settings=self.engine.settings, local="self", reader=self.engine.epoch,
-                                     expect_replicas=expect_replicas,
+                                     expect_replicas=expect_replicas, wait_polls=peer_wait_polls,
                                      on_incomplete=lambda reason: self.metrics.incomplete_polls.labels(reason).inc(),
                                      discover=(functools.partial(_discover, list(peer_dns), resolver)
                                                if peer_dns else None),
@@ -1033,8 +1036,8 @@ def _discover(targets: list[str], resolver: Callable[..., Any]) -> list[str]:
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,
                    seed: int | None = None, start: bool = True, evidence_only: bool = False,
                    peers: list[str] | None = None, poll_interval_s: float = 5.0, expect_replicas: int | None = None,
-                   peer_dns: list[str] | None = None, auth_token_file: str | Path | None = None,
-                   candidate_version: str | None = None,
+                   peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
+                   auth_token_file: str | Path | None = None, candidate_version: str | None = None,
                    tracking_uri: str | None = None) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
     `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).
@@ -1052,14 +1055,14 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     token = load_auth_token(cfg.mon, auth_token_file)
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
                           peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
-                          expect_replicas=expect_replicas, peer_dns=peer_dns,
+                          expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
                           node_check=lambda: run_node_check(candidate_version, tracking_uri))
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
           host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
           poll_interval_s: float = 5.0, grpc_port: int | None = None, expect_replicas: int | None = None,
-          peer_dns: list[str] | None = None,
+          peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
           auth_token_file: str | Path | None = None, candidate_version: str | None = None,
           tracking_uri: str | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
@@ -1080,6 +1083,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         expect_replicas: replica processes the deployment runs (combiner only; /readyz not ready while fewer
             answer).
         peer_dns: headless Services (`NAME:PORT`) whose addresses are the replicas (run as the combiner).
+        peer_wait_polls: polls the combiner waits for an unreadable replica (evidence ordering).
         grpc_port: also serve the OIP over gRPC on this port (monitoring/grpc_ingest.py), feeding the same
             admission; None: HTTP only.
         auth_token_file: file holding the bearer token every endpoint but /healthz requires (overrides
@@ -1096,7 +1100,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
                              poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
-                             expect_replicas=expect_replicas, peer_dns=peer_dns,
+                             expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
                              candidate_version=candidate_version, tracking_uri=tracking_uri)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "

@@ -471,6 +471,23 @@ def test_combiner_merges_every_request_of_three_real_replicas_found_by_dns_and_r
             s.stop()
 
 
+def test_monitor_serve_exits_2_naming_the_option_when_peer_dns_is_not_name_and_port(cfg):
+    from typer.testing import CliRunner
+
+    from tailguard.cli import app
+    from tailguard.core.errors import InputError
+
+    conf, ref = cfg
+    with pytest.raises(InputError, match="--peer-dns 'replicas' is not NAME:PORT"):
+        MonitorService(conf, ref, None, peer_dns=["replicas"], start=False)
+    spec = T.spec_dict({"sample_rate": 1.0})
+    path = ref.parent / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    r = CliRunner().invoke(app, ["monitor", "serve", "--spec", str(path), "--reference", str(ref),
+                                 "--peer-dns", "replicas:http"])
+    assert r.exit_code == 2 and "--peer-dns 'replicas:http' is not NAME:PORT" in r.output
+
+
 # ------------------------------------------------------------------------------------------ real processes
 def _serve(args: list[str], port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve", *args,
