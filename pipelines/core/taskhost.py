@@ -427,8 +427,13 @@ class _Host:
             except OSError as exc:  # out of descriptors, say: the stub waits, or runs its body itself
                 self.say(f"could not accept a connection: {exc}")
                 return
-            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                struct.calcsize("3i")))
+            try:
+                pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                    struct.calcsize("3i")))
+            except OSError as exc:
+                self.say(f"refused a connection whose peer is unknown ({exc})")
+                conn.close()
+                continue
             reason = peer_refusal(pid, uid, gid, self.uid)
             if reason is None and len(self.incoming) >= MAX_INCOMING:
                 reason = f"a connection from pid {pid}: {MAX_INCOMING} requests are arriving already"

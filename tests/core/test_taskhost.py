@@ -332,24 +332,26 @@ def test_task_host_runs_a_task_while_an_idle_and_a_trickling_connection_stay_ope
         trickling.close()
 
 
-def test_task_host_closes_a_connection_when_its_request_is_not_whole_by_the_deadline(light):
+def test_task_host_closes_a_connection_when_its_request_is_not_whole_by_the_deadline(light, capfd):
     """A client that sends a byte at a time is closed at the deadline (a total from the accept, not per read)."""
     import socket
 
     with task_host(light, preload=("json",), request_deadline_s=0.5) as path:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
-        header = b"TGH2" + bytes(44)
+        sent = [0]
 
         def closed_after_a_byte():
             try:
-                conn.send(header[:1])
+                if sent[0] < 47:  # never a whole 48-byte header: only the deadline can close it
+                    sent[0] += conn.send(b"T")
             except OSError:
                 return True  # the host closed it (EPIPE / ECONNRESET)
             return not _still_open(conn)
 
         _wait_for(closed_after_a_byte, "the host to close the trickling connection")
         conn.close()
+    assert "closed a connection whose request did not arrive within 0.5 s" in capfd.readouterr().err
 
 
 def test_task_host_decodes_and_runs_nothing_when_a_request_lacks_the_run_token(light):
@@ -369,6 +371,10 @@ def test_task_host_decodes_and_runs_nothing_when_a_request_lacks_the_run_token(l
     envelope = json.dumps({"target": "light_tasks:info", "env": dict(os.environ), "cwd": str(light), "argv": [],
                            "path": [str(light)], "result": str(light / "result")}).encode()
     with task_host(light, preload=("json",)) as path:
+        proc = _light_stub(light, "info", str(light / "info.json"), "ok")
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr
+        host_fds = len(os.listdir(f"/proc/{_stub_result(stdout)['value']['ppid']}/fd"))
         for request, body in ((b"TGH1" + struct.pack(">Q", len(bomb)), bomb),  # the old protocol's pickle
                               (struct.pack(">4s32sIQ", b"TGH2", bytes(32), len(envelope), len(bomb)),
                                envelope + bomb)):  # the new one with a wrong token
@@ -387,6 +393,10 @@ def test_task_host_decodes_and_runs_nothing_when_a_request_lacks_the_run_token(l
         proc = _light_stub(light, "info", str(light / "info.json"), "ok")
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0 and _stub_result(stdout)["hosted"] is True, stderr
+        host = _stub_result(stdout)["value"]["ppid"]
+        # the refused requests' descriptors (three each, and the connection) were closed; `<=`: the first count may
+        # still have held its task's connection, which the host closes right after sending the status
+        _wait_for(lambda: len(os.listdir(f"/proc/{host}/fd")) <= host_fds, "the host's descriptors to be closed")
     assert not marker.exists()
 
 
