@@ -118,7 +118,9 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
     """
     cfg = resolve_config(spec, source=source)
     ds = load_dataset(str(requests), cfg.inputs, field="requests")
-    missing = [r.column for r in cfg.rules if r.column not in ds.frame.columns]
+    # column and header slices read the requests' metadata columns (a header's column is named like it); derived
+    # slices are computed from the inputs and the reference's output
+    missing = [r.column for r in cfg.rules if not r.derived and r.column not in ds.frame.columns]
     if missing:
         raise InputError(f"requests: {requests} has no metadata column(s) {missing} used by monitoring slices; "
                          f"columns: {list(ds.frame.columns)}",
@@ -132,7 +134,11 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
     engine = MonitorEngine(cfg, seed=seed)
     cols = cfg.metadata_columns
     meta_rows = ds.frame[cols].to_dict("records") if cols else [{}] * ds.n_rows
-    admitted = [engine.admit(m) for m in meta_rows]
+    heads = cfg.header_names
+    head_rows = ds.frame[heads].astype(str).to_dict("records") if heads else [None] * ds.n_rows
+    derived_inputs = any(r.source == "input" for r in cfg.rules)
+    admitted = [engine.admit(m, {k: v[i][None] for k, v in ds.inputs.items()} if derived_inputs else None, h)
+                for i, (m, h) in enumerate(zip(meta_rows, head_rows))]
     idx = np.array([i for i, (_, d) in enumerate(admitted) if d.sampled], dtype=np.int64)
     start = datetime.now(timezone.utc)
     stamps = _timestamps(ds.frame, start)
@@ -154,8 +160,12 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
             if bad_ref[j]:
                 engine.reference_failed(keys, 1)
                 continue
-            row = {m: float(values[m][j]) for m in cfg.metrics}
-            engine.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
+            if getattr(keys, "per_row", False):  # derived slices: labelled from this row's reference output
+                engine.observe(keys, d, ref_out[j:j + 1], cand_out[j:j + 1], request_index=int(i), now=stamps[i],
+                               values={m: values[m][j:j + 1] for m in cfg.metrics})
+            else:
+                row = {m: float(values[m][j]) for m in cfg.metrics}
+                engine.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
             if snaps is not None:
                 snaps.add({"inputs": {k: v[j] for k, v in sub.inputs.items()}, "meta": meta_rows[i],
                            "reference": ref_out[j], "candidate": cand_out[j]})

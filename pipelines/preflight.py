@@ -55,7 +55,9 @@ def column_errors(spec: Spec, val: list[str] | None, cal: list[str] | None) -> l
             errors.append(FieldError(field, f"no column {column!r} in {uri}; columns: {cols}", column))
 
     for i, s in enumerate(spec.slices):
-        need(val, s.column, f"slices.{i}.column", spec.data.validation.uri)
+        if s.data_column is not None:  # a derived slice reads no column
+            need(val, s.data_column, f"slices.{i}.{'column' if s.column is not None else 'header'}",
+                 spec.data.validation.uri)
     for j, c in enumerate(spec.analysis.discovery.columns or []):
         need(val, c, f"analysis.discovery.columns.{j}", spec.data.validation.uri)
     if spec.data.calibration.stratify_by:

@@ -1,0 +1,162 @@
+"""Derived and header slices in the live monitor (issue 35): batched 16-row requests that carry no parameters,
+sent by the real clients of the KServe v2 / Triton ecosystem (tritonclient.http in JSON and binary mode, in a
+subprocess because it runs on gevent; tritonclient.grpc in this process) to a running monitor (uvicorn + the gRPC
+ingest on one MonitorService, real tiny ONNX models from tests/helpers/derive_models.py).
+
+A drift planted in the rows of one reference class, or of one bin of an input-derived value, is alerted on that
+slice only; header slices read HTTP headers and gRPC metadata.
+"""
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("tritonclient.http")
+
+from tailguard.core.spec import parse_spec  # noqa: E402
+from tailguard.monitoring import testing as T  # noqa: E402
+from tailguard.monitoring.config import resolve_config  # noqa: E402
+from tailguard.monitoring.service import MonitorService, build_app  # noqa: E402
+from tests.helpers import derive_models as D  # noqa: E402
+from tests.helpers.mlflow_server import uvicorn_in_thread  # noqa: E402
+
+NAME = "tiny-clf"
+BATCH = 16
+# Monitoring settings of these tests: every request compared, the default threshold lowered to 0.8 so the rare
+# slice's drift (9% of the rows for class 2, 4% for the ink bin) leaves `all` and the other slices above it, and a
+# short horizon so the alarm threshold h is reached within a few hundred requests.
+MON = {"sample_rate": 1.0, "seed": 0, "horizon": 1000, "alpha": 0.05, "min_support": 10,
+       "thresholds": {"top1_agree": {"min": 0.8}}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("derived")
+    return {"ref": D.reference_model(d / "ref.onnx"), "class": D.candidate_model(d / "class.onnx", "class"),
+            "bin": D.candidate_model(d / "bin.onnx", "bin")}
+
+
+@contextlib.contextmanager
+def live(reference, candidate, *, slices, **mon):
+    """A MonitorService served over HTTP (uvicorn, 127.0.0.1) and gRPC until the block ends: (svc, url, addr)."""
+    from tailguard.monitoring.grpc_ingest import start_grpc
+
+    cfg = resolve_config(parse_spec(T.spec_dict({**MON, **mon}, slices=slices)))
+    svc = MonitorService(cfg, reference, candidate)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (svc.readiness()[0] or svc.load_errors):
+        time.sleep(0.02)
+    server, gport = start_grpc(svc, "127.0.0.1", 0)
+    try:
+        with uvicorn_in_thread(build_app(svc)) as url:
+            yield svc, url, f"127.0.0.1:{gport}"
+    finally:
+        server.stop(None)
+        svc.stop()
+
+
+# tritonclient.http (gevent) in a subprocess: n requests of `batch` rows, request i holding rows seeded i (as
+# derive_models.features), no parameters; header `tenant` on request i when tenants[i] is not "".
+CLIENT = """
+import json, sys
+import numpy as np
+import tritonclient.http as th
+url, mode, n, batch, tenants = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+client = th.InferenceServerClient(url, connection_timeout=120, network_timeout=120)
+sampled = 0
+for i in range(n):
+    x = np.random.default_rng(i).normal(size=(batch, 4)).astype(np.float32)
+    if tenants and tenants[i] == "b":
+        x[:, 0] = np.abs(x[:, 0]) + 1.8
+    inp = th.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=(mode == "binary"))
+    headers = {"X-Tenant": tenants[i]} if tenants and tenants[i] else None
+    r = client.infer("tiny-clf", [inp], request_id=f"r{i}", headers=headers)
+    sampled += bool(r.get_response()["parameters"]["tailguard.sampled"])
+print(json.dumps(sampled))
+"""
+
+
+def rows(i, tenants=None):
+    """Request i's rows, as the clients send them (tenant `b`'s rows all in the ink bin >= 1.8)."""
+    x = D.features(i, BATCH)
+    if tenants and tenants[i] == "b":
+        x[:, 0] = np.abs(x[:, 0]) + D.INK_EDGE
+    return x
+
+
+def send(mode, url, addr, n, tenants=None):
+    """n requests of BATCH rows with no parameters over `mode` (json, binary: tritonclient.http; grpc:
+    tritonclient.grpc), tenant i as the X-Tenant header / gRPC metadata when given."""
+    tenants = tenants or []
+    if mode == "grpc":
+        client = tritonclient_grpc.InferenceServerClient(addr)
+        for i in range(n):
+            x = rows(i, tenants)
+            inp = tritonclient_grpc.InferInput("x", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            headers = {"x-tenant": tenants[i]} if tenants and tenants[i] else None
+            client.infer(NAME, [inp], request_id=f"r{i}", headers=headers, client_timeout=120)
+        client.close()
+        return
+    out = subprocess.run([sys.executable, "-c", CLIENT, url.removeprefix("http://"), mode, str(n), str(BATCH),
+                          json.dumps(tenants)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == n
+
+
+def alerted(svc):
+    return sorted({a["slice"] for a in svc.alerts()})
+
+
+@pytest.mark.parametrize("mode", ["json", "binary", "grpc"])
+def test_monitor_alerts_on_reference_class_only_when_bare_batched_requests_drift_in_that_class(models, mode):
+    # no slice declared, no slice_columns: the monitor tracks `predicted` (the reference's top-1) by default
+    with live(models["ref"], models["class"], slices=[]) as (svc, url, addr):
+        send(mode, url, addr, 300)
+        assert svc.wait_idle(120)
+        assert svc.engine.compared_rows == 300 * BATCH
+        doc = httpx.get(f"{url}/v1/slices", timeout=30).json()
+        assert {"all", "predicted=0", "predicted=1", "predicted=2"} <= set(doc["slices"])
+        assert doc["keys_per_request"] == 1 + 4  # all + min(1024 rows, 3 classes + null)
+        assert alerted(svc) == ["predicted=2"]
+        # each (request, class group) with >= 1 row is one update of that group's statistics, with its rows only
+        ref = np.concatenate([D.reference_logits(D.features(i, BATCH)) for i in range(300)]).argmax(1)
+        per_request = ref.reshape(300, BATCH)
+        for c in range(3):
+            s = doc["slices"][f"predicted={c}"]
+            assert s["samples_total"] == int((ref == c).sum())
+            assert s["sampled_requests"] == int((per_request == c).any(axis=1).sum())
+        assert doc["slices"]["all"]["sampled_requests"] == 300
+
+
+@pytest.mark.parametrize("mode", ["json", "binary", "grpc"])
+def test_monitor_alerts_on_input_derived_bin_only_when_bare_batched_requests_drift_in_that_bin(models, mode):
+    with live(models["ref"], models["bin"], slices=[D.INK_SLICE]) as (svc, url, addr):
+        send(mode, url, addr, 400)
+        assert svc.wait_idle(120)
+        doc = httpx.get(f"{url}/v1/slices", timeout=30).json()
+        assert {"ink=[-10,1.8)", "ink=[1.8,10)"} <= set(doc["slices"])
+        assert alerted(svc) == ["ink=[1.8,10)"]
+
+
+@pytest.mark.parametrize("mode", ["json", "grpc"])
+def test_monitor_alerts_on_header_slice_only_when_one_tenant_drifts_over_http_and_grpc(models, mode):
+    # tenant b (1 request in 10) sends rows the bin candidate gets wrong; tenant a's rows stay below the edge
+    n = 400
+    tenants = ["b" if i % 10 == 0 else "a" for i in range(n)]
+    with live(models["ref"], models["bin"], slices=[{"name": "tenant", "header": "X-Tenant"}],
+              slice_columns=["tenant"]) as (svc, url, addr):
+        send(mode, url, addr, n, tenants)
+        assert svc.wait_idle(120)
+        doc = httpx.get(f"{url}/v1/slices", timeout=30).json()
+        assert set(doc["slices"]) == {"all", "tenant=a", "tenant=b"}
+        assert doc["slices"]["tenant=b"]["requests_seen"] == n // 10
+        assert alerted(svc) == ["tenant=b"]
