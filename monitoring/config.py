@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from tailguard.core.derive import derive_values, row_labels
+from tailguard.core.derive import default_derived_slices, derive_values, row_labels
 from tailguard.core.errors import FieldError, InputError, SpecError
 from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
 from tailguard.core.spec.models import SliceSpec, Spec, TensorSpec
@@ -530,25 +530,6 @@ class MonitorConfig:
     def header_names(self) -> list[str]:
         """Headers (lower case) the header slice rules read."""
         return list(dict.fromkeys(r.column for r in self.rules if r.source == "header"))
-
-
-# Slices the monitor adds by task when monitoring.slice_columns is not set (issue 35): the reference's top-1 class
-# (classification) and the nearest of the pipeline's topic centroids (embedding; only with centroids for it).
-DEFAULT_PREDICTED = "predicted"
-DEFAULT_TOPIC = "topic"
-DEFAULT_TOPIC_CENTROIDS = 16
-
-
-def default_derived_slices(task: str) -> list[SliceSpec]:
-    """The derived slices the monitor tracks by default for `task` (and the pipeline fits centroids for):
-    `predicted` (classification: argmax of the reference output) or `topic` (embedding: nearest of
-    DEFAULT_TOPIC_CENTROIDS centroids of the reference embeddings); [] for other tasks."""
-    if task == "classification":
-        return [SliceSpec(name=DEFAULT_PREDICTED, derive={"output": "reference", "reduce": "argmax"})]
-    if task == "embedding":
-        return [SliceSpec(name=DEFAULT_TOPIC, derive={"output": "reference", "reduce": "nearest_centroid",
-                                                      "centroids": DEFAULT_TOPIC_CENTROIDS})]
-    return []
 
 
 def _fixed_elements(t: TensorSpec) -> int | None:

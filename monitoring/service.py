@@ -1037,12 +1037,14 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
                    seed: int | None = None, start: bool = True, evidence_only: bool = False,
                    peers: list[str] | None = None, poll_interval_s: float = 5.0,
                    auth_token_file: str | Path | None = None, candidate_version: str | None = None,
-                   tracking_uri: str | None = None) -> MonitorService:
+                   tracking_uri: str | None = None, centroids: str | Path | None = None) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
     `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).
     `candidate_version` (`--candidate-version NAME@ALIAS`, read from the registry at `tracking_uri`) is the
     registry version the candidate file came from: the node check (monitoring/node_check.py) compares this node
-    with the nodes it was validated on; None: the check is not configured.
+    with the nodes it was validated on; None: the check is not configured. The centroids of nearest_centroid
+    slices come from `centroids` (`--centroids FILE`), else from that version's validate run
+    (monitoring/centroids.py).
 
     Raises:
         SpecError: a bad spec or monitoring section (exit 2).
@@ -1050,7 +1052,10 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     """
     source = str(spec) if not isinstance(spec, Spec) else "spec"
     spec_obj = load_spec(spec) if not isinstance(spec, Spec) else spec
-    cfg: MonitorConfig = resolve_config(spec_obj, source=source)
+    from tailguard.monitoring.centroids import resolve_centroids
+
+    cfg: MonitorConfig = resolve_config(spec_obj, source=source, centroids=resolve_centroids(
+        spec_obj, centroids, candidate_version, tracking_uri))
     token = load_auth_token(cfg.mon, auth_token_file)
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
                           peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
@@ -1061,7 +1066,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
           host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
           poll_interval_s: float = 5.0, grpc_port: int | None = None,
           auth_token_file: str | Path | None = None, candidate_version: str | None = None,
-          tracking_uri: str | None = None) -> None:
+          tracking_uri: str | None = None, centroids: str | Path | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -1084,6 +1089,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         candidate_version: the candidate's registry version (NAME@ALIAS, NAME/VERSION or models:/...), whose
             `tailguard.validated_on` tag the node check compares this node with; None: not checked.
         tracking_uri: the MLflow registry holding it (None: $MLFLOW_TRACKING_URI).
+        centroids: the centroids.npz of the nearest_centroid slices (None: from candidate_version's run).
 
     Raises:
         SpecError: bad spec (exit 2).
@@ -1093,7 +1099,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
                              poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
-                             candidate_version=candidate_version, tracking_uri=tracking_uri)
+                             candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
                     "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")

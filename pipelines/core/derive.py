@@ -34,6 +34,12 @@ from tailguard.core.errors import InputError
 from tailguard.core.spec.models import SliceSpec
 from tailguard.core.slices import NULL, _fmt, value_label
 
+# Slices the monitor adds by task when monitoring.slice_columns is not set (issue 35): the reference's top-1 class
+# (classification) and the nearest of DEFAULT_TOPIC_CENTROIDS topic centroids (embedding), which validation fits and
+# logs even when the spec declares no such slice, so a monitor of bare tensors gets per-topic alerts.
+DEFAULT_PREDICTED = "predicted"
+DEFAULT_TOPIC = "topic"
+DEFAULT_TOPIC_CENTROIDS = 16
 CENTROID_SEED = 0  # k-means seed: the same validation outputs give the same centroids in every run
 CENTROIDS_FILE = "centroids.npz"  # {slice name: (k, dim) float32}, logged with the run and the registered version
 
@@ -290,3 +296,15 @@ def load_centroids(path: str) -> dict[str, np.ndarray]:
         raise InputError(f"centroids file {path!r}: {bad} are not (k, dim) arrays",
                          hint=f"give the {CENTROIDS_FILE} the pipeline logged with the validate run")
     return out
+
+
+def default_derived_slices(task: str) -> list[SliceSpec]:
+    """The derived slices the monitor tracks by default for `task`: `predicted` (classification: argmax of the
+    reference output) or `topic` (embedding: nearest of DEFAULT_TOPIC_CENTROIDS centroids of the reference
+    embeddings); [] for other tasks."""
+    if task == "classification":
+        return [SliceSpec(name=DEFAULT_PREDICTED, derive={"output": "reference", "reduce": "argmax"})]
+    if task == "embedding":
+        return [SliceSpec(name=DEFAULT_TOPIC, derive={"output": "reference", "reduce": "nearest_centroid",
+                                                      "centroids": DEFAULT_TOPIC_CENTROIDS})]
+    return []
