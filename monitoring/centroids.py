@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tailguard.core.contract import RUN_ID_TAG
-from tailguard.core.derive import CENTROIDS_FILE, load_centroids
+from tailguard.core.derive import CENTROIDS_FILE, load_centroids, monitored_default_slices
 from tailguard.core.errors import InputError
 from tailguard.core.spec.models import Spec
 
@@ -22,11 +22,10 @@ log = logging.getLogger("tailguard.monitoring")
 
 def needs_centroids(spec: Spec) -> bool:
     """Whether the monitor may track a nearest_centroid slice: a declared one, or the default `topic` of an
-    embedding model (monitoring.slice_columns unset)."""
+    embedding model (monitoring.slice_columns unset, or naming it)."""
     declared = any(s.derive is not None and s.derive.reduce == "nearest_centroid" for s in spec.slices)
-    default = (spec.model.task == "embedding" and spec.monitoring is not None
-               and spec.monitoring.slice_columns is None)
-    return declared or default
+    return declared or any(d.derive is not None and d.derive.reduce == "nearest_centroid"
+                           for d in monitored_default_slices(spec))
 
 
 def version_centroids(ref: str, tracking_uri: str | None = None) -> dict[str, np.ndarray]:
@@ -58,17 +57,30 @@ def version_centroids(ref: str, tracking_uri: str | None = None) -> dict[str, np
         mv = (client.get_model_version_by_alias(g["name"], g["alias"]) if "alias" in g
               else client.get_model_version(g["name"], g["version"]))
         run_id = (mv.tags or {}).get(RUN_ID_TAG) or mv.run_id
-        if not run_id:
-            return {}
-        names = {a.path for a in client.list_artifacts(run_id)}
-        if CENTROIDS_FILE not in names:
-            return {}
-        with tempfile.TemporaryDirectory() as tmp:
-            path = client.download_artifacts(run_id, CENTROIDS_FILE, tmp)
-            return load_centroids(path)
     except MlflowException as exc:
         raise InputError(f"--candidate-version: {ref!r}: {str(exc).splitlines()[0]}",
                          hint="name a registered version of the candidate, or pass --centroids FILE") from None
+    return run_centroids(run_id, tracking_uri) if run_id else {}
+
+
+def run_centroids(run_id: str, tracking_uri: str | None = None) -> dict[str, np.ndarray]:
+    """The centroids.npz a validate run logged ({} when it logged none).
+
+    Raises:
+        InputError: the run or the file cannot be read.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    try:
+        if CENTROIDS_FILE not in {a.path for a in client.list_artifacts(run_id)}:
+            return {}
+        with tempfile.TemporaryDirectory() as tmp:
+            return load_centroids(client.download_artifacts(run_id, CENTROIDS_FILE, tmp))
+    except MlflowException as exc:
+        raise InputError(f"run {run_id}: {CENTROIDS_FILE} cannot be read: {str(exc).splitlines()[0]}",
+                         hint="pass --centroids FILE") from None
 
 
 def resolve_centroids(spec: Spec, centroids_file: str | Path | None, candidate_version: str | None,

@@ -615,10 +615,10 @@ def resolve_config(spec: Spec, *, source: str = "spec", centroids: Mapping[str, 
     centroids = dict(centroids or {})
     rules: list[SliceRule] = []
     names = mon.slice_columns if mon.slice_columns is not None else list(declared)
-    if mon.slice_columns is None:
-        for d in default_derived_slices(task):
-            if d.name not in declared and (d.derive.reduce != "nearest_centroid" or d.name in centroids):
-                declared[d.name] = d
+    for d in default_derived_slices(task):  # `predicted` / `topic` may be named in slice_columns, or added
+        if d.name not in declared:
+            declared[d.name] = d
+            if mon.slice_columns is None and (d.derive.reduce != "nearest_centroid" or d.name in centroids):
                 names.append(d.name)
     for i, name in enumerate(names):
         if name == ALL_SLICE:

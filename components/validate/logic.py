@@ -83,7 +83,7 @@ from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, int
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
 from tailguard.core.report import key_metric
-from tailguard.core.derive import (CENTROIDS_FILE, default_derived_slices, derive_dataset, fit_centroids,
+from tailguard.core.derive import (CENTROIDS_FILE, derive_dataset, fit_centroids, monitored_default_slices,
                                    save_centroids)
 from tailguard.core.slices import per_slice_table, slice_groups
 
@@ -1019,10 +1019,8 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
     t_native = time.perf_counter()
     n_rows = validation.n_rows
     derived, centroids = derive_dataset(spec.slices, validation.inputs, reference_outputs)
-    declared = {s.name for s in spec.slices}
-    monitored = spec.monitoring is not None and spec.monitoring.slice_columns is None
-    for d in default_derived_slices(task) if monitored else []:  # the monitor's default topic slice's centroids
-        if d.name not in declared and d.derive is not None and d.derive.reduce == "nearest_centroid" and n_rows:
+    for d in monitored_default_slices(spec):  # the monitor's default `topic` needs the centroids too
+        if d.derive is not None and d.derive.reduce == "nearest_centroid" and n_rows:
             centroids[d.name] = fit_centroids(ref, int(d.derive.centroids or 2))
     if centroids:  # logged with the run (validate/task.py logs out_dir), for the monitor (--centroids)
         save_centroids(str(out / CENTROIDS_FILE), centroids)

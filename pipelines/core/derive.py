@@ -26,7 +26,7 @@ the same strings.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -308,3 +308,14 @@ def default_derived_slices(task: str) -> list[SliceSpec]:
         return [SliceSpec(name=DEFAULT_TOPIC, derive={"output": "reference", "reduce": "nearest_centroid",
                                                       "centroids": DEFAULT_TOPIC_CENTROIDS})]
     return []
+
+
+def monitored_default_slices(spec: Any) -> list[SliceSpec]:
+    """The default derived slices (`default_derived_slices`) the spec's monitor tracks and the spec does not
+    declare: all of them when monitoring.slice_columns is unset, else those it names; [] without monitoring."""
+    mon = spec.monitoring
+    if mon is None:
+        return []
+    declared = {s.name for s in spec.slices}
+    return [d for d in default_derived_slices(spec.model.task)
+            if d.name not in declared and (mon.slice_columns is None or d.name in mon.slice_columns)]

@@ -160,3 +160,37 @@ def test_monitor_alerts_on_header_slice_only_when_one_tenant_drifts_over_http_an
         assert set(doc["slices"]) == {"all", "tenant=a", "tenant=b"}
         assert doc["slices"]["tenant=b"]["requests_seen"] == n // 10
         assert alerted(svc) == ["tenant=b"]
+
+
+def test_monitor_reads_topic_centroids_from_candidate_version_run_when_no_file_given(models, tmp_path):
+    import mlflow
+
+    from tailguard.core.contract import RUN_ID_TAG
+    from tailguard.core.derive import CENTROIDS_FILE, save_centroids
+    from tailguard.monitoring.service import create_service
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "artifacts").as_uri())
+    run = client.create_run(exp)
+    centroids = {"topic": np.eye(3, dtype=np.float32)}
+    save_centroids(str(tmp_path / CENTROIDS_FILE), centroids)
+    client.log_artifact(run.info.run_id, str(tmp_path / CENTROIDS_FILE))
+    client.create_registered_model("cand")
+    mv = client.create_model_version("cand", source=f"runs:/{run.info.run_id}/model", run_id=run.info.run_id,
+                                     tags={RUN_ID_TAG: run.info.run_id})
+    client.set_registered_model_alias("cand", "production", mv.version)
+    doc = T.spec_dict({"sample_rate": 1.0, "seed": 0}, slices=[])
+    doc["model"]["task"] = "embedding"
+    doc["gates"] = [{"metric": "nn_top1_agreement", "min": 0.9}]
+    spec = parse_spec(doc)
+    with_topic = create_service(spec, models["ref"], models["ref"], start=False, candidate_version="cand@production",
+                                tracking_uri=uri)
+    assert [r.name for r in with_topic.cfg.rules] == ["topic"]
+    assert np.array_equal(with_topic.cfg.centroids["topic"], centroids["topic"])
+    without = create_service(spec, models["ref"], models["ref"], start=False)  # no version, no file: no topic
+    assert without.cfg.rules == []
+    keys, _ = with_topic.engine.admit({}, {"x": D.features(0, 4)})
+    assert list(keys) == ["all"] and keys.labels == [None]  # labelled once the reference ran
+    labels = with_topic.cfg.output_labels(with_topic.cfg.rules[0], np.array([[0.1, 2.0, 0.0], [3.0, 0.2, -1.0]]))
+    assert labels == ["1", "0"]
