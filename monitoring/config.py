@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import os
 import time
@@ -28,6 +29,8 @@ from tailguard.core.errors import FieldError, InputError, SpecError
 from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
 from tailguard.core.spec.models import SliceSpec, Spec, TensorSpec
 from tailguard.core.spec.monitor import MonitorThreshold, MonitoringSpec
+
+log = logging.getLogger("tailguard.monitoring")
 
 ALL_SLICE = "all"
 OTHER_VALUE = "other"
@@ -620,6 +623,9 @@ def resolve_config(spec: Spec, *, source: str = "spec", centroids: Mapping[str, 
             declared[d.name] = d
             if mon.slice_columns is None and (d.derive.reduce != "nearest_centroid" or d.name in centroids):
                 names.append(d.name)
+            elif mon.slice_columns is None:
+                log.info("default slice %r not tracked: no centroids (pass --centroids or --candidate-version)",
+                         d.name)
     for i, name in enumerate(names):
         if name == ALL_SLICE:
             errors.append(FieldError(f"monitoring.slice_columns.{i}", f"{ALL_SLICE!r} is reserved"))
