@@ -194,3 +194,30 @@ def test_monitor_reads_topic_centroids_from_candidate_version_run_when_no_file_g
     assert list(keys) == ["all"] and keys.labels == [None]  # labelled once the reference ran
     labels = with_topic.cfg.output_labels(with_topic.cfg.rules[0], np.array([[0.1, 2.0, 0.0], [3.0, 0.2, -1.0]]))
     assert labels == ["1", "0"]
+
+
+def test_logger_event_feeds_header_slice_when_kserve_forwards_the_header_in_ce_metadata(models):
+    """KServe's logger forwards the headers listed in logger.metadataHeaders as ce-metadata {"X-Tenant": ["b"]}."""
+    from tailguard.monitoring.join import CE_REQUEST, CE_RESPONSE
+
+    x = rows(0)
+    request = {"id": "r0", "inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                        "data": x.ravel().tolist()}]}
+    response = {"model_name": NAME, "outputs": [{"name": "logits", "shape": [BATCH, 3], "datatype": "FP32",
+                                                 "data": D.reference_logits(x).ravel().tolist()}]}
+    with live(models["ref"], None, slices=[{"name": "tenant", "header": "X-Tenant"}]) as (svc, url, _):
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for i, tenant in enumerate(("b", None)):
+                ce = {"ce-id": f"ev-{i}", "ce-source": "http://localhost:9081/", "ce-specversion": "1.0",
+                      "content-type": "application/json"}
+                if tenant:
+                    ce["ce-metadata"] = json.dumps({"X-Tenant": [tenant], "Content-Type": ["application/json"]})
+                for ce_type, doc in ((CE_REQUEST, request), (CE_RESPONSE, response)):
+                    r = http.post(f"/v2/models/{NAME}/logger", content=json.dumps(doc).encode(),
+                                  headers={**ce, "ce-type": ce_type})
+                    assert r.status_code == 200, r.text
+        assert svc.wait_idle(60)
+        doc = svc.slices()
+        assert doc["slices"]["tenant=b"]["sampled_requests"] == 1
+        assert doc["slices"]["tenant=missing"]["sampled_requests"] == 1
+        assert doc["slices"]["predicted=0"]["samples_total"] > 0  # the default slice, from the reference output
