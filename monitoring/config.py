@@ -1,13 +1,19 @@
 """The monitor's resolved configuration: the spec's `monitoring` section plus what it needs from the rest of
 the spec (task, inputs, declared slices), with task-dependent defaults filled in and checked.
 
-Slice rules turn one request's metadata (OIP `parameters`, or a replay row's metadata columns) into slice
-keys such as ``length=[16,32)`` or ``domain=legal``; every request also belongs to the slice ``all``.
+Slice rules turn one request into slice keys such as ``length=[16,32)`` or ``domain=legal``; every request also
+belongs to the slice ``all``. A rule reads the request's metadata (OIP `parameters`, or a replay row's metadata
+columns), a header (HTTP header, gRPC metadata, a logger event's forwarded header), or derives a per-row value
+from the request's tensors or the reference's output (tailguard.core.derive, the same labels as validation's
+slices.csv). Derived rules, and column rules given one value per row (monitoring.per_row_metadata), are per row:
+the rows of one request may fall into several groups (`RowKeys`).
 """
 
 from __future__ import annotations
 
 import hmac
+import json
+import logging
 import math
 import os
 import time
@@ -16,10 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
+from tailguard.core.derive import default_derived_slices, derive_values, row_labels
 from tailguard.core.errors import FieldError, InputError, SpecError
 from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
 from tailguard.core.spec.models import SliceSpec, Spec, TensorSpec
 from tailguard.core.spec.monitor import MonitorThreshold, MonitoringSpec
+
+log = logging.getLogger("tailguard.monitoring")
 
 ALL_SLICE = "all"
 OTHER_VALUE = "other"
@@ -80,15 +91,41 @@ class SliceRule:
 
     Attributes:
         name: slice name in keys (`<name>=<group>`).
-        column: metadata column / request parameter read.
+        column: metadata column / request parameter read (source "column"), the header name (source "header",
+            lower case), or the slice name (derived sources).
         bins: left-closed bin edges [a, b) (values outside go to `<name>=out_of_range`), or None.
         values: only these values get their own group (the rest: `<name>=other`), or None for every value.
+        source: "column", "header", "input" (derived from a model input: known before sampling) or "output"
+            (derived from the reference's output: known once the reference ran).
+        slice: the declared slice of a derived rule (its labels: tailguard.core.derive.row_labels).
+        groups: most groups this rule has (bins, values, classes, centroids), None when unbounded; with the
+            rows of a request it bounds the keys one request can touch (`MonitorConfig.keys_per_request`).
     """
 
     name: str
     column: str
     bins: tuple[float, ...] | None = None
     values: frozenset[str] | None = None
+    source: str = "column"
+    slice: SliceSpec | None = None
+    groups: int | None = None
+
+    @property
+    def derived(self) -> bool:
+        """True for rules computed from the request's tensors or the reference's output."""
+        return self.source in ("input", "output")
+
+    def derived_labels(self, feeds: Mapping[str, np.ndarray], reference: np.ndarray | None,
+                       centroids: np.ndarray | None) -> list[str]:
+        """Per-row labels of a derived rule (the labels of validation's slices.csv; a row outside `values`:
+        `other`).
+
+        Raises:
+            InputError: an input is missing or too short for `select` (the request's fault).
+        """
+        assert self.slice is not None
+        x = derive_values(self.slice, feeds, [reference] if reference is not None else None, centroids=centroids)
+        return [OTHER_VALUE if lab is None else lab for lab in row_labels(self.slice, x)]
 
     def group(self, value: Any) -> str:
         """The group label of one metadata value (a string; `missing` when absent or NaN)."""
@@ -247,6 +284,40 @@ class BearerAuth:
         return {"Authorization": "Bearer " + self._token.decode("utf-8")}
 
 
+class RowKeys(list):
+    """A request's slice keys (a list of str, as `MonitorConfig.slice_keys` gives: every key some row carries,
+    the keys the sampler decides on) plus the per-row layout the engine needs to group the rows.
+
+    Attributes:
+        labels: one entry per rule: a str (every row in that group), a list of one label per row, or None (an
+            output-derived rule, labelled once the reference ran: `MonitorConfig.output_labels`).
+        rows: the request's rows.
+    """
+
+    def __init__(self, keys: list[str], labels: list[str | list[str] | None], rows: int) -> None:
+        super().__init__(keys)
+        self.labels = labels
+        self.rows = rows
+
+    @property
+    def per_row(self) -> bool:
+        """True when some rule is labelled per row or after the reference (the engine then groups the rows)."""
+        return any(not isinstance(lab, str) for lab in self.labels)
+
+
+def _row_values(value: Any, rows: int) -> list[Any] | None:
+    """One value per row from a per-row parameter: a list, or a string holding a JSON list, of `rows` values;
+    None when `value` is not such a list (then it applies to the whole request)."""
+    if isinstance(value, str) and value[:1] == "[":
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if isinstance(value, (list, tuple)) and len(value) == rows and rows > 0:
+        return list(value)
+    return None
+
+
 @dataclass
 class MonitorConfig:
     """Everything the sampler, statistics and exporters need, resolved from a Spec.
@@ -264,6 +335,8 @@ class MonitorConfig:
         pairs: (i, j) indices into `rules` whose intersections are slices too (monitoring.slice_pairs).
         new_values: the per-column cap on new slice values (the service sets it from
             monitoring.max_new_values_per_minute); None: every value gets its own key (replay: deterministic).
+        centroids: {slice name: (k, dim) centroids} of nearest_centroid rules (`--centroids`, the pipeline's
+            centroids.npz).
     """
 
     spec: Spec
@@ -277,9 +350,147 @@ class MonitorConfig:
     bounds: dict[str, Bound] = field(default_factory=dict)
     pairs: list[tuple[int, int]] = field(default_factory=list)
     new_values: NewValueLimiter | None = None
+    centroids: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def row_keys(self, meta: Mapping[str, Any], feeds: Mapping[str, np.ndarray] | None = None,
+                 headers: Mapping[str, str] | None = None) -> tuple[RowKeys, int]:
+        """Slice keys of one request, rule by rule, for its rows.
+
+        Column rules read `meta` (one value for the request; with monitoring.per_row_metadata a list, or a string
+        holding a JSON list, of one value per row), header rules `headers` (names lower case), input-derived
+        rules the request's `feeds`; output-derived rules are left for `output_labels` (None in `labels`).
+
+        Args:
+            meta: the request's parameters (or a replay row's metadata columns).
+            feeds: {input name: (batch, ...) array}; None: no derived input rule can be labelled (a request
+                without tensors, e.g. the benchmark's metadata-only admission): they get `missing`.
+            headers: {lower-case header name: value}; None: no header.
+
+        Returns:
+            (RowKeys: ``all``, then every key of some row per rule, then per pair; how many labels
+            `clean_label` changed).
+
+        Raises:
+            InputError: a derived input is missing from `feeds` or too short (the request's fault: 4xx).
+        """
+        rows = 1
+        if feeds:
+            first = next(iter(feeds.values()))
+            rows = int(np.shape(first)[0]) if np.ndim(first) else 1
+        labels: list[str | list[str] | None] = []
+        cut = 0
+        for r in self.rules:
+            if r.source == "output":
+                labels.append(None)
+                continue
+            if r.source == "input":
+                if feeds is None:
+                    labels.append(MISSING_VALUE)
+                    continue
+                raw = r.derived_labels(feeds, None, None)
+            else:
+                value = (headers or {}).get(r.column) if r.source == "header" else meta.get(r.column)
+                per_row = _row_values(value, rows) if self.mon.per_row_metadata and r.source == "column" else None
+                if per_row is None:
+                    raw = r.group(value)
+                else:
+                    raw = [r.group(v) for v in per_row]
+            if isinstance(raw, str):
+                label, changed = clean_label(raw)
+                if self.new_values is not None:
+                    label = self.new_values.admit(r.name, label)
+                cut += changed
+                labels.append(label)
+            else:
+                seen: dict[str, str] = {}
+                for lab in raw:
+                    if lab not in seen:
+                        clean, changed = clean_label(lab)
+                        cut += changed
+                        seen[lab] = self.new_values.admit(r.name, clean) if self.new_values is not None else clean
+                out = [seen[lab] for lab in raw]
+                labels.append(out[0] if len(seen) == 1 else out)
+        keys = [ALL_SLICE]
+        parts: list[list[str]] = []
+        for r, lab in zip(self.rules, labels):
+            p = [] if lab is None else [f"{r.name}={lab}"] if isinstance(lab, str) else \
+                [f"{r.name}={x}" for x in dict.fromkeys(lab)]
+            parts.append(p)
+            keys.extend(p)
+        for i, j in self.pairs:
+            li, lj = labels[i], labels[j]
+            if li is None or lj is None:
+                continue
+            if isinstance(li, str) and isinstance(lj, str):
+                keys.append(f"{self.rules[i].name}={li}{PAIR_SEPARATOR}{self.rules[j].name}={lj}")
+            else:
+                a = [li] * rows if isinstance(li, str) else li
+                b = [lj] * rows if isinstance(lj, str) else lj
+                keys.extend(dict.fromkeys(f"{self.rules[i].name}={x}{PAIR_SEPARATOR}{self.rules[j].name}={y}"
+                                          for x, y in zip(a, b)))
+        return RowKeys(keys, labels, rows), cut
+
+    def output_labels(self, rule: SliceRule, reference: np.ndarray) -> list[str]:
+        """Per-row labels of an output-derived rule from the reference's (rows, ...) output.
+
+        Raises:
+            InputError: the output does not fit the rule (e.g. fewer elements than `select`).
+        """
+        return rule.derived_labels({}, reference, self.centroids.get(rule.name))
+
+    def row_groups(self, keys: RowKeys, reference: np.ndarray, keep: np.ndarray
+                   ) -> list[tuple[list[str], np.ndarray | None]]:
+        """The request's rows grouped by slice key: [(keys whose rows are the same, row indices into the kept
+        rows or None for all of them)], ``all`` first. Each (request, slice group) with at least one row is one
+        unit of evidence for that group (docs/monitor.md, Per-row slices).
+
+        Args:
+            keys: the request's RowKeys (`row_keys`).
+            reference: (kept rows, ...) the reference's output of the rows kept (finite).
+            keep: (rows,) bool, the rows kept.
+        """
+        kept = np.flatnonzero(keep)
+        n = kept.size
+        per_rule: list[str | list[str]] = []
+        for r, lab in zip(self.rules, keys.labels):
+            if lab is None:
+                try:
+                    lab = self.output_labels(r, reference)
+                except InputError:
+                    lab = MISSING_VALUE
+            elif not isinstance(lab, str):
+                lab = [lab[i] for i in kept] if n != len(lab) else lab
+            per_rule.append(lab)
+        rows_of: dict[str, list[int]] = {}
+        whole: list[str] = [ALL_SLICE]
+        names = [r.name for r in self.rules]
+        for name, lab in zip(names, per_rule):
+            if isinstance(lab, str):
+                whole.append(f"{name}={lab}")
+            else:
+                for i, x in enumerate(lab):
+                    rows_of.setdefault(f"{name}={x}", []).append(i)
+        for i, j in self.pairs:
+            li, lj = per_rule[i], per_rule[j]
+            if isinstance(li, str) and isinstance(lj, str):
+                whole.append(f"{names[i]}={li}{PAIR_SEPARATOR}{names[j]}={lj}")
+                continue
+            a = [li] * n if isinstance(li, str) else li
+            b = [lj] * n if isinstance(lj, str) else lj
+            for k, (x, y) in enumerate(zip(a, b)):
+                rows_of.setdefault(f"{names[i]}={x}{PAIR_SEPARATOR}{names[j]}={y}", []).append(k)
+        by_rows: dict[tuple[int, ...], list[str]] = {}
+        for key, idx in rows_of.items():
+            if len(idx) == n:
+                whole.append(key)
+            else:
+                by_rows.setdefault(tuple(idx), []).append(key)
+        return [(whole, None), *((ks, np.asarray(idx, dtype=np.int64)) for idx, ks in by_rows.items())]
 
     def slice_keys(self, meta: Mapping[str, Any]) -> tuple[list[str], int]:
-        """Slice keys of one request: ``all``, ``<rule name>=<group>`` per rule, then ``<a>=<x>&<b>=<y>`` per pair.
+        """Slice keys of one request from its metadata alone: ``all``, ``<rule name>=<group>`` per rule, then
+        ``<a>=<x>&<b>=<y>`` per pair (`row_keys` without tensors or headers: derived input rules and headers
+        give `missing`, output rules no key).
 
         Args:
             meta: the request's slice metadata (OIP parameters or a replay row's metadata columns).
@@ -290,37 +501,78 @@ class MonitorConfig:
             `new_values`, a value past its column's rate of new values is lumped into `<name>=__new__` (also in
             the pair keys).
         """
-        parts, cut = [], 0
-        for r in self.rules:
-            label, changed = clean_label(r.group(meta.get(r.column)))
-            if self.new_values is not None:
-                label = self.new_values.admit(r.name, label)
-            cut += changed
-            parts.append(f"{r.name}={label}")
-        return [ALL_SLICE, *parts, *(parts[i] + PAIR_SEPARATOR + parts[j] for i, j in self.pairs)], cut
+        keys, cut = self.row_keys(meta)
+        return list(keys), cut
+
+    def rule_keys(self, rule: SliceRule) -> int:
+        """Most keys of `rule` one request can carry: 1 for a rule with one value per request (a column without
+        per_row_metadata, a header); for a per-row rule min(monitoring.max_batch_rows, its groups), the groups
+        unbounded (None) counting as max_batch_rows."""
+        per_row = rule.derived or (rule.source == "column" and self.mon.per_row_metadata)
+        if not per_row:
+            return 1
+        most = self.mon.max_batch_rows
+        return most if rule.groups is None else min(most, rule.groups)
 
     @property
     def keys_per_request(self) -> int:
-        """G: slice keys every request carries (`all` + one per rule + one per pair)."""
-        return 1 + len(self.rules) + len(self.pairs)
+        """G: the most slice keys one request can carry (`all` + per rule `rule_keys` + per pair the product of
+        its rules', capped at max_batch_rows): the family count of the false-alarm budget (docs/monitor.md)."""
+        pairs = 0
+        for i, j in self.pairs:
+            a, b = self.rule_keys(self.rules[i]), self.rule_keys(self.rules[j])
+            pairs += a * b if a == 1 or b == 1 else min(self.mon.max_batch_rows, a * b)
+        return 1 + sum(self.rule_keys(r) for r in self.rules) + pairs
 
     @property
     def metadata_columns(self) -> list[str]:
-        """Metadata columns / request parameters the slice rules read."""
-        return list(dict.fromkeys(r.column for r in self.rules))
+        """Metadata columns / request parameters the column slice rules read."""
+        return list(dict.fromkeys(r.column for r in self.rules if r.source == "column"))
+
+    @property
+    def header_names(self) -> list[str]:
+        """Headers (lower case) the header slice rules read."""
+        return list(dict.fromkeys(r.column for r in self.rules if r.source == "header"))
 
 
-def _rule_from_slice(s: SliceSpec) -> SliceRule:
-    return SliceRule(s.name, s.column, tuple(float(b) for b in s.bins) if s.bins else None,
-                     frozenset(_label(v) for v in s.values) if s.values else None)
+def _fixed_elements(t: TensorSpec) -> int | None:
+    n = 1
+    for a in t.shape[1:]:
+        if not isinstance(a, int):
+            return None
+        n *= a
+    return n
 
 
-def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
+def _rule_from_slice(s: SliceSpec, output: TensorSpec) -> SliceRule:
+    bins = tuple(float(b) for b in s.bins) if s.bins else None
+    values = frozenset(_label(v) for v in s.values) if s.values else None
+    groups = len(bins) + 2 if bins else len(values) + 2 if values else None
+    if s.derive is not None:
+        d = s.derive
+        if groups is None and d.reduce == "nearest_centroid":
+            groups = int(d.centroids or 0) + 1
+        elif groups is None and d.reduce == "argmax" and d.output is not None:
+            n = (d.select[1] - d.select[0]) if d.select else _fixed_elements(output)
+            groups = n + 1 if n else None
+        return SliceRule(s.name, s.name, bins, values, "input" if d.input is not None else "output", s, groups)
+    if s.header is not None:
+        return SliceRule(s.name, s.header.lower(), bins, values, "header", None, groups)
+    return SliceRule(s.name, s.column or s.name, bins, values, "column", None, groups)
+
+
+def resolve_config(spec: Spec, *, source: str = "spec", centroids: Mapping[str, np.ndarray] | None = None
+                   ) -> MonitorConfig:
     """Resolve the spec's monitoring section.
+
+    Slices: monitoring.slice_columns, else every declared slice plus, by task, `predicted` (classification) or
+    `topic` (embedding, when `centroids` has centroids for it) unless a slice of that name is declared.
 
     Args:
         spec: a validated Spec.
         source: file name for error messages.
+        centroids: {slice name: (k, dim)} of the nearest_centroid slices (the pipeline's centroids.npz,
+            `monitor serve --centroids`).
 
     Returns:
         The MonitorConfig.
@@ -363,8 +615,17 @@ def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
         else:
             bounds[m] = Bound(m, float(t.max), False, "max", t.truncate_at)  # type: ignore[arg-type]
     declared = {s.name: s for s in spec.slices}
+    centroids = dict(centroids or {})
     rules: list[SliceRule] = []
     names = mon.slice_columns if mon.slice_columns is not None else list(declared)
+    for d in default_derived_slices(task):  # `predicted` / `topic` may be named in slice_columns, or added
+        if d.name not in declared:
+            declared[d.name] = d
+            if mon.slice_columns is None and (d.derive.reduce != "nearest_centroid" or d.name in centroids):
+                names.append(d.name)
+            elif mon.slice_columns is None:
+                log.info("default slice %r not tracked: no centroids (pass --centroids or --candidate-version)",
+                         d.name)
     for i, name in enumerate(names):
         if name == ALL_SLICE:
             errors.append(FieldError(f"monitoring.slice_columns.{i}", f"{ALL_SLICE!r} is reserved"))
@@ -373,8 +634,14 @@ def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
                 errors.append(FieldError(f"monitoring.slice_columns.{i}", (
                     f"slice {name!r} uses quantiles, whose edges depend on the validation data; declare "
                     "bins for it (or name its column) to monitor it")))
+            elif (declared[name].derive is not None and declared[name].derive.reduce == "nearest_centroid"
+                  and name not in centroids):
+                errors.append(FieldError(f"monitoring.slice_columns.{i}" if mon.slice_columns is not None
+                                         else f"slices.{list(declared).index(name)}.derive", (
+                    f"slice {name!r} is the nearest of centroids fitted by the pipeline: pass them with "
+                    "--centroids <the centroids.npz logged with the variant's validate run>")))
             else:
-                rules.append(_rule_from_slice(declared[name]))
+                rules.append(_rule_from_slice(declared[name], spec.model.outputs[0]))
         else:
             rules.append(SliceRule(name, name))
     pairs: list[tuple[int, int]] = []
@@ -397,4 +664,4 @@ def resolve_config(spec: Spec, *, source: str = "spec") -> MonitorConfig:
         raise SpecError(errors, source=source, hint="see docs/monitor.md for the monitoring section")
     return MonitorConfig(spec=spec, mon=mon, task=task, inputs=list(spec.model.inputs), output=spec.model.outputs[0],
                          model_name=mon.model_name or spec.metadata.name, rules=rules, metrics=metrics, bounds=bounds,
-                         pairs=pairs)
+                         pairs=pairs, centroids=centroids)

@@ -19,7 +19,7 @@ import numpy as np
 from tailguard.core.errors import InputError
 from tailguard.monitoring.combine import CheckpointLog, settings_hash
 from tailguard.monitoring.compare import compare_rows, failure_rows, reference_non_finite
-from tailguard.monitoring.config import ALL_SLICE, MonitorConfig
+from tailguard.monitoring.config import ALL_SLICE, MonitorConfig, RowKeys
 from tailguard.monitoring.detector import Evaluation, SliceStatistics
 from tailguard.monitoring.prometheus import MonitorMetrics, SliceExport, SliceRow
 from tailguard.monitoring.sampler import Decision, LongTailSampler
@@ -87,13 +87,26 @@ class MonitorEngine:
             metrics.attach(self.export)
 
     # ------------------------------------------------------------------------------------------ ingest
-    def admit(self, meta: Mapping[str, Any]) -> tuple[list[str], Decision]:
+    def admit(self, meta: Mapping[str, Any], feeds: Mapping[str, np.ndarray] | None = None,
+              headers: Mapping[str, str] | None = None) -> tuple[list[str], Decision]:
         """Slice keys (bounded) and the sampling decision for one request; counts `sampled_total`.
+
+        The sampler decides on every key some row carries before the reference runs (column, header and
+        input-derived slices), so a rare input-derived group is oversampled like a rare metadata value;
+        output-derived keys are known only after the reference ran (`observe`).
 
         Args:
             meta: the request's slice metadata (OIP parameters or a replay row's metadata columns).
+            feeds: the request's tensors, for input-derived slices (None: they are `missing`).
+            headers: {lower-case name: value} for header slices.
+
+        Returns:
+            (keys: a `RowKeys` list, the Decision).
+
+        Raises:
+            InputError: a derived slice's input is missing or too short (the request's fault).
         """
-        keys, cut = self.cfg.slice_keys(meta)
+        keys, cut = self.cfg.row_keys(meta, feeds, headers)
         self.labels_cut += cut
         return keys, self.sampler.decide(keys)
 
@@ -156,7 +169,11 @@ class MonitorEngine:
         if not keep.any():
             return Evaluation()
         row_values = {m: values[m][keep] for m in self.cfg.metrics}
-        ev = self.observe_values(keys, decision, row_values, request_index=request_index, now=now)
+        if isinstance(keys, RowKeys) and keys.per_row:
+            ev = self.observe_groups(keys, decision, row_values, ref[keep], keep, request_index=request_index,
+                                     now=now)
+        else:
+            ev = self.observe_values(keys, decision, row_values, request_index=request_index, now=now)
         if self.on_sample is not None:
             for i in np.flatnonzero(keep):
                 rec = {"request_id": request_id, "row": int(i), "request_index": request_index,
@@ -190,6 +207,38 @@ class MonitorEngine:
                                now=now)
         if self.checkpoints is not None:
             self.checkpoints.tick()
+        first = next(iter(row.values()), 0.0)
+        self.compared_rows += int(np.size(first))
+        self.compared_requests += 1
+        self.report(ev)
+        return ev
+
+    def observe_groups(self, keys: RowKeys, decision: Decision, row: Mapping[str, np.ndarray],
+                       reference: np.ndarray, keep: np.ndarray, *, request_index: int | None = None,
+                       now: datetime | None = None) -> Evaluation:
+        """Add one sampled request whose rows fall into several groups of a slice (per-row slices): each (request,
+        slice group) with at least one row is one update of that group's statistics with that group's rows only
+        (`MonitorConfig.row_groups`); keys with the same rows share one update.
+
+        Args:
+            keys: the request's RowKeys (`admit`).
+            decision: its sampling decision; a key the sampler did not decide on (an output-derived one) takes
+                the ratio of `all` (its rows were sampled at the request's rate, not for their rarity).
+            row: {metric: (kept rows,) values}.
+            reference: (kept rows, ...) the reference's output of the kept rows (output-derived labels).
+            keep: (rows,) bool, the rows kept (finite reference).
+            request_index: sequence number for alert records.
+            now: time stamp for alert records.
+        """
+        ratios = dict(zip(keys, decision.ratios)) if decision.ratios else {}
+        base = ratios.get(ALL_SLICE, 1.0)
+        ev = Evaluation()
+        for group_keys, idx in self.cfg.row_groups(keys, reference, keep):
+            values = row if idx is None else {m: np.asarray(v)[idx] for m, v in row.items()}
+            r = [ratios.get(k, base) for k in group_keys] if ratios else None
+            part = self.stats.update(group_keys, values, decision.weight, r, request_index=request_index, now=now)
+            ev.fired.extend(part.fired)
+            ev.cleared.extend(part.cleared)
         first = next(iter(row.values()), 0.0)
         self.compared_rows += int(np.size(first))
         self.compared_requests += 1

@@ -184,7 +184,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if remaining is None or remaining > 0:
                 self.service.refuse_oversized("grpc")
             return pb.ModelInferResponse()  # the call is over: gRPC already sent its status
-        status, doc = self.service.ingest_decoded("grpc", request.model_name, lambda: request_body(request))
+        status, doc = self.service.ingest_decoded("grpc", request.model_name, lambda: request_body(request),
+                                                  context.invocation_metadata())
         if status != 200:
             context.abort(status_code(status), f"{doc['reason']}: {doc['error']}")
         sampled = bool(doc["parameters"]["tailguard.sampled"])

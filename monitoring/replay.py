@@ -13,7 +13,7 @@ import json
 import logging
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import pandas as pd
@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tailguard.core.data import Dataset, load_dataset
+from tailguard.core.derive import load_centroids
 from tailguard.core.errors import EXIT_ALERT, EXIT_OK, InputError, StepError, TailguardError
 from tailguard.monitoring.compare import compare_rows, reference_non_finite
 from tailguard.monitoring.config import MonitorConfig, resolve_config
@@ -91,8 +92,8 @@ def _timestamps(frame: pd.DataFrame, start: datetime) -> list[datetime]:
 
 
 def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | Runner, requests: str | Path,
-           out_dir: str | Path, *, seed: int = 0, perturb: Perturb | None = None, source: str = "spec"
-           ) -> dict[str, Any]:
+           out_dir: str | Path, *, seed: int = 0, perturb: Perturb | None = None, source: str = "spec",
+           centroids: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Replay logged requests through the monitor and write DIR/alerts.json and DIR/slices.json.
 
     Args:
@@ -104,6 +105,7 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         seed: sampler seed.
         perturb: optional hook changing the candidate's outputs of the sampled rows (planted drift, demo only).
         source: spec file name for error messages.
+        centroids: {slice name: (k, dim)} for nearest_centroid slices (the pipeline's centroids.npz).
 
     Returns:
         {"alerts": [alert dicts, each with request_index], "slices": slices.json content, "exit_code": 0 or 4,
@@ -116,9 +118,11 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         StepError: the reference model failed at run time (exit 1); a candidate that fails on some rows is
             compared as the worst disagreement on those rows (docs/monitor.md "Failures count").
     """
-    cfg = resolve_config(spec, source=source)
+    cfg = resolve_config(spec, source=source, centroids=centroids)
     ds = load_dataset(str(requests), cfg.inputs, field="requests")
-    missing = [r.column for r in cfg.rules if r.column not in ds.frame.columns]
+    # column and header slices read the requests' metadata columns (a header's column is named like it); derived
+    # slices are computed from the inputs and the reference's output
+    missing = [r.column for r in cfg.rules if not r.derived and r.column not in ds.frame.columns]
     if missing:
         raise InputError(f"requests: {requests} has no metadata column(s) {missing} used by monitoring slices; "
                          f"columns: {list(ds.frame.columns)}",
@@ -132,7 +136,11 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
     engine = MonitorEngine(cfg, seed=seed, max_request_rows=1)  # every logged row is a one-row request
     cols = cfg.metadata_columns
     meta_rows = ds.frame[cols].to_dict("records") if cols else [{}] * ds.n_rows
-    admitted = [engine.admit(m) for m in meta_rows]
+    heads = cfg.header_names
+    head_rows = ds.frame[heads].astype(str).to_dict("records") if heads else [None] * ds.n_rows
+    derived_inputs = any(r.source == "input" for r in cfg.rules)
+    admitted = [engine.admit(m, {k: v[i][None] for k, v in ds.inputs.items()} if derived_inputs else None, h)
+                for i, (m, h) in enumerate(zip(meta_rows, head_rows))]
     idx = np.array([i for i, (_, d) in enumerate(admitted) if d.sampled], dtype=np.int64)
     start = datetime.now(timezone.utc)
     stamps = _timestamps(ds.frame, start)
@@ -155,8 +163,12 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
             if bad_ref[j]:
                 engine.reference_failed(keys, 1)
                 continue
-            row = {m: float(values[m][j]) for m in cfg.metrics}
-            engine.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
+            if getattr(keys, "per_row", False):  # derived slices: labelled from this row's reference output
+                engine.observe(keys, d, ref_out[j:j + 1], cand_out[j:j + 1], request_index=int(i), now=stamps[i],
+                               values={m: values[m][j:j + 1] for m in cfg.metrics})
+            else:
+                row = {m: float(values[m][j]) for m in cfg.metrics}
+                engine.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
             if snaps is not None:
                 snaps.add({"inputs": {k: v[j] for k, v in sub.inputs.items()}, "meta": meta_rows[i],
                            "reference": ref_out[j], "candidate": cand_out[j]})
@@ -173,7 +185,7 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
 
 def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Path, requests: str | Path,
                out_dir: str | Path, *, seed: int = 0, console: Console | None = None,
-               err_console: Console | None = None) -> int:
+               err_console: Console | None = None, centroids: str | Path | None = None) -> int:
     """`tailguard monitor replay`: load the spec, replay, write DIR/alerts.json and DIR/slices.json.
 
     With consoles given (the CLI's), it prints a warning on `err_console` when reference and candidate are the same
@@ -191,6 +203,7 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
         seed: sampler seed.
         console: where the alert lines and the table go (None: print nothing).
         err_console: where the same-file warning goes (None: `console`'s, else nothing).
+        centroids: a centroids.npz (`--centroids`) for nearest_centroid slices.
 
     Returns:
         0 when no alert fired, 4 when any did.
@@ -207,7 +220,8 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
         if (warning := same_file_warning(reference, candidate)) is not None:
             warn_to.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     with _alert_logs_held_back():
-        result = replay(spec, reference, candidate, requests, out_dir, seed=seed, source=str(spec_path))
+        result = replay(spec, reference, candidate, requests, out_dir, seed=seed, source=str(spec_path),
+                        centroids=load_centroids(str(centroids)) if centroids is not None else None)
     if console is not None:
         print_replay(result, console)
     return int(result["exit_code"])

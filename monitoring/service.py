@@ -68,7 +68,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -132,7 +132,8 @@ def _event_header(h: Mapping[str, str], half: str) -> str | None:
 def _redacted_config(cfg: MonitorConfig, fields: frozenset[str] | set[str]) -> MonitorConfig:
     """`cfg` with each slice rule that reads a redacted field (by column or name) grouping by plain value, so the
     redacted value '<redacted>' gives the key `<name>=<redacted>` whatever the rule's bins or values."""
-    rules = [SliceRule(r.name, r.column) if (r.column in fields or r.name in fields) else r for r in cfg.rules]
+    rules = [SliceRule(r.name, r.column, source=r.source) if not r.derived and (r.column in fields or r.name in fields)
+             else r for r in cfg.rules]
     return cfg if rules == cfg.rules else dataclasses.replace(cfg, rules=rules)
 
 
@@ -448,7 +449,8 @@ class MonitorService:
                            status=413)
         return self._refuse(endpoint, exc, time.perf_counter())
 
-    def ingest(self, endpoint: str, name: str, body: bytes, header: str | None = None) -> tuple[int, dict[str, Any]]:
+    def ingest(self, endpoint: str, name: str, body: bytes, header: str | None = None,
+               headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         """Handle one OIP body without waiting for any model.
 
         Args:
@@ -457,6 +459,7 @@ class MonitorService:
             body: raw body: JSON, or with `header` the binary tensor data extension's JSON part and sections (a
                 pairs body: the request inputs' sections, then the response outputs').
             header: the `Inference-Header-Content-Length` header (None: a JSON body).
+            headers: the request's HTTP headers, for header slices (`slices[].header`); None: none.
 
         Returns:
             (HTTP status, JSON response): 200, or 4xx with `{"error", "reason"}` (never a 5xx).
@@ -481,11 +484,31 @@ class MonitorService:
                                    response.get("outputs") if isinstance(response, dict) else None], tail,
                                   ["request input", "response output"])
                 req = self._parse_request(doc["request"])
-                return self._ingest_pair(endpoint, req, doc["response"], t0)
+                return self._ingest_pair(endpoint, req, doc["response"], t0, self.slice_headers(headers))
             req = self._parse_request(body, header)
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        return self._admit(endpoint, req, None, t0)
+        return self._admit(endpoint, req, None, t0, self.slice_headers(headers))
+
+    def slice_headers(self, headers: Mapping[str, Any] | Iterable[tuple[str, Any]] | None
+                      ) -> dict[str, str] | None:
+        """{lower-case name: value} of the headers the header slices read (HTTP headers, gRPC metadata pairs,
+        or a logger event's forwarded `ce-metadata` {name: [value]}); None when no slice reads one."""
+        names = self.cfg.header_names
+        if not names or headers is None:
+            return None
+        items = headers.items() if isinstance(headers, Mapping) else headers
+        out: dict[str, str] = {}
+        for k, v in items:
+            k = str(k).lower()
+            if k in names and k not in out:
+                if isinstance(v, list):
+                    v = v[0] if v else None
+                if isinstance(v, bytes):
+                    v = v.decode("utf-8", "replace")
+                if v is not None:
+                    out[k] = str(v)
+        return out
 
     def ingest_event(self, name: str, headers: Mapping[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
         """Handle one KServe payload-logger CloudEvent (HTTP binary content mode) without waiting for any model.
@@ -550,9 +573,20 @@ class MonitorService:
                 req.id = event_id
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        status, doc = self._ingest_pair(endpoint, req, resp, t0)
+        status, doc = self._ingest_pair(endpoint, req, resp, t0, self._forwarded(h))
         doc["joined"] = status == 200
         return status, doc
+
+    def _forwarded(self, h: Mapping[str, str]) -> dict[str, str] | None:
+        """The header slices' values a KServe logger event forwards in `ce-metadata` (the InferenceService's
+        `logger.metadataHeaders`, as {"X-Tenant": ["a"]}); an unreadable ce-metadata forwards none."""
+        if not self.cfg.header_names or not h.get("ce-metadata"):
+            return None
+        try:
+            meta = load_json(h["ce-metadata"], max_bytes=65536, what="ce-metadata")
+        except OipError:
+            return None
+        return self.slice_headers(meta) if isinstance(meta, dict) else None
 
     def _parse_half(self, half: str, body: bytes, header: str | None) -> Any:
         """A payload-logger half parsed and checked: the request as an InferRequest (checked against
@@ -580,8 +614,8 @@ class MonitorService:
         """Drop payload-logger halves older than monitoring.logger_join_ttl_s (counted); returns how many."""
         return self.join.sweep()
 
-    def ingest_decoded(self, endpoint: str, name: str, decode: Callable[[], dict[str, Any]]
-                       ) -> tuple[int, dict[str, Any]]:
+    def ingest_decoded(self, endpoint: str, name: str, decode: Callable[[], dict[str, Any]],
+                       headers: Iterable[tuple[str, Any]] | None = None) -> tuple[int, dict[str, Any]]:
         """Handle one request that another transport decoded (gRPC ModelInfer: monitoring/grpc_ingest.py) the
         /infer way: model name, the OIP checks of `parse_request`, then the same admission (`_admit`).
 
@@ -589,6 +623,7 @@ class MonitorService:
             endpoint: metrics label ("grpc").
             name: the requested model name.
             decode: returns the request as an OIP dict (tensors' `data` may be arrays), or raises OipError.
+            headers: the call's metadata (gRPC invocation metadata pairs), for header slices.
 
         Returns:
             (HTTP-style status, JSON-style answer), as `ingest`; a refusal is counted by reason.
@@ -599,7 +634,7 @@ class MonitorService:
             req = self._parse_request(decode())
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        return self._admit(endpoint, req, None, t0)
+        return self._admit(endpoint, req, None, t0, self.slice_headers(headers))
 
     def _check_name(self, name: str, endpoint: str) -> None:
         if name != self.cfg.model_name:
@@ -613,25 +648,29 @@ class MonitorService:
         self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return exc.status, {"error": exc.message, "reason": exc.reason}
 
-    def _ingest_pair(self, endpoint: str, req: InferRequest, response: Any, t0: float) -> tuple[int, dict[str, Any]]:
+    def _ingest_pair(self, endpoint: str, req: InferRequest, response: Any, t0: float,
+                     headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         """A request with its live response (pairs and logger endpoints): the response's output is the
         candidate's answer; then the same admission as a mirrored request."""
         try:
             cand = parse_response_output(response, self.cfg.output, req.batch)
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        return self._admit(endpoint, req, cand, t0)
+        return self._admit(endpoint, req, cand, t0, headers)
 
     def _admit(self, endpoint: str, req: InferRequest, cand: np.ndarray | None,
-               t0: float) -> tuple[int, dict[str, Any]]:
+               t0: float, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         """Count, draw the sampling decision and put a sampled request on the queue (never blocks)."""
         m = self.metrics
-        m.requests.labels(self.cfg.model_name, endpoint).inc()
         meta = redact_params(req.parameters, self.redact)
-        with self._admit_lock:  # the sampler's counts and draws, and the sequence number, are not thread-safe
-            keys, decision = self.engine.admit(meta)
-            self._seq += 1
-            seq = self._seq
+        try:
+            with self._admit_lock:  # the sampler's counts and draws, and the sequence number, are not thread-safe
+                keys, decision = self.engine.admit(meta, req.feeds, headers)
+                self._seq += 1
+                seq = self._seq
+        except InputError as exc:  # a derived slice cannot be computed from this request's tensors
+            return self._refuse(endpoint, OipError("bad_shape", f"{exc}"), t0)
+        m.requests.labels(self.cfg.model_name, endpoint).inc()
         if decision.sampled:
             if self.runners["reference"] is None:
                 m.dropped.labels("reference_missing").inc()
@@ -945,7 +984,7 @@ def build_app(service: MonitorService) -> Any:
 
     def _ingest(endpoint: str, name: str, request: Request) -> Callable[[bytes], tuple[int, dict[str, Any]]]:
         header = request.headers.get(BINARY_HEADER)  # binary tensor data extension
-        return lambda body: service.ingest(endpoint, name, body, header=header)
+        return lambda body: service.ingest(endpoint, name, body, header=header, headers=request.headers)
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
@@ -1039,12 +1078,14 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
                    peers: list[str] | None = None, poll_interval_s: float = 5.0, expect_replicas: int | None = None,
                    peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
                    auth_token_file: str | Path | None = None, candidate_version: str | None = None,
-                   tracking_uri: str | None = None) -> MonitorService:
+                   tracking_uri: str | None = None, centroids: str | Path | None = None) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
     `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).
     `candidate_version` (`--candidate-version NAME@ALIAS`, read from the registry at `tracking_uri`) is the
     registry version the candidate file came from: the node check (monitoring/node_check.py) compares this node
-    with the nodes it was validated on; None: the check is not configured.
+    with the nodes it was validated on; None: the check is not configured. The centroids of nearest_centroid
+    slices come from `centroids` (`--centroids FILE`), else from that version's validate run
+    (monitoring/centroids.py).
 
     Raises:
         SpecError: a bad spec or monitoring section (exit 2).
@@ -1052,7 +1093,10 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     """
     source = str(spec) if not isinstance(spec, Spec) else "spec"
     spec_obj = load_spec(spec) if not isinstance(spec, Spec) else spec
-    cfg: MonitorConfig = resolve_config(spec_obj, source=source)
+    from tailguard.monitoring.centroids import resolve_centroids
+
+    cfg: MonitorConfig = resolve_config(spec_obj, source=source, centroids=resolve_centroids(
+        spec_obj, centroids, candidate_version, tracking_uri))
     token = load_auth_token(cfg.mon, auth_token_file)
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
                           peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
@@ -1065,7 +1109,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
           poll_interval_s: float = 5.0, grpc_port: int | None = None, expect_replicas: int | None = None,
           peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
           auth_token_file: str | Path | None = None, candidate_version: str | None = None,
-          tracking_uri: str | None = None) -> None:
+          tracking_uri: str | None = None, centroids: str | Path | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -1092,6 +1136,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         candidate_version: the candidate's registry version (NAME@ALIAS, NAME/VERSION or models:/...), whose
             `tailguard.validated_on` tag the node check compares this node with; None: not checked.
         tracking_uri: the MLflow registry holding it (None: $MLFLOW_TRACKING_URI).
+        centroids: the centroids.npz of the nearest_centroid slices (None: from candidate_version's run).
 
     Raises:
         SpecError: bad spec (exit 2).
@@ -1102,7 +1147,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
                              poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
                              expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
-                             candidate_version=candidate_version, tracking_uri=tracking_uri)
+                             candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
                     "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")

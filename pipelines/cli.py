@@ -414,12 +414,16 @@ def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its
                        "Candidate (promoted): .onnx, or a torch variant's .pt2 with its manifest beside it.")),
                    requests: Path = typer.Option(..., "--requests", help="Parquet of logged requests."),
                    out: Path = typer.Option(..., "--out", help="Folder for alerts.json and slices.json."),
-                   seed: int = typer.Option(0, "--seed", help="Sampler seed (replays are deterministic).")) -> None:
+                   seed: int = typer.Option(0, "--seed", help="Sampler seed (replays are deterministic)."),
+                   centroids: Optional[Path] = typer.Option(None, "--centroids", help=(
+                       "centroids.npz of the nearest_centroid slices (`topic`), as logged with the variant's "
+                       "validate run."))) -> None:
     """Replay logged requests through the monitor offline. Exit 0 no alert, 4 alert(s) fired, 2 bad input."""
     from tailguard.monitoring.replay import replay_cli
 
     # one line per alert, then a table (monitoring/replay.py print_replay); the same-file warning on stderr
-    code = replay_cli(spec, reference, candidate, requests, out, seed=seed, console=console, err_console=err_console)
+    code = replay_cli(spec, reference, candidate, requests, out, seed=seed, console=console, err_console=err_console,
+                      centroids=centroids)
     raise typer.Exit(code)
 
 
@@ -465,7 +469,10 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                       "tailguard.validated_on); a mismatch shows in /readyz node_mismatch and the "
                       "tailguard_monitor_node_mismatch gauge (docs/deploy.md).")),
                   tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help=(
-                      "MLflow registry for --candidate-version (default: $MLFLOW_TRACKING_URI)."))) -> None:
+                      "MLflow registry for --candidate-version (default: $MLFLOW_TRACKING_URI).")),
+                  centroids: Optional[Path] = typer.Option(None, "--centroids", help=(
+                      "centroids.npz of the nearest_centroid slices (`topic`), as logged with the variant's "
+                      "validate run (default: read from --candidate-version's run)."))) -> None:
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
@@ -478,8 +485,7 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
           poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
           expect_replicas=expect_replicas, peer_dns=list(peer_dns or []), peer_wait_polls=peer_wait_polls,
-          candidate_version=candidate_version,
-          tracking_uri=tracking_uri)
+          candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids)
 
 
 # ------------------------------------------------------------------------------------------- trigger

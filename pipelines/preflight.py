@@ -32,7 +32,8 @@ def parquet_columns(uri: str) -> list[str] | None:
 def check_columns(spec: Spec, *, source: str = "spec") -> None:
     """Check that every column the spec names exists in the data files it names.
 
-    Checked: `slices.<i>.column` and `analysis.discovery.columns` against the validation file;
+    Checked: `slices.<i>.column` / `slices.<i>.header` and `analysis.discovery.columns` (but the names of derived
+    slices, which validation computes) against the validation file;
     `data.calibration.stratify_by` against the calibration file; `data.<set>.label_column` against its file.
     Files that are remote (s3://) or missing are skipped here (the data check reports a missing file).
 
@@ -55,9 +56,13 @@ def column_errors(spec: Spec, val: list[str] | None, cal: list[str] | None) -> l
             errors.append(FieldError(field, f"no column {column!r} in {uri}; columns: {cols}", column))
 
     for i, s in enumerate(spec.slices):
-        need(val, s.column, f"slices.{i}.column", spec.data.validation.uri)
+        if s.data_column is not None:  # a derived slice reads no column
+            need(val, s.data_column, f"slices.{i}.{'column' if s.column is not None else 'header'}",
+                 spec.data.validation.uri)
+    derived = {s.name for s in spec.slices if s.derive is not None}  # computed by validation: no column needed
     for j, c in enumerate(spec.analysis.discovery.columns or []):
-        need(val, c, f"analysis.discovery.columns.{j}", spec.data.validation.uri)
+        if c not in derived:
+            need(val, c, f"analysis.discovery.columns.{j}", spec.data.validation.uri)
     if spec.data.calibration.stratify_by:
         need(cal, spec.data.calibration.stratify_by, "data.calibration.stratify_by", spec.data.calibration.uri)
     for name, ds, cols in (("validation", spec.data.validation, val), ("calibration", spec.data.calibration, cal)):

@@ -309,8 +309,9 @@ def _builtin_plan(spec: "Spec", name: str, ds: "DatasetSpec", columns: set[str])
             add(_NOT_NULL, col, f"label column {col!r} has no null rows", column=col)
     if name == "validation":
         for sl in spec.slices:
-            add(_EXISTS, sl.column, f"column {sl.column!r} of slice {sl.name!r} exists",
-                column=sl.column)
+            if sl.data_column is not None:  # a derived slice is computed from the inputs: no column
+                add(_EXISTS, sl.data_column, f"column {sl.data_column!r} of slice {sl.name!r} exists",
+                    column=sl.data_column)
     stratify = getattr(ds, "stratify_by", None)
     if stratify:
         add(_EXISTS, stratify, f"data.{name}.stratify_by column {stratify!r} exists", column=stratify)

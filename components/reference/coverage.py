@@ -33,7 +33,8 @@ def calibration_coverage(slices: list, calibration: Dataset, validation: Dataset
     """
     from tailguard.core.slices import slice_groups
 
-    cols = sorted({s.column for s in slices})
+    slices = [s for s in slices if s.data_column is not None]  # derived slices: not computed on calibration rows
+    cols = sorted({s.data_column for s in slices})
     n_cal, n_val = calibration.n_rows, validation.n_rows
 
     def part(ds: Dataset) -> pd.DataFrame:

@@ -83,6 +83,8 @@ from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, int
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
 from tailguard.core.report import key_metric
+from tailguard.core.derive import (CENTROIDS_FILE, derive_dataset, fit_centroids, monitored_default_slices,
+                                   save_centroids)
 from tailguard.core.slices import per_slice_table, slice_groups
 
 from .gates import GateResult, all_passed, build_metrics, evaluate_gates
@@ -1018,7 +1020,16 @@ def validate_variant(spec: Spec, variant_name: str, runner: Runner, reference_ou
 
     t_native = time.perf_counter()
     n_rows = validation.n_rows
-    groups_all = slice_groups(validation.frame, spec.slices)
+    derived, centroids = derive_dataset(spec.slices, validation.inputs, reference_outputs)
+    for d in monitored_default_slices(spec):  # the monitor's default `topic` needs the centroids too
+        if d.derive is not None and d.derive.reduce == "nearest_centroid" and n_rows:
+            centroids[d.name] = fit_centroids(ref, int(d.derive.centroids or 2))
+    if centroids:  # logged with the run (validate/task.py logs out_dir), for the monitor (--centroids)
+        save_centroids(str(out / CENTROIDS_FILE), centroids)
+    extra = {k: v for k, v in derived.items() if k not in validation.frame.columns}
+    if extra:  # derived values are columns for discovery, sequential plans and worst samples too
+        validation = dataclasses.replace(validation, frame=validation.frame.assign(**extra))
+    groups_all = slice_groups(validation.frame, spec.slices, derived)
     scoring = None
     if spec.analysis.sequential.enabled and n_rows:
         scoring = score_sequentially(spec, variant_name, runner, ref, validation, labels, groups_all,

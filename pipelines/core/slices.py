@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -137,46 +137,60 @@ def _cap(groups: list[tuple[str, np.ndarray]], max_groups: int, rows: int) -> li
     return kept + [(label, rest)]
 
 
-def slice_groups(frame: pd.DataFrame, slices: list[SliceSpec]) -> list[SliceGroup]:
+def slice_groups(frame: pd.DataFrame, slices: list[SliceSpec],
+                 derived: Mapping[str, np.ndarray] | None = None) -> list[SliceGroup]:
     """Split the validation rows into the groups of every declared slice (rules: module docstring).
 
     Args:
         frame: the validation metadata, one row per validation row (`Dataset.frame`).
         slices: the spec's `slices`.
+        derived: {slice name: (rows,) values} of the derived slices (`slices[i].derive`), computed from the
+            rows' inputs and reference outputs by `tailguard.core.derive.derive_rows`; a header slice reads the
+            frame's column named like the header.
 
     Returns:
         SliceGroups, slice by slice in spec order, groups in the order of the module docstring rules.
 
     Raises:
-        InputError: a slice's column is missing from the frame (names `slices.<i>.column` and the available
-            columns), or bins/quantiles on a non-numeric column.
+        InputError: a slice's column (or header column) is missing from the frame (names `slices.<i>.column`
+            and the available columns), a derived slice has no values in `derived`, or bins/quantiles on a
+            non-numeric column.
     """
     rows = len(frame)
     out: list[SliceGroup] = []
     for i, s in enumerate(slices):
-        if s.column not in frame.columns:
-            raise InputError(f"slices.{i}.column: no column {s.column!r} in the validation data "
-                             f"(slice {s.name!r}); available columns: {list(map(str, frame.columns))}",
-                             hint="add the column to the validation Parquet file or fix the column name")
-        col = frame[s.column]
-        if s.bins is not None:
-            groups = _by_edges(_numeric(col, f"slices.{i}.bins"), s.bins, last_closed=False)
-        elif s.quantiles is not None:
-            x = _numeric(col, f"slices.{i}.quantiles")
-            finite = x[~np.isnan(x)]
-            if finite.size == 0:
-                groups = [(NULL, np.isnan(x))] if rows else []
-            else:
-                edges = np.unique(np.quantile(finite, np.linspace(0.0, 1.0, s.quantiles + 1)))
-                if edges.size == 1:  # a constant column: one closed group
-                    edges = np.array([edges[0], edges[0]])
-                groups = _by_edges(x, edges.tolist(), last_closed=True)
+        if s.derive is not None:
+            if derived is None or s.name not in derived:
+                raise InputError(f"slices.{i}.derive: the values of derived slice {s.name!r} were not computed",
+                                 hint="compute them with tailguard.core.derive.derive_rows")
+            col = pd.Series(np.asarray(derived[s.name]), name=s.name)
         else:
-            groups = _by_value(col, s)
+            name, fld = (s.column, "column") if s.column is not None else (s.header, "header")
+            if name not in frame.columns:
+                raise InputError(f"slices.{i}.{fld}: no column {name!r} in the validation data "
+                                 f"(slice {s.name!r}); available columns: {list(map(str, frame.columns))}",
+                                 hint="add the column to the validation Parquet file or fix the column name")
+            col = frame[name]
+        groups = _groups(col, s, i, rows)
         for label, mask in _cap(groups, s.max_groups, rows):
             m = np.asarray(mask, dtype=bool)
             out.append(SliceGroup(s.name, label, m, int(m.sum())))
     return out
+
+
+def _groups(col: pd.Series, s: SliceSpec, i: int, rows: int) -> list[tuple[str, np.ndarray]]:
+    if s.bins is not None:
+        return _by_edges(_numeric(col, f"slices.{i}.bins"), s.bins, last_closed=False)
+    if s.quantiles is not None:
+        x = _numeric(col, f"slices.{i}.quantiles")
+        finite = x[~np.isnan(x)]
+        if finite.size == 0:
+            return [(NULL, np.isnan(x))] if rows else []
+        edges = np.unique(np.quantile(finite, np.linspace(0.0, 1.0, s.quantiles + 1)))
+        if edges.size == 1:  # a constant column: one closed group
+            edges = np.array([edges[0], edges[0]])
+        return _by_edges(x, edges.tolist(), last_closed=True)
+    return _by_value(col, s)
 
 
 def per_slice_table(task: str, per_sample: dict[str, np.ndarray], groups: list[SliceGroup]) -> pd.DataFrame:

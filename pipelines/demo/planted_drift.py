@@ -6,6 +6,10 @@ The drift is artificial, made by this module, not by the model: for rows of one 
 the replayed traffic, the candidate's outputs are perturbed after inference (classification: top-1 and top-2
 logits swapped with probability `drift_rate`; embedding: the vector mixed with noise; regression/generic: an
 offset added). The monitor sees only the perturbed outputs and must find the slice on its own.
+
+With `bare=True` the replayed requests are the tensors alone (every metadata column dropped, as a production client
+sends them): the drift is planted in a metadata slice the monitor cannot see, and must be caught by a derived slice
+(`topic`: the nearest centroid of the reference embedding; `n_tokens` from the attention mask; issue 35).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ def perturb_outputs(task: str, outputs: np.ndarray, mask: np.ndarray, rate: floa
 def replay_with_drift(spec: Spec | str | Path, reference_onnx: str | Path, candidate_onnx: str | Path,
                       requests_parquet: str | Path, out_dir: str | Path, *, drift_slice: tuple[str, Any],
                       drift_start: float = 0.5, drift_rate: float = 0.3, seed: int = 0,
-                      monitoring_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+                      monitoring_overrides: dict[str, Any] | None = None, bare: bool = False,
+                      centroids: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Replay requests through the monitor with a planted drift in one slice; return the alerts.
 
     Args:
@@ -69,10 +74,13 @@ def replay_with_drift(spec: Spec | str | Path, reference_onnx: str | Path, candi
         seed: sampler and perturbation seed.
         monitoring_overrides: fields merged into the spec's monitoring section (e.g. a higher sample_rate so a
             short demo file gives the rare slice enough support).
+        bare: replay the input tensors only (the metadata columns dropped): only derived slices can see the drift.
+        centroids: {slice name: (k, dim)} for nearest_centroid slices (the validate run's centroids.npz).
 
     Returns:
         The `replay` result plus "drift": {"column", "value", "start_row", "rate", "rows_perturbed",
-        "planted": True} and "detected": whether an alert fired on a slice key of the drifted column.
+        "planted": True, "bare"} and "detected": whether an alert fired on a slice key of the drifted column (bare:
+        on a derived slice).
 
     Raises:
         InputError: the drift column is not in the requests or `drift_start` is outside [0, 1].
@@ -100,10 +108,17 @@ def replay_with_drift(spec: Spec | str | Path, reference_onnx: str | Path, candi
         counted["rows"] = int(mask.sum())
         return perturb_outputs(spec_obj.model.task, cand, mask, drift_rate, seed)
 
-    result = replay(spec_obj, reference_onnx, candidate_onnx, requests_parquet, out_dir, seed=seed, perturb=perturb)
-    rule_names = {r.name for r in resolve_config(spec_obj).rules if r.column == column}
+    replayed = requests_parquet
+    if bare:  # what a production client sends: the tensors, no metadata
+        replayed = Path(out_dir) / "bare_requests.parquet"
+        replayed.parent.mkdir(parents=True, exist_ok=True)
+        frame[[t.name for t in spec_obj.model.inputs]].to_parquet(replayed)
+    result = replay(spec_obj, reference_onnx, candidate_onnx, replayed, out_dir, seed=seed, perturb=perturb,
+                    centroids=centroids)
+    cfg = resolve_config(spec_obj, centroids=centroids)
+    rule_names = {r.name for r in cfg.rules if (r.derived if bare else r.column == column)}
     result["drift"] = {"column": column, "value": value, "start_row": start_row, "rate": drift_rate,
                        "rows_in_drift": int(drift_mask_all.sum()), "sampled_rows_perturbed": counted["rows"],
-                       "planted": True}
+                       "planted": True, "bare": bare}
     result["detected"] = any(a["slice"].split("=", 1)[0] in rule_names for a in result["alerts"])
     return result

@@ -163,7 +163,8 @@ def test_parse_request_raises_only_oip_error_when_decoded_body_is_arbitrary(body
 
 SLICES = [{"name": "domain", "column": "domain"}, {"name": "len", "column": "n_tokens", "bins": [0, 16, 64, 512]},
           {"name": "tier", "column": "tier", "values": ["gold", "silver", 3]}]
-CFG = resolve_config(parse_spec(T.spec_dict({"sample_rate": 0.5, "slice_pairs": True}, slices=SLICES)
+CFG = resolve_config(parse_spec(T.spec_dict({"sample_rate": 0.5, "slice_pairs": True,  # metadata slices only
+                                             "slice_columns": ["domain", "len", "tier"]}, slices=SLICES)
                                 | {"promotion": {"enabled": False}}))
 REDACTED_CFG = _redacted_config(CFG, {"domain", "n_tokens"})
 PART_MAX = max(len(r.name) for r in CFG.rules) + 1 + MAX_LABEL_CHARS

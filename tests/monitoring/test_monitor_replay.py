@@ -33,7 +33,9 @@ def test_replay_exits_0_and_writes_slices_when_candidate_is_close(files, tmp_pat
     code = replay_cli(files / "spec.yaml", files / "ref.onnx", files / "cand.onnx", files / "data.parquet", tmp_path)
     alerts, slices = _load(tmp_path)
     assert code == 0 and alerts == []
-    assert set(slices["slices"]) == {"all", "domain=legal", "domain=news", "domain=web"}
+    # the declared slice, and the reference's top-1 class tracked by default (issue 35)
+    assert set(slices["slices"]) == {"all", "domain=legal", "domain=news", "domain=web", "predicted=0",
+                                     "predicted=1", "predicted=2"}
     legal = slices["slices"]["domain=legal"]
     assert legal["metrics"]["top1_agree"]["status"] in ("ok", "insufficient_data")
     # rare slice oversampled: its share of sampled rows exceeds its traffic share

@@ -307,7 +307,7 @@ def test_sink_writes_slice_key_redacted_when_redacted_field_is_slice_column(s3_b
     slices = [{"name": "dom", "column": "domain", "values": ["legal", "web"]}, {"name": "tier", "column": "tier"}]
     bodies = [json.dumps(request_json({"x": np.ones((1, 4), np.float32)}, {"domain": "legal", "tier": "gold"}))
               .encode() for _ in range(3)]
-    mon = {"redact_fields": ["domain"], "slice_pairs": True}
+    mon = {"redact_fields": ["domain"], "slice_pairs": True, "slice_columns": ["dom", "tier"]}  # no `predicted`
     svc = _serve_to_s3(tmp_path, port, bucket, mon, bodies, slices=slices)
     _, df = _objects(client, bucket)
     assert len(df) == 3

@@ -143,8 +143,15 @@ class MonitoringSpec(SpecModel):
         "rare_slice_frequency / frequency (capped by max_oversample); 0 turns oversampling off."))
     max_oversample: float = Field(20.0, ge=1, description="Cap of the rare-slice oversampling factor.")
     slice_columns: list[str] | None = Field(None, description=(
-        "Slices to track: names of declared `slices` (their column, bins and values apply) or plain metadata "
-        "columns / request parameters (grouped by value). Default: every declared slice."))
+        "Slices to track: names of declared `slices` (their column, header or derive rule, bins and values "
+        "apply) or plain metadata columns / request parameters (grouped by value). Default: every declared "
+        "slice, plus by task `predicted` (classification: the reference's top-1 class) or `topic` (embedding: "
+        "the nearest of the pipeline's 16 topic centroids, given with --centroids), which need nothing from "
+        "the client."))
+    per_row_metadata: bool = Field(False, description=(
+        "Column slices accept one value per row: a request parameter holding a list (or a string with a JSON "
+        "list) of as many values as the request has rows. Each such rule then counts min(max_batch_rows, its "
+        "groups) keys per request in the false-alarm budget instead of 1 (docs/monitor.md, Per-row slices)."))
     slice_pairs: bool | list[list[str]] = Field(False, description=(
         "Intersections tracked as slices too (keys like 'locale=37&ink=low'): true for every pair of "
         "slice_columns, or a list of [name, name] pairs. Each pair adds one detector update per sampled request, "
