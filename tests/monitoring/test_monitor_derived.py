@@ -32,7 +32,7 @@ BATCH = 16
 # Monitoring settings of these tests: every request compared, the default threshold lowered to 0.8 so the rare
 # slice's drift (9% of the rows for class 2, 4% for the ink bin) leaves `all` and the other slices above it, and a
 # short horizon so the alarm threshold h is reached within a few hundred requests.
-MON = {"sample_rate": 1.0, "seed": 0, "horizon": 1000, "alpha": 0.05, "min_support": 10,
+MON = {"sample_rate": 1.0, "seed": 0, "max_request_rows": BATCH, "horizon": 1000, "alpha": 0.05, "min_support": 10,
        "thresholds": {"top1_agree": {"min": 0.8}}}
 
 
