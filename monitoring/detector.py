@@ -362,7 +362,7 @@ def request_units(bet: Betting, excess: Any, max_rows: int) -> list[tuple[int, f
     """
     if isinstance(excess, float):
         return [(1, min(max(bet.sign * excess, -bet.span), bet.cap))]
-    y = np.clip(bet.sign * excess, -bet.span, bet.cap)
+    y = (bet.sign * excess).clip(-bet.span, bet.cap)
     n = y.shape[0]
     if n <= max_rows:
         return [(n, float(y.sum()))]
@@ -581,6 +581,7 @@ class SliceStatistics:
         self.streams_per_request = int(streams_per_request)
         self.h = alarm_threshold(alpha, horizon, streams_per_request * max(len(self.bounds), 1))
         self.decay = 1.0 - 1.0 / max(window_size, 1)
+        self._geo: dict[int, tuple[np.ndarray, float]] = {}  # `_decay_weights` memo
         self.window_size = window_size
         self.min_support = min_support
         self.max_tracked_slices = max_tracked_slices
@@ -702,6 +703,17 @@ class SliceStatistics:
             s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
         return ev
 
+    def _decay_weights(self, n: int) -> tuple[np.ndarray, float]:
+        """(decay ** (n-1 .. 0), their sum) for an n-row update of the display estimate, memoized per n (a
+        monitor sees few distinct request sizes; at most 256 kept)."""
+        got = self._geo.get(n)
+        if got is None:
+            geo = self.decay ** np.arange(n - 1, -1, -1, dtype=np.float64)
+            got = (geo, float(geo.sum()))
+            if len(self._geo) < 256:
+                self._geo[n] = got
+        return got
+
     def _prepare(self, values: Mapping[str, Any]
                  ) -> tuple[int, dict[str, tuple[float, float, float]],
                             dict[str, tuple[list[tuple[int, float]], list[tuple[int, float]] | None]]]:
@@ -717,26 +729,27 @@ class SliceStatistics:
         n = max((a.shape[0] for a in arrays.values()), default=0)
         if n == 0:
             return 0, {}, {}
-        d = self.decay
-        geo = d ** np.arange(n - 1, -1, -1, dtype=np.float64) if n > 1 else None
-        display: dict[str, tuple[float, float, float]] = {"": (float(geo.sum()) if geo is not None else 1.0,
-                                                               0.0, 0.0)}
+        geo, geo_sum = self._decay_weights(n)
+        display: dict[str, tuple[float, float, float]] = {"": (geo_sum, 0.0, 0.0)}
         excess: dict[str, tuple[list[tuple[int, float]], list[tuple[int, float]] | None]] = {}
         for m, a in arrays.items():
             if a.shape[0] != n:
                 raise ValueError(f"metric {m!r} has {a.shape[0]} rows, the request {n}")
-            valid = ~np.isnan(a)
-            finite = np.isfinite(a)
-            if geo is None:
+            all_finite = bool(np.isfinite(a).all())  # the common case: one reduction instead of three masks
+            valid = None if all_finite else ~np.isnan(a)
+            if n == 1:
                 x = float(a[0])
-                display[m] = ((1.0, x, 0.0) if finite[0] else (1.0, 0.0, 1.0)) if valid[0] else (0.0, 0.0, 0.0)
+                display[m] = ((1.0, x, 0.0) if all_finite else (1.0, 0.0, 1.0)) if x == x else (0.0, 0.0, 0.0)
+            elif all_finite:
+                display[m] = (geo_sum, float(geo @ a), 0.0)
             else:
+                finite = np.isfinite(a)
                 display[m] = (float(geo[valid].sum()), float((geo[finite] * a[finite]).sum()),
                               float(geo[valid & ~finite].sum()))
             b = self.bounds.get(m)
-            if b is None or not valid.any():
+            if b is None or (valid is not None and not valid.any()):
                 continue
-            x = a[valid] if not valid.all() else a
+            x = a if valid is None or valid.all() else a[valid]
             if b.higher_is_better:
                 y = b.value - x
             else:
