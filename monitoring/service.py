@@ -23,8 +23,9 @@ Endpoints:
     GET  /v1/alerts, /v1/slices    alert records and per-slice statistics (JSON; /v1/slices?offset=&limit= pages
                                    through every tracked slice in key order, limit <= 10000, default 1000).
 
-Isolation of the live path: ingest parses and checks the body, draws the sampling decision and puts a sampled
-request on a bounded queue with `put_nowait`; it never waits for a model. A full queue drops the request
+Isolation of the live path: ingest parses and checks the body (on a parse thread, `MonitorService.parse_pool`:
+the event loop that serves /healthz only reads bodies and never parses one), draws the sampling decision and puts
+a sampled request on a bounded queue with `put_nowait`; it never waits for a model. A full queue drops the request
 (`dropped_total{reason="queue_full"}`). A worker thread runs the models, each call in its own one-thread pool
 with a timeout: a slow, crashing, NaN-returning or missing reference only moves `dropped_total{reason=...}`.
 Ingest answers 200 with `{"model_name", "id", "outputs": [], "parameters": {"tailguard.sampled": bool}}` (the
@@ -55,6 +56,7 @@ key `<name>=<redacted>` everywhere (statistics, /metrics, /v1/slices, alerts, ev
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures as cf
 import contextlib
@@ -97,6 +99,9 @@ READ_CHUNK = 512  # slice entries /v1/evidence and /v1/slices build per hold of 
 # uvicorn's limit_concurrency = max_concurrent_requests + this: it counts open connections (idle keep-alive ones of
 # every mirroring Envoy too) and tasks, so it is a memory bound far above the app's own limit, not the limit itself
 CONNECTION_HEADROOM = 1024
+# threads that parse HTTP ingest bodies (JSON, binary sections, CloudEvents headers), off the event loop that serves
+# /healthz; more requests wait for one (at most monitoring.max_concurrent_requests are in flight)
+PARSE_WORKERS = 4
 
 
 def redact_params(params: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
@@ -250,6 +255,8 @@ class MonitorService:
         self.runners: dict[str, Runner | None] = {"reference": None, "candidate": None}
         self.load_errors: dict[str, str] = {}
         self._pools = {r: cf.ThreadPoolExecutor(1, thread_name_prefix=f"tg-{r}") for r in ("reference", "candidate")}
+        # every parse of an HTTP ingest body runs here, never on the event loop (issue 36 item 2)
+        self.parse_pool = cf.ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="tg-parse")
         self._stuck: dict[str, cf.Future | None] = {"reference": None, "candidate": None}
         self._batching = {"reference": True, "candidate": True}  # False once a model fails only when batched
         # per role, the drop reason of each of the last HEALTH_WINDOW calls (None = it answered)
@@ -312,7 +319,7 @@ class MonitorService:
             self._worker.join(5)
         if self.sink is not None:
             self.sink.close()
-        for p in self._pools.values():
+        for p in (*self._pools.values(), self.parse_pool):
             p.shutdown(wait=False, cancel_futures=True)
 
     def _load_models(self) -> None:
@@ -900,10 +907,16 @@ def build_app(service: MonitorService) -> Any:
 
     async def _handle(endpoint: str, request: Request, handle: Callable[[bytes], tuple[int, dict[str, Any]]]
                       ) -> Response:
-        """Read the body within the limits, hand it to `handle`, release its share of the body budget."""
+        """Read the body within the limits, hand it to `handle` on a parse thread (`service.parse_pool`: no parse
+        runs on the event loop, so /healthz answers whatever a body holds), release its share of the body
+        budget."""
         body, reason, held = await _read_body(request, service.max_body_bytes, service.body_budget)
         try:
-            status, doc = service.refuse_body(endpoint, reason) if body is None else handle(body)
+            if body is None:
+                status, doc = service.refuse_body(endpoint, reason)
+            else:
+                loop = asyncio.get_running_loop()
+                status, doc = await loop.run_in_executor(service.parse_pool, handle, body)
         finally:
             service.body_budget.give(held)
         return JSONResponse(doc, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)

@@ -1,0 +1,186 @@
+"""A monitor that cannot be stalled (issue 36 items 2, 5, 7, 10, 11).
+
+Item 2: `oip.json_depth` was a regex, quadratic on 65 `[`, one `"`, then n x `\\"` (64 KB: 14.6 s), and every body
+was parsed on the event loop, so /healthz waited as long. The scan is now linear (read in pieces of DEPTH_CHUNK
+bytes, each a fixed number of bytes/numpy passes: the pieces are counted, no wall time is measured), and every
+parse runs on a parse thread: a /healthz probe sent while a parse thread holds a hostile body (it waits on an event
+the test sets only after /healthz answered) is answered first.
+
+Real parts: a MonitorService served by uvicorn on 127.0.0.1 in a thread, real tiny ONNX models, httpx clients.
+Every wait is on a condition or an event; the timeouts only bound a hung server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tailguard.monitoring import oip
+from tailguard.monitoring import testing as T
+from tailguard.monitoring.join import CE_REQUEST
+from tailguard.monitoring.oip import MAX_JSON_DEPTH, OipError, load_json, request_json
+from tests.monitoring.test_monitor_hardening import NAME, _live, _value
+
+HUNG_S = 60.0  # bounds a hung server or client; never a timing assumption
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stalls")
+    return {"ref": T.linear_classifier(d / "ref.onnx"),
+            "cand": T.linear_classifier(d / "cand.onnx", T.weights(noise=0.02))}
+
+
+def hostile(n: int) -> bytes:
+    """The issue's body: 65 `[`, one `"`, then `\\"` up to n bytes (quadratic for the old string regex)."""
+    head = b"[" * (MAX_JSON_DEPTH + 1) + b'"'
+    return head + b'\\"' * ((n - len(head)) // 2)
+
+
+def _reference_depth(raw: bytes) -> int:
+    """Deepest bracket nesting outside strings, byte by byte (the obvious scanner json_depth must agree with)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:
+                escaped = True
+            elif c == 0x22:
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in b"]}":
+            depth -= 1
+    return deepest
+
+
+# ------------------------------------------------------------------------------------- item 2: the depth scan
+@pytest.mark.parametrize("n", [1 << 15, 1 << 16, 1 << 20, 8 << 20])
+def test_json_depth_reads_hostile_text_in_bounded_pieces_when_escapes_repeat(monkeypatch, n):
+    pieces: list[int] = []
+    chunk = oip._depth_chunk
+
+    def counting(piece: bytes, state: Any) -> None:
+        pieces.append(len(piece))
+        chunk(piece, state)
+
+    monkeypatch.setattr(oip, "_depth_chunk", counting)
+    raw = hostile(n)
+    assert oip.json_depth(raw) == MAX_JSON_DEPTH + 1
+    # linear: one piece per DEPTH_CHUNK bytes, each at most DEPTH_CHUNK bytes (a fixed number of passes over it),
+    # and together exactly the text: twice the text, twice the pieces
+    assert len(pieces) == math.ceil(len(raw) / oip.DEPTH_CHUNK)
+    assert max(pieces) <= oip.DEPTH_CHUNK and sum(pieces) == len(raw)
+    with pytest.raises(OipError) as err:
+        load_json(raw, max_bytes=8 << 20)
+    assert err.value.reason == "too_deep"
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='\\"[]{}ab\u00e9'),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(alphabet='\\"[]{}a'), children,
+                                                                        max_size=3),
+    max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_json_values, wrap=st.integers(0, 80), piece=st.integers(1, 9))
+def test_json_depth_matches_a_byte_scanner_when_pieces_split_escapes_and_strings(value, wrap, piece):
+    raw = json.dumps([value] if wrap else value, ensure_ascii=False).encode()
+    raw = b"[" * max(wrap - 1, 0) + raw + b"]" * max(wrap - 1, 0)
+    want = _reference_depth(raw)
+    old = oip.DEPTH_CHUNK
+    oip.DEPTH_CHUNK = piece  # small pieces: every boundary falls inside escapes, strings and bracket runs
+    try:
+        got = oip.json_depth(raw)
+    finally:
+        oip.DEPTH_CHUNK = old
+    short = raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH  # the shortcut's bound, never an undercount
+    assert got == want or (short and got == raw.count(b"[") + raw.count(b"{") >= want)
+
+
+# ----------------------------------------------------------------------------- item 2: parsing off the loop
+@contextlib.contextmanager
+def _held_parse(svc: Any) -> Iterator[tuple[threading.Event, threading.Event, list[str]]]:
+    """Make every ingest parse wait on `release` after setting `entered` (on its own thread): while it waits, the
+    body is being parsed, so whatever answers meanwhile was not blocked by the parse. Yields (entered, release,
+    names of the threads that parsed)."""
+    entered, release, threads = threading.Event(), threading.Event(), []
+    originals = {m: getattr(svc, m) for m in ("ingest", "ingest_event")}
+
+    def held(method: str):
+        def run(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            entered.set()
+            release.wait(HUNG_S)  # on the event loop (the old code), /healthz cannot answer before this ends
+            return originals[method](*args, **kwargs)
+        return run
+
+    for m in originals:
+        setattr(svc, m, held(m))
+    try:
+        yield entered, release, threads
+    finally:
+        release.set()
+        for m in originals:
+            delattr(svc, m)
+
+
+def _hostile_request(kind: str, n: int) -> tuple[str, bytes, dict[str, str], int, str | None]:
+    """(path, body, headers, expected status, expected reason) of a hostile request of about n bytes."""
+    if kind == "json":
+        return f"/v2/models/{NAME}/infer", hostile(n), {}, 400, "too_deep"
+    if kind == "binary":  # the JSON part of a binary-extension body
+        body = hostile(n)
+        return f"/v2/models/{NAME}/infer", body, {oip.BINARY_HEADER: str(len(body))}, 400, "too_deep"
+    if kind == "pairs":
+        return f"/v2/models/{NAME}/pairs", b'{"request": ' + hostile(n), {}, 400, "too_deep"
+    # the logger path: a hostile ce-metadata header beside a good request half (an unreadable ce-metadata is
+    # ignored: the half waits for its partner)
+    x = np.ones((1, 4), np.float32)
+    body = json.dumps(request_json({"x": x}, request_id="r0")).encode()
+    headers = {"ce-id": "ev-1", "ce-type": CE_REQUEST, "ce-specversion": "1.0", "ce-source": "http://x/",
+               "content-type": "application/json", "ce-metadata": hostile(n).decode()}
+    return f"/v2/models/{NAME}/logger", body, headers, 200, None
+
+
+@pytest.mark.parametrize("kind", ["json", "binary", "pairs", "logger"])
+def test_healthz_answers_while_a_parse_thread_holds_a_hostile_body_when_body_stalls_parsing(models, kind):
+    n = 40_000 if kind == "logger" else 1 << 20  # the issue's 40 KB ce-metadata; 1 MiB bodies
+    path, body, headers, status, reason = _hostile_request(kind, n)
+    with _live(models["ref"], models["cand"], max_body_bytes=2 << 20) as (svc, url, _):
+        with _held_parse(svc) as (entered, release, threads):
+            answer: dict[str, Any] = {}
+
+            def post() -> None:
+                answer["r"] = httpx.post(url + path, content=body, headers=headers, timeout=HUNG_S * 2)
+
+            poster = threading.Thread(target=post)
+            poster.start()
+            assert entered.wait(HUNG_S), "the body never reached the parse"
+            health = httpx.get(url + "/healthz", timeout=HUNG_S)  # the parse has not finished: it waits on us
+            assert health.status_code == 200 and not release.is_set() and "r" not in answer
+            release.set()
+            poster.join(HUNG_S * 2)
+        assert threads and all(t.startswith("tg-parse") for t in threads), threads
+        r = answer["r"]
+        assert r.status_code == status, r.text
+        if reason is not None:
+            assert r.json()["reason"] == reason
+            assert _value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) == 1
+        else:
+            assert r.json()["joined"] is False and len(svc.join) == 1
