@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from tailguard.core.errors import InputError
-from tailguard.monitoring.oip import (OIP_ITEMSIZE, SPEC_TO_OIP, OipError, _binary_shape, decode_binary,
-                                      utf8_text)
+from tailguard.monitoring.oip import (OIP_ITEMSIZE, SPEC_TO_OIP, OipError, _binary_shape, check_tensors,
+                                      decode_binary, utf8_text)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
 MAX_WORKERS = 8  # threads serving RPCs (ingest never waits for a model: a few are enough)
@@ -67,11 +67,13 @@ def _parameter(p: pb.InferParameter) -> Any:
     return None if which is None else getattr(p, which)
 
 
-def request_body(request: pb.ModelInferRequest) -> dict[str, Any]:
+def request_body(request: pb.ModelInferRequest, input_specs: Sequence | None = None) -> dict[str, Any]:
     """A ModelInferRequest as the OIP request dict `parse_request` checks (tensors' `data` decoded).
 
     Args:
         request: the decoded message.
+        input_specs: the spec's model.inputs: every input's name and datatype are checked against them before any
+            tensor is decoded (`check_tensors`, issue 36 item 10); None: not checked here.
 
     Returns:
         {"id", "inputs": [{"name", "shape", "datatype", "data"}], "parameters": {name: scalar}}.
@@ -80,13 +82,15 @@ def request_body(request: pb.ModelInferRequest) -> dict[str, Any]:
         OipError: binary_size_mismatch (raw_input_contents not one per input, both raw and typed contents, or a raw
             entry whose size is not shape x element size), bad_bytes_prefix, bad_shape (a negative dimension, or
             typed contents whose count is not the shape's product), bad_datatype, bad_data (FP16/BF16 without
-            raw contents). Sizes are checked before anything is decoded.
+            raw contents), unknown_input; sizes, names and datatypes are checked before anything is decoded.
     """
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise OipError("binary_size_mismatch", f"raw_input_contents has {len(raw)} entries for "
                                                f"{len(request.inputs)} inputs; send one per input, in order",
                        status=400)
+    if input_specs is not None:
+        check_tensors([{"name": utf8_text(t.name), "datatype": t.datatype} for t in request.inputs], input_specs)
     inputs = []
     for i, t in enumerate(request.inputs):
         name = utf8_text(t.name)
@@ -184,7 +188,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if remaining is None or remaining > 0:
                 self.service.refuse_oversized("grpc")
             return pb.ModelInferResponse()  # the call is over: gRPC already sent its status
-        status, doc = self.service.ingest_decoded("grpc", request.model_name, lambda: request_body(request))
+        status, doc = self.service.ingest_decoded("grpc", request.model_name, lambda: request_body(request, self.service.cfg.inputs))
         if status != 200:
             context.abort(status_code(status), f"{doc['reason']}: {doc['error']}")
         sampled = bool(doc["parameters"]["tailguard.sampled"])

@@ -84,8 +84,9 @@ from tailguard.monitoring.compare import compare_rows
 from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
 from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
-from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, attach_binary, load_json, parse_request,
-                                      parse_response_output, split_binary, utf8_text)
+from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, check_batch, load_json, parse_request,
+                                      utf8_text)
+from tailguard.monitoring.parsing import BodyParser, ParseLimits, parse_body, parse_half
 from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
 from tailguard.monitoring.sampler import Decision
 from tailguard.core.runtime import Runner, runner_for_file
@@ -257,6 +258,9 @@ class MonitorService:
         self._pools = {r: cf.ThreadPoolExecutor(1, thread_name_prefix=f"tg-{r}") for r in ("reference", "candidate")}
         # every parse of an HTTP ingest body runs here, never on the event loop (issue 36 item 2)
         self.parse_pool = cf.ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="tg-parse")
+        # and a body of PROCESS_PARSE_BYTES or more in a worker process (its GIL holds would stall every thread)
+        self.parser = BodyParser(ParseLimits(tuple(cfg.inputs), cfg.output, int(mon.max_body_bytes),
+                                             int(mon.max_batch_rows)))
         self._stuck: dict[str, cf.Future | None] = {"reference": None, "candidate": None}
         self._batching = {"reference": True, "candidate": True}  # False once a model fails only when batched
         # per role, the drop reason of each of the last HEALTH_WINDOW calls (None = it answered)
@@ -321,6 +325,7 @@ class MonitorService:
             self.sink.close()
         for p in (*self._pools.values(), self.parse_pool):
             p.shutdown(wait=False, cancel_futures=True)
+        self.parser.close()
 
     def _load_models(self) -> None:
         for role, src in self._sources.items():
@@ -437,28 +442,10 @@ class MonitorService:
         t0 = time.perf_counter()
         try:
             self._check_name(name, endpoint)
-            if endpoint == "pairs":
-                if header is None:
-                    doc, tail = load_json(body, max_bytes=self.max_body_bytes, what="pairs body"), None
-                else:
-                    doc, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="pairs body")
-                if not isinstance(doc, dict) or "request" not in doc or "response" not in doc:
-                    raise OipError("not_an_object", "pairs body must be {\"request\": ..., \"response\": ...}",
-                                   status=400)
-                if not isinstance(doc["request"], dict):
-                    raise OipError("not_an_object", "pairs body: 'request' must be a JSON object with 'inputs'",
-                                   status=400)
-                if tail is not None:  # sections: the request's inputs, then the response's outputs
-                    response = doc["response"]
-                    attach_binary([doc["request"].get("inputs"),
-                                   response.get("outputs") if isinstance(response, dict) else None], tail,
-                                  ["request input", "response output"])
-                req = self._parse_request(doc["request"])
-                return self._ingest_pair(endpoint, req, doc["response"], t0)
-            req = self._parse_request(body, header)
+            req, cand = self.parser.run(parse_body, endpoint, body, header, size=len(body))
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        return self._admit(endpoint, req, None, t0)
+        return self._admit(endpoint, req, cand, t0)
 
     def ingest_event(self, name: str, headers: Mapping[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
         """Handle one KServe payload-logger CloudEvent (HTTP binary content mode) without waiting for any model.
@@ -470,7 +457,7 @@ class MonitorService:
         InferenceService's `logger.metadataHeaders` as ce-metadata; it forwards no response header, so a binary
         response half needs the header set by whatever posts it). The first half of an id waits in the join
         buffer (answer 200, `"joined": false`);
-        the second one completes the pair, which then goes exactly the pairs endpoint's way (`_ingest_pair`:
+        the second one completes the pair, which then goes exactly the pairs endpoint's way (`check_batch`:
         response output checked against the request's batch, slice keys, sampling, queue).
 
         Args:
@@ -507,7 +494,7 @@ class MonitorService:
             header = _event_header(h, half)
             # checked now (a bad half is refused at once); if it has to wait, only its raw bytes are kept and it
             # is parsed again when its partner comes (monitoring/join.py: the byte budget is what is held)
-            parsed = self._parse_half(half, body, header)
+            parsed = self.parser.run(parse_half, half, body, header, size=len(body))
             try:
                 pair = self.join.add(event_id, half, (body, header), size=len(body) + len(header or ""))
             except EntryTooLarge as exc:
@@ -517,37 +504,17 @@ class MonitorService:
                 self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
                 return 200, {"model_name": self.cfg.model_name, "id": event_id, "joined": False}
             other_half = "response" if half == "request" else "request"
-            other = self._parse_half(other_half, *(pair[1] if half == "request" else pair[0]))
-            req, resp = (parsed, other) if half == "request" else (other, parsed)
+            other_body, other_header = pair[1] if half == "request" else pair[0]
+            other = self.parser.run(parse_half, other_half, other_body, other_header, size=len(other_body))
+            req, cand = (parsed, other) if half == "request" else (other, parsed)
             if not req.id:
                 req.id = event_id
+            check_batch(cand, req.batch)
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        status, doc = self._ingest_pair(endpoint, req, resp, t0)
+        status, doc = self._admit(endpoint, req, cand, t0)
         doc["joined"] = status == 200
         return status, doc
-
-    def _parse_half(self, half: str, body: bytes, header: str | None) -> Any:
-        """A payload-logger half parsed and checked: the request as an InferRequest (checked against
-        model.inputs), the response as its JSON object with a non-empty `outputs` list (binary sections
-        attached).
-
-        Raises:
-            OipError: the usual ingest reasons (invalid_json, not_an_object, missing_output, the binary ones...).
-        """
-        if half == "request":
-            return self._parse_request(body, header)
-        if header is None:
-            value, tail = load_json(body, max_bytes=self.max_body_bytes, what="response body"), None
-        else:
-            value, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="response body")
-        if not isinstance(value, dict):
-            raise OipError("not_an_object", "response body must be a JSON object with 'outputs'", status=400)
-        if tail is not None:
-            attach_binary([value.get("outputs")], tail, ["response output"])
-        if not isinstance(value.get("outputs"), list) or not value["outputs"]:
-            raise OipError("missing_output", "response has no 'outputs' list (OIP v2 response)")
-        return value
 
     def sweep(self) -> int:
         """Drop payload-logger halves older than monitoring.logger_join_ttl_s (counted); returns how many."""
@@ -585,15 +552,6 @@ class MonitorService:
         self.metrics.invalid_requests.labels(exc.reason).inc()
         self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return exc.status, {"error": exc.message, "reason": exc.reason}
-
-    def _ingest_pair(self, endpoint: str, req: InferRequest, response: Any, t0: float) -> tuple[int, dict[str, Any]]:
-        """A request with its live response (pairs and logger endpoints): the response's output is the
-        candidate's answer; then the same admission as a mirrored request."""
-        try:
-            cand = parse_response_output(response, self.cfg.output, req.batch)
-        except OipError as exc:
-            return self._refuse(endpoint, exc, t0)
-        return self._admit(endpoint, req, cand, t0)
 
     def _admit(self, endpoint: str, req: InferRequest, cand: np.ndarray | None,
                t0: float) -> tuple[int, dict[str, Any]]:

@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from tailguard.monitoring import oip
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.join import CE_REQUEST
-from tailguard.monitoring.oip import MAX_JSON_DEPTH, OipError, load_json, request_json
+from tailguard.monitoring.oip import MAX_JSON_DEPTH, OipError, load_json, request_json, tensor_json
+from tailguard.monitoring.parsing import PROCESS_PARSE_BYTES
 from tests.monitoring.test_monitor_hardening import NAME, _live, _value
 
 HUNG_S = 60.0  # bounds a hung server or client; never a timing assumption
@@ -184,3 +185,76 @@ def test_healthz_answers_while_a_parse_thread_holds_a_hostile_body_when_body_sta
             assert _value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) == 1
         else:
             assert r.json()["joined"] is False and len(svc.join) == 1
+
+
+def test_large_bodies_are_parsed_in_a_worker_process_when_at_least_process_parse_bytes(models):
+    # json.loads and the list-to-array conversion hold the GIL for a whole call: a large body is parsed in a
+    # worker process, so no thread of the monitor waits for it; the answers and refusals are the same
+    pad = b" " * PROCESS_PARSE_BYTES  # JSON whitespace: a large body that is cheap to build
+    x = np.random.default_rng(0).normal(size=(4, 4)).astype(np.float32)
+    good = json.dumps(request_json({"x": x}, {"domain": "web"}, request_id="big")).encode() + pad
+    pairs = (b'{"request": ' + json.dumps(request_json({"x": x}, request_id="p")).encode() + b', "response": '
+             + json.dumps({"outputs": [tensor_json("logits", x @ T.weights())]}).encode() + pad + b"}")
+    with _live(models["ref"], models["cand"], max_body_bytes=4 << 20) as (svc, url, _):
+        with httpx.Client(base_url=url, timeout=HUNG_S * 2) as http:
+            r = http.post(f"/v2/models/{NAME}/infer", content=good)
+            assert r.status_code == 200 and r.json()["id"] == "big"
+            r = http.post(f"/v2/models/{NAME}/infer", content=hostile(PROCESS_PARSE_BYTES + 10))
+            assert r.status_code == 400 and r.json()["reason"] == "too_deep"  # an OipError from the child
+            assert http.post(f"/v2/models/{NAME}/pairs", content=pairs).status_code == 200
+            small = json.dumps(request_json({"x": x}, request_id="small")).encode()
+            assert http.post(f"/v2/models/{NAME}/infer", content=small).status_code == 200
+        assert svc.parser.in_process == 3  # the three large bodies, not the small one
+        assert svc.wait_idle(HUNG_S) and svc.engine.compared_rows == 3 * 4
+        assert _value(svc, "tailguard_monitor_candidate_source_total", model=NAME, source="live") == 1
+
+
+# ------------------------------------------------------------------------------------- item 10: BYTES decoded last
+def test_bytes_sections_are_not_decoded_when_input_name_or_datatype_is_wrong(models, monkeypatch):
+    decoded: list[str] = []
+    decode = oip.decode_binary
+
+    def counting(section: Any, name: str, *args: Any) -> Any:
+        decoded.append(name)
+        return decode(section, name, *args)
+
+    monkeypatch.setattr(oip, "decode_binary", counting)
+    n = 50_000  # empty BYTES elements: 4 bytes of length prefix each (the issue sent 2.1 M)
+    section = b"\0\0\0\0" * n
+
+    def binary(name: str) -> tuple[bytes, dict[str, str]]:
+        head = json.dumps({"inputs": [{"name": name, "shape": [n, 1], "datatype": "BYTES",
+                                       "parameters": {"binary_data_size": len(section)}}]}).encode()
+        return head + section, {oip.BINARY_HEADER: str(len(head))}
+
+    with _live(models["ref"], models["cand"], max_body_bytes=4 << 20) as (svc, url, _):
+        with httpx.Client(base_url=url, timeout=HUNG_S * 2) as http:
+            for name, reason in (("not-an-input", "unknown_input"), ("x", "bad_datatype")):
+                body, headers = binary(name)
+                r = http.post(f"/v2/models/{NAME}/infer", content=body, headers=headers)
+                assert r.status_code == 422 and r.json()["reason"] == reason, r.text
+    assert decoded == []
+
+
+def test_grpc_raw_bytes_are_not_decoded_when_input_name_or_datatype_is_wrong(models, monkeypatch):
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    from tailguard.monitoring import grpc_ingest
+
+    decoded: list[str] = []
+    decode = grpc_ingest.decode_binary
+    monkeypatch.setattr(grpc_ingest, "decode_binary", lambda s, name, *a: decoded.append(name) or decode(s, name, *a))
+    n = 50_000
+    with _live(models["ref"], models["cand"], grpc=True, max_body_bytes=4 << 20) as (svc, _, addr):
+        with grpc.insecure_channel(addr) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for name, reason in (("not-an-input", "unknown_input"), ("x", "bad_datatype")):
+                t = pb.ModelInferRequest.InferInputTensor(name=name, datatype="BYTES", shape=[n, 1])
+                req = pb.ModelInferRequest(model_name=NAME, inputs=[t], raw_input_contents=[b"\0\0\0\0" * n])
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.ModelInfer(req, timeout=HUNG_S)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
+        assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="unknown_input") == 1
+    assert decoded == []
