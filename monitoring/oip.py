@@ -74,7 +74,7 @@ INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_i
                    "binary_size_mismatch", "truncated_binary", "trailing_binary", "bad_bytes_prefix",
                    # refusals before or beside parsing (monitoring/service.py, grpc_ingest.py)
                    "join_entry_too_large", "too_many_requests", "body_budget_exceeded", "client_disconnected",
-                   "unauthenticated")
+                   "unauthenticated", "body_read_timeout")
 # Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec/monitor.py MonitoringSpec).
 MAX_BODY_BYTES = 8 * 2**20
 MAX_BATCH_ROWS = 1024

@@ -207,7 +207,7 @@ class MonitorService:
         self.cfg = cfg
         self.auth = BearerAuth(auth_token) if auth_token else None
         self.body_budget = BodyBudget(mon.max_inflight_body_bytes)
-        self.in_flight = 0  # HTTP ingest requests being handled (the event loop's count; max_concurrent_requests)
+        self.in_flight = 0  # HTTP ingest bodies being parsed (the event loop's count; max_concurrent_requests)
         self.redact = frozenset(mon.redact_fields)
         redacted_slices = [r.name for r in cfg.rules if r.column in self.redact or r.name in self.redact]
         if redacted_slices:
@@ -412,15 +412,23 @@ class MonitorService:
         return self.refuse_body(endpoint, "body_too_large")
 
     def refuse_body(self, endpoint: str, reason: str | None) -> tuple[int, dict[str, Any]]:
-        """The answer to a body the app did not read (counted in invalid_requests_total{reason}): 413
+        """The answer to a body the app did not read or parse (counted in invalid_requests_total{reason}): 413
         `body_too_large` (over monitoring.max_body_bytes), 503 `body_budget_exceeded` (the bodies in flight hold
-        monitoring.max_inflight_body_bytes; retry), 400 `client_disconnected` (the client left mid-body)."""
+        monitoring.max_inflight_body_bytes; retry), 400 `client_disconnected` (the client left mid-body), 408
+        `body_read_timeout` (not all there within monitoring.body_read_timeout_s), 503 `too_many_requests`
+        (monitoring.max_concurrent_requests bodies being parsed, or every gRPC ingest slot taken; retry)."""
         mon = self.cfg.mon
         if reason == "body_budget_exceeded":
             exc = OipError(reason, f"the bodies being read hold the budget of {mon.max_inflight_body_bytes} bytes "
                                    "(monitoring.max_inflight_body_bytes); retry later", status=503)
         elif reason == "client_disconnected":
             exc = OipError(reason, "the client closed the connection before the body was read", status=400)
+        elif reason == "body_read_timeout":
+            exc = OipError(reason, f"the body did not arrive within {mon.body_read_timeout_s} s "
+                                   "(monitoring.body_read_timeout_s)", status=408)
+        elif reason == "too_many_requests":
+            exc = OipError(reason, f"more than {mon.max_concurrent_requests} ingest requests in flight "
+                                   "(monitoring.max_concurrent_requests); retry later", status=503)
         else:
             exc = OipError("body_too_large", f"body over {self.max_body_bytes} bytes (monitoring.max_body_bytes)",
                            status=413)
@@ -815,9 +823,9 @@ def _needs_auth(path: str, mon: Any) -> bool:
 
 class _Guard:
     """ASGI middleware ahead of every route, before any body is read: the bearer token (401 `unauthenticated`,
-    with `WWW-Authenticate: Bearer`), then the number of ingest requests (POST /v2/...) in flight (503
-    `too_many_requests` past monitoring.max_concurrent_requests, with `Retry-After: 1`). Both counted in
-    invalid_requests_total{reason}. Runs on the event loop only, so the in-flight count needs no lock."""
+    with `WWW-Authenticate: Bearer`, counted in invalid_requests_total{reason}). The number of ingest bodies
+    being parsed (monitoring.max_concurrent_requests) is checked once a body is read (`build_app`'s `_handle`):
+    a client that stalls mid-body holds no parse slot."""
 
     def __init__(self, app: Any, service: MonitorService) -> None:
         self.app = app
@@ -836,20 +844,7 @@ class _Guard:
                                 "token, monitoring.auth_token_env / auth_token_file)", "reason": "unauthenticated"}
                 await JSONResponse(doc, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
-        if scope.get("method") != "POST" or not path.startswith("/v2/"):
-            await self.app(scope, receive, send)
-            return
-        if svc.in_flight >= svc.cfg.mon.max_concurrent_requests:
-            svc.metrics.invalid_requests.labels("too_many_requests").inc()
-            doc = {"error": f"more than {svc.cfg.mon.max_concurrent_requests} ingest requests in flight "
-                            "(monitoring.max_concurrent_requests); retry later", "reason": "too_many_requests"}
-            await JSONResponse(doc, status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
-            return
-        svc.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            svc.in_flight -= 1
+        await self.app(scope, receive, send)
 
 
 def build_app(service: MonitorService) -> Any:
@@ -865,16 +860,25 @@ def build_app(service: MonitorService) -> Any:
 
     async def _handle(endpoint: str, request: Request, handle: Callable[[bytes], tuple[int, dict[str, Any]]]
                       ) -> Response:
-        """Read the body within the limits, hand it to `handle` on a parse thread (`service.parse_pool`: no parse
-        runs on the event loop, so /healthz answers whatever a body holds), release its share of the body
-        budget."""
-        body, reason, held = await _read_body(request, service.max_body_bytes, service.body_budget)
+        """Read the body within the limits (size, body budget, monitoring.body_read_timeout_s), then, when fewer
+        than monitoring.max_concurrent_requests bodies are being parsed, hand it to `handle` on a parse thread
+        (`service.parse_pool`: no parse runs on the event loop, so /healthz answers whatever a body holds);
+        release its share of the body budget. A client that stalls mid-body holds only the bytes it sent, until
+        its read deadline: never a parse slot (issue 36 item 5)."""
+        body, reason, held = await _read_body(request, service.max_body_bytes, service.body_budget,
+                                              service.cfg.mon.body_read_timeout_s)
         try:
             if body is None:
                 status, doc = service.refuse_body(endpoint, reason)
+            elif service.in_flight >= service.cfg.mon.max_concurrent_requests:
+                status, doc = service.refuse_body(endpoint, "too_many_requests")
             else:
-                loop = asyncio.get_running_loop()
-                status, doc = await loop.run_in_executor(service.parse_pool, handle, body)
+                service.in_flight += 1
+                try:
+                    loop = asyncio.get_running_loop()
+                    status, doc = await loop.run_in_executor(service.parse_pool, handle, body)
+                finally:
+                    service.in_flight -= 1
         finally:
             service.body_budget.give(held)
         return JSONResponse(doc, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
@@ -927,17 +931,21 @@ def build_app(service: MonitorService) -> Any:
     return app
 
 
-async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[bytes | None, str | None, int]:
-    """The request body, read within `limit` bytes and the shared body budget.
+async def _read_body(request: Request, limit: int, budget: BodyBudget, timeout_s: float
+                     ) -> tuple[bytes | None, str | None, int]:
+    """The request body, read within `limit` bytes, the shared body budget and `timeout_s` seconds.
 
-    A declared Content-Length is checked against `limit` and reserved in `budget` before anything is read; a
-    chunked body reserves each chunk as it comes. Nothing over either bound is held in memory.
+    A declared Content-Length is checked against `limit`, and against what is left of `budget`, before anything
+    is read; bytes are reserved in `budget` as they arrive (a client that stalls holds what it sent, not what it
+    declared). Nothing over either bound is held in memory.
 
     Returns:
         (body, None, bytes reserved) or (None, reason, bytes reserved) with reason `body_too_large` (over
-        `limit`), `body_budget_exceeded` (the budget is taken by bodies in flight) or `client_disconnected` (the
-        client went away mid-body). The caller gives the reserved bytes back (`budget.give`) once done.
+        `limit`), `body_budget_exceeded` (the budget is taken by bodies in flight), `client_disconnected` (the
+        client went away mid-body) or `body_read_timeout` (not all there within `timeout_s`, counted from the
+        headers: monitoring.body_read_timeout_s). The caller gives the reserved bytes back (`budget.give`).
     """
+    import anyio
     from starlette.requests import ClientDisconnect
 
     try:
@@ -946,23 +954,23 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
         declared = 0
     if declared > limit:
         return None, "body_too_large", 0
-    held = max(declared, 0)
-    if held and not budget.take(held):
+    if declared > budget.limit - budget.used:
         return None, "body_budget_exceeded", 0
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return None, "body_too_large", held
-            if size > held:  # chunked (or more than declared): reserve as it comes
-                if not budget.take(size - held):
-                    return None, "body_budget_exceeded", held
-                held = size
-            chunks.append(chunk)
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return None, "body_too_large", size - len(chunk)
+                if not budget.take(len(chunk)):
+                    return None, "body_budget_exceeded", size - len(chunk)
+                chunks.append(chunk)
     except ClientDisconnect:
-        return None, "client_disconnected", held
-    return b"".join(chunks), None, held
+        return None, "client_disconnected", size
+    except TimeoutError:
+        return None, "body_read_timeout", sum(map(len, chunks))
+    return b"".join(chunks), None, size
 
 
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,

@@ -258,3 +258,107 @@ def test_grpc_raw_bytes_are_not_decoded_when_input_name_or_datatype_is_wrong(mod
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
         assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="unknown_input") == 1
     assert decoded == []
+
+
+# ------------------------------------------------------------------------------------- item 5: slow clients
+class _StalledStream:
+    """A raw gRPC ModelInfer call that sends its headers and no message until closed (the issue's stalled stream)."""
+
+    def __init__(self, channel: Any) -> None:
+        from tritonclient.grpc import service_pb2 as pb
+
+        self._stop = threading.Event()
+        call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                                    response_deserializer=pb.ModelInferResponse.FromString)
+        self.future = call.future(self._never())
+
+    def _never(self) -> Iterator[Any]:
+        self._stop.wait(HUNG_S * 10)
+        return
+        yield  # a generator that yields nothing
+
+    def close(self) -> None:
+        self._stop.set()
+        self.future.cancel()
+
+
+@contextlib.contextmanager
+def _stalled_monitor(models: dict, **mon: Any) -> Iterator[tuple[Any, str, str, Any]]:
+    """A monitor (HTTP and gRPC) whose gRPC servicer the test can see: (service, url, gRPC address, servicer)."""
+    from tailguard.monitoring.grpc_ingest import InferenceServicer, start_grpc
+
+    with _live(models["ref"], models["cand"], **mon) as (svc, url, _):
+        servicer = InferenceServicer(svc)
+        server, port = start_grpc(svc, "127.0.0.1", 0, servicer=servicer)
+        try:
+            yield svc, url, f"127.0.0.1:{port}", servicer
+        finally:
+            server.stop(None)
+
+
+def _infer_grpc(addr: str, i: int) -> bool:
+    import tritonclient.grpc as tg
+
+    client = tg.InferenceServerClient(addr)
+    x = np.random.default_rng(i).normal(size=(1, 4)).astype(np.float32)
+    inp = tg.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    r = client.infer(NAME, [inp], request_id=f"g{i}", client_timeout=HUNG_S)
+    return r.get_response().parameters["tailguard.sampled"].bool_param
+
+
+def test_healthz_liveness_and_fresh_inference_answer_when_64_http_bodies_and_8_grpc_streams_stall(models):
+    import grpc
+    import tritonclient.grpc as tg
+
+    from tests.monitoring.test_monitor_hardening import INFER, _body, _Stalled, _wait
+
+    # the defaults (max_concurrent_requests 64); the read deadline far away: the stalls last the whole test
+    with _stalled_monitor(models, body_read_timeout_s=3600) as (svc, url, addr, servicer):
+        http_stalls = [_Stalled(url, INFER, declared=4096) for _ in range(64)]
+        with grpc.insecure_channel(addr) as channel:
+            streams = [_StalledStream(channel) for _ in range(8)]
+            try:
+                _wait(lambda: svc.body_budget.used == 64 * 16, "64 bodies stalled mid-read")
+                _wait(lambda: servicer.active == 8, "8 ModelInfer streams stalled before their message")
+                assert httpx.get(url + "/healthz", timeout=HUNG_S).status_code == 200
+                assert httpx.get(url + "/metrics", timeout=HUNG_S).status_code == 200
+                assert tg.InferenceServerClient(addr).is_server_live(client_timeout=HUNG_S)
+                r = httpx.post(url + INFER, json=_body(7), timeout=HUNG_S)  # a fresh HTTP inference call
+                assert r.status_code == 200, r.text
+                assert _infer_grpc(addr, 8) is True  # and a fresh gRPC one
+            finally:
+                for s in streams:
+                    s.close()
+                for h in http_stalls:
+                    h.close()
+        assert svc.wait_idle(HUNG_S) and svc.engine.compared_rows == 2
+
+
+def test_stalled_bodies_and_streams_are_refused_and_counted_when_body_read_timeout_passes(models):
+    import grpc
+
+    from tests.monitoring.test_monitor_hardening import INFER, _Stalled, _wait
+
+    with _stalled_monitor(models, body_read_timeout_s=0.2) as (svc, url, addr, servicer):
+        http_stalls = [_Stalled(url, INFER, declared=4096) for _ in range(3)]
+        with grpc.insecure_channel(addr) as channel:
+            streams = [_StalledStream(channel) for _ in range(2)]
+            try:
+                reason = "body_read_timeout"
+                _wait(lambda: _value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) == 5,
+                      "5 read deadlines")
+                for s in streams:  # cancelled by the monitor
+                    with pytest.raises(grpc.FutureCancelledError if s.future.cancelled() else grpc.RpcError):
+                        s.future.result(timeout=HUNG_S)
+                for h in http_stalls:
+                    h.sock.settimeout(HUNG_S)
+                    assert h.sock.recv(4096).startswith(b"HTTP/1.1 408")
+                assert svc.body_budget.used == 0 and servicer.active == 0
+                assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="body_too_large") == 0
+            finally:
+                for s in streams:
+                    s.close()
+                for h in http_stalls:
+                    h.close()
