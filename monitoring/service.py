@@ -39,9 +39,11 @@ join_entry_too_large).
 
 Before any route (`_Guard`, before a body is read): the bearer token when one is configured (monitoring.auth_token_env
 / auth_token_file / --auth-token-file; every route but /healthz, /readyz and /metrics as configured; 401
-unauthenticated), then at most monitoring.max_concurrent_requests ingest requests in flight (503
-too_many_requests). Ingest bodies are read within monitoring.max_inflight_body_bytes over all requests in flight
-(503 body_budget_exceeded). /v1/slices and /v1/evidence build their entries in chunks of READ_CHUNK slices, each
+unauthenticated). Ingest bodies are read within monitoring.max_inflight_body_bytes over all requests in flight
+(bytes reserved as they arrive; 503 body_budget_exceeded) and monitoring.body_read_timeout_s each (408
+body_read_timeout); then at most monitoring.max_concurrent_requests bodies are parsed at once (503
+too_many_requests), on parse threads or, from PROCESS_PARSE_BYTES, worker processes (monitoring/parsing.py), never
+on the event loop that answers /healthz. /v1/slices and /v1/evidence build their entries in chunks of READ_CHUNK slices, each
 under the worker lock, never all of them at once.
 
 Limits (monitoring/oip.py): a body over monitoring.max_body_bytes is refused from its Content-Length, or while it
