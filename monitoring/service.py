@@ -15,6 +15,11 @@ Endpoints:
                                    goes the /infer way (metrics endpoint="grpc").
     GET  /metrics                  Prometheus text format (names: monitoring/prometheus.py METRIC_NAMES).
     GET  /healthz                  200 while the process serves.
+    GET  /v2/health/live, /v2/health/ready, /v2/models/{name}/ready, /v2/models/{name}
+                                   the Open Inference Protocol's liveness (200), readiness (200 as /readyz, else
+                                   503), model readiness and metadata (404 unknown_model for another name), so
+                                   KServe v2 / Triton clients' is_server_ready, is_model_ready and
+                                   get_model_metadata work against the monitor.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
                                    noise-floor mode) and answering, else 503 with what is missing or failing
                                    (every one of a model's last HEALTH_WINDOW calls failed). `node_check` /
@@ -86,8 +91,8 @@ from tailguard.monitoring.compare import compare_rows
 from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
 from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
-from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, check_batch, load_json, parse_request,
-                                      utf8_text)
+from tailguard.monitoring.oip import (BINARY_HEADER, SPEC_TO_OIP, InferRequest, OipError, check_batch, load_json,
+                                      parse_request, utf8_text)
 from tailguard.monitoring.parsing import BodyParser, ParseLimits, parse_body, parse_half
 from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
 from tailguard.monitoring.sampler import Decision
@@ -812,11 +817,11 @@ class BodyBudget:
 
 
 def _needs_auth(path: str, mon: Any) -> bool:
-    """Whether a route requires the bearer token: every one but /healthz; /readyz and /metrics as configured
-    (monitoring.auth_readyz, auth_metrics)."""
-    if path == "/healthz":
+    """Whether a route requires the bearer token: every one but /healthz and /v2/health/live; /readyz,
+    /v2/health/ready and /metrics as configured (monitoring.auth_readyz, auth_metrics)."""
+    if path in ("/healthz", "/v2/health/live"):
         return False
-    if path == "/readyz":
+    if path in ("/readyz", "/v2/health/ready"):
         return bool(mon.auth_readyz)
     if path == "/metrics":
         return bool(mon.auth_metrics)
@@ -847,6 +852,22 @@ class _Guard:
                 await JSONResponse(doc, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def model_metadata(cfg: MonitorConfig) -> dict[str, Any]:
+    """The monitored model's OIP metadata (GET /v2/models/{name}): name, platform, the spec's inputs and the
+    compared output, each {"name", "datatype", "shape"} with symbolic dimensions as -1 (as gRPC ModelMetadata)."""
+    def meta(s: Any) -> dict[str, Any]:
+        return {"name": s.name, "datatype": SPEC_TO_OIP.get(getattr(s, "dtype", "float32"), "FP32"),
+                "shape": [d if isinstance(d, int) else -1 for d in s.shape]}
+
+    return {"name": cfg.model_name, "versions": [], "platform": "tailguard-shadow-monitor",
+            "inputs": [meta(s) for s in cfg.inputs], "outputs": [meta(cfg.output)]}
+
+
+def _unknown_model(service: MonitorService, name: str) -> dict[str, Any]:
+    return {"error": f"model {utf8_text(str(name))[:200]!r} is not monitored here; use "
+                     f"{service.cfg.model_name!r}", "reason": "unknown_model"}
 
 
 def build_app(service: MonitorService) -> Any:
@@ -914,6 +935,29 @@ def build_app(service: MonitorService) -> Any:
     async def readyz() -> Response:
         ok, details = service.readiness()
         return JSONResponse(details, status_code=200 if ok else 503)
+
+    # the Open Inference Protocol's health and metadata routes (KServe v2 / Triton clients call them first)
+    @app.get("/v2/health/live")
+    async def oip_live() -> Response:
+        return JSONResponse({"live": True})
+
+    @app.get("/v2/health/ready")
+    async def oip_ready() -> Response:
+        ok = service.readiness()[0]
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2/models/{name}/ready")
+    async def oip_model_ready(name: str) -> Response:
+        if name != service.cfg.model_name:
+            return JSONResponse(_unknown_model(service, name), status_code=404)
+        ok = service.readiness()[0]
+        return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2/models/{name}")
+    async def oip_model_metadata(name: str) -> Response:
+        if name != service.cfg.model_name:
+            return JSONResponse(_unknown_model(service, name), status_code=404)
+        return JSONResponse(model_metadata(service.cfg))
 
     @app.get("/v1/alerts")
     async def alerts() -> Response:

@@ -227,7 +227,8 @@ def test_monitor_answers_401_and_counts_on_every_route_but_healthz_when_bearer_t
     routes = [("GET", "/v1/slices", None), ("GET", "/v1/evidence?since=0", None), ("GET", "/v1/alerts", None),
               ("GET", "/metrics", None), ("GET", "/openapi.json", None), ("GET", "/no-such-route", None),
               ("POST", INFER, json.dumps(_body(0)).encode()), ("POST", f"/v2/models/{NAME}/pairs", pairs),
-              ("POST", LOGGER, json.dumps(_body(0)).encode())]
+              ("POST", LOGGER, json.dumps(_body(0)).encode()), ("GET", f"/v2/models/{NAME}", None),
+              ("GET", f"/v2/models/{NAME}/ready", None)]
     wrong = ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": TOKEN},
              {"Authorization": f"Basic {TOKEN}"})
     with _live(models["ref"], models["cand"], auth_token=TOKEN) as (svc, url, _), \
@@ -244,7 +245,7 @@ def test_monitor_answers_401_and_counts_on_every_route_but_healthz_when_bearer_t
         for method, path, body in routes:
             r = client.request(method, path, content=body, headers={**_ce("request", "ev-1"), **good})
             assert r.status_code == (404 if path == "/no-such-route" else 200), (path, r.text)
-        for path in ("/healthz", "/readyz"):  # probes: open by default (monitoring.auth_readyz false)
+        for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):  # probes: open by default
             assert client.get(path).status_code == 200
 
 

@@ -362,3 +362,43 @@ def test_stalled_bodies_and_streams_are_refused_and_counted_when_body_read_timeo
                     s.close()
                 for h in http_stalls:
                     h.close()
+
+
+# -------------------------------------------------------------------- issue 38 item 6: the OIP health routes
+# tritonclient.http runs on gevent: its calls run in a subprocess (pytest's threads stay unpatched)
+HEALTH_CLIENT = """
+import json, sys
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+client = th.InferenceServerClient(sys.argv[1], connection_timeout=120, network_timeout=120)
+out = {"live": client.is_server_live(), "ready": client.is_server_ready(),
+       "model_ready": client.is_model_ready("tiny-clf"), "other_ready": client.is_model_ready("other"),
+       "metadata": client.get_model_metadata("tiny-clf")}
+try:
+    client.get_model_metadata("other")
+    out["other_metadata"] = "answered"
+except InferenceServerException as exc:
+    out["other_metadata"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_tritonclient_http_health_and_metadata_calls_succeed_when_pointed_at_the_monitor(models, tmp_path):
+    import subprocess
+    import sys
+
+    def client(url: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", HEALTH_CLIENT, url.removeprefix("http://")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    with _live(models["ref"], models["cand"]) as (svc, url, _):
+        got = client(url)
+        assert got["live"] and got["ready"] and got["model_ready"] and not got["other_ready"]
+        assert got["metadata"]["name"] == NAME and got["metadata"]["platform"] == "tailguard-shadow-monitor"
+        assert got["metadata"]["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+        assert "not monitored here" in got["other_metadata"]
+    with _live(tmp_path / "absent.onnx", models["cand"]) as (svc, url, _):  # not ready: false, not an error
+        got = client(url)
+        assert got["live"] and not got["ready"] and not got["model_ready"]
