@@ -48,8 +48,8 @@ unauthenticated). Ingest bodies are read within monitoring.max_inflight_body_byt
 (bytes reserved as they arrive; 503 body_budget_exceeded) and monitoring.body_read_timeout_s each (408
 body_read_timeout); then at most monitoring.max_concurrent_requests bodies are parsed at once (503
 too_many_requests), on parse threads or, from PROCESS_PARSE_BYTES, worker processes (monitoring/parsing.py), never
-on the event loop that answers /healthz. /v1/slices and /v1/evidence build their entries in chunks of READ_CHUNK slices, each
-under the worker lock, never all of them at once.
+on the event loop that answers /healthz. /v1/slices and /v1/evidence build their entries in chunks of READ_CHUNK
+slices, each under the worker lock, never all of them at once.
 
 Limits (monitoring/oip.py): a body over monitoring.max_body_bytes is refused from its Content-Length, or while it
 is read, before any parsing (413 body_too_large); then JSON nesting (400 too_deep), binary sections against shapes
