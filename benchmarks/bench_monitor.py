@@ -22,6 +22,14 @@ Sections of the JSON it writes:
   size for the same alpha / beta (beta = 1 - the measured detection rate target, 0.05).
 * false_alarms: FP32 vs FP32 (the same real ONNX reference as candidate) replayed over 100k requests:
   alerts must be 0; plus a stream whose slices sit at 0.99 (above the 0.97 threshold) over 100k requests.
+* row_weighted_detection (issue 41): the row-weighted detector's delay at 1, 16 and 64 rows per request (M
+  declared = the request size; the default M = 64 beside it on smaller requests), 1.00 -> 0.94 in a 1% slice and
+  0.99 -> 0.95 in a 0.3% slice, over all runs with 95% intervals, beside the best valid linear bet (one fixed
+  lambda on the request's row sum, best by simulation) and Wald's row-level SPRT oracle at the same h. Target:
+  within 1.2x the best valid linear bet.
+* mixed_size_false_alarms (issue 41): honest traffic of 1-, 16- and 64-row requests with size-correlated
+  agreement, per row >= 1 point above the threshold (per request below it): no alert, 100k requests x 5 seeds;
+  bad traffic 2+ points below per row (per request above): an alert in every run.
 """
 
 from __future__ import annotations
@@ -368,7 +376,10 @@ def _detect_once(cfg, pools, share, pair, seed, change_at, max_requests):
 def _detect_case(args):
     share, pair, reps, sample_rate = args
     _quiet()
-    mon = {"sample_rate": sample_rate, "slice_columns": ["locale", "digit", "ink"], "seed": 0}
+    # one-row requests: the deployment declares M = 1 (monitoring.max_request_rows; the default 64 costs ~1.3-1.45x
+    # delay on one-row traffic, section row_weighted_detection)
+    mon = {"sample_rate": sample_rate, "slice_columns": ["locale", "digit", "ink"], "seed": 0,
+           "max_request_rows": 1}
     if pair:
         mon["slice_pairs"] = [["locale", "ink"]]
     cfg = resolve_config(parse_spec(T.spec_dict(mon)))
@@ -400,7 +411,8 @@ def _detect_case(args):
             "detected": len(delays), "missed": misses, "false_alarms_elsewhere_or_before_change": fas,
             "change_at_request": change_at, "max_requests": max_requests,
             "delay_sampled_slice_rows": {"mean": mean, "median": med, "min": min(delays) if delays else None,
-                                         "max": max(delays) if delays else None, "all": delays},
+                                         "max": max(delays) if delays else None, "all": delays,
+                                         "interval": _interval(delays)},
             "requests_per_stream_median": float(np.median(reqs)),
             "alarm_threshold_h": h, "sprt_asn_h1": sprt["asn_h1"], "sprt_alpha": math.exp(-h),
             "sprt_simulated": {"mean": sim_mean, "median": sim_median},
@@ -608,7 +620,8 @@ def _sprt_simulated(p0, p1, alpha, beta, rows, runs=4000, seed=0):
 def _batched_detect_once(args):
     rows, seed, sample_rate, share, change_at, max_requests = args
     _quiet()
-    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": seed, **SLICE_MON})))
+    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": seed, **SLICE_MON,
+                                                 "max_request_rows": rows})))  # M declared = the request size
     engine = MonitorEngine(cfg, seed=seed)
     rng = np.random.default_rng(20_000 + seed)
     post, block = 0, 100_000
@@ -655,7 +668,8 @@ def bench_batched_detection(runs=50, sizes=(1, 16, 64), share=0.01, sample_rate=
                     "delay_sampled_slice_requests": {
                         "mean": float(np.mean(delays)) if delays else None,
                         "median": float(np.median(delays)) if delays else None,
-                        "p90": float(np.percentile(delays, 90)) if delays else None},
+                        "p90": float(np.percentile(delays, 90)) if delays else None,
+                        "interval": _interval(delays)},
                     "sprt_requests": {"wald_asn_mean": wald / r, "simulated_mean": sim_mean,
                                       "simulated_median": sim_median},
                     "mean_over_sprt_mean": (float(np.mean(delays)) / sim_mean) if delays else None,
@@ -798,6 +812,218 @@ def bench_shadow_throughput(d, duration, rounds=2):
                     "under that load. The open-loop load comes from 4 Python client processes (http.client keep-alive, paced)."}
 
 
+# ------------------------------------------------------------ the row-weighted null (issue 41)
+def _interval(xs):
+    """{mean, ci95 (normal interval of the mean), median, n} of a list of delays."""
+    a = np.asarray(xs, dtype=float)
+    if a.size == 0:
+        return {"mean": None, "ci95": None, "median": None, "n": 0}
+    half = 1.959964 * (a.std(ddof=1) / math.sqrt(a.size) if a.size > 1 else math.inf)
+    return {"mean": float(a.mean()), "ci95": [float(a.mean() - half), float(a.mean() + half)],
+            "median": float(np.median(a)), "n": int(a.size)}
+
+
+def _engine_h(sample_rate=0.05):
+    """The alarm level h of the benchmark's monitor configuration (3 slice columns, top1_agree + candidate errors)."""
+    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, **SLICE_MON})))
+    return MonitorEngine(cfg).stats.h
+
+
+def _detector_delays(rows, p_pre, p_post, h, runs, max_rows, burn=500, seed=0, limit=200_000):
+    """The real SliceStatistics on one slice's sampled requests (r = 1: a rare slice is sampled at its own rate,
+    so its own detector's weight ratio is 1): `burn` requests at agreement p_pre, then p_post until the alarm.
+    Rows of a request independent. Returns (delays in post-change requests, false alarms before the change,
+    misses)."""
+    from tailguard.monitoring.config import Bound
+    from tailguard.monitoring.detector import SliceStatistics
+
+    bound = {"top1_agree": Bound("top1_agree", THRESHOLD, True, "min")}
+    rng = np.random.default_rng(seed)
+    delays, early, missed = [], 0, 0
+    for _ in range(runs):
+        st = SliceStatistics("m", ["top1_agree"], bound, streams_per_request=1, alpha=0.01, horizon=1000,
+                             min_support=1, max_request_rows=max_rows)
+        st.h = h
+        for i in range(burn):
+            if st.update(["s"], {"top1_agree": (rng.random(rows) < p_pre).astype(float)}, 1.0).fired:
+                early += 1
+                break
+        st = st if not st.active_alerts() else None
+        if st is None:
+            continue
+        for t in range(1, limit + 1):
+            if st.update(["s"], {"top1_agree": (rng.random(rows) < p_post).astype(float)}, 1.0,
+                         request_index=t).fired:
+                delays.append(t)
+                break
+        else:
+            missed += 1
+    return delays, early, missed
+
+
+def _growth(rows, p, f):
+    """E[log(1 + lam S)] per request for lam = f / (rows * span), S the row-sum excess of `rows` independent rows
+    at agreement p (exact, binomial pmf)."""
+    from scipy import stats as st
+
+    span = 1.0 - THRESHOLD
+    d = np.arange(rows + 1)
+    return float((st.binom.pmf(d, rows, 1 - p) * np.log1p(f / (rows * span) * (d - span * rows))).sum())
+
+
+def _linear_bet_delays(rows, p_pre, p_post, h, runs, burn=500, seed=1):
+    """The best valid linear bet: one CUSUM of log(1 + lam S) with lam = f / (rows * span) on the request's row sum
+    S of the excess (valid for any dependence of the rows of a request of <= rows rows), alarm at the same h.
+    Candidates: the growth-optimal f (maximizing the exact E log(1 + lam S) after the change) and 0.8x, 0.9x, 1.1x,
+    1.2x of it; each simulated `runs` times (vectorized); the best is the one with the least simulated mean.
+    Returns {f: delays}."""
+    span = 1.0 - THRESHOLD
+    grid = np.linspace(0.005, 0.995, 199)
+    f_star = float(grid[int(np.argmax([_growth(rows, p_post, f) for f in grid]))])
+    rng = np.random.default_rng(seed)
+    out = {}
+    for f in sorted({min(0.995, round(f_star * k, 4)) for k in (0.8, 0.9, 1.0, 1.1, 1.2)}):
+        lam = f / (rows * span)
+        limit = int(30 * h / max(_growth(rows, p_post, f), 1e-9)) + 100
+        w = np.zeros(runs)
+        for _ in range(burn):
+            d = rng.binomial(rows, 1 - p_pre, runs)
+            w = np.maximum(0.0, w + np.log1p(lam * (d - span * rows)))
+        w[w >= h] = 0.0  # a pre-change crossing: restart (rare; the detector's run is dropped instead)
+        delay = np.zeros(runs, dtype=np.int64)
+        alive = np.ones(runs, dtype=bool)
+        for t in range(1, limit + 1):
+            d = rng.binomial(rows, 1 - p_post, runs)
+            w = np.where(alive, np.maximum(0.0, w + np.log1p(lam * (d - span * rows))), w)
+            hit = alive & (w >= h)
+            delay[hit] = t
+            alive &= ~hit
+            if not alive.any():
+                break
+        out[f] = delay[delay > 0].tolist()
+    return out
+
+
+ROW_WEIGHTED_CASES = (  # (label, slice share, agreement before, after): issue 41's power targets
+    ("1pct_1.00_to_0.94", 0.01, 1.00, 0.94),
+    ("0.3pct_0.99_to_0.95", 0.003, 0.99, 0.95),
+)
+
+
+def bench_row_weighted_delays(runs=200, linear_runs=2000, sizes=(1, 16, 64), default_m=64):
+    """Detection delay of the row-weighted detector at 1, 16 and 64 rows per request (M declared = the rows per
+    request, and the default M = 64 beside it), against the best valid linear bet (the best fixed lambda on the
+    request's row sum, found by simulation around the growth-optimal one: `_linear_bet_delays`) and Wald's row-level SPRT oracle (rows as
+    if independent) at the same h; every figure over all runs, with its 95% interval."""
+    h = _engine_h()
+    t0 = time.perf_counter()
+    res = []
+    for label, share, p_pre, p_post in ROW_WEIGHTED_CASES:
+        for rows in sizes:
+            det, early, missed = _detector_delays(rows, p_pre, p_post, h, runs, rows, seed=rows)
+            lin = _linear_bet_delays(rows, p_pre, p_post, h, linear_runs, seed=100 + rows)
+            best_f = min(lin, key=lambda f: np.mean(lin[f]) if lin[f] else math.inf)
+            sprt_mean, sprt_median = _sprt_simulated(THRESHOLD, p_post, math.exp(-h), 0.05, rows)
+            case = {"case": label, "slice_share": share, "agreement_before": p_pre, "agreement_after": p_post,
+                    "threshold": THRESHOLD, "rows_per_request": rows, "max_request_rows": rows,
+                    "detector": {**_interval(det), "runs": runs, "false_alarms_before_change": early,
+                                 "missed": missed},
+                    "best_linear_bet": {**_interval(lin[best_f]), "fraction_of_max_bet": best_f,
+                                        "runs": linear_runs, "missed": linear_runs - len(lin[best_f])},
+                    "sprt_oracle_rows_independent": {"mean": sprt_mean, "median": sprt_median},
+                    "linear_bet_candidates_mean": {str(f): float(np.mean(v)) for f, v in lin.items() if v}}
+            if det:
+                case["detector_over_best_linear_bet"] = float(np.mean(det)) / float(np.mean(lin[best_f]))
+                case["detector_over_sprt_oracle"] = float(np.mean(det)) / sprt_mean
+                case["best_linear_bet_over_sprt_oracle"] = float(np.mean(lin[best_f])) / sprt_mean
+                case["target_within_1.2x_best_linear_bet"] = case["detector_over_best_linear_bet"] <= 1.2
+            if rows < default_m:
+                d64, e64, m64 = _detector_delays(rows, p_pre, p_post, h, max(runs // 4, 20), default_m,
+                                                 seed=1000 + rows)
+                case["detector_with_default_max_request_rows_64"] = {
+                    **_interval(d64), "false_alarms_before_change": e64, "missed": m64,
+                    "over_best_linear_bet": float(np.mean(d64)) / float(np.mean(lin[best_f])) if d64 else None}
+            res.append(case)
+            print("row_weighted", json.dumps({k: v for k, v in case.items() if k != "linear_bet_candidates_mean"}),
+                  flush=True)
+    return {"alarm_threshold_h": h, "sprt_alpha": math.exp(-h), "sprt_beta": 0.05, "cases": res,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "note": "delays in the drifted slice's sampled requests after the change (the slice is sampled at its "
+                    "own rate, so its detector's weight ratio is 1 and the slice share only sets how many "
+                    "requests of traffic that takes); rows of a drifted request independent; the detector is the "
+                    "real SliceStatistics with h of the benchmark's monitor configuration (as MonitorEngine computes "
+                    "it); best linear bet: one fixed lambda on the request's row sum (valid "
+                    "under any within-request dependence), best over a grid by simulated mean; SPRT: Wald's test "
+                    "on rows as if independent at alpha = e^-h, beta = 0.05, in requests"}
+
+
+MIXES = {  # rows per request -> (share of requests, per-row agreement): issue 41's false-alarm scenario
+    "honest": {1: (0.7, 0.90), 16: (0.1, 0.98), 64: (0.2, 0.995)},
+    "bad": {1: (0.9, 1.00), 16: (0.05, 0.95), 64: (0.05, 0.93)},
+}
+
+
+def mix_summary(mix):
+    """(per-row agreement, per-request mean agreement) of a size mix."""
+    rows = sum(q * n for n, (q, _) in mix.items())
+    return (sum(q * n * a for n, (q, a) in mix.items()) / rows, sum(q * a for n, (q, a) in mix.items()))
+
+
+def _mixed_stream(args):
+    """One stream of `n` requests of sizes 1/16/64 with size-correlated agreement through the real MonitorEngine
+    (sample_rate 1: every request bets, the hardest case), slices locale/digit/ink independent of the mix."""
+    name, n, seed = args
+    _quiet()
+    mix = MIXES[name]
+    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": seed, **SLICE_MON})))
+    engine = MonitorEngine(cfg, seed=seed)
+    rng = np.random.default_rng(30_000 + seed)
+    sizes = np.array(list(mix))
+    size = rng.choice(sizes, size=n, p=[mix[k][0] for k in sizes])
+    loc, digit = _zipf_locales(0.01, rng, n), rng.integers(0, 10, n)
+    ink = rng.choice(["low", "mid", "high"], n)
+    fired, first, slices = 0, None, set()
+    for i in range(n):
+        k = int(size[i])
+        keys, dec = engine.admit({"locale": int(loc[i]), "digit": int(digit[i]), "ink": ink[i]})
+        v = (rng.random(k) < mix[k][1]).astype(float)
+        ev = engine.observe_values(keys, dec, {"top1_agree": v, "candidate_error_rate": np.zeros(k)},
+                                   request_index=i)
+        for a in ev.fired:
+            fired += 1
+            slices.add(a.slice)
+            if first is None:
+                first = {"request": i + 1, **{f: a.to_dict()[f] for f in ("slice", "value", "value_ci_low",
+                                                                          "value_ci_high", "threshold",
+                                                                          "window_rows", "reason")}}
+    return {"alerts": fired, "first_alert": first, "alert_on_all": "all" in slices,
+            "max_request_rows": engine.stats.max_request_rows}
+
+
+def bench_mixed_sizes(n=100_000, seeds=5, workers=2):
+    """Issue 41's scenario: honest mixed-size traffic whose per-row agreement is >= 1 point above the 0.97
+    threshold while its per-request mean is below it (no alert expected), and bad traffic whose per-row agreement
+    is 2+ points below while the per-request mean is above (an alert expected in every run)."""
+    import multiprocessing as mp
+
+    jobs = [(name, n, seed) for name in MIXES for seed in range(seeds)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        out = pool.map(_mixed_stream, jobs)
+    res = {}
+    for name, mix in MIXES.items():
+        got = [o for j, o in zip(jobs, out) if j[0] == name]
+        per_row, per_request = mix_summary(mix)
+        res[name] = {"mix": {str(k): {"share_of_requests": q, "agreement": a} for k, (q, a) in mix.items()},
+                     "per_row_agreement": per_row, "per_request_mean_agreement": per_request,
+                     "threshold": THRESHOLD, "requests_per_run": n, "runs": len(got),
+                     "runs_with_an_alert": sum(o["alerts"] > 0 for o in got),
+                     "runs_with_an_alert_on_all": sum(o["alert_on_all"] for o in got),
+                     "first_alerts": [o["first_alert"] for o in got],
+                     "max_request_rows": got[0]["max_request_rows"]}
+    return {**res, "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--paced":
@@ -811,7 +1037,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "monitor.json"))
     ap.add_argument("--quick", action="store_true", help="shorter runs (smoke test)")
     ap.add_argument("--only", default="ingest,overload,detection,false_alarms,flood,batched_false_alarms,"
-                                      "batched_detection,shadow_throughput,protocols",
+                                      "batched_detection,shadow_throughput,protocols,row_weighted,mixed_sizes",
                     help="comma-separated sections to run")
     a = ap.parse_args(argv)
     dur, reps, n, flood_n = (3, 2, 50_000, 120_000) if a.quick else (10, 8, 1_000_000, 1_000_000)
@@ -848,6 +1074,13 @@ def main(argv=None):
         if "batched_detection" in only:
             res["batched_detection"] = bench_batched_detection(runs=5 if a.quick else 50)
             print("batched_detection", json.dumps(res["batched_detection"]), flush=True)
+        if "row_weighted" in only:
+            res["row_weighted_detection"] = (bench_row_weighted_delays(runs=20, linear_runs=400) if a.quick
+                                             else bench_row_weighted_delays())
+        if "mixed_sizes" in only:
+            res["mixed_size_false_alarms"] = (bench_mixed_sizes(n=10_000, seeds=2) if a.quick
+                                              else bench_mixed_sizes())
+            print("mixed_sizes", json.dumps(res["mixed_size_false_alarms"]), flush=True)
         if "shadow_throughput" in only:
             res["shadow_throughput"] = bench_shadow_throughput(d, dur)
             print("shadow_throughput", json.dumps(res["shadow_throughput"]), flush=True)

@@ -17,8 +17,7 @@ epoch, its cursor and the walks it merged last, and merges each epoch's incremen
 
 * a `--peer` URL that load-balances (a Service name, round-robin DNS) and answers from different pods on
   different polls merges each pod's increments once (no double counting); the change back to an epoch it showed
-  before is counted (`epoch_flip`: such a URL may miss a pod for long, and only lists of single pods are a
-  supported layout);
+  before is counted (`epoch_flip`) and makes the view incomplete (below);
 * an epoch already read under another source (one pod listed under two URLs, or the combiner's own URL in its
   `--peer` list: its epoch is the one of source "self") is refused from the second source (`duplicate_epoch`);
 * a replica that restarts shows a new epoch, merged from zero once; its old epoch, not seen again for
@@ -34,6 +33,35 @@ counted per (peer, reason) (`PeerError`; the service exports `tailguard_monitor_
 /readyz, and that peer's document is not merged; the other peers are unaffected. The HTTP fetch caps the body size
 and the total read time.
 
+**Incomplete views.** A Service URL does not reach every pod: HTTP keep-alive pins a client to one pod, and a new
+connection reaches a random one. The combiner opens a new connection per fetch, so such a URL shows its pods'
+epochs in turn, and an epoch flip (back to an epoch it showed before; a restart never does that) marks it
+`several_processes` for RETIRE_AFTER_POLLS of its documents. With `expect_replicas` (`--expect-replicas N`) fewer
+live replica epochs than N (a URL pinned to one pod, a pod down or not listed) is `replicas_missing`. Either makes
+`incomplete()` non-empty: /readyz answers 503 with the reasons, and `tailguard_monitor_incomplete_polls_total`
+counts the polls. Supported layouts: one `--peer` URL per pod, or `--peer-dns NAME:PORT` of a headless Service
+(every address of the name is one peer, looked up at every poll: `peers_from_dns`).
+
+**Ordering.** A replica (and the combiner's own evidence) keeps a `CheckpointLog`: every CHECKPOINT_EVERY sampled
+requests, the cumulative entries of the slices updated since the last checkpoint, with the version and its wall
+clock; a document carries the checkpoints after the reader's cursor and `as_of` (the clock when it was read). The
+combiner turns each document into one increment per checkpoint plus the tail, queues them, and merges, in time
+order, those at or before the watermark: the smallest `as_of` of the sources it waits for (every source that
+answered before and has failed fewer than `wait_polls` polls in a row). So a replica that could not be read while a
+drift started delays the others' evidence (up to `wait_polls` polls) instead of landing later as one increment
+that mixes rows from before the change with rows after it; its backlog merges checkpoint by checkpoint, between
+the others' increments of the same time. The CUSUM clips at zero only between increments, as before (each
+increment is a product of e-value factors over requests: any merge order keeps the bound). A source past
+`wait_polls` is merged when it comes back, in its own order (`late` counts increments merged after newer ones);
+a backlog older than the replica's oldest checkpoint (MAX_CHECKPOINTS) arrives partly as one increment
+(`coarse`). Clocks are the processes' wall clocks: keep them in sync (NTP), the ordering grain is one poll.
+
+**Restart.** The combiner sends its epoch as `reader`; a replica reports the reader before (`last_reader`). The
+first document of an epoch whose previous reader was another combiner (this one restarted, or replaced another)
+is not merged: the detectors start after the replicas' current walks (`skipped_requests`), so history an earlier
+combiner judged (an incident that fired and cleared) is never judged again. An epoch no combiner read yet (a new
+replica) merges from zero.
+
 Family accounting: the replicas run with `--evidence-only` (they measure, export parity gauges for their share
 and never alert), so the alerts of a deployment are the combiner's, and its alpha covers the horizon counted in
 sampled requests of all replicas together.
@@ -43,23 +71,28 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import heapq
+import itertools
 import json
 import logging
 import math
+import socket
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Callable, Mapping, Sequence
 
+from tailguard.monitoring.config import ALL_SLICE
 from tailguard.monitoring.detector import DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring.combine")
 
 Fetch = Callable[[str, int], Mapping[str, Any]]  # (peer, since) -> evidence document
 OnError = Callable[[str, str], None]  # (source, PeerError value) -> None
+INCOMPLETE_REASONS = ("several_processes", "replicas_missing")  # Combiner.incomplete, per poll
 
 MAX_EVIDENCE_BYTES = 128 * 2**20  # a body past this is refused (about 250k (slice, metric) walks)
 FETCH_TIMEOUT_S = 5.0  # connect / per-read timeout of one poll
@@ -68,6 +101,9 @@ RETIRE_AFTER_POLLS = 20  # an epoch its source has not shown for this many accep
 MAX_RETIRED_EPOCHS = 100_000  # retired epoch ids remembered (about 10 MB); the oldest are forgotten past it
 MAX_EPOCH_CHARS = 128
 MAX_COUNT = 2**62  # a row / request count or cursor above this is not a real one
+CHECKPOINT_EVERY = 256  # sampled requests between two checkpoints of a replica's walks (CheckpointLog)
+MAX_CHECKPOINTS = 128  # checkpoints a replica keeps: a backlog of up to 128 x 256 sampled requests merges in order
+WAIT_POLLS = 12  # a source that answered before is waited for through this many failed polls (Combiner, Ordering)
 REPLICA = "replica"
 COMBINER = "combiner"
 
@@ -148,7 +184,8 @@ class _EpochState:
     cursor: int = 0  # next `since` for this epoch (advanced only by a document complete since the last one)
     version: int = -1  # highest document version read
     seen: int = 0  # the source's accepted-document number when this epoch was last shown
-    last: dict[str, _SliceMark] = field(default_factory=dict)
+    last: dict[str, _SliceMark] = field(default_factory=dict)  # what was queued last per slice (merged, or pending)
+    time: float = -math.inf  # time stamp of the last increment queued (increments of an epoch stay in order)
 
 
 @dataclass
@@ -161,6 +198,16 @@ class _SourceState:
     errors: Counter = field(default_factory=Counter)
     last_error: str = ""
     last_error_reason: str = ""
+    failed: int = 0  # polls failed in a row
+    as_of: float | None = None  # the clock of its last accepted document (None: it sends none, not ordered)
+    flip_at: int = 0  # `accepted` at its last epoch flip (0: never)
+    increments: int = 0  # increments queued (checkpoints and tails)
+    late: int = 0  # increments merged after newer evidence of other sources (it was not waited for)
+    coarse: int = 0  # documents whose backlog reached past the peer's oldest checkpoint (partly merged in one step)
+    skipped_requests: int = 0  # sampled requests of epochs read by an earlier combiner, not merged (Restart)
+    discovered: bool = False  # found by --peer-dns (else listed by --peer, or `self`)
+    listed: bool = True  # polled: a discovered source the last lookup did not return is not
+    unlisted_at: int = 0  # the combiner's poll number when it was last dropped from the lookup
 
 
 @dataclass
@@ -172,9 +219,31 @@ class _Update:
     walks: dict[str, tuple[list[float], list[float]]]
 
 
+@dataclass
+class _Stage:
+    """One increment of one epoch: a checkpoint's (or the document's tail's) per-slice increments and its time."""
+
+    time: float | None
+    updates: list[_Update]
+    tail: bool = False
+
+
+@dataclass
+class _Read:
+    """An accepted document, checked: what the merge step queues."""
+
+    epoch: str
+    version: int
+    stages: list[_Stage]
+    as_of: float | None
+    baseline: bool  # first read of an epoch an earlier combiner read: its history is not merged
+    coarse: bool  # the backlog reached past the peer's oldest checkpoint
+    since: int  # the cursor it was read with
+
+
 class Combiner:
     """Merges evidence documents (MonitorEngine.evidence) from several sources into one SliceStatistics, once per
-    epoch (module docstring).
+    epoch, in time order (module docstring).
 
     Args:
         stats: the combined statistics (source "combined"); its alerts are the deployment's.
@@ -185,23 +254,51 @@ class Combiner:
         settings: the combiner's `settings_hash`; a document with other settings is refused.
         local: the source that is the combiner's own evidence (role "combiner"); every other must be "replica".
         on_error: called with (source, reason) for every counted error (the service's Prometheus counter).
+        reader: this combiner's id (its epoch), sent with every fetch; a replica whose previous reader differs
+            was read by an earlier combiner: its history up to the first read is not merged (Restart).
+        expect_replicas: the number of replica processes the deployment runs (`--expect-replicas`); fewer live
+            replica epochs than this makes the combined view incomplete (`incomplete`). None: not checked.
+        wait_polls: a source that answered before is waited for (its evidence ordered with the others') through
+            this many failed polls in a row; past them the others' evidence is merged without it.
+        on_incomplete: called once per poll and INCOMPLETE_REASONS reason while the combined view is incomplete
+            (the service's `tailguard_monitor_incomplete_polls_total`).
+        discover: called at the start of every poll for the current peer URLs found by name (`--peer-dns`:
+            `peers_from_dns`); sources it stops returning are no longer polled and, RETIRE_AFTER_POLLS polls
+            later, forgotten (their epochs retired). A lookup that raises keeps the last list (counted in
+            `discovery`). None: the static `sources` only.
     """
 
     def __init__(self, stats: SliceStatistics, fetch: Fetch, sources: Sequence[str], lock: Any = None, *,
-                 settings: str, local: str | None = None, on_error: OnError | None = None) -> None:
+                 settings: str, local: str | None = None, on_error: OnError | None = None, reader: str = "",
+                 expect_replicas: int | None = None, wait_polls: int = WAIT_POLLS,
+                 on_incomplete: Callable[[str], None] | None = None,
+                 discover: Callable[[], Sequence[str]] | None = None) -> None:
+        if expect_replicas is not None and expect_replicas < 1:
+            raise ValueError(f"expect_replicas must be >= 1, got {expect_replicas}")
         self.stats = stats
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.fetch = fetch
         self.settings = settings
         self.on_error = on_error
+        self.reader = reader
+        self.expect_replicas = expect_replicas
+        self.wait_polls = int(wait_polls)
         self.sources = {s: _SourceState(local=s == local) for s in dict.fromkeys(sources)}
         self.epochs: dict[str, _EpochState] = {}
         self.retired: OrderedDict[str, str] = OrderedDict()  # epoch -> the source it was read from
         self.polls = 0
+        self.pending: list[tuple[float, int, str, list[_Update]]] = []  # heap of (time, order, source, updates)
+        self._order = itertools.count()
+        self.merged_through = -math.inf  # time of the newest increment merged
+        self.incomplete_polls: Counter = Counter()  # polls that found the combined view incomplete, by reason
+        self.on_incomplete = on_incomplete
+        self.discover = discover
+        self.discovery: dict[str, Any] = {"lookups": 0, "errors": 0, "last_error": "", "peers": []}
 
     # ------------------------------------------------------------------------------------------ polling
     def poll(self, now: datetime | None = None) -> Evaluation:
-        """Fetch every source once, check each document whole, and merge what is new.
+        """Fetch every source once, check each document whole, queue its increments (one per checkpoint, and
+        the tail), and merge, in time order, every queued increment up to the watermark (module docstring).
 
         Args:
             now: time stamp for alert records (default now).
@@ -209,15 +306,59 @@ class Combiner:
         Returns:
             Alerts fired and cleared by the merge.
         """
-        ev = Evaluation()
-        for name in self.sources:
-            part = self._poll_one(name, now)
-            ev.fired += part.fired
-            ev.cleared += part.cleared
+        if self.discover is not None:
+            self._rediscover()
+        reads = {name: r for name, s in list(self.sources.items())
+                 if s.listed and (r := self._poll_one(name)) is not None}
+        # the round: every tail read now is ordered at the earliest clock of the round (one poll is the grain)
+        round_mark = min((r.as_of for r in reads.values() if r.as_of is not None), default=math.inf)
+        waited = [s.as_of for s in self.sources.values()
+                  if s.listed and s.as_of is not None and s.accepted and s.failed <= self.wait_polls]
+        watermark = min(waited, default=math.inf)  # a late source still waited for holds the others back
+        for name, r in reads.items():
+            self._queue(name, r, round_mark)
+        ev = self._merge_until(watermark, now)
         self.polls += 1
+        for reason in sorted({r.split(":", 1)[0] for r in self.incomplete().values()}):
+            self.incomplete_polls[reason] += 1
+            if self.on_incomplete is not None:
+                self.on_incomplete(reason)
         return ev
 
-    def _poll_one(self, name: str, now: datetime | None) -> Evaluation:
+    def _rediscover(self) -> None:
+        """Refresh the discovered sources from `discover` (a failed lookup keeps the last list)."""
+        d = self.discovery
+        d["lookups"] += 1
+        try:
+            found = list(dict.fromkeys(self.discover()))  # type: ignore[misc]
+        except Exception as exc:  # DNS down: keep polling what was found before
+            d["errors"] += 1
+            d["last_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("peer discovery failed: %s (polling the %d peers found before)", d["last_error"],
+                        len(d["peers"]))
+            return
+        d["peers"] = found
+        for name in found:
+            src = self.sources.get(name)
+            if src is None:
+                self.sources[name] = _SourceState(local=False, discovered=True)
+                log.info("peer %s discovered", name)
+            elif src.discovered:
+                src.listed = True
+        for name, src in list(self.sources.items()):
+            if not src.discovered or name in found:
+                continue
+            if src.listed:
+                src.listed, src.unlisted_at = False, self.polls
+                log.info("peer %s no longer in the lookup: not polled", name)
+            elif self.polls - src.unlisted_at >= RETIRE_AFTER_POLLS and not any(
+                    n == name for _, _, n, _ in self.pending):
+                for epoch in [e for e, st in self.epochs.items() if st.source == name]:
+                    del self.epochs[epoch]
+                    self.retired[epoch] = name
+                del self.sources[name]
+
+    def _poll_one(self, name: str) -> _Read | None:
         src = self.sources[name]
         owned = [e for e in self.epochs.values() if e.source == name]
         since = min((e.cursor for e in owned), default=0)  # complete for every epoch this source may answer from
@@ -229,14 +370,16 @@ class Combiner:
             except Exception as exc:  # a peer down must not stop the others: count, retry next poll
                 raise PeerDocumentError(PeerError.FETCH_FAILED, f"{type(exc).__name__}: {exc}") from None
             try:
-                epoch, version, updates = self._check(name, doc)
+                read = self._check(name, doc, since)
             except PeerDocumentError:
                 raise
             except Exception as exc:  # a check this module did not foresee: still this document's fault
                 raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{type(exc).__name__}: {exc}") from None
         except PeerDocumentError as exc:
+            src.failed += 1
             self._error(name, exc.reason, exc.message)
-            return Evaluation()
+            return None
+        epoch = read.epoch
         es = self.epochs.get(epoch)
         if es is None:
             es = self.epochs[epoch] = _EpochState(name)
@@ -245,24 +388,82 @@ class Combiner:
                 log.info("source %s shows a new epoch %s (was %s): a restart, or another process behind it",
                          name, epoch, src.epoch)
         elif src.epoch and src.epoch != epoch:
+            src.flip_at = src.accepted + 1
             self._error(name, PeerError.EPOCH_FLIP, f"epoch went back from {src.epoch} to {epoch}: the URL reaches "
-                        "more than one live process (merged once per epoch; list each pod instead)")
-        ev = Evaluation()
-        with self.lock:
-            for u in updates:
-                part = self.stats.merge(u.key, u.walks, u.rows, u.requests, now=now)
-                es.last[u.key] = u.mark  # per slice, right after its merge: state says exactly what was merged
-                ev.fired += part.fired
-                ev.cleared += part.cleared
-        if since <= es.cursor:  # the document holds every slice updated since this epoch's cursor
-            es.cursor = max(es.cursor, version)
-        es.version = max(es.version, version)
+                        "more than one live process (merged once per epoch, but a pod it does not reach is lost: "
+                        "list each pod, or --peer-dns a headless Service)")
         src.accepted += 1
         src.ok = True
+        src.failed = 0
         src.epoch = epoch
+        if read.as_of is not None:
+            src.as_of = read.as_of if src.as_of is None else max(src.as_of, read.as_of)
         es.seen = src.accepted
         self._retire(name, src)
+        return read
+
+    def _queue(self, name: str, read: _Read, round_mark: float) -> None:
+        """Queue a checked document's increments in order (or, for a baseline, only record what it showed)."""
+        src, es = self.sources[name], self.epochs.get(read.epoch)
+        if es is None:  # retired within this poll (cannot happen for the epoch just shown); nothing to do
+            return
+        if read.coarse and not read.baseline:
+            src.coarse += 1
+            log.warning("evidence from %s: backlog older than the peer's oldest checkpoint, partly merged in one "
+                        "increment", name)
+        for st in read.stages:
+            for u in st.updates:
+                es.last[u.key] = u.mark  # per slice: state says exactly what was queued
+            if read.baseline:
+                src.skipped_requests += sum(u.requests for u in st.updates if u.key == ALL_SLICE)
+                continue
+            t = -math.inf if st.time is None else st.time
+            if st.tail and st.time is not None:
+                t = min(t, round_mark)  # a tail is ordered with the poll round that read it
+            t = max(t, es.time)  # an epoch's increments stay in its own order whatever its clock did
+            es.time = t
+            ups = [u for u in st.updates if u.requests > 0]
+            if ups:
+                heapq.heappush(self.pending, (t, next(self._order), name, ups))
+                src.increments += 1
+        if read.since <= es.cursor:  # the document holds every slice updated since this epoch's cursor
+            es.cursor = max(es.cursor, read.version)
+        es.version = max(es.version, read.version)
+
+    def _merge_until(self, watermark: float, now: datetime | None) -> Evaluation:
+        ev = Evaluation()
+        with self.lock:
+            while self.pending and self.pending[0][0] <= watermark:
+                t, _, name, ups = heapq.heappop(self.pending)
+                if t < self.merged_through:
+                    self.sources[name].late += 1
+                self.merged_through = max(self.merged_through, t)
+                for u in ups:
+                    part = self.stats.merge(u.key, u.walks, u.rows, u.requests, now=now)
+                    ev.fired += part.fired
+                    ev.cleared += part.cleared
         return ev
+
+    def incomplete(self) -> dict[str, str]:
+        """Why the combined evidence is known to miss processes: {source: reason} for a source URL that reached
+        several live processes (an epoch flip within the last RETIRE_AFTER_POLLS documents: a load-balanced
+        Service, whose pods it does not all reach), and {"replicas": reason} while fewer replica processes answer
+        (distinct current epochs of the sources whose last poll was merged) than `expect_replicas`. Empty: nothing
+        known to be missing."""
+        out: dict[str, str] = {}
+        sources, epochs = list(self.sources.items()), list(self.epochs.values())  # the poll thread may change them
+        for name, s in sources:
+            if s.listed and s.flip_at and s.accepted - s.flip_at < RETIRE_AFTER_POLLS:
+                live = sum(1 for e in epochs if e.source == name)
+                out[name] = (f"several_processes: this URL answered from {live} processes (epochs flip; HTTP "
+                             "keep-alive or a load balancer pins it to one at a time, so some of their evidence "
+                             "is never read): list one URL per pod, or --peer-dns a headless Service")
+        if self.expect_replicas is not None:
+            live = len({s.epoch for _, s in sources if not s.local and s.ok and s.listed})
+            if live < self.expect_replicas:
+                out["replicas"] = (f"replicas_missing: {live} live replica process(es) answer, "
+                                   f"{self.expect_replicas} expected (--expect-replicas): list one URL per pod")
+        return out
 
     def _retire(self, name: str, src: _SourceState) -> None:
         for epoch in [e for e, s in self.epochs.items()
@@ -283,11 +484,12 @@ class Combiner:
             self.on_error(name, reason.value)
 
     # ------------------------------------------------------------------------------------------ checks
-    def _check(self, name: str, doc: Any) -> tuple[str, int, list[_Update]]:
+    def _check(self, name: str, doc: Any, since: int = 0) -> _Read:
         """The whole document checked against this source's and epoch's state; nothing is changed.
 
         Returns:
-            (epoch, version, the per-slice increments to merge).
+            The epoch, version, and the per-slice increments of each checkpoint after the epoch's cursor and of
+            the tail, in order.
 
         Raises:
             PeerDocumentError: the first thing wrong (its reason is counted).
@@ -317,13 +519,52 @@ class Combiner:
         version = _count(doc.get("version"), "version")
         if es is not None and version < es.version:
             raise PeerDocumentError(PeerError.BAD_COUNT, f"version went back from {es.version} to {version}")
+        as_of = _time(doc.get("as_of"), "as_of", optional=True)
+        reader = doc.get("last_reader")
+        if reader is not None and (not isinstance(reader, str) or len(reader) > MAX_EPOCH_CHARS):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"last_reader must be a string of at most "
+                                    f"{MAX_EPOCH_CHARS} characters, got {_show(reader)}")
+        floor = _count(doc.get("checkpoint_floor", 0), "checkpoint_floor")
         slices = doc.get("slices")
         if not isinstance(slices, Mapping):
             raise PeerDocumentError(PeerError.BAD_DOCUMENT, "slices must be an object")
-        last = es.last if es is not None else {}
-        return epoch, version, [self._increment(key, entry, last.get(key), version) for key, entry in slices.items()]
+        checkpoints = doc.get("checkpoints", [])
+        if not isinstance(checkpoints, list):
+            raise PeerDocumentError(PeerError.BAD_DOCUMENT, "checkpoints must be a list")
+        marks = dict(es.last) if es is not None else {}
+        cursor = es.cursor if es is not None else 0
+        stages, prev_v, prev_t = [], cursor, -math.inf
+        for i, cp in enumerate(checkpoints):
+            if not isinstance(cp, Mapping) or not isinstance(cp.get("slices"), Mapping):
+                raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"checkpoint {i}: not an object with slices")
+            cv = _count(cp.get("version"), f"checkpoint {i} version")
+            ct = _time(cp.get("time"), f"checkpoint {i} time")
+            if cv > version or ct < prev_t or (as_of is not None and ct > as_of):
+                raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"checkpoint {i}: version {cv} / time {ct} out of "
+                                        f"order (document version {version}, as_of {as_of})")
+            prev_t = ct
+            if cv <= prev_v:  # already queued from an earlier document
+                continue
+            prev_v = cv
+            ups = []
+            for key, entry in cp["slices"].items():
+                u = self._increment(key, entry, marks.get(key), version, covered_ok=True)
+                if u is not None:
+                    marks[key] = u.mark
+                    ups.append(u)
+            stages.append(_Stage(ct, ups))
+        ups = []
+        for key, entry in slices.items():
+            u = self._increment(key, entry, marks.get(key), version)
+            assert u is not None
+            marks[key] = u.mark
+            ups.append(u)
+        stages.append(_Stage(as_of, ups, tail=True))
+        baseline = es is None and bool(reader) and reader != self.reader
+        return _Read(epoch, version, stages, as_of, baseline, coarse=since < floor, since=since)
 
-    def _increment(self, key: Any, entry: Any, prev: _SliceMark | None, version: int) -> _Update:
+    def _increment(self, key: Any, entry: Any, prev: _SliceMark | None, version: int, *,
+                   covered_ok: bool = False) -> _Update | None:
         if not isinstance(key, str) or not isinstance(entry, Mapping):
             raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {_show(key)}: not a key and an object")
         inc = _count(entry.get("incarnation"), f"slice {key!r} incarnation")
@@ -334,6 +575,9 @@ class Combiner:
                                     f"{version}")
         if requests > rows:
             raise PeerDocumentError(PeerError.BAD_COUNT, f"slice {key!r}: {requests} requests but {rows} rows")
+        if covered_ok and prev is not None and (inc < prev.incarnation or (
+                inc == prev.incarnation and requests <= prev.requests and rows <= prev.rows)):
+            return None  # a checkpoint older than what an earlier document's tail already showed of this slice
         if prev is not None and inc < prev.incarnation:
             raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {key!r}: incarnation went back from "
                                     f"{prev.incarnation} to {inc}")
@@ -373,16 +617,29 @@ class Combiner:
     def status(self) -> dict[str, Any]:
         """Per source (served in /readyz `peers`): whether its last poll was merged (`ok`), its current epoch and
         cursor, documents accepted, epochs first seen from it, errors (total and by PeerError reason) and the last
-        one, and the live epochs it owns with their cursors."""
+        one, the live epochs it owns with their cursors; and for ordering (module docstring): `as_of` (its clock
+        at its last document), `failed_polls` in a row, `waited` (the merge waits for it), `pending` increments
+        queued and not merged yet, `late` increments merged after newer ones of other sources, `coarse` documents
+        whose backlog reached past the peer's oldest checkpoint, `skipped_requests` of epochs an earlier combiner
+        read (not merged after a restart), and `incomplete` (why its evidence is known to miss a process, or
+        null)."""
         out: dict[str, Any] = {}
-        for name, s in self.sources.items():
-            owned = {e: {"cursor": st.cursor, "slices": len(st.last)} for e, st in self.epochs.items()
-                     if st.source == name}
+        pending = Counter(name for _, _, name, _ in list(self.pending))
+        incomplete = self.incomplete()
+        epochs = list(self.epochs.items())  # the poll thread may change them meanwhile
+        for name, s in list(self.sources.items()):
+            owned = {e: {"cursor": st.cursor, "slices": len(st.last)} for e, st in epochs if st.source == name}
             cur = self.epochs.get(s.epoch)
             out[name] = {"ok": s.ok, "epoch": s.epoch, "cursor": cur.cursor if cur is not None else 0,
                          "accepted": s.accepted, "new_epochs": s.new_epochs, "epochs": owned,
                          "errors": sum(s.errors.values()), "errors_by_reason": dict(s.errors),
-                         "last_error": s.last_error, "last_error_reason": s.last_error_reason}
+                         "last_error": s.last_error, "last_error_reason": s.last_error_reason,
+                         "as_of": s.as_of, "failed_polls": s.failed,
+                         "waited": (s.listed and s.as_of is not None and s.accepted > 0
+                                    and s.failed <= self.wait_polls),
+                         "discovered": s.discovered, "listed": s.listed,
+                         "pending": pending[name], "increments": s.increments, "late": s.late, "coarse": s.coarse,
+                         "skipped_requests": s.skipped_requests, "incomplete": incomplete.get(name)}
         return out
 
 
@@ -396,6 +653,14 @@ def _count(v: Any, what: str) -> int:
     if not 0 <= v <= MAX_COUNT:
         raise PeerDocumentError(PeerError.BAD_COUNT, f"{what} must be in [0, 2^62], got {_show(v)}")
     return v
+
+
+def _time(v: Any, what: str, optional: bool = False) -> float | None:
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"{what} must be a finite number (seconds), got {_show(v)}")
+    return float(v)
 
 
 def _walk(v: Any, n: int, what: str) -> tuple[float, ...]:
@@ -434,9 +699,92 @@ def _within(bet: Betting, now: tuple[float, ...], before: tuple[float, ...] | No
     return inc
 
 
+class CheckpointLog:
+    """A replica's (and the combiner's own) checkpoints: every `every` sampled requests, the cumulative evidence
+    entries of the slices updated since the previous checkpoint, with the version and the clock at that moment.
+    A combiner that reads a backlog (it could not reach this process for a while) merges it one checkpoint at a
+    time, in time order with the other processes' evidence (Ordering, module docstring), instead of as one
+    increment that would mix rows from before a change with rows after it.
+
+    Memory: at most `keep` checkpoints, each at most `every` x G slice entries (G: slice keys per request), each
+    entry 2 x N_BETS floats per thresholded metric. Past `keep` the oldest is dropped, and `floor` (its version)
+    tells a reader whose cursor is older that part of its backlog arrives as one increment (counted, `coarse`).
+
+    Args:
+        stats: the process's SliceStatistics (export_walks=True).
+        every: sampled requests between two checkpoints.
+        keep: checkpoints kept.
+        clock: wall clock (s); replicas and combiner compare these, so they must share time (NTP).
+    """
+
+    def __init__(self, stats: SliceStatistics, every: int = CHECKPOINT_EVERY, keep: int = MAX_CHECKPOINTS,
+                 clock: Callable[[], float] = time.time) -> None:
+        if every < 1 or keep < 1:
+            raise ValueError("every and keep must be >= 1")
+        self.stats = stats
+        self.every = int(every)
+        self.clock = clock
+        self.items: deque[tuple[int, float, dict[str, Any]]] = deque(maxlen=int(keep))
+        self.count = 0  # sampled requests since the last checkpoint
+        self.version = 0  # the last checkpoint's version
+        self.floor = 0  # version of the newest checkpoint dropped (0: none)
+
+    def tick(self, requests: int = 1) -> None:
+        """Count sampled requests added to the statistics; take a checkpoint every `every` of them (call under
+        the lock that guards the statistics)."""
+        self.count += requests
+        if self.count >= self.every:
+            self.take()
+
+    def take(self) -> None:
+        """Checkpoint now (the slices updated since the last checkpoint; nothing when none was)."""
+        self.count = 0
+        version, keys = self.stats.evidence_keys(self.version)
+        if version == self.version:
+            return
+        if len(self.items) == self.items.maxlen:
+            self.floor = self.items[0][0]
+        self.items.append((version, self.clock(), self.stats.evidence_entries(keys)))
+        self.version = version
+
+    def after(self, since: int) -> list[dict[str, Any]]:
+        """The checkpoints with a version above `since`, oldest first: [{"version", "time", "slices"}]."""
+        return [{"version": v, "time": t, "slices": sl} for v, t, sl in self.items if v > since]
+
+
+def peers_from_dns(target: str, resolver: Callable[..., Any] = socket.getaddrinfo) -> list[str]:
+    """The peers behind a headless Service: `NAME:PORT` -> one base URL per address its DNS name resolves to
+    (A and AAAA records; `http://ADDR:PORT`, IPv6 bracketed), sorted. A headless Service (`clusterIP: None`)
+    answers with every ready pod's address, so each pod is one source, polled on its own connection.
+
+    Args:
+        target: `NAME:PORT` (e.g. `tailguard-monitor-replicas.ns.svc.cluster.local:8080`).
+        resolver: `socket.getaddrinfo` (the stdlib resolver); tests pass a function with its signature, the one
+            seam that stands in for a DNS server.
+
+    Returns:
+        The peer URLs ([] when the name has no address).
+
+    Raises:
+        ValueError: `target` is not NAME:PORT with a port in 1..65535.
+        OSError: the lookup failed (socket.gaierror; the combiner keeps the last list).
+    """
+    name, sep, port = target.rpartition(":")
+    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--peer-dns {target!r}: expected NAME:PORT, e.g. tailguard-monitor-replicas:8080")
+    infos = resolver(name, int(port), 0, socket.SOCK_STREAM)
+    addrs = sorted({info[4][0] for info in infos})
+    return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
+
+
 def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDENCE_BYTES,
-               deadline_s: float = FETCH_DEADLINE_S, headers: Mapping[str, str] | None = None) -> Fetch:
-    """A Fetch over HTTP: GET {peer}/v1/evidence?since=N (httpx, streamed), with bounded size and time.
+               deadline_s: float = FETCH_DEADLINE_S, headers: Mapping[str, str] | None = None,
+               reader: str = "") -> Fetch:
+    """A Fetch over HTTP: GET {peer}/v1/evidence?since=N&reader=ID (httpx, streamed), with bounded size and time.
+
+    Every fetch opens a new connection (no keep-alive): a URL that load-balances per connection (a Kubernetes
+    Service) is then answered by its pods in turn, so the combiner sees their epochs flip and reports the URL
+    incomplete (Combiner.incomplete), instead of reading one pinned pod forever as if it were the whole URL.
 
     Args:
         timeout_s: connect and per-read timeout (s).
@@ -445,6 +793,7 @@ def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDE
             peer ends within deadline_s + timeout_s.
         headers: sent with every fetch: the monitor's `Authorization: Bearer <token>` when it has one
             (monitoring.auth_token_env / auth_token_file; replicas and combiner share the token), else none.
+        reader: the combiner's id, sent as `reader` (the replica reports the previous one: Restart).
 
     Returns:
         fetch(peer, since) -> the parsed document; raises PeerDocumentError (body_too_large, read_timeout,
@@ -452,11 +801,13 @@ def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDE
     """
     import httpx
 
-    client = httpx.Client(timeout=timeout_s, headers=dict(headers or {}))
+    client = httpx.Client(timeout=timeout_s, headers=dict(headers or {}),
+                          limits=httpx.Limits(max_keepalive_connections=0))
 
     def fetch(peer: str, since: int) -> Mapping[str, Any]:
         end = time.monotonic() + deadline_s
-        with client.stream("GET", peer.rstrip("/") + "/v1/evidence", params={"since": since}) as r:
+        params = {"since": since, "reader": reader}
+        with client.stream("GET", peer.rstrip("/") + "/v1/evidence", params=params) as r:
             r.raise_for_status()
             declared = r.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > max_bytes:

@@ -1,73 +1,105 @@
-"""Per-slice sequential change detection with a false-alarm guarantee over the whole stream.
+"""Per-slice sequential change detection of the gate's quantity, with a false-alarm guarantee over the stream.
 
 Every slice key the configured columns produce is measured (up to a memory bound, `max_tracked_slices`, past
 which the least recently updated slice without an active alert is evicted and counted). For every slice and
 every metric with a threshold (monitoring/config.py `Bound`), a one-sided **betting CUSUM** watches for the
-slice's traffic mean crossing the threshold.
+slice's per-row mean crossing the threshold.
 
-The request is the unit of evidence. Rows of one request share a source, the slice keys, the sampling draw and
-usually content: they are not independent, and betting on each row as if it were lets one bad request add as
-much evidence as many independent ones (a fully disagreeing 32-row request: ~91 nats, far above h). So the
-detector bets once per (sampled request, slice, metric), on the request's mean excess.
+The tested quantity is the gate's. The pipeline's gates are row-weighted (per slice: agreeing rows / rows >=
+0.97), so the detector tests the row-weighted mean: every row counts once, whatever the size of the request it
+came in. (Before issue 41 it tested the mean of per-request means: on honest traffic whose difficulty correlates
+with request size the two disagree, and it alarmed on slices the gate passes and missed ones it fails.)
 
-Detector. Write the per-row excess over the threshold on the bad side as
+Write the per-row excess over the threshold on the bad side as
 
     y = threshold - x   (higher-is-better metrics: agreement, cosine)      y = x - threshold   (lower-is-better)
 
-and a request's excess as the mean over its n rows, ybar = (1/n) sum_i y_i. H0 "the slice is fine" is: given the
-past and the request's size n, E[ybar] <= 0, i.e. among requests of every size the mean over their rows is on
-the good side. That is the per-row mean the validation gates measure (within one size class the request mean
-and the row mean are the same number; across sizes H0 implies the traffic's row mean is on the good side). It
-differs from "the traffic's row mean is fine" only when requests of one size are worse than the threshold and
-requests of another size better: then the worse size class is reported, which is a real defect of its own.
-The metric is bounded on its good side (agreement, cosine <= 1; KL and errors >= 0), so y and ybar are >= -span
-with span = |good bound - threshold|, and for any bet 0 <= lam < 1/span the factor 1 + lam * ybar is
-non-negative with E_H0[1 + lam ybar] <= 1: an e-value (testing by betting: Waudby-Smith & Ramdas 2024, JRSS-B
-86:1, "Estimating means of bounded random variables by betting"). For one-row requests of a 0/1 metric with
-lam = (q1/q0 - 1)/threshold this factor *is* the likelihood ratio of disagreement rate q1 against q0 = 1 -
-threshold, so the detector below is Page's Bernoulli CUSUM (Page 1954; Reynolds & Stoumbos 1999, JQT 31:87).
-The post-change value is unknown, so K = 10 bets lam_j = 2^-j / span (j = 1..10) run side by side:
+and a request's excess as the SUM over its n rows, S = sum_i y_i (each y_i clipped to [-span, cap] first: cap
+is the distance from the threshold to the range's bad end, or to `truncate_at`; clipping above only lowers an
+e-value, and no row is below -span).
 
-    S_j <- max(0, S_j + log(1 + lam_j * r * ybar))       (one CUSUM per bet, updated once per sampled request)
-    alarm when  log( mean_j exp(S_j) ) >= h              (the mixture e-detector)
+Null. H0 for one (slice, metric): given the past, every sampled request's expected excess sum is <= 0,
 
-The excess of each row is clipped to [-span, cap] before the mean (cap: the distance from the threshold to the
-range's bad end, or to `truncate_at`; clipping above only lowers an e-value, and no row is below -span).
+    E[ S_t | F_{t-1} ] <= 0    (the conditional null; F_{t-1}: everything before request t)
 
-`r = pi_slice / p` (<= 1) weights a row sampled with probability p by the probability pi_slice the slice's
-own frequency gives (monitoring/sampler.py): E[sampled * r * y] = pi_slice * E_traffic[y], so the factor stays an
-e-value for the slice's *traffic* mean although rare-slice oversampling draws the slice's rows unequally
-(Horvitz-Thompson weighting inside the bet).
+so in expectation the rows arriving next are on the good side of the threshold *per row*: a request of 64 rows
+weighs 64 times a one-row request, as in the gate. Under a stationary mix of request sizes and contents this is
+exactly "the traffic's per-row mean is at or on the good side of the threshold". The rows of one request may be
+dependent in any way (same source, same content, one sampling draw): the request is the unit of evidence.
+
+Bets. With a declared bound M on a request's rows (monitoring.max_request_rows, default 64, at most
+monitoring.max_batch_rows) and span = |good end of the metric's range - threshold| (agreement, cosine <= 1; KL and
+errors >= 0), S >= -span n >= -span M, so for every 0 <= lam < 1 / span the factor
+
+    1 + lam * r * S / M    >= 1 - lam * span > 0
+
+is non-negative whatever the dependence of the rows, and E_H0[factor | past] <= 1: an e-value (testing by
+betting: Waudby-Smith & Ramdas 2024, JRSS-B 86:1). It must be linear in S with one slope for every request size
+(an e-value for the mean null over all distributions of (S, n) is dominated by 1 + mu S), which is the price of
+the row-weighted null: a one-row request carries at most 1/M of a full bet, so declare M as small as your
+largest batch (replay, whose requests are single rows, uses M = 1). A request of more than M rows is split into
+ceil(n / M) consecutive chunks of at most M rows, each one bet and one evidence unit (counted per slice:
+`oversize_requests`); for those requests the guarantee also assumes each chunk is on the good side given the
+chunks before it (true for independent rows; not for a request whose rows all fail together, hence the bound).
+For one-row requests of a 0/1 metric with M = 1 and lam = (q1/q0 - 1)/threshold the factor *is* the likelihood
+ratio of disagreement rate q1 against q0 = 1 - threshold: Page's Bernoulli CUSUM (Page 1954; Reynolds &
+Stoumbos 1999, JQT 31:87). The post-change value and the request sizes are unknown, so K = N_BETS bets lam_j =
+f_j / span run side by side, f_j in BET_FRACTIONS = (0.95, 0.9, 0.75, 2^-1, ..., 2^-10): the best bet for
+one-row requests of a small shift is near 2^-5, for 64-row requests near 0.95 (issue 41: without the top
+three the 64-row delay was 1.6x the best linear bet):
+
+    S_j <- max(0, S_j + log(1 + lam_j * r * S / M))       (one CUSUM per bet, updated once per evidence unit)
+    alarm when  log( mean_j exp(S_j) ) >= h                (the mixture e-detector; a mean, whatever K)
+
+`r = pi_slice / p` (<= 1) weights a request sampled with probability p by the probability pi_slice the slice's
+own frequency gives (monitoring/sampler.py): E[sampled * r * S] = pi_slice * E_traffic[S], so the factor stays an
+e-value for the slice's *traffic* (Horvitz-Thompson weighting inside the bet).
 
 Guarantee. exp(S_j) = max over start points k of the product of factors since k, so mean_j exp(S_j) is at most
 the Shiryaev-Roberts sum over start points of the mixture e-processes; that sum minus the number of start
 points is a supermartingale under H0 (Shin, Ramdas & Rinaldo 2024, "E-detectors: a nonparametric framework for
-sequential change detection", NEJSDS 2:229). Summing over every (slice, metric) stream, each sampled request
+sequential change detection", NEJSDS 2:229). Summing over every (slice, metric) stream, each evidence unit
 starts G x B e-processes (G = slice keys a request carries: `all` + one per column + one per pair; B = metrics
 with a threshold). With h = log(horizon x G x B / alpha), Ville's inequality gives
 
-    P_H0[ any false alarm, in any slice and metric, within the first `horizon` sampled requests ] <= alpha
+    P_H0[ any false alarm, in any slice and metric, within the first `horizon` evidence units ] <= alpha
 
-and an average run length to a false alarm of at least horizon / alpha sampled requests, whatever the number of
-slices (the family is counted by the updates a request makes, not by the slices that exist). H0 here is
-"every slice's traffic mean is on the good side of its threshold or on it": the guarantee holds at the
-threshold itself, the hardest case. Assumptions: sampled requests are independent of each other given the past (the rows
-*within* a request need not be), the sampling draw does not depend on the request's metric values (it depends on
-slice frequencies only), and requests of a slice are compared in arrival order. `horizon` counts sampled requests,
-whatever their number of rows.
+and an average run length to a false alarm of at least horizon / alpha units (sampled requests; an oversize
+request counts as its chunks), whatever the number of slices or bets. H0 here is "every slice's stream satisfies
+the conditional null": it holds at the threshold itself, the hardest case. Assumptions: the conditional null
+(requests need not be independent: each bet only needs its conditional mean), the sampling draw does not depend
+on the request's metric values (it depends on slice frequencies only), requests of a slice are compared in
+arrival order, and no request has more than M rows (or the chunk assumption above).
 
-Recovery. After an alarm the alert stays active while a recovery CUSUM (the same bets on the good side, -ybar)
-looks for evidence that the slice is back; when it crosses h the alert clears and the alarm detector restarts
-from zero. The recovery bets need the excess bounded on the *bad* side (-y >= -(distance to the bad end)): a
-metric with a finite bad end (agreement 0, cosine -1) has it; a lower-is-better metric without an upper end
-(kl_divergence, abs_error, rel_error) has it only with a declared `truncate_at` c, and then both tests are about
-the truncated mean E[min(x, c)] (the alarm's evidence for it is also evidence for the untruncated mean, which is
-larger; the recovery certifies the truncated mean only, as documented). Without `truncate_at` such a metric gets
-no evidence-based clearing: its alert stays active until the monitor restarts (`clears: "never"` in the record). The estimated change point is where the winning CUSUM last
-left zero (the CUSUM maximum-likelihood change-point estimate, Page 1954).
+What a time-varying mix means. The null is conditional: it asks that the traffic arriving *next* be fine per row,
+given the past. A mix that changes predictably over time (a nightly batch job sending 64-row requests, one-row
+interactive traffic by day) can satisfy the gate on the day's total while a stretch of it fails per row: the
+CUSUM restarts its evidence at each estimated change point, so it tests the per-row mean of the recent stretch,
+and it alarms on a stretch whose own rows fail the threshold (a true statement about those hours, reported with
+its window: `change_point_request_index`, `window_rows`, `value`). A stretch whose rows pass does not alarm,
+whatever the request sizes. Stratify by the mix's driver (a slice on the tenant, the hour, or the size) to see
+it per stratum.
+
+Recovery. After an alarm the alert stays active while a recovery CUSUM (the same bets and scale on the good side,
+-S) looks for evidence that the slice's per-row mean is back; when it crosses h the alert clears and the alarm
+detector restarts from zero. The recovery bets need the excess bounded on the *bad* side (-y >= -(distance to
+the bad end)): a metric with a finite bad end (agreement 0, cosine -1) has it; a lower-is-better metric without
+an upper end (kl_divergence, abs_error, rel_error) has it only with a declared `truncate_at` c, and then both
+tests are about the truncated mean E[min(x, c)] (the alarm's evidence for it is also evidence for the untruncated
+mean, which is larger; the recovery certifies the truncated mean only, as documented). Without `truncate_at` such
+a metric gets no evidence-based clearing: its alert stays active until the monitor restarts (`clears: "never"` in
+the record).
+
+Alert records. The estimated change point is where the winning CUSUM last left zero (the CUSUM
+maximum-likelihood change-point estimate, Page 1954). The record's `value` is the tested quantity over the
+window from that change point to the alarm: the rows' r-weighted per-row mean (a Hajek ratio estimator), with a
+95% interval from the ratio estimator's linearization variance with requests as clusters (`window_estimate`).
+It is on the failing side of the threshold by construction (the winning CUSUM is positive, and log(1 + x) <= x
+makes its window's weighted excess sum positive); a record without a value says why in `reason`. The window is
+chosen by the detector, so value and interval describe it, they are not a test.
 
 For display, each slice also keeps an exponentially weighted Hajek mean (span `window_size` rows, weights 1/p)
-and Kish's effective sample size of those weights; they never decide an alert.
+and Kish's effective sample size of those weights; they never decide an alert (`recent_mean` in the record).
 """
 
 from __future__ import annotations
@@ -84,7 +116,17 @@ from scipy import stats
 
 from tailguard.monitoring.config import ALL_SLICE, METRIC_RANGE, Bound
 
-N_BETS = 10  # bets 2^-1 .. 2^-10 of the largest admissible one: covers a 1.03x to 500x shift in a 0/1 error rate
+# Bets as fractions of the largest admissible one (1 / span): 2^-1 .. 2^-10 cover a 1.03x to 500x shift in a 0/1
+# error rate on one-row requests; 0.75, 0.9 and 0.95 are the best bets on the row sum of large requests (a 64-row
+# request at 0.94 against 0.97: ~0.95; issue 41), so the mixture's best bet is on the grid for every request size.
+BET_FRACTIONS: tuple[float, ...] = (0.95, 0.9, 0.75) + tuple(2.0 ** -j for j in range(1, 11))
+N_BETS = len(BET_FRACTIONS)
+DEFAULT_MAX_REQUEST_ROWS = 64  # monitoring.max_request_rows' default (the bound M on a request's rows)
+CI_Z = 1.959963984540054  # two-sided 95% normal quantile of the alert value's interval
+# The stream's cumulative window sums (Stream.acc): evidence units, rows, and with r the unit's weight ratio, n its
+# rows and S its clipped row-excess sum: sum r n, sum r S, sum r^2 S^2, sum r^2 n S, sum r^2 n^2 (the ratio
+# estimator's request-clustered variance, `window_estimate`).
+ACC_FIELDS = ("units", "rows", "rn", "rs", "rss", "rns", "rnn")
 DETECTOR = "betting_cusum"
 Y_CAP = 1e12  # an infinite excess (non-finite candidate row) bets as this finite value
 # Eviction protects a slice whose evidence (alarm statistic / h) is at least this: half-way to an alarm is far
@@ -101,7 +143,12 @@ class AlertRecord:
         model: model name (metric label).
         slice: slice key, e.g. "locale=37" or "locale=37&ink=low".
         metric: per-row metric, e.g. "top1_agree".
-        value: the slice's display estimate when it fired (exponentially weighted Hajek mean).
+        value: the estimate of the tested quantity: the slice's per-row mean of the metric (rows weighted
+            equally, sampled rows weighted by r = pi_slice / p: a Hajek ratio estimator) over the post-change
+            window the detector estimated (from the winning CUSUM's change point to the alarm); for a metric
+            with truncate_at, of the truncated values. On the failing side of `threshold` by construction (the
+            winning CUSUM is positive only when the window's weighted excess sum is); None (JSON null) when it
+            cannot be computed, with `reason` saying why.
         threshold: the metric threshold the detector tests against.
         direction: "min" (bad when below) or "max" (bad when above).
         detector: "betting_cusum".
@@ -126,6 +173,15 @@ class AlertRecord:
         rows_seen: the slice's sampled rows so far.
         clears: "on_recovery" (a recovery detector clears it on evidence) or "never" (a metric without a finite
             bad end and no truncate_at: it stays active until the monitor restarts).
+        value_ci_low, value_ci_high: 95% confidence interval of `value` (`value_ci_method`), clipped to the
+            metric's range; None with `value`.
+        value_ci_method: how the interval was computed (`window_estimate`).
+        window_rows: sampled rows in the post-change window (`value` is their weighted mean).
+        window_requests: evidence units (sampled requests; an oversize request counts as its chunks) in it.
+        recent_mean: the slice's exponentially weighted display estimate (span `window_size` rows) when it fired
+            (what the parity gauges show; it may lie on the passing side: it mixes pre-change rows in).
+        reason: None, or why `value` is missing or on the passing side of the threshold.
+        max_request_rows: the bound M the bets were scaled by.
     """
 
     model: str
@@ -153,6 +209,14 @@ class AlertRecord:
     source: str = "local"
     rows_seen: int = 0
     clears: str = "on_recovery"
+    value_ci_low: float | None = None
+    value_ci_high: float | None = None
+    value_ci_method: str = ""
+    window_rows: int = 0
+    window_requests: int = 0
+    recent_mean: float | None = None
+    reason: str | None = None
+    max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (floats rounded to 6 significant digits; inf as the string 'inf')."""
@@ -161,6 +225,48 @@ class AlertRecord:
             if isinstance(v, float):
                 d[k] = _json_float(v)
         return d
+
+
+CI_METHOD = ("request-clustered normal interval of the weighted ratio estimator (linearization variance, "
+             "Cochran 1977 Sampling Techniques 6.9; requests as clusters), 95%, over the estimated window: not "
+             "adjusted for the window being chosen by the detector")
+
+
+def window_estimate(w: Sequence[float], bound: Bound, z: float = CI_Z) -> tuple[float, float, float]:
+    """The tested quantity's estimate over a window and its confidence interval, from window sums (ACC_FIELDS).
+
+    Over the window's evidence units t (rows n_t, clipped alarm-side excess sum S_t, weight ratio r_t) the
+    per-row mean excess is ybar = sum r S / sum r n (a Hajek ratio estimator, each row weighted by its r), its
+    variance with requests as clusters (rows of one request may be dependent) is
+
+        V = K / (K - 1) * sum r^2 (S - n ybar)^2 / (sum r n)^2     (K = units in the window)
+
+    (the linearization variance of a ratio estimator, Cochran 1977, Sampling Techniques, 6.9), and the interval is
+    ybar -+ z sqrt(V) (normal approximation: it needs a few dozen units; the window is the one the detector chose,
+    which biases both toward the failing side, so it describes the window, it is not a test).
+
+    Args:
+        w: (7,) window sums in ACC_FIELDS order (units, rows, rn, rs, rss, rns, rnn).
+        bound: the threshold (its direction maps the excess back to the metric's units).
+        z: normal quantile of the interval (default: 95% two-sided).
+
+    Returns:
+        (value, ci_low, ci_high) in the metric's units; NaNs when the window has no rows.
+    """
+    units, _, rn, rs, rss, rns, rnn = w
+    if rn <= 0 or units < 1:
+        return math.nan, math.nan, math.nan
+    ybar = rs / rn
+    v = max(rss - 2.0 * ybar * rns + ybar * ybar * rnn, 0.0)
+    half = z * math.sqrt(v * (units / (units - 1) if units > 1 else 1.0)) / rn
+    lo_y, hi_y = ybar - half, ybar + half
+    t = bound.value
+    if bound.higher_is_better:
+        value, lo, hi = t - ybar, t - hi_y, t - lo_y
+    else:
+        value, lo, hi = t + ybar, t + lo_y, t + hi_y
+    r_lo, r_hi = METRIC_RANGE.get(bound.metric, (-math.inf, math.inf))
+    return value, max(lo, r_lo), min(hi, r_hi)
 
 
 def _json_float(v: float) -> float | str | None:
@@ -237,30 +343,37 @@ def bettings(bound: Bound) -> tuple[Betting, Betting | None]:
 
 def _betting(sign: float, span: float, cap: float = Y_CAP) -> Betting:
     span = max(span, 1e-9)  # a threshold at the range's end: every excess is >= 0 under H0, any bet is valid
-    return Betting(sign, tuple(2.0 ** -j / span for j in range(1, N_BETS + 1)), span, cap)
+    return Betting(sign, tuple(f / span for f in BET_FRACTIONS), span, cap)
 
 
-def request_excess(bet: Betting, excess: Any) -> float:
-    """A request's excess on the side `bet` bets on: the mean over its rows of each row's excess clipped to
-    [-span, cap] (every factor 1 + lam * r * ybar stays >= 0).
+def request_units(bet: Betting, excess: Any, max_rows: int) -> list[tuple[int, float]]:
+    """A request's evidence units on the side `bet` bets on: its rows in consecutive chunks of at most `max_rows`
+    (one chunk unless the request has more than M = max_rows rows), each with the sum of its rows' excess clipped
+    to [-span, cap]. The bet on a unit is 1 + lam * r * sum / M >= 1 - lam * span > 0 (n <= M rows, each
+    >= -span), whatever the dependence between the rows.
 
     Args:
         bet: the bets (its sign picks the side).
         excess: (rows,) float64 per-row excess on the alarm side (y), NaN-free; a float for one row.
+        max_rows: M, the declared bound on a request's rows (>= 1).
 
     Returns:
-        ybar in [-span, cap].
+        [(rows n_k, clipped excess sum S_k in [-span n_k, cap n_k])], ceil(rows / M) entries.
     """
     if isinstance(excess, float):
-        return min(max(bet.sign * excess, -bet.span), bet.cap)
-    return float(np.clip(bet.sign * excess, -bet.span, bet.cap).mean())
+        return [(1, min(max(bet.sign * excess, -bet.span), bet.cap))]
+    y = np.clip(bet.sign * excess, -bet.span, bet.cap)
+    n = y.shape[0]
+    if n <= max_rows:
+        return [(n, float(y.sum()))]
+    return [(min(max_rows, n - a), float(y[a:a + max_rows].sum())) for a in range(0, n, max_rows)]
 
 
-def _add_walk(walk: list[float], bet: Betting, y: float, r: float) -> None:
-    """Accumulate one request's log factors per bet (y already from `request_excess`) into an unclipped walk (a
+def _add_walk(walk: list[float], bet: Betting, u: float, r: float) -> None:
+    """Accumulate one unit's log factors per bet (u = S / M from `request_units`) into an unclipped walk (a
     replica's recovery-side evidence)."""
     for j, lam in enumerate(bet.lambdas):
-        walk[j] += math.log1p(lam * r * y)
+        walk[j] += math.log1p(lam * r * u)
 
 
 class Cusum:
@@ -268,25 +381,35 @@ class Cusum:
 
     Attributes:
         s: (N_BETS,) current CUSUM statistics (log scale, >= 0).
-        start: (N_BETS,) the slice's sampled-request number where each CUSUM last left zero.
+        start: (N_BETS,) the slice's evidence-unit number (sampled request) where each CUSUM last left zero.
         start_request: (N_BETS,) the request index of that request.
         walk: (N_BETS,) unclipped sum of the log factors since start (replicas export it, monitoring/combine.py).
+        mark: (N_BETS,) the stream's window sums (Stream.acc, ACC_FIELDS) just before each CUSUM left zero, so
+            acc - mark[j] sums the rows since CUSUM j's change point (the alert's `value`); None when not kept.
     """
 
-    __slots__ = ("s", "start", "start_request", "walk")
+    __slots__ = ("s", "start", "start_request", "walk", "mark")
 
     def __init__(self) -> None:
         self.s = [0.0] * N_BETS
         self.start = [0] * N_BETS
         self.start_request: list[int | None] = [None] * N_BETS
         self.walk = [0.0] * N_BETS
+        self.mark: list[tuple[float, ...] | None] = [None] * N_BETS
 
-    def update(self, bet: Betting, y: float, r: float, row: int, request_index: int | None) -> None:
-        """Add one sampled request: its excess y from `request_excess` (in the bet's sign, clipped), weight ratio
-        r in (0, 1], `row` the slice's sampled-request number."""
+    def update(self, bet: Betting, u: float, r: float, row: int, request_index: int | None,
+               acc: Sequence[float] | None = None) -> None:
+        """Add one evidence unit: u = S / M (S its clipped excess sum in the bet's sign, `request_units`), weight
+        ratio r in (0, 1], `row` the slice's unit number, `acc` the stream's window sums before this unit."""
         s, walk = self.s, self.walk
+        if u == 0.0:  # every factor is 1 (e.g. candidate_error_rate 0 at threshold 0): only idle CUSUMs move start
+            for j in range(N_BETS):
+                if s[j] == 0.0:
+                    self.start[j] = row + 1
+                    self.start_request[j] = None
+            return
         for j, lam in enumerate(bet.lambdas):
-            inc = math.log1p(lam * r * y)
+            inc = math.log1p(lam * r * u)
             walk[j] += inc
             v = s[j] + inc
             if v <= 0.0:
@@ -297,10 +420,12 @@ class Cusum:
                 if s[j] == 0.0:
                     self.start[j] = row
                     self.start_request[j] = request_index
+                    self.mark[j] = tuple(acc) if acc is not None else None
                 s[j] = v
 
-    def add_batch(self, increments: Sequence[float], row: int) -> None:
-        """Add a batch's summed log factors per bet (evidence from a replica); clipping at batch boundaries only."""
+    def add_batch(self, increments: Sequence[float], row: int, acc: Sequence[float] | None = None) -> None:
+        """Add a batch's summed log factors per bet (evidence from a replica); clipping at batch boundaries only.
+        `row`: the first unit number of the batch; `acc`: the window sums before it (None: unknown)."""
         for j, inc in enumerate(increments):
             v = self.s[j] + inc
             if v <= 0.0:
@@ -308,6 +433,7 @@ class Cusum:
             else:
                 if self.s[j] == 0.0:
                     self.start[j], self.start_request[j] = row, None
+                    self.mark[j] = tuple(acc) if acc is not None else None
                 self.s[j] = v
 
     def statistic(self) -> float:
@@ -327,16 +453,20 @@ class Cusum:
         self.s = [0.0] * N_BETS
         self.start = [row + 1] * N_BETS
         self.start_request = [None] * N_BETS
+        self.mark = [None] * N_BETS
 
 
 class Stream:
     """Detector state of one (slice, metric) with a threshold: the alarm CUSUM, the recovery CUSUM, alert state,
-    and (replicas only) the recovery-side walk of every sampled request, for the combiner."""
+    (replicas only) the recovery-side walk of every sampled request, for the combiner, and `acc`, the cumulative
+    window sums (ACC_FIELDS) of every unit so far (`sums_ok` False once a merged batch came without them)."""
 
-    __slots__ = ("alarm", "recovery", "active", "alerts", "record", "rec_walk")
+    __slots__ = ("alarm", "recovery", "active", "alerts", "record", "rec_walk", "acc", "sums_ok")
 
     def __init__(self, export_walks: bool = False) -> None:
         self.alarm = Cusum()
+        self.acc = [0.0] * len(ACC_FIELDS)
+        self.sums_ok = True
         self.rec_walk: list[float] | None = [0.0] * N_BETS if export_walks else None
         self.recovery: Cusum | None = None
         self.active = False
@@ -349,7 +479,8 @@ class SliceState:
 
     Attributes:
         rows: sampled rows compared in this slice.
-        requests: sampled requests compared in this slice (the detectors' clock).
+        requests: evidence units compared in this slice (the detectors' clock): sampled requests, one of more
+            than max_request_rows rows counting as ceil(rows / max_request_rows).
         sw, sww: exponentially weighted sums of the rows' weights w = 1/p and of w^2.
         swm: {metric: exponentially weighted sum of w over the rows that have a value of the metric} (a
             candidate failure leaves metrics other than agreement and candidate_error_rate without one).
@@ -357,11 +488,12 @@ class SliceState:
         ninf: {metric: decayed count of infinite values (non-finite candidate rows)}.
         reference_failures: sampled rows of this slice the reference could not judge (error, timeout, NaN):
             excluded from the evidence (not the candidate's fault), counted and shown.
+        oversize: sampled requests with more than max_request_rows rows here (each split into chunks).
         streams: {metric: Stream} for metrics with a threshold.
     """
 
     __slots__ = ("rows", "requests", "sw", "sww", "swm", "swx", "ninf", "streams", "last_request", "incarnation",
-                 "version", "peak", "reference_failures")
+                 "version", "peak", "reference_failures", "oversize")
 
     def __init__(self, metrics: Sequence[str], bounded: Iterable[str], incarnation: int = 0,
                  export_walks: bool = False) -> None:
@@ -371,6 +503,7 @@ class SliceState:
         self.rows = 0
         self.requests = 0
         self.reference_failures = 0
+        self.oversize = 0
         self.sw = 0.0
         self.sww = 0.0
         self.swm = dict.fromkeys(metrics, 0.0)
@@ -423,19 +556,23 @@ class SliceStatistics:
         source: "local", or "combined" for the replica combiner (recorded in alerts).
         export_walks: also keep every stream's recovery-side walk (replicas whose evidence a combiner reads).
         alerting: False for a replica that only exports evidence (`--evidence-only`): detectors run, never fire.
+        max_request_rows: M, the declared bound on a request's rows in one slice (monitoring.max_request_rows):
+            each bet is on a request's excess sum over M; a request with more rows is split into chunks of M.
 
     Raises:
-        ValueError: alpha outside (0, 1), horizon or max_tracked_slices < 1.
+        ValueError: alpha outside (0, 1), horizon, max_tracked_slices or max_request_rows < 1.
     """
 
     def __init__(self, model: str, metrics: Iterable[str], bounds: Mapping[str, Bound], *,
                  streams_per_request: int, alpha: float, horizon: int, window_size: int = 1000,
                  min_support: int = 30, max_tracked_slices: int = 100_000, source: str = "local",
-                 export_walks: bool = False, alerting: bool = True) -> None:
+                 export_walks: bool = False, alerting: bool = True,
+                 max_request_rows: int = DEFAULT_MAX_REQUEST_ROWS) -> None:
         if not 0 < alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-        if horizon < 1 or max_tracked_slices < 1:
-            raise ValueError("horizon and max_tracked_slices must be >= 1")
+        if horizon < 1 or max_tracked_slices < 1 or max_request_rows < 1:
+            raise ValueError("horizon, max_tracked_slices and max_request_rows must be >= 1")
+        self.max_request_rows = int(max_request_rows)
         self.model = model
         self.metrics = tuple(metrics)
         self.bounds = dict(bounds)
@@ -513,8 +650,10 @@ class SliceStatistics:
                now: datetime | None = None) -> Evaluation:
         """Add one sampled request (all its rows) to each of its slices; update detectors and alert state.
 
-        The display estimate takes every row; each detector takes one bet on the request's mean excess (module
-        docstring: the request is the unit of evidence).
+        The display estimate takes every row; each detector takes one bet on the request's excess sum over
+        max_request_rows (module docstring: the request is the unit of evidence; a request of more than
+        max_request_rows rows takes one bet per chunk of that many rows). Callers with per-row slices call it
+        once per (request, slice group) with that group's rows.
 
         Args:
             keys: the request's slice keys (including "all").
@@ -537,12 +676,16 @@ class SliceStatistics:
         d = self.decay
         dn = d ** n
         g_all = display[""][0]
+        units = -(-n // self.max_request_rows)
         self.version += 1
         for i, k in enumerate(keys):
             s = self.state(k)
             s.version = self.version
             s.rows += n
-            s.requests += 1
+            base = s.requests
+            s.requests += units
+            if units > 1:
+                s.oversize += 1
             s.last_request = request_index
             s.sw = dn * s.sw + weight * g_all
             s.sww = dn * s.sww + weight * weight * g_all
@@ -552,18 +695,20 @@ class SliceStatistics:
                 s.swx[m] = dn * s.swx[m] + weight * gx
                 s.ninf[m] = dn * s.ninf[m] + ginf
             r = ratios[i] if ratios is not None else 1.0
-            for m, (ay, ry) in excess.items():
+            for m, (au, ru) in excess.items():
                 stream = s.streams.get(m)
                 if stream is not None:
-                    self._step(k, m, s, stream, ay, ry, r, request_index, now, ev)
+                    self._step(k, m, s, stream, au, ru, r, base, request_index, now, ev)
             s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
         return ev
 
     def _prepare(self, values: Mapping[str, Any]
-                 ) -> tuple[int, dict[str, tuple[float, float, float]], dict[str, tuple[float, float | None]]]:
+                 ) -> tuple[int, dict[str, tuple[float, float, float]],
+                            dict[str, tuple[list[tuple[int, float]], list[tuple[int, float]] | None]]]:
         """One request's rows reduced once for all its slices: (rows, {metric: (sum of decay weights over rows
         with a value, decayed sum of finite values, decayed count of infinite values)} with key "" holding the
-        decay weight sum over all rows, {bounded metric: (alarm excess, recovery excess or None)})."""
+        decay weight sum over all rows, {bounded metric: (alarm units, recovery units or None)}, units from
+        `request_units`)."""
         arrays = {m: np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics if m in values}
         n0 = max((a.shape[0] for a in arrays.values()), default=0)
         for m in self.metrics:  # a metric the caller did not give has no value on these rows
@@ -576,7 +721,7 @@ class SliceStatistics:
         geo = d ** np.arange(n - 1, -1, -1, dtype=np.float64) if n > 1 else None
         display: dict[str, tuple[float, float, float]] = {"": (float(geo.sum()) if geo is not None else 1.0,
                                                                0.0, 0.0)}
-        excess: dict[str, tuple[float, float | None]] = {}
+        excess: dict[str, tuple[list[tuple[int, float]], list[tuple[int, float]] | None]] = {}
         for m, a in arrays.items():
             if a.shape[0] != n:
                 raise ValueError(f"metric {m!r} has {a.shape[0]} rows, the request {n}")
@@ -598,25 +743,40 @@ class SliceStatistics:
                 y = (np.minimum(x, b.truncate_at) if b.truncate_at is not None else x) - b.value
             y = float(y[0]) if y.shape[0] == 1 else y
             alarm_bet, rec_bet = self.bets[m]
-            excess[m] = (request_excess(alarm_bet, y), request_excess(rec_bet, y) if rec_bet is not None else None)
+            mr = self.max_request_rows
+            excess[m] = (request_units(alarm_bet, y, mr),
+                         request_units(rec_bet, y, mr) if rec_bet is not None else None)
         return n, display, excess
 
-    def _step(self, key: str, metric: str, s: SliceState, stream: Stream, ay: float, ry: float | None, r: float,
-              request_index: int | None, now: datetime | None, ev: Evaluation) -> None:
+    def _step(self, key: str, metric: str, s: SliceState, stream: Stream, au: list[tuple[int, float]],
+              ru: list[tuple[int, float]] | None, r: float, base: int, request_index: int | None,
+              now: datetime | None, ev: Evaluation) -> None:
+        """Add one request's units of one metric to a stream: `base` is the slice's unit count before them."""
         alarm_bet, rec_bet = self.bets[metric]
-        sample = s.requests
-        if stream.rec_walk is not None and rec_bet is not None and ry is not None:
-            _add_walk(stream.rec_walk, rec_bet, ry, r)
-        if stream.active:
-            stream.alarm.update(alarm_bet, ay, r, sample, request_index)  # keeps the walk (replicas) current
-            if stream.recovery is not None and rec_bet is not None and ry is not None:
-                stream.recovery.update(rec_bet, ry, r, sample, request_index)
-                if stream.recovery.crossed(self.h):
-                    self._clear(stream, sample, now, ev)
-            return
-        stream.alarm.update(alarm_bet, ay, r, sample, request_index)
-        if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
-            self._fire(key, metric, s, stream, request_index, now, ev)
+        scale = 1.0 / self.max_request_rows
+        acc = stream.acc
+        for k, (n, total) in enumerate(au):
+            sample = base + k + 1
+            u = total * scale
+            ry = ru[k][1] * scale if ru is not None and rec_bet is not None else None
+            if stream.rec_walk is not None and ry is not None:
+                _add_walk(stream.rec_walk, rec_bet, ry, r)  # type: ignore[arg-type]
+            stream.alarm.update(alarm_bet, u, r, sample, request_index, acc)  # active: keeps the walk current
+            rn, rs = r * n, r * total
+            acc[0] += 1.0
+            acc[1] += n
+            acc[2] += rn
+            acc[3] += rs
+            acc[4] += rs * rs
+            acc[5] += rn * rs
+            acc[6] += rn * rn
+            if stream.active:
+                if stream.recovery is not None and ry is not None:
+                    stream.recovery.update(rec_bet, ry, r, sample, request_index)  # type: ignore[arg-type]
+                    if stream.recovery.crossed(self.h):
+                        self._clear(stream, sample, now, ev)
+            elif self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
+                self._fire(key, metric, s, stream, request_index, now, ev, sample)
 
     def reference_failed(self, keys: Sequence[str], rows: int) -> None:
         """Count `rows` sampled rows of a request whose reference could not judge them (error, timeout, NaN
@@ -630,26 +790,46 @@ class SliceStatistics:
             s.reference_failures += rows
 
     def _fire(self, key: str, metric: str, s: SliceState, stream: Stream, request_index: int | None,
-              now: datetime | None, ev: Evaluation) -> None:
+              now: datetime | None, ev: Evaluation, sample: int | None = None) -> None:
         b = self.bounds[metric]
         c = stream.alarm
         j = c.winner()
-        rec = AlertRecord(model=self.model, slice=key, metric=metric, value=s.mean(metric), threshold=b.value,
+        sample = s.requests if sample is None else sample
+        mark = c.mark[j]
+        reason = None
+        if not stream.sums_ok or mark is None:
+            value = lo = hi = math.nan
+            w: Sequence[float] = (0.0,) * len(ACC_FIELDS)
+            reason = ("no row sums for the window: merged evidence came without them (a replica that does not "
+                      "export `sums`); the detector's evidence is complete, only the estimate is missing")
+        else:
+            w = [a - m for a, m in zip(stream.acc, mark)]
+            value, lo, hi = window_estimate(w, b)
+            passing = value >= b.value if b.higher_is_better else value <= b.value
+            if math.isnan(value):
+                reason = "the estimated window has no rows"
+            elif passing:  # not expected: a positive CUSUM has a positive weighted excess sum (log1p(x) <= x)
+                reason = ("the window's weighted mean is on the passing side although its bets won: rounding at "
+                          "the threshold")
+        rec = AlertRecord(model=self.model, slice=key, metric=metric, value=value, threshold=b.value,
                           direction="min" if b.higher_is_better else "max", detector=DETECTOR,
                           statistic=c.statistic(), alarm_threshold=self.h,
                           change_point_request_index=c.start_request[j], change_point_sample=c.start[j],
-                          samples_since_change=s.requests - c.start[j] + 1, samples_seen=s.requests,
+                          samples_since_change=sample - c.start[j] + 1, samples_seen=sample,
                           effective_samples=s.n_eff, requests_seen=int(self.requests_seen.get(key, 0)),
                           method=self.method, alpha=self.alpha, horizon=self.horizon,
                           fired_at=(now or datetime.now(timezone.utc)).isoformat(), request_index=request_index,
                           threshold_source=b.source, source=self.source, rows_seen=s.rows,
-                          clears="on_recovery" if self.bets[metric][1] is not None else "never")
+                          clears="on_recovery" if self.bets[metric][1] is not None else "never",
+                          value_ci_low=lo, value_ci_high=hi, value_ci_method=CI_METHOD if reason is None else "",
+                          window_rows=int(round(w[1])), window_requests=int(round(w[0])),
+                          recent_mean=s.mean(metric), reason=reason, max_request_rows=self.max_request_rows)
         stream.active = True
         self.alerting_keys.add(key)
         stream.alerts += 1
         stream.record = rec
         stream.recovery = Cusum() if self.bets[metric][1] is not None else None
-        c.reset(s.requests)
+        c.reset(sample)
         self.history.append(rec)
         ev.fired.append(rec)
 
@@ -667,7 +847,8 @@ class SliceStatistics:
                 self.alerting_keys.discard(rec.slice)
 
     def merge(self, key: str, walks: Mapping[str, tuple[Sequence[float], Sequence[float]]], rows: int,
-              requests: int | None = None, now: datetime | None = None) -> Evaluation:
+              requests: int | None = None, now: datetime | None = None,
+              sums: Mapping[str, Sequence[float]] | None = None) -> Evaluation:
         """Add a replica's evidence for one slice: `requests` new sampled requests (`rows` rows) and, per metric,
         the summed log factors per bet on the alarm and the recovery side (monitoring/combine.py). The CUSUMs clip
         at zero between merges only.
@@ -676,8 +857,11 @@ class SliceStatistics:
             key: slice key.
             walks: {metric: (alarm increments (N_BETS,), recovery increments (N_BETS,) or empty)}.
             rows: rows the increments cover.
-            requests: sampled requests the increments cover (None: as many as rows, one-row requests).
+            requests: evidence units (sampled requests) the increments cover (None: as many as rows).
             now: time stamp for alert records.
+            sums: {metric: increments (7,) of the replica's window sums (`evidence` "sums", ACC_FIELDS)} over the
+                same units, for the alert's value; a metric without them leaves later alerts of that stream with
+                no value (`reason` says so), its detection unchanged.
 
         Returns:
             Alerts fired or cleared (the combiner's).
@@ -695,14 +879,19 @@ class SliceStatistics:
             stream = s.streams.get(metric)
             if stream is None:
                 continue
+            inc = sums.get(metric) if sums is not None else None
+            stream.alarm.add_batch(alarm, s.requests, stream.acc)
+            if inc is not None and len(inc) == len(ACC_FIELDS):
+                for i, v in enumerate(inc):
+                    stream.acc[i] += float(v)
+            else:
+                stream.sums_ok = False
             if stream.active:
-                stream.alarm.add_batch(alarm, s.requests)
                 if stream.recovery is not None and len(recovery):
                     stream.recovery.add_batch(recovery, s.requests)
                     if stream.recovery.crossed(self.h):
                         self._clear(stream, s.requests, now, ev)
                 continue
-            stream.alarm.add_batch(alarm, s.requests)
             if self.alerting and s.rows >= self.min_support and stream.alarm.crossed(self.h):
                 self._fire(key, metric, s, stream, None, now, ev)
         s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
@@ -714,7 +903,8 @@ class SliceStatistics:
         Returns:
             {"version": the current version (the next cursor), "slices": {key: {"incarnation", "rows", "requests",
             "metrics": {metric: {"alarm": [N_BETS walks], "recovery": [N_BETS walks, or [] when the metric has no
-            recovery test]}}}}}.
+            recovery test], "sums": [the stream's cumulative window sums, ACC_FIELDS order: the combiner merges
+            their increments for the alert's value]}}}}}.
         """
         version, keys = self.evidence_keys(since)
         return {"version": version, "slices": self.evidence_entries(keys)}
@@ -734,7 +924,8 @@ class SliceStatistics:
             out[key] = {"incarnation": s.incarnation, "rows": s.rows, "requests": s.requests,
                         "metrics": {m: {"alarm": list(st.alarm.walk),
                                         "recovery": (list(st.rec_walk) if st.rec_walk is not None
-                                                     and self.bets[m][1] is not None else [])}
+                                                     and self.bets[m][1] is not None else []),
+                                        "sums": list(st.acc)}
                                     for m, st in s.streams.items()}}
         return out
 
@@ -772,7 +963,7 @@ class SliceStatistics:
                              status=("alert" if stream.active else "ok" if s.rows >= self.min_support
                                      else "insufficient_data"))
             ms[m] = entry
-        return {"samples_total": s.rows, "sampled_requests": s.requests,
+        return {"samples_total": s.rows, "sampled_requests": s.requests, "oversize_requests": s.oversize,
                 "reference_failures": s.reference_failures, "effective_samples": _json_float(s.n_eff),
                 "weight_sum": _json_float(s.sw), "evidence": _json_float(s.evidence(self.h)), "metrics": ms}
 

@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import math
+import time
 import uuid
 from datetime import datetime
 from typing import Any, Callable, Mapping
@@ -16,7 +17,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from tailguard.core.errors import InputError
-from tailguard.monitoring.combine import settings_hash
+from tailguard.monitoring.combine import CheckpointLog, settings_hash
 from tailguard.monitoring.compare import compare_rows, failure_rows, reference_non_finite
 from tailguard.monitoring.config import ALL_SLICE, MonitorConfig
 from tailguard.monitoring.detector import Evaluation, SliceStatistics
@@ -39,11 +40,16 @@ class MonitorEngine:
         role: "standalone" (detects and alerts on its own rows), "replica" (`--evidence-only`: measures and exports
             evidence, never alerts) or "combiner" (`--peer`: its own rows and its peers' evidence feed one combined
             detector, whose alerts are the deployment's; monitoring/combine.py).
+        max_request_rows: the detector's bound M on a request's rows (default: min(monitoring.max_request_rows,
+            monitoring.max_batch_rows)); replay passes 1 (every logged row is a one-row request).
+        clock: wall clock (s) of evidence time stamps (checkpoints, `as_of`; a combiner orders its sources'
+            evidence by them, monitoring/combine.py Ordering).
     """
 
     def __init__(self, cfg: MonitorConfig, *, seed: int | None = None, metrics: MonitorMetrics | None = None,
                  on_sample: Callable[[dict[str, Any]], None] | None = None, lock: Any = None,
-                 role: str = "standalone") -> None:
+                 role: str = "standalone", max_request_rows: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         if role not in ("standalone", "replica", "combiner"):
             raise ValueError(f"role must be standalone, replica or combiner, got {role!r}")
         mon = cfg.mon
@@ -58,10 +64,17 @@ class MonitorEngine:
         self.epoch = uuid.uuid4().hex  # identifies this process's evidence (a restart starts new walks)
         shared = dict(streams_per_request=cfg.keys_per_request, alpha=mon.alpha, horizon=mon.horizon,
                       window_size=mon.window_size, min_support=mon.min_support,
-                      max_tracked_slices=mon.max_tracked_slices)
+                      max_tracked_slices=mon.max_tracked_slices,
+                      max_request_rows=(max_request_rows if max_request_rows is not None
+                                        else min(mon.max_request_rows, mon.max_batch_rows)))
         self.stats = SliceStatistics(cfg.model_name, cfg.metrics, cfg.bounds, export_walks=role != "standalone",
                                      alerting=role == "standalone", **shared)
         self.stats.requests_seen = _SeenView(self.sampler)
+        self.clock = clock
+        # replicas and the combiner's own evidence: checkpoints every CHECKPOINT_EVERY sampled requests, so a
+        # combiner that reads a backlog merges it in order (monitoring/combine.py Ordering)
+        self.checkpoints = CheckpointLog(self.stats, clock=clock) if role != "standalone" else None
+        self.last_reader = ""  # the combiner that read this evidence last (monitoring/combine.py Restart)
         self.combined = (SliceStatistics(cfg.model_name, cfg.metrics, cfg.bounds, source="combined", **shared)
                          if role == "combiner" else None)
         self.compared_rows = 0
@@ -174,6 +187,8 @@ class MonitorEngine:
         """
         ev = self.stats.update(keys, row, decision.weight, decision.ratios or None, request_index=request_index,
                                now=now)
+        if self.checkpoints is not None:
+            self.checkpoints.tick()
         first = next(iter(row.values()), 0.0)
         self.compared_rows += int(np.size(first))
         self.compared_requests += 1
@@ -213,15 +228,34 @@ class MonitorEngine:
         """The statistics whose detectors alert: the combined ones on a combiner, else this process's."""
         return self.combined if self.combined is not None else self.stats
 
-    def evidence(self, since: int = 0) -> dict[str, Any]:
-        """This process's evidence since cursor `since` (GET /v1/evidence; monitoring/combine.py), with its epoch,
-        role and detector `settings` hash (a combiner refuses peers whose settings differ from its own)."""
-        return self.with_identity(self.stats.evidence(since))
+    def evidence(self, since: int = 0, reader: str = "") -> dict[str, Any]:
+        """This process's evidence since cursor `since` (GET /v1/evidence; monitoring/combine.py): the slices
+        updated after it, the checkpoints after it, `as_of` (this clock), and its epoch, role and detector
+        `settings` hash (a combiner refuses peers whose settings differ from its own).
 
-    def with_identity(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """An evidence document ({"version", "slices"}) with this process's epoch, model, role and settings hash
-        added (the service builds the slices in chunks, monitoring/service.py)."""
-        doc.update(epoch=self.epoch, model=self.cfg.model_name, role=self.role, settings=self.settings)
+        Args:
+            since: the reader's cursor (a version of this process's statistics).
+            reader: the reading combiner's id; the document reports the previous one (`last_reader`).
+        """
+        doc = self.stats.evidence(since)
+        doc.update(self.evidence_checkpoints(since))
+        return self.with_identity(doc, reader)
+
+    def evidence_checkpoints(self, since: int) -> dict[str, Any]:
+        """{"as_of", "checkpoints", "checkpoint_floor"} of an evidence document (take it with the version, under
+        the same hold of the lock)."""
+        cps = self.checkpoints
+        return {"as_of": self.clock(), "checkpoints": cps.after(since) if cps is not None else [],
+                "checkpoint_floor": cps.floor if cps is not None else 0}
+
+    def with_identity(self, doc: dict[str, Any], reader: str = "") -> dict[str, Any]:
+        """An evidence document ({"version", "slices", ...}) with this process's epoch, model, role, settings hash
+        and `last_reader` (the reader before this one, "" if none) added (the service builds the slices in
+        chunks, monitoring/service.py); records `reader` as the last one."""
+        doc.update(epoch=self.epoch, model=self.cfg.model_name, role=self.role, settings=self.settings,
+                   last_reader=self.last_reader)
+        if reader:
+            self.last_reader = reader[:128]
         return doc
 
     @functools.cached_property
@@ -273,6 +307,7 @@ class MonitorEngine:
                 "compared_requests": self.compared_requests,
                 "sample_rate": mon.sample_rate, "window_size": mon.window_size, "min_support": mon.min_support,
                 "alpha": mon.alpha, "horizon": mon.horizon, "detector": st.method,
+                "max_request_rows": st.max_request_rows,
                 "alarm_threshold": round(st.h, 6), "keys_per_request": self.cfg.keys_per_request, "role": self.role,
                 "slices_evicted": st.evicted, "slices_evicted_strong": st.evicted_strong,
                 "sampler_keys_evicted": self.sampler.evicted, "slice_values_cut": self.labels_cut,

@@ -39,6 +39,7 @@ METRIC_NAMES: tuple[str, ...] = (
     "tailguard_monitor_spool_bytes",
     "tailguard_monitor_sink_parameters_dropped_total",
     "tailguard_monitor_peer_errors_total",
+    "tailguard_monitor_incomplete_polls_total",
     "tailguard_monitor_node_mismatch",
     "tailguard_monitor_candidate_source_total",
 )
@@ -140,7 +141,8 @@ class MonitorMetrics:
         registry: registry to register on (default: a new CollectorRegistry).
 
     Attributes: requests, invalid_requests, dropped, queue_depth, inference_seconds, ingest_seconds, alerts,
-        models_ready, s3_uploads, spool_bytes, sink_parameters_dropped, peer_errors, node_mismatch, candidate_source
+        models_ready, s3_uploads, spool_bytes, sink_parameters_dropped, peer_errors, incomplete_polls, node_mismatch,
+        candidate_source
         (named like METRIC_NAMES without the `tailguard_monitor_` prefix and `_total` suffix). The per-slice families
         come from a SliceCollector registered with `attach`.
     """
@@ -173,6 +175,11 @@ class MonitorMetrics:
         self.peer_errors = Counter(p + "peer_errors", "Evidence documents from a peer not merged (or, "
                                    "epoch_flip, merged but served by several processes), by reason "
                                    "(monitoring/combine.py PeerError).", ["peer", "reason"], registry=r)
+        self.incomplete_polls = Counter(p + "incomplete_polls", "Combiner polls that found its view of the "
+                                        "replicas incomplete, by reason: several_processes (a --peer URL answers from "
+                                        "more than one process: a load-balanced Service) or replicas_missing (fewer "
+                                        "live replicas than --expect-replicas); /readyz is not ready meanwhile "
+                                        "(monitoring/combine.py Combiner.incomplete).", ["reason"], registry=r)
         self.node_mismatch = Gauge(p + "node_mismatch", "1 when the candidate outputs this monitor recomputes are "
                                    "not computed as on any node the candidate passed its gates on (other ISA flags, "
                                    "or another execution provider; monitoring/node_check.py); 0 otherwise.",

@@ -129,7 +129,7 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
     else:
         cand_runner = candidate if hasattr(candidate, "run") else runner_for_file(candidate, cfg.inputs)
 
-    engine = MonitorEngine(cfg, seed=seed)
+    engine = MonitorEngine(cfg, seed=seed, max_request_rows=1)  # every logged row is a one-row request
     cols = cfg.metadata_columns
     meta_rows = ds.frame[cols].to_dict("records") if cols else [{}] * ds.n_rows
     admitted = [engine.admit(m) for m in meta_rows]

@@ -68,9 +68,11 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,7 +86,8 @@ from prometheus_client import Counter
 
 from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
-from tailguard.monitoring.combine import Combiner, PeerError, PollLoop, http_fetch
+from tailguard.monitoring.combine import (INCOMPLETE_REASONS, WAIT_POLLS, Combiner, PeerError, PollLoop,
+                                          http_fetch, peers_from_dns)
 from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
                                          resolve_config)
 from tailguard.monitoring.compare import compare_rows
@@ -185,6 +188,14 @@ class MonitorService:
         peers: base URLs of replicas whose evidence this process combines with its own (it becomes the combiner,
             the deployment's only alerting process; monitoring/combine.py).
         poll_interval_s: seconds between two reads of the peers' evidence.
+        expect_replicas: replica processes the deployment runs (`--expect-replicas`): while fewer live ones
+            answer, /readyz is not ready (`incomplete`; monitoring/combine.py Combiner.incomplete). None: unchecked.
+        peer_dns: `NAME:PORT` of headless Services whose DNS records list the replicas (`--peer-dns`): looked up
+            at every poll, one peer per address (combine.peers_from_dns); with `peers` or alone.
+        resolver: the DNS lookup, `socket.getaddrinfo` (tests pass one with its signature: the seam that stands
+            in for a DNS server).
+        peer_wait_polls: polls the combiner waits for a replica it cannot read before merging the others' newer
+            evidence without it (`--peer-wait-polls`; monitoring/combine.py Ordering).
         auth_token: the bearer token every endpoint but /healthz requires (config.load_auth_token), also sent
             when the combiner reads its peers; None: no authentication.
         clock: monotonic time source in seconds for the per-column cap on new slice values
@@ -197,11 +208,20 @@ class MonitorService:
                  candidate: str | Path | Runner | None, *, metrics: MonitorMetrics | None = None,
                  seed: int | None = None, s3_client: Any = None, start: bool = True, evidence_only: bool = False,
                  peers: list[str] | None = None, poll_interval_s: float = 5.0, auth_token: str | None = None,
+                 expect_replicas: int | None = None, peer_dns: list[str] | None = None,
+                 resolver: Callable[..., Any] = socket.getaddrinfo, peer_wait_polls: int = WAIT_POLLS,
                  clock: Callable[[], float] = time.monotonic,
                  node_check: Callable[[], NodeCheck] | None = None) -> None:
-        if evidence_only and peers:
-            raise InputError("--evidence-only and --peer exclude each other: a replica exports evidence, the "
-                             "combiner reads it", hint="start replicas with --evidence-only, one combiner with --peer")
+        if evidence_only and (peers or peer_dns):
+            raise InputError("--evidence-only and --peer / --peer-dns exclude each other: a replica exports evidence, "
+                             "the combiner reads it",
+                             hint="start replicas with --evidence-only, one combiner with --peer")
+        for target in peer_dns or []:
+            name, sep, port = target.rpartition(":")
+            if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+                raise InputError(f"--peer-dns {target!r} is not NAME:PORT",
+                                 hint="give the headless Service's DNS name and port, e.g. "
+                                      "tailguard-monitor-replicas.<ns>.svc.cluster.local:8080")
         mon = cfg.mon
         self.metrics = metrics or MonitorMetrics()
         self.lumped = Counter("tailguard_monitor_slice_values_lumped", "Slice values lumped into <name>=__new__ "
@@ -234,13 +254,14 @@ class MonitorService:
 
             self.drift = DriftSnapshots(cfg)
         self._lock = threading.Lock()
-        role = "replica" if evidence_only else "combiner" if peers else "standalone"
+        role = "replica" if evidence_only else "combiner" if peers or peer_dns else "standalone"
         self.engine = MonitorEngine(_redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
                                     on_sample=self._on_sample, lock=self._lock, role=role)
         self.combiner: Combiner | None = None
         self._poller: PollLoop | None = None
         if self.engine.combined is not None:
-            peer_fetch = http_fetch(headers=self.auth.header if self.auth is not None else None)
+            peer_fetch = http_fetch(headers=self.auth.header if self.auth is not None else None,
+                                    reader=self.engine.epoch)
 
             def fetch(source: str, since: int) -> Mapping[str, Any]:
                 if source == "self":
@@ -248,11 +269,17 @@ class MonitorService:
                         return self.engine.evidence(since)
                 return peer_fetch(source, since)
 
+            for reason in INCOMPLETE_REASONS:
+                self.metrics.incomplete_polls.labels(reason)
             for peer in peers or []:  # zeros from the start, so rate() and absent() work
                 for reason in PeerError:
                     self.metrics.peer_errors.labels(peer, reason.value)
             self.combiner = Combiner(self.engine.combined, fetch, ["self", *(peers or [])], lock=self._lock,
-                                     settings=self.engine.settings, local="self",
+                                     settings=self.engine.settings, local="self", reader=self.engine.epoch,
+                                     expect_replicas=expect_replicas, wait_polls=peer_wait_polls,
+                                     on_incomplete=lambda reason: self.metrics.incomplete_polls.labels(reason).inc(),
+                                     discover=(functools.partial(_discover, list(peer_dns), resolver)
+                                               if peer_dns else None),
                                      on_error=lambda peer, reason: self.metrics.peer_errors.labels(peer, reason).inc())
             self._poller = PollLoop(self.combine, poll_interval_s)
         self.queue: queue.Queue[_Item] = queue.Queue(maxsize=mon.queue_size)
@@ -306,8 +333,9 @@ class MonitorService:
         if self.combiner is not None:
             self.engine.report(self.combiner.poll())
 
-    def evidence(self, since: int = 0) -> dict[str, Any]:
-        """This process's evidence since cursor `since` (GET /v1/evidence), built without holding the worker lock
+    def evidence(self, since: int = 0, reader: str = "") -> dict[str, Any]:
+        """This process's evidence since cursor `since` (GET /v1/evidence; `reader`: the reading combiner's id,
+        engine.with_identity), built without holding the worker lock
         for more than READ_CHUNK slices: the keys updated after `since` and the version are taken under the lock
         (a scan, no entry built), then the entries in chunks, each under the lock. An entry may be newer than the
         version returned: the next read (since=version) returns it again, and the combiner merges only what it
@@ -315,11 +343,13 @@ class MonitorService:
         stats = self.engine.stats
         with self._lock:
             version, keys = stats.evidence_keys(since)
+            marks = self.engine.evidence_checkpoints(since)  # checkpoints and as_of with the version
         out: dict[str, Any] = {}
         for i in range(0, len(keys), READ_CHUNK):
             with self._lock:
                 out.update(stats.evidence_entries(keys[i:i + READ_CHUNK]))
-        return self.engine.with_identity({"version": version, "slices": out})
+        with self._lock:
+            return self.engine.with_identity({"version": version, "slices": out, **marks}, reader)
 
     def stop(self) -> None:
         """Stop the worker, flush the sink (to S3 or the spool) and release the pools."""
@@ -396,12 +426,16 @@ class MonitorService:
             window = list(self._health[r])
             if self.runners[r] is not None and len(window) == HEALTH_WINDOW and all(window):
                 failing[r] = f"the last {HEALTH_WINDOW} calls failed (last: {window[-1]})"
-        ready = not missing and not failing
+        incomplete = self.combiner.incomplete() if self.combiner is not None else {}
+        ready = not missing and not failing and not incomplete
         check = self.node_check
         return ready, {"ready": ready, "missing": missing, "failing": failing, "errors": self.load_errors,
                              "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
                              "noise_floor": self.cfg.mon.noise_floor, "role": self.engine.role,
                              "node_check": check.to_dict(), "node_mismatch": check.differences or None,
+                             **({"incomplete": incomplete} if self.combiner is not None else {}),
+                             **({"discovery": self.combiner.discovery}
+                                if self.combiner is not None and self.combiner.discover is not None else {}),
                              **({"peers": self.combiner.status()} if self.combiner is not None else {})}
 
     # --------------------------------------------------------------------------------------- ingest
@@ -964,8 +998,8 @@ def build_app(service: MonitorService) -> Any:
         return JSONResponse(service.alerts())
 
     @app.get("/v1/evidence")
-    def evidence(since: int = 0) -> Response:  # sync (thread pool): built in chunks under the worker lock
-        return JSONResponse(service.evidence(max(since, 0)))
+    def evidence(since: int = 0, reader: str = "") -> Response:  # sync (thread pool): in chunks under the lock
+        return JSONResponse(service.evidence(max(since, 0), reader))
 
     @app.get("/v1/slices")
     def slices(offset: int = 0, limit: int = 1000) -> Response:
@@ -1019,9 +1053,15 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget, timeout_s
     return b"".join(chunks), None, size
 
 
+def _discover(targets: list[str], resolver: Callable[..., Any]) -> list[str]:
+    """Every peer URL the `--peer-dns` targets resolve to (combine.peers_from_dns), in target order."""
+    return [url for t in targets for url in peers_from_dns(t, resolver)]
+
+
 def create_service(spec: Spec | str | Path, reference: str | Path | None, candidate: str | Path | None, *,
                    seed: int | None = None, start: bool = True, evidence_only: bool = False,
-                   peers: list[str] | None = None, poll_interval_s: float = 5.0,
+                   peers: list[str] | None = None, poll_interval_s: float = 5.0, expect_replicas: int | None = None,
+                   peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
                    auth_token_file: str | Path | None = None, candidate_version: str | None = None,
                    tracking_uri: str | None = None) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
@@ -1040,12 +1080,14 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     token = load_auth_token(cfg.mon, auth_token_file)
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
                           peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
+                          expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
                           node_check=lambda: run_node_check(candidate_version, tracking_uri))
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
           host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
-          poll_interval_s: float = 5.0, grpc_port: int | None = None,
+          poll_interval_s: float = 5.0, grpc_port: int | None = None, expect_replicas: int | None = None,
+          peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
           auth_token_file: str | Path | None = None, candidate_version: str | None = None,
           tracking_uri: str | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
@@ -1063,6 +1105,10 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         evidence_only: run as a replica (export evidence, never alert).
         peers: replica base URLs to combine (run as the combiner).
         poll_interval_s: seconds between reads of the peers' evidence.
+        expect_replicas: replica processes the deployment runs (combiner only; /readyz not ready while fewer
+            answer).
+        peer_dns: headless Services (`NAME:PORT`) whose addresses are the replicas (run as the combiner).
+        peer_wait_polls: polls the combiner waits for an unreadable replica (evidence ordering).
         grpc_port: also serve the OIP over gRPC on this port (monitoring/grpc_ingest.py), feeding the same
             admission; None: HTTP only.
         auth_token_file: file holding the bearer token every endpoint but /healthz requires (overrides
@@ -1079,6 +1125,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
                              poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
+                             expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
                              candidate_version=candidate_version, tracking_uri=tracking_uri)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "

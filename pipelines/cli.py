@@ -89,11 +89,13 @@ def spec_check(spec: Path = typer.Argument(..., help="Spec YAML file."),
                    "read)."))) -> None:
     """Validate SPEC and, by default, its local data files; print every error with its field path at once
     (exit 2 when invalid)."""
-    from tailguard.preflight import check_spec_file
+    from tailguard.preflight import check_spec_file, unpassable_gate_warnings
 
     s, check = check_spec_file(spec, data=data)
     console.print(f"[green]valid[/green]: {spec} ({s.metadata.name}: {len(s.variants)} variants, "
                   f"{len(s.gates)} gates, {len(s.slices)} slices)")
+    for warning in unpassable_gate_warnings(s):
+        console.print(f"  [yellow]warning[/yellow]: {warning}", markup=True, highlight=False)
     if check is not None:
         for name, n in check.rows.items():
             console.print(f"  data.{name}: {n} rows checked (file, input columns and shapes, named columns)")
@@ -437,6 +439,18 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                       "the deployment's only alerting process (docs/monitor.md, Replicas).")),
                   poll_interval: float = typer.Option(5.0, "--poll-interval", min=0.1,
                                                       help="Seconds between reads of the peers' evidence."),
+                  peer_dns: Optional[list[str]] = typer.Option(None, "--peer-dns", help=(
+                      "NAME:PORT of a headless Service (clusterIP: None) whose DNS records list the replicas "
+                      "(repeatable): looked up at every poll, each address one peer; with or instead of --peer "
+                      "(docs/monitor.md, Replicas).")),
+                  peer_wait_polls: int = typer.Option(12, "--peer-wait-polls", min=0, help=(
+                      "With --peer / --peer-dns: polls to wait for a replica that cannot be read before merging the "
+                      "others' newer evidence without it (its backlog then merges late); longer waits keep a late "
+                      "replica's evidence in order, and delay every alert meanwhile.")),
+                  expect_replicas: Optional[int] = typer.Option(None, "--expect-replicas", min=1, help=(
+                      "With --peer: the number of replica processes the deployment runs; while fewer answer (or a "
+                      "--peer URL answers from several processes) /readyz is not ready and "
+                      "tailguard_monitor_incomplete_polls_total counts the polls (docs/monitor.md, Replicas).")),
                   grpc_port: Optional[int] = typer.Option(None, "--grpc-port", min=0, max=65535, help=(
                       "Also accept the Open Inference Protocol over gRPC (inference.GRPCInferenceService: "
                       "ModelInfer, ServerLive/Ready, ModelReady, metadata) on this port, feeding the same "
@@ -463,7 +477,9 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
         err_console.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
           poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
-          candidate_version=candidate_version, tracking_uri=tracking_uri)
+          expect_replicas=expect_replicas, peer_dns=list(peer_dns or []), peer_wait_polls=peer_wait_polls,
+          candidate_version=candidate_version,
+          tracking_uri=tracking_uri)
 
 
 # ------------------------------------------------------------------------------------------- trigger

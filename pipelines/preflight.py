@@ -181,12 +181,14 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     records the signature (version tag `tailguard.core.contract.OUTPUTS_TAG`) for ONNX files and torch.export
     programs; a state dict has none (its outputs are known only by running it: the export step checks them).
 
-    Nothing here is an error but a mismatch: a remote registry, a model not registered yet or a version without a
-    recorded signature only give the note.
+    A remote registry, a local one not created yet or a version without a recorded signature only give the note;
+    a local registry that exists but lacks the model, the version or the alias the spec names is an error at
+    `model.registered_name` / `model.version` naming the store (the run would stop at its first step).
 
     Returns:
-        (one FieldError per mismatch, as `components.export.signature.output_signature_errors` words them;
-        a one-line note of what was compared, or why nothing was).
+        (one FieldError per mismatch, as `components.export.signature.output_signature_errors` words them, or the
+        one naming a model/version/alias the existing local registry lacks; a one-line note of what was compared,
+        or why nothing was).
     """
     import json
 
@@ -211,8 +213,13 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     name = spec.model.registered_name
     try:
         mv = resolve_version(MlflowClient(tracking_uri=uri, registry_uri=uri), name, str(spec.model.version))
-    except InputError as err:
-        return [], f"model.outputs: {err.message}; {later}"
+    except InputError as err:  # the run would stop at its first step: an error here, with the store it looked in
+        field, _, message = err.message.partition(": ")
+        if field not in ("model.registered_name", "model.version"):
+            field, message = "model.registered_name", err.message
+        fix = (f"; {err.hint}" if err.hint else "") + f"; or register it: tailguard register {name} MODEL_FILE"
+        return [FieldError(field, f"{message} (registry {uri}){fix}", getattr(spec.model, field.split('.')[1]))], \
+            f"model: not found in the registry {uri}"
     where = f"{name} v{mv.version}"
     try:
         recorded = json.loads((mv.tags or {})[OUTPUTS_TAG])
@@ -224,6 +231,38 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
                                             positional=bool(recorded.get("positional")))
     errors = [FieldError(e.loc, f"{e.message}; fix: {fix}", e.value) for e, fix in zip(errors, fixes)]
     return errors, f"model.outputs checked against {where} ({len(found)} output(s) recorded at registration)"
+
+
+def unpassable_gate_warnings(spec: Spec, *, largest: int = 100_000) -> list[str]:
+    """Per-slice and discovered gates on a 0/1 metric (`PROPORTION_METRICS`) decided on a Wilson lower bound that a
+    group of `min_support` rows cannot pass even when every row agrees (n/n has a one-sided Wilson bound of
+    n / (n + z^2), `core.stats.wilson_bound`): such a gate fails the FP32 reference against itself on every group
+    between `min_support` rows and the smallest size that can pass.
+
+    Returns:
+        One warning per such gate, naming it (`gates.<i>`), the sizes that cannot pass and the two fixes.
+    """
+    from tailguard.core.spec.models import PROPORTION_METRICS
+    from tailguard.core.stats import wilson_bound
+
+    out = []
+    for i, g in enumerate(spec.gates):
+        if (g.scope == "overall" or g.confidence is None or g.min is None or g.metric not in PROPORTION_METRICS
+                or g.min <= 0):
+            continue
+        n = g.min_support
+        if wilson_bound(n, n, g.confidence, "lower") >= g.min:
+            continue
+        lo, hi = n, largest  # the smallest n whose n/n bound reaches min (the bound grows with n)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if wilson_bound(mid, mid, g.confidence, "lower") >= g.min else (mid + 1, hi)
+        bound = float(wilson_bound(n, n, g.confidence, "lower"))
+        sizes = f"{n}-{lo - 1} rows" if lo < largest else f"any size up to {largest} rows"
+        out.append(f"gates.{i} ({g.metric} >= {g.min:g} at {g.confidence:g} confidence, min_support {n}): a group of "
+                   f"{sizes} fails it even when every row agrees ({n}/{n} has a lower bound of {bound:.3f}); "
+                   f"raise min_support to {lo} or lower min" if lo < largest else "lower min")
+    return out
 
 
 def check_spec_file(path: str | Path, *, data: bool = True) -> tuple[Spec, DataCheck | None]:

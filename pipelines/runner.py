@@ -621,6 +621,8 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
     for v in summary.variants:
         failed = [ids[k] for k, s in v.gates.items() if s == GateStatus.FAILED]
         insufficient = [ids[k] for k, s in v.gates.items() if s == GateStatus.INSUFFICIENT_DATA]
+        undecided = [ids[k] for k, s in v.gates.items() if s == GateStatus.UNDECIDED]
+        passed = sum(1 for s in v.gates.values() if s == GateStatus.PASSED)
         overall = v.overall or {}
         agreement = next((overall[m] for m in AGREEMENT_METRICS if overall.get(m) is not None), None)
         rows.append({
@@ -631,8 +633,11 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
             "worst slice": worst_slice_cell(v),
             "discovered": "; ".join(f"{d['slice']}={d['value']}: {d['value_in_slice']:.3f} vs {d['value_rest']:.3f} "
                                     f"(n={d['support']}, q={d['q_value']:.2g})" for d in (v.discovered or [])),
-            "gates": (f"{len(v.gates) - len(failed)}/{len(v.gates)} passed" if v.gates else "-")
+            # passed counts passed gates only (undecided, insufficient_data and not_applicable are not passed),
+            # as summary.json and the report count them
+            "gates": (f"{passed}/{len(v.gates)} passed" if v.gates else "-")
                      + (f"; failed: {', '.join(failed)}" if failed else "")
+                     + (f"; undecided: {', '.join(undecided)}" if undecided else "")
                      + (f"; {insufficient_reason(insufficient)}" if insufficient else "")
                      + (f"; {v.reason}" if v.status != BuildStatus.OK and v.reason else ""),
             # registered: every version this run registered; promoted: only the one the alias moved to

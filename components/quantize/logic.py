@@ -290,9 +290,15 @@ def _build_ort(variant: VariantSpec, fp32: Path, target: Path, calibration: Data
         else:
             q = variant.quantization
             source = optimized
+            if q.per_channel and _default_opset(source) < PER_CHANNEL_MIN_OPSET:
+                progress["stage"] = "opset conversion"
+                failure = _upgrade_opset(variant, source, tmp / "opset.onnx", details)
+                if failure:
+                    return failure
+                source = tmp / "opset.onnx"
             if q.preprocess:
                 progress["stage"] = "quant_pre_process"
-                source = _preprocess(optimized, tmp / "preprocessed.onnx", details)
+                source = _preprocess(source, tmp / "preprocessed.onnx", details)
             progress["stage"] = f"quantize_{q.mode}"
             excluded, bad = _excluded_nodes(source, q)
             details["excluded_nodes"] = excluded
@@ -300,7 +306,7 @@ def _build_ort(variant: VariantSpec, fp32: Path, target: Path, calibration: Data
                 before = optimization_levels(variant)[0]
                 return (f"variant {variant.name}: quantization.exclude_nodes {bad} are not nodes of the graph "
                         f"being quantized (after graph optimization level {before!r} before quantization"
-                        f"{', quant_pre_process' if source != optimized else ''}); use node names of that graph "
+                        f"{', quant_pre_process' if details.get('preprocess', {}).get('ran') else ''}); use node names of that graph "
                         "or set graph_optimization.level: disabled")
             quantized = tmp / "quantized.onnx"
             if q.mode == "dynamic":
@@ -319,6 +325,44 @@ def _build_ort(variant: VariantSpec, fp32: Path, target: Path, calibration: Data
         details.update(_summary(target, details.get("excluded_nodes", [])))
         progress["stage"] = "load check"
         _load_check(target, details["providers"])
+    return None
+
+
+# ------------------------------------------------------------------------------------------ opset upgrade
+# Per-channel quantization writes DequantizeLinear / QuantizeLinear with an `axis` attribute, which the ONNX
+# operator set defines from opset 13 (onnx/docs/Changelog.md, DequantizeLinear-13); on an opset-11 graph ONNX
+# Runtime refuses the quantized model ("Unrecognized attribute: axis for operator DequantizeLinear").
+PER_CHANNEL_MIN_OPSET = 13
+
+
+def _default_opset(path: Path) -> int:
+    """The graph's opset of the default ONNX domain ("" or "ai.onnx"); 0 when it imports none."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _upgrade_opset(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]) -> str | None:
+    """Convert `src` to opset PER_CHANNEL_MIN_OPSET with `onnx.version_converter` (the ONNX project's own converter)
+    and check it, for a per-channel variant of an older graph; recorded in details["opset_conversion"]. Returns a
+    failure reason naming the fix when the converter cannot convert the graph (the variant fails alone)."""
+    import onnx
+    from onnx import version_converter
+
+    before = _default_opset(src)
+    try:
+        converted = version_converter.convert_version(onnx.load(str(src)), PER_CHANNEL_MIN_OPSET)
+        onnx.checker.check_model(converted)
+        onnx.save(converted, str(dst))
+    except Exception as exc:  # the converter raises RuntimeError / ValidationError on ops it cannot convert
+        first = (str(exc).splitlines() or [""])[0][:300]
+        return (f"variant {variant.name}: per-channel INT8 needs opset >= {PER_CHANNEL_MIN_OPSET} (the `axis` of "
+                f"DequantizeLinear) and the model's opset {before} could not be converted ({type(exc).__name__}: "
+                f"{first}); re-export the model with opset >= {PER_CHANNEL_MIN_OPSET}, or set "
+                "quantization.per_channel: false")
+    details["opset_conversion"] = {"from": before, "to": PER_CHANNEL_MIN_OPSET, "by": "onnx.version_converter",
+                                   "why": "per-channel quantization needs DequantizeLinear's axis (opset 13)"}
     return None
 
 

@@ -243,3 +243,36 @@ def test_spec_check_exits_2_when_model_outputs_differ_from_the_signature_recorde
     assert "declare logits: [batch, 15]" in bad.output
     assert good.exit_code == 0, good.output
     assert "model.outputs checked against lin15 v1" in good.output
+
+
+def test_spec_check_exits_2_naming_the_name_and_the_store_when_the_model_is_not_registered_there(store):
+    registered = runner.invoke(app, ["register", "lin15", str(store["onnx"]), "--tracking-uri", store["uri"]])
+    assert registered.exit_code == 0, registered.output
+    path = store["root"] / "typo.yaml"
+    doc = _spec_doc(store["root"], 15, tracking_uri=store["uri"])
+    doc["model"]["registered_name"] = "lin16"
+    path.write_text(yaml.safe_dump(doc))
+
+    result = runner.invoke(app, ["spec", "check", str(path)])
+
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "model.registered_name: no registered model 'lin16' in the registry" in out
+    assert store["uri"] in out and "lin15" in out  # the store looked in, and the close name
+
+
+def test_spec_check_accepts_an_integer_version_and_refuses_one_the_registry_lacks(store):
+    registered = runner.invoke(app, ["register", "lin15", str(store["onnx"]), "--tracking-uri", store["uri"]])
+    assert registered.exit_code == 0, registered.output
+    results = {}
+    for version in (1, 7):
+        path = store["root"] / f"v{version}.yaml"
+        doc = _spec_doc(store["root"], 15, tracking_uri=store["uri"])
+        doc["model"]["version"] = version  # YAML `version: 1`, an int, as `tailguard register` prints it
+        path.write_text(yaml.safe_dump(doc))
+        results[version] = runner.invoke(app, ["spec", "check", str(path)])
+
+    assert results[1].exit_code == 0, results[1].output
+    assert "model.outputs checked against lin15 v1" in results[1].output
+    assert results[7].exit_code == 2, results[7].output
+    assert "model.version" in results[7].output and store["uri"] in " ".join(results[7].output.split())

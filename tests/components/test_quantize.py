@@ -441,3 +441,34 @@ def test_spec_fills_quantization_from_the_preset_when_quantization_names_one():
         QuantizationSpec.model_validate({"preset": "cpu-avx3"})
     with pytest.raises(Exception, match="mode"):  # no preset and no mode: still required
         QuantizationSpec.model_validate({"per_channel": True})
+
+
+def test_build_variant_converts_an_opset_11_graph_to_13_and_records_it_when_int8_static_is_per_channel(
+        tiny, reference, tmp_path):
+    import torch
+
+    from tests.helpers.tiny_models import make_tiny_encoder
+
+    module, spec, _, calib = tiny
+    old = tmp_path / "tiny11.onnx"  # as a user's opset-11 model (PP-OCR's classifier) is
+    feeds = tiny_feeds(2, 7, 0)
+    torch.onnx.export(make_tiny_encoder(0).eval(), tuple(torch.from_numpy(feeds[k]) for k in ("input_ids",
+                                                                                             "attention_mask")),
+                      str(old), input_names=["input_ids", "attention_mask"], output_names=["logits", "pooled"],
+                      dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
+                                    "attention_mask": {0: "batch", 1: "sequence"},
+                                    "logits": {0: "batch"}, "pooled": {0: "batch"}}, opset_version=11, dynamo=False)
+    assert onnx.load(str(old)).opset_import[0].version == 11
+    v = _variant(name="st11", precision="int8", quantization={"mode": "static", "calibration_method": "minmax",
+                                                              "per_channel": True, "format": "qdq",
+                                                              "op_types": MATMULS})
+
+    res = build_variant(v, old, tmp_path / "st11", calibration=calib, model=spec)
+
+    assert res.status == "ok", res.reason  # was: "Unrecognized attribute: axis for operator DequantizeLinear"
+    assert res.details["opset_conversion"] == {"from": 11, "to": 13, "by": "onnx.version_converter",
+                                               "why": "per-channel quantization needs DequantizeLinear's axis "
+                                                      "(opset 13)"}
+    assert next(o.version for o in onnx.load(res.artifact).opset_import if o.domain == "") == 13
+    assert _op_counts(res.artifact).get("DequantizeLinear", 0) > 0
+    _assert_close(_outputs(res.artifact, reference[1]), reference[0], atol=0.1)

@@ -78,16 +78,18 @@ def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str
 
 
 @contextlib.contextmanager
-def uvicorn_in_thread(app, startup_timeout_s: float = 60.0, port: int | None = None) -> Iterator[str]:
-    """Serve an ASGI app with uvicorn in a daemon thread on 127.0.0.1 (`port`, default a free one); yields its base
-    URL (real HTTP). `startup_timeout_s` bounds a hung server; it is not a timing assumption."""
+def uvicorn_in_thread(app, startup_timeout_s: float = 60.0, port: int | None = None,
+                      host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a daemon thread on `host` (a loopback address, default 127.0.0.1) and
+    `port` (default a free one); yields its base URL (real HTTP). `startup_timeout_s` bounds a hung server; it is
+    not a timing assumption."""
     import threading
     import time
 
     import uvicorn
 
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -96,7 +98,7 @@ def uvicorn_in_thread(app, startup_timeout_s: float = 60.0, port: int | None = N
         time.sleep(0.02)
     assert server.started, f"uvicorn did not start in {startup_timeout_s} s"
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -74,3 +74,37 @@ def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys)
     print_summary(summary)
     out = capsys.readouterr().out
     assert "discovered slices" in out and "verb&[2,8)" in out and "pos=adj" not in out
+
+
+def test_summary_rows_count_only_passed_gates_as_passed_when_some_are_undecided_or_insufficient():
+    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.core.results import GateStatus
+    from tailguard.runner import summary_rows
+
+    gates = {"a>=1": GateStatus.PASSED, "b>=1": GateStatus.FAILED, "c>=1": GateStatus.UNDECIDED,
+             "d>=1": GateStatus.UNDECIDED, "e>=1@per_slice:x": GateStatus.INSUFFICIENT_DATA,
+             "f>=1": GateStatus.UNDECIDED}
+    v = VariantSummary("ort-int8", "onnxruntime", "int8", "ok", gates=gates)
+    cell = summary_rows(RunSummary("p", "0", "m", "1", "m-optimized", "production", True, 1, variants=[v]))[0]["gates"]
+    assert cell.startswith("1/6 passed; failed: G2; undecided: G3, G4, G6")  # was "5/6 passed; failed: G2"
+    assert "G5" in cell  # the insufficient gate is named too
+
+
+def test_spec_check_warns_naming_the_fix_when_a_per_slice_gate_cannot_pass_at_its_min_support(tmp_path):
+    doc = yaml.safe_load(TINY.read_text())
+    metric = next(g["metric"] for g in doc["gates"] if g["metric"].endswith("agreement"))
+    doc["gates"].append({"metric": metric, "scope": "per_slice", "min": 0.95, "confidence": 0.95,
+                         "min_support": 30})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(doc))
+
+    r = runner.invoke(app, ["spec", "check", "--no-data", str(path)])
+    quiet = runner.invoke(app, ["spec", "check", "--no-data", str(TINY)])
+
+    out = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    # 30/30 has a one-sided 95% Wilson lower bound of 30 / (30 + 1.645^2) = 0.917 < 0.95; 52/52 reaches 0.951
+    assert f"gates.{len(doc['gates']) - 1} ({metric} >= 0.95 at 0.95 confidence, min_support 30)" in out
+    assert "a group of 30-51 rows fails it even when every row agrees (30/30 has a lower bound of 0.917)" in out
+    assert "raise min_support to 52 or lower min" in out
+    assert "warning" not in quiet.output

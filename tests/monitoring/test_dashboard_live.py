@@ -61,7 +61,7 @@ def live(tmp_path_factory):
     d = tmp_path_factory.mktemp("live")
     svc, client = _service(T.linear_classifier(d / "ref.onnx"),
                            T.linear_classifier(d / "cand.onnx", T.weights(noise=0.02)),
-                           min_support=10, window_size=40)
+                           min_support=10, window_size=40, max_request_rows=1)  # one-row requests
     with client:
         for i in range(8):  # /infer: requests, sampling, shadow inference, parity per slice
             assert client.post(f"/v2/models/{NAME}/infer", json=_body(i, "web")).status_code == 200

@@ -128,7 +128,7 @@ def test_only_combiner_alerts_on_evidence_from_both_replicas_when_rows_split_acr
     ref = T.linear_classifier(tmp_path / "ref.onnx")
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_columns": ["domain"],
-                                                "min_support": 10, "horizon": 1000})))
+                                                "min_support": 10, "horizon": 1000, "max_request_rows": 1})))
     p_rep, p_comb = free_port(), free_port()
     rep = _serve(["--spec", str(spec), "--reference", str(ref), "--evidence-only"], p_rep)
     comb = _serve(["--spec", str(spec), "--reference", str(ref), "--peer", f"http://127.0.0.1:{p_rep}",

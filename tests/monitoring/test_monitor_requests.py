@@ -35,7 +35,7 @@ def test_detector_adds_one_bounded_bet_when_request_carries_many_disagreeing_row
     alarm, _ = bettings(AGREE)
     most = max(math.log1p(lam * 0.97) for lam in alarm.lambdas)  # one request's largest log factor
     assert st.slices["all"].streams["top1_agree"].alarm.statistic() <= most + 1e-12
-    assert most < 3.0 < st.h  # rows betting one by one added ~91 nats here (issue 27)
+    assert most < 3.5 < st.h  # rows betting one by one added ~91 nats here (issue 27)
     assert st.slices["all"].rows == 32 and st.slices["all"].requests == 1
 
 
@@ -77,7 +77,7 @@ def _heavy_tail_run(bound, n=40_000, seed=0):
     """threshold 0.05 on a lower-is-better metric; x = 0.3 w.p. 0.2 else 0: mean 0.06 (bad), truncated at 0.2
     (the old recovery's 2 x threshold) the mean is 0.04 (looks fine)."""
     rng = np.random.default_rng(seed)
-    st = _stats({"kl_divergence": bound}, metrics=("kl_divergence",), min_support=30)
+    st = _stats({"kl_divergence": bound}, metrics=("kl_divergence",), min_support=30, max_request_rows=1)
     fired = cleared = 0
     for i in range(n):
         x = 0.3 if rng.random() < 0.2 else 0.0
@@ -100,7 +100,7 @@ def test_alert_never_clears_falsely_when_truncated_mean_is_still_bad():
 
 def test_alert_clears_when_truncated_metric_recovers():
     st = _stats({"kl_divergence": Bound("kl_divergence", 0.05, False, "max", truncate_at=1.0)},
-                metrics=("kl_divergence",), min_support=30)
+                metrics=("kl_divergence",), min_support=30, max_request_rows=1)  # one-row requests
     fired = cleared = 0
     for i in range(20_000):
         x = 0.5 if i < 2000 else 0.0  # bad, then fully recovered

@@ -214,7 +214,7 @@ def _pair(i, domain, flip=False):
 
 
 def test_pairs_endpoint_alerts_on_slice_when_live_responses_disagree(models):
-    svc, client = _service(models["ref"], None, min_support=30, window_size=100)
+    svc, client = _service(models["ref"], None, min_support=30, window_size=100, max_request_rows=1)  # 1-row
     with client:
         for i in range(120):
             flip = i >= 40 and i % 2 == 0  # "legal" rows: half the live answers differ from the reference

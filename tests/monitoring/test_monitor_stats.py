@@ -53,7 +53,9 @@ def test_sampler_rejects_rate_when_outside_unit_interval():
 
 # ---------------------------------------------------------------------------------------- the detector
 def _stats(**kw):
-    args = dict(streams_per_request=2, alpha=0.01, horizon=10_000, window_size=500, min_support=30)
+    # one-row requests: the declared bound M on a request's rows is 1 (full power per row, detector.py)
+    args = dict(streams_per_request=2, alpha=0.01, horizon=10_000, window_size=500, min_support=30,
+                max_request_rows=1)
     args.update(kw)
     return SliceStatistics("m", ["top1_agree", "kl_divergence"], TOP1, **args)
 
@@ -138,7 +140,7 @@ def _null_alarm_fraction(threshold, n_streams, n_rows, alpha, horizon, seed, h=N
     """Streams whose agreement sits exactly at the threshold (the hardest case of H0): fraction that alarm
     (h overrides the calibrated alarm level)."""
     st = SliceStatistics("m", ["top1_agree"], {"top1_agree": Bound("top1_agree", threshold, True, "min")},
-                         streams_per_request=1, alpha=alpha, horizon=horizon, min_support=1)
+                         streams_per_request=1, alpha=alpha, horizon=horizon, min_support=1, max_request_rows=1)
     st.h = st.h if h is None else h
     rng = np.random.default_rng(seed)
     x = (rng.random((n_streams, n_rows)) < threshold).astype(float)

@@ -246,7 +246,9 @@ class ModelSpec(SpecModel):
     """The FP32 reference: an MLflow registered model version."""
 
     registered_name: str = Field(description="MLflow registered model holding the FP32 reference.")
-    version: str = Field("latest", description="'latest', a version number, or '@alias'. The trigger overrides it.")
+    version: str | int = Field("latest", description=(
+        "'latest', a version number (2 or '2', as `tailguard register` prints it), or '@alias'. The trigger "
+        "overrides it."))
     task: Task = Field(description="Decides the parity metrics (see components/validate/README.md).")
     inputs: list[TensorSpec] = Field(min_length=1, description="Model inputs, in forward() order.")
     outputs: list[TensorSpec] = Field(min_length=1, description="Model outputs; the first is compared for parity.")
@@ -257,8 +259,8 @@ class ModelSpec(SpecModel):
 
     @field_validator("version")
     @classmethod
-    def _version(cls, v: str) -> str:
-        v = str(v)
+    def _version(cls, v: str | int) -> str:
+        v = str(v)  # an integer version (YAML `version: 2`) is the same version as the string "2"
         if v == "latest" or re.fullmatch(r"[1-9]\d*", v) or re.fullmatch(r"@[A-Za-z0-9_\-]+", v):
             return v
         raise ValueError("must be 'latest', a positive version number, or '@alias'")

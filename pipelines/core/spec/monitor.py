@@ -167,11 +167,21 @@ class MonitoringSpec(SpecModel):
         "exported, never alerted on."))
     alpha: float = Field(0.01, gt=0, lt=0.5, description=(
         "Probability of any false alarm (any slice, any metric) within `horizon` sampled requests while every "
-        "slice sits at or on the good side of its threshold (requests independent of each other; the rows of "
-        "one request need not be: the request is the unit of evidence, docs/monitor.md)."))
+        "slice's per-row mean (rows weighted equally, as the pipeline's gates weight them) sits at or on the "
+        "good side of its threshold (requests independent of each other given the past; the rows of one "
+        "request need not be: the request is the unit of evidence, docs/monitor.md)."))
     horizon: int = Field(1_000_000, ge=1, description=(
-        "Sampled requests (not rows: a 64-row request counts once) the alpha guarantee covers; the average run "
-        "length to a false alarm is at least horizon / alpha sampled requests."))
+        "Sampled requests (not rows: a 64-row request counts once; one of more than max_request_rows rows "
+        "counts as ceil(rows / max_request_rows)) the alpha guarantee covers; the average run length to a "
+        "false alarm is at least horizon / alpha sampled requests."))
+    max_request_rows: int = Field(64, ge=1, le=2**20, description=(
+        "Declared bound M on the rows one request brings to a slice (the detector's scale: each request bets "
+        "on the sum of its rows' excesses over the threshold divided by M, which keeps every bet valid "
+        "whatever the dependence between a request's rows, docs/monitor.md). Set it to the largest batch your "
+        "clients send: a smaller M gives small requests more power; a request with more rows is split into "
+        "ceil(rows / M) consecutive bets of at most M rows and counted (oversize_requests in /v1/slices), "
+        "and the guarantee then also assumes each such chunk is on the good side given the chunks before "
+        "it. Values above max_batch_rows act as max_batch_rows (no larger request is accepted)."))
     window_size: int = Field(1000, ge=10, description=(
         "Span (sampled rows) of each slice's exponentially weighted display estimate (the parity gauges); "
         "alerts do not depend on it."))
