@@ -86,7 +86,7 @@ from enum import StrEnum
 from typing import Any, Callable, Mapping, Sequence
 
 from tailguard.monitoring.config import ALL_SLICE
-from tailguard.monitoring.detector import DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
+from tailguard.monitoring.detector import ACC_FIELDS, DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring.combine")
 
@@ -166,6 +166,18 @@ def settings_hash(stats: SliceStatistics, monitoring: Mapping[str, Any] | None =
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _window_sums(value: Any) -> tuple[float, ...] | None:
+    """A peer's cumulative window sums of one (slice, metric) (`evidence` "sums", detector.ACC_FIELDS order), or
+    None when absent or malformed (the merge then leaves the combined alert without a value, with the reason)."""
+    if not isinstance(value, list) or len(value) != len(ACC_FIELDS):
+        return None
+    try:
+        out = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        return None
+    return out if all(math.isfinite(v) for v in out) else None
+
+
 @dataclass
 class _SliceMark:
     """What was merged last of one slice of one epoch: its incarnation, counts, and per metric the walks."""
@@ -174,6 +186,7 @@ class _SliceMark:
     rows: int
     requests: int
     walks: dict[str, tuple[tuple[float, ...], tuple[float, ...]]]
+    sums: dict[str, tuple[float, ...]] = field(default_factory=dict)  # per metric: cumulative window sums
 
 
 @dataclass
@@ -217,6 +230,7 @@ class _Update:
     rows: int
     requests: int
     walks: dict[str, tuple[list[float], list[float]]]
+    sums: dict[str, list[float]] = field(default_factory=dict)  # per metric: window-sum increments (alert values)
 
 
 @dataclass
@@ -439,7 +453,8 @@ class Combiner:
                     self.sources[name].late += 1
                 self.merged_through = max(self.merged_through, t)
                 for u in ups:
-                    part = self.stats.merge(u.key, u.walks, u.rows, u.requests, now=now)
+                    part = self.stats.merge(u.key, u.walks, u.rows, u.requests, now=now,
+                                            sums=u.sums if len(u.sums) == len(u.walks) else None)
                     ev.fired += part.fired
                     ev.cleared += part.cleared
         return ev
@@ -595,7 +610,7 @@ class Combiner:
             raise PeerDocumentError(PeerError.BAD_DOCUMENT, f"slice {key!r}: metrics "
                                     f"{sorted(map(str, metrics)) if isinstance(metrics, Mapping) else _show(metrics)}"
                                     f", expected {sorted(self.stats.bets)}")
-        walks, marks = {}, {}
+        walks, marks, sums, sum_marks = {}, {}, {}, {}
         for m, (alarm_bet, rec_bet) in self.stats.bets.items():
             w = metrics[m]
             if not isinstance(w, Mapping):
@@ -611,7 +626,12 @@ class Combiner:
                      if rec_bet is not None else [])
             walks[m] = (a_inc, r_inc)
             marks[m] = (alarm, recovery)
-        return _Update(key, _SliceMark(inc, rows, requests, marks), d_rows, d_req, walks)
+            cum = _window_sums(w.get("sums"))  # the alert's value only: a peer without them still detects
+            if cum is not None:
+                before = prev.sums.get(m, (0.0,) * len(ACC_FIELDS))
+                sums[m] = [a - b for a, b in zip(cum, before)]
+                sum_marks[m] = cum
+        return _Update(key, _SliceMark(inc, rows, requests, marks, sum_marks), d_rows, d_req, walks, sums)
 
     # ------------------------------------------------------------------------------------------ reports
     def status(self) -> dict[str, Any]:

@@ -23,8 +23,8 @@ def reference_non_finite(reference: np.ndarray) -> np.ndarray:
     return parity.non_finite_rows(reference)
 
 
-def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metrics: Sequence[str]
-                 ) -> dict[str, np.ndarray]:
+def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metrics: Sequence[str], *,
+                 probabilities: bool = False) -> dict[str, np.ndarray]:
     """Per-row parity values for the tracked metrics.
 
     Args:
@@ -32,6 +32,7 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
         reference: (rows, ...) FP32 reference output (model.outputs[0]).
         candidate: same shape, the candidate's output.
         metrics: per-row metric names (keys of `parity.per_sample_metrics`).
+        probabilities: the output holds probabilities, not logits (model.outputs[0].kind): KL on the values.
 
     Returns:
         {metric: (rows,) float64} plus "non_finite": (rows,) bool (candidate rows scored worst-case by parity);
@@ -41,7 +42,7 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
         InputError: shapes differ or do not suit the task (from parity).
     """
     ref = np.asarray(reference)
-    kwargs = {}
+    kwargs: dict = {"probabilities": True} if probabilities and task == "classification" else {}
     if task == "embedding":  # nearest-neighbour metrics are not monitored; give parity a trivial index
         kwargs = {"reference_index": ref, "exclude_self": False}
     per = parity.per_sample_metrics(task, ref, np.asarray(candidate), **kwargs)

@@ -137,7 +137,8 @@ class MonitorEngine:
             failure = "candidate_error" if candidate is None else "candidate_shape"
         if failure is None and values is None:
             try:
-                values = compare_rows(self.cfg.task, ref, candidate, self.cfg.metrics)  # type: ignore[arg-type]
+                values = compare_rows(self.cfg.task, ref, candidate, self.cfg.metrics,  # type: ignore[arg-type]
+                                      probabilities=self.cfg.output.kind == "probabilities")
             except InputError:  # an output the task cannot score (e.g. not 2-D logits): the candidate's fault
                 failure = "candidate_shape"
         bad_ref = reference_non_finite(ref)

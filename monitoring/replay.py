@@ -143,7 +143,8 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         if perturb is not None:
             cand_out = perturb(cand_out.copy(), idx, ds.frame)
         bad_ref = reference_non_finite(ref_out)
-        values = compare_rows(cfg.task, ref_out, cand_out, cfg.metrics)
+        values = compare_rows(cfg.task, ref_out, cand_out, cfg.metrics,
+                              probabilities=cfg.output.kind == "probabilities")
         snaps = DriftSnapshots(cfg, background=False) if cfg.mon.evidently_workspace else None
         for j, i in enumerate(idx):
             keys, d = admitted[i]

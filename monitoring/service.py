@@ -739,7 +739,8 @@ class MonitorService:
             return {}
         try:
             values = compare_rows(self.cfg.task, np.concatenate([judged[n][1] for n in ok]),
-                                  np.concatenate([seconds[n][0] for n in ok]), self.cfg.metrics)
+                                  np.concatenate([seconds[n][0] for n in ok]), self.cfg.metrics,
+                                  probabilities=self.cfg.output.kind == "probabilities")
         except InputError:  # an output the task cannot score: each request finds out on its own
             return {}
         bounds = np.cumsum([0] + [judged[n][1].shape[0] for n in ok])

@@ -55,6 +55,21 @@ def reference_outputs(truth: Any, ds: Dataset, spec: Spec) -> list[np.ndarray]:
     return outputs
 
 
+def output_kind_warnings(spec: Spec, reference: np.ndarray) -> list[str]:
+    """A classification model whose compared output is declared (or left) as logits while every FP32 reference
+    row is a probability distribution (in [0, 1], summing to 1: `parity.looks_like_probabilities`): KL divergence
+    and margins would be computed on a softmax of probabilities, understating them (issue 38: KL mean 0.0020
+    reported where 0.018 was true). One warning naming the fix, else none."""
+    from tailguard.core.parity import looks_like_probabilities
+
+    out = spec.model.outputs[0]
+    if spec.model.task != "classification" or out.kind == "probabilities" or not looks_like_probabilities(reference):
+        return []
+    return [f"model.outputs[0] ({out.name}): every FP32 reference row is in [0, 1] and sums to 1, so the output "
+            "holds probabilities, yet it is scored as logits (KL divergence on their softmax is too small); "
+            "declare `kind: probabilities` on it"]
+
+
 def onnx_baseline_runner(onnx_path: str | Path, threads: int, *, beside_torch: bool) -> Any:
     """The ONNX Runtime session the reference pass times as the `onnx_fp32` baseline (CPU execution provider,
     `threads` intra-op threads, 0 = all cores).

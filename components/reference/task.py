@@ -99,7 +99,7 @@ def _reference_pass(spec: Spec, resolved: ResolvedModel, onnx_dir: Path, out: Pa
     """Run, time and measure coverage; write the output folder; return the baselines."""
     import numpy as np
 
-    from tailguard.components.reference.logic import reference_outputs, time_baselines
+    from tailguard.components.reference.logic import output_kind_warnings, reference_outputs, time_baselines
     from tailguard.core.data import load_validation
     from tailguard.core.hardware import node_facts
     from tailguard.core.runtime import OrtRunner
@@ -118,6 +118,7 @@ def _reference_pass(spec: Spec, resolved: ResolvedModel, onnx_dir: Path, out: Pa
     np.savez(out / REFERENCE_FILE, **{o.name: a for o, a in zip(spec.model.outputs, outputs)})
     # time_baselines builds the ORT session it times (its options are part of the method)
     baselines = {**time_baselines(onnx_dir / ONNX_FILE, torch_runner, ds, spec), "hardware": node_facts()}
+    baselines["warnings"] = list(baselines.get("warnings") or []) + output_kind_warnings(spec, outputs[0])
     _write_coverage(spec, ds, out)
     write_json(out / BASELINES_FILE, baselines)
     return baselines

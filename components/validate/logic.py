@@ -588,6 +588,8 @@ def _per_row(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray |
     emb = spec.analysis.embedding
     kw: dict[str, Any] = ({"recall_k": emb.recall_k, "knn_k": emb.knn_k, "margin_tolerance": emb.margin_tolerance}
                           if task == "embedding" else {})
+    if task == "classification":
+        kw["probabilities"] = spec.model.outputs[0].kind == "probabilities"
     if rows is None:
         return per_sample_metrics(task, ref, cand, labels=labels, **kw)
     if task == "embedding":

@@ -11,7 +11,8 @@ Formulas (per row i; `ref` is the FP32 reference, `cand` the candidate variant):
 classification (logits, shape (rows, classes)):
     top1_agree_i        = argmax(cand_i) == argmax(ref_i)
     kl_divergence_i     = KL(softmax(ref_i) || softmax(cand_i)) = sum_c p_c (log p_c - log q_c)   [nats],
-                          computed in float64 from log-softmax (log-sum-exp), clipped at 0.
+                          computed in float64 from log-softmax (log-sum-exp), clipped at 0; for outputs declared
+                          `kind: probabilities` p and q are the outputs themselves (clipped at 1e-12, renormalised)
     abs_error_i         = max_c |cand_ic - ref_ic|
     correct_i           = argmax(cand_i) == label_i           (labels given)
     reference_correct_i = argmax(ref_i) == label_i            (labels given)
@@ -122,6 +123,25 @@ def _check_pair(task: str, reference: np.ndarray, candidate: np.ndarray) -> tupl
     return ref, cand
 
 
+PROBABILITY_FLOOR = 1e-12  # log of a probability output: values clipped here first (a 0 would give -inf)
+
+
+def _log_probabilities(x: np.ndarray) -> np.ndarray:
+    """Natural log of probability rows (rows, classes): clipped at PROBABILITY_FLOOR and renormalised so each row
+    sums to 1 (float16/INT8 outputs drift from it by rounding)."""
+    x = np.clip(x.astype(np.float64, copy=False), PROBABILITY_FLOOR, None)
+    return np.log(x / x.sum(axis=1, keepdims=True))
+
+
+def looks_like_probabilities(x: np.ndarray, tol: float = 1e-3) -> bool:
+    """Whether every row of a (rows, classes) output is in [0, 1] and sums to 1 within `tol`: an output declared
+    (or left) as logits that is already softmaxed, so KL on its softmax would be wrong."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] < 2 or not np.isfinite(x).all():
+        return False
+    return bool((x >= -tol).all() and (x <= 1 + tol).all() and np.abs(x.sum(axis=1) - 1).max() <= tol)
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64, copy=False)
     m = x.max(axis=1, keepdims=True)
@@ -184,7 +204,8 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
                        exclude_self: bool = True, index_labels: np.ndarray | None = None,
                        recall_k: int = RECALL_K, knn_k: int = KNN_K,
                        margin_tolerance: float = MARGIN_TOLERANCE,
-                       query_rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                       query_rows: np.ndarray | None = None, probabilities: bool = False
+                       ) -> dict[str, np.ndarray]:
     """One parity value per validation row, for the task's metrics (formulas: module docstring).
 
     Args:
@@ -206,6 +227,9 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
         knn_k: embedding only: neighbours voting for the kNN label (analysis.embedding.knn_k); capped likewise.
         margin_tolerance: embedding only: cosine gap (>= 0) at or below which the FP32 top-1/top-2 is a
             near-tie (analysis.embedding.margin_tolerance).
+        probabilities: classification only: the outputs are probabilities (model.outputs[0].kind), so KL
+            divergence is computed on them (clipped at PROBABILITY_FLOOR, renormalised) instead of on their
+            softmax; top-1 and abs_error are the same either way.
         query_rows: embedding only: the rows are these rows of `reference_index` (int array of shape (rows,)),
             e.g. a block of the validation set scored against the full FP32 reference set: with `exclude_self`
             each row is kept out of its own neighbours, so a row's values equal those it gets when every row is
@@ -242,7 +266,8 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
         if ref2.shape[1] < 1:
             raise InputError("parity: classification logits have 0 classes")
         ref_top, cand_top = ref2.argmax(axis=1), cand2.argmax(axis=1)
-        lp, lq = _log_softmax(ref2), _log_softmax(cand2)
+        log_p = _log_probabilities if probabilities else _log_softmax
+        lp, lq = log_p(ref2), log_p(cand2)
         kl = np.maximum((np.exp(lp) * (lp - lq)).sum(axis=1), 0.0)
         kl[bad] = np.inf
         agree = ref_top == cand_top

@@ -1,6 +1,7 @@
 """Parity metrics (pipelines/core/parity.py) on synthetic outputs with known answers."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -175,3 +176,71 @@ def test_per_sample_metrics_raises_input_error_when_shapes_or_task_are_wrong():
         per_sample_metrics("classification", np.zeros((3, 4)), np.zeros((3, 4)), labels=np.zeros(2))
     with pytest.raises(InputError, match="at least 2 rows"):
         per_sample_metrics("embedding", np.ones((1, 4)), np.ones((1, 4)))
+
+
+# ------------------------------------------------------------------------------ probability outputs (issue 38)
+def _probability_rows(seed: int = 0, rows: int = 200, classes: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(classes, 0.3), size=rows)
+    q = np.abs(p + rng.normal(0, 0.02, p.shape))
+    return p, q / q.sum(axis=1, keepdims=True)
+
+
+def test_per_sample_metrics_computes_kl_on_the_values_when_outputs_are_probabilities():
+    from tailguard.core.parity import PROBABILITY_FLOOR, per_sample_metrics
+
+    p, q = _probability_rows()
+    pc, qc = np.clip(p, PROBABILITY_FLOOR, None), np.clip(q, PROBABILITY_FLOOR, None)
+    pc, qc = pc / pc.sum(axis=1, keepdims=True), qc / qc.sum(axis=1, keepdims=True)
+    exact = (pc * (np.log(pc) - np.log(qc))).sum(axis=1)
+
+    as_probs = per_sample_metrics("classification", p, q, probabilities=True)["kl_divergence"]
+    as_logits = per_sample_metrics("classification", p, q)["kl_divergence"]
+
+    np.testing.assert_allclose(as_probs, exact, rtol=1e-9, atol=1e-12)
+    assert as_logits.mean() < 0.5 * as_probs.mean()  # a softmax of probabilities flattens them: KL understated
+    assert (per_sample_metrics("classification", p, q, probabilities=True)["top1_agree"]
+            == per_sample_metrics("classification", p, q)["top1_agree"]).all()
+
+
+def test_output_kind_warning_names_the_fix_when_logits_rows_already_sum_to_one():
+    from tailguard.components.reference.logic import output_kind_warnings
+    from tailguard.core.parity import looks_like_probabilities
+    from tailguard.core.spec.models import TensorSpec
+
+    p, _ = _probability_rows()
+    logits = np.log(p) + 3.0
+    assert looks_like_probabilities(p) and not looks_like_probabilities(logits)
+
+    def spec(kind):  # what output_kind_warnings reads of a Spec: model.task, model.outputs
+        out = TensorSpec(name="prob", dtype="float32", shape=["batch", 6], kind=kind)
+        return SimpleNamespace(model=SimpleNamespace(task="classification", outputs=[out]))
+
+    [warning] = output_kind_warnings(spec(None), p)
+    assert "model.outputs[0] (prob)" in warning and "declare `kind: probabilities`" in warning
+    assert output_kind_warnings(spec("probabilities"), p) == []
+    assert output_kind_warnings(spec(None), logits) == []
+
+
+def test_spec_refuses_kind_on_an_input_and_probabilities_on_an_embedding_output():
+    from pydantic import ValidationError
+
+    from tailguard.core.spec.models import ModelSpec
+
+    base = {"registered_name": "m", "task": "classification",
+            "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+            "outputs": [{"name": "p", "dtype": "float32", "shape": ["batch", 3], "kind": "probabilities"}]}
+    assert ModelSpec.model_validate(base).outputs[0].kind == "probabilities"
+    with pytest.raises(ValidationError, match="inputs.0.kind: kind applies to outputs only"):
+        ModelSpec.model_validate({**base, "inputs": [{**base["inputs"][0], "kind": "logits"}]})
+    with pytest.raises(ValidationError, match="outputs.0.kind: 'probabilities' applies to task classification"):
+        ModelSpec.model_validate({**base, "task": "embedding"})
+
+
+def test_monitor_compare_rows_scores_kl_like_validation_when_outputs_are_probabilities():
+    from tailguard.monitoring.compare import compare_rows
+
+    p, q = _probability_rows(1, rows=20)
+    got = compare_rows("classification", p, q, ["top1_agree", "kl_divergence"], probabilities=True)
+    np.testing.assert_array_equal(got["kl_divergence"],
+                                  per_sample_metrics("classification", p, q, probabilities=True)["kl_divergence"])

@@ -43,7 +43,7 @@ NAME = "tiny-clf"
 
 
 def _stats(**kw: Any) -> SliceStatistics:
-    args = dict(streams_per_request=1, alpha=0.01, horizon=100_000, min_support=1)
+    args = dict(streams_per_request=1, alpha=0.01, horizon=100_000, min_support=1, max_request_rows=1)  # one-row requests
     return SliceStatistics("m", ["top1_agree"], TOP1, **{**args, **kw})
 
 
@@ -510,7 +510,7 @@ def test_restarted_combiner_process_raises_no_stale_alert_when_incident_fired_an
     ref = T.linear_classifier(tmp_path / "ref.onnx")
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_columns": ["domain"],
-                                                "min_support": 10, "horizon": 1000})))
+                                                "min_support": 10, "horizon": 1000, "max_request_rows": 1})))
     p_rep, p_comb = free_port(), free_port()
     rep_url, comb_url = f"http://127.0.0.1:{p_rep}", f"http://127.0.0.1:{p_comb}"
     comb_args = ["--spec", str(spec), "--reference", str(ref), "--peer", rep_url, "--poll-interval", "0.1"]

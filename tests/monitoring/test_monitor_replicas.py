@@ -158,6 +158,9 @@ def test_only_combiner_alerts_on_evidence_from_both_replicas_when_rows_split_acr
             alert = next(a for a in c.get(urls[1] + "/v1/alerts").json() if a["slice"] == "domain=legal")
             assert alert["source"] == "combined" and alert["detector"] == "betting_cusum"
             assert alert["samples_seen"] > 40  # it used the replica's rows as well as its own
+            # the value is the row-weighted agreement since the change point, from the merged window sums
+            assert alert["reason"] is None and alert["value"] < 0.97, alert
+            assert alert["value_ci_low"] <= alert["value"] <= alert["value_ci_high"]
             assert c.get(urls[0] + "/v1/alerts").json() == []  # the replica measures, never alerts
             ev = c.get(urls[0] + "/v1/evidence").json()
             assert ev["role"] == "replica" and ev["slices"]["domain=legal"]["rows"] == 40

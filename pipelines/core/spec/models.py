@@ -166,6 +166,10 @@ class TensorSpec(SpecModel):
     value_range: tuple[float, float] | None = Field(None, description=(
         "Inputs only: inclusive [min, max] of every element, e.g. [0, 30521] for token ids of a 30522-word "
         "vocabulary. The data check fails rows with an element outside it."))
+    kind: Literal["logits", "probabilities"] | None = Field(None, description=(
+        "Outputs only, classification: what the compared output holds: 'logits' (default; KL divergence and "
+        "margins on its softmax) or 'probabilities' (rows already sum to 1, e.g. a model ending in Softmax: KL on "
+        "the values themselves). Validation warns when logits rows already sum to 1."))
 
     @field_validator("shape", mode="before")
     @classmethod
@@ -256,6 +260,18 @@ class ModelSpec(SpecModel):
     export: ExportSpec = Field(default_factory=ExportSpec, description="torch -> ONNX export settings.")
     pad_values: dict[str, float] = Field(default_factory=dict, description=(
         "Value used to pad each variable-length input per batch (default 0; attention masks pad with 0)."))
+
+    @model_validator(mode="after")
+    def _output_kinds(self) -> "ModelSpec":
+        for i, t in enumerate(self.inputs):
+            if t.kind is not None:
+                raise ValueError(f"inputs.{i}.kind: kind applies to outputs only (logits or probabilities); "
+                                 "remove it from the input")
+        for i, t in enumerate(self.outputs):
+            if t.kind is not None and self.task != "classification":
+                raise ValueError(f"outputs.{i}.kind: {t.kind!r} applies to task classification, not "
+                                 f"{self.task!r}; remove it")
+        return self
 
     @field_validator("version")
     @classmethod
