@@ -45,7 +45,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -74,7 +74,7 @@ INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_i
                    "binary_size_mismatch", "truncated_binary", "trailing_binary", "bad_bytes_prefix",
                    # refusals before or beside parsing (monitoring/service.py, grpc_ingest.py)
                    "join_entry_too_large", "too_many_requests", "body_budget_exceeded", "client_disconnected",
-                   "unauthenticated")
+                   "unauthenticated", "body_read_timeout")
 # Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec/monitor.py MonitoringSpec).
 MAX_BODY_BYTES = 8 * 2**20
 MAX_BATCH_ROWS = 1024
@@ -83,7 +83,8 @@ MAX_JSON_DEPTH = 64
 # Most request parameters (slice metadata) accepted; each may become a Parquet column in the S3 sink.
 MAX_PARAMETERS = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# json_depth reads a text in pieces of this many bytes: the temporaries of one piece are a few times its size
+DEPTH_CHUNK = 1 << 16
 
 
 class OipError(Exception):
@@ -100,6 +101,9 @@ class OipError(Exception):
         super().__init__(message)
         self.reason, self.message, self.status = reason, message, status
 
+    def __reduce__(self) -> tuple:  # picklable: a parse in a worker process raises it (monitoring/parsing.py)
+        return OipError, (self.reason, self.message, self.status)
+
 
 def utf8_text(text: str) -> str:
     """`text` with what UTF-8 cannot encode (lone surrogates) replaced by "?"."""
@@ -109,18 +113,67 @@ def utf8_text(text: str) -> str:
 def json_depth(raw: bytes) -> int:
     """Deepest bracket nesting of a JSON text (brackets inside strings do not count), without parsing it.
 
-    Linear in the text (a regex drops the strings, numpy counts the brackets), so it is safe on any input up to
-    the body limit; a text that is not JSON gets some number, and is refused by the parser afterwards.
+    Linear in the text: it is read in pieces of at most DEPTH_CHUNK bytes (`_depth_chunk`), each with a fixed
+    number of passes of bytes methods and numpy ufuncs (no regex, nothing that backtracks), carrying the state
+    between pieces (inside a string or not, a pending backslash, the depth so far). So the work is proportional to
+    the text's length whatever it holds (issue 36 item 2: the string regex this replaces was quadratic on `"`
+    followed by many `\\"` escapes: 64 KB took 14.6 s). A text that is not JSON gets some number, and is refused
+    by the parser afterwards.
+
+    Args:
+        raw: the JSON text as UTF-8 bytes.
+
+    Returns:
+        Deepest nesting of `[`/`{` outside strings (0 for a scalar).
     """
     if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:  # cannot be deeper: skip the scan
         return raw.count(b"[") + raw.count(b"{")
-    a = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
-    pos = np.flatnonzero((a == 0x5B) | (a == 0x7B) | (a == 0x5D) | (a == 0x7D))
+    state = _DepthState()
+    view = memoryview(raw)
+    for start in range(0, len(raw), DEPTH_CHUNK):
+        _depth_chunk(bytes(view[start:start + DEPTH_CHUNK]), state)
+    return state.deepest
+
+
+@dataclass
+class _DepthState:
+    """What `_depth_chunk` carries from one piece of a JSON text to the next."""
+
+    escape: bool = False  # the previous piece ended in an unpaired backslash: it escapes this piece's first byte
+    in_string: bool = False  # the previous piece ended inside a string
+    depth: int = 0  # bracket nesting at the end of the previous piece
+    deepest: int = 0  # deepest nesting seen so far
+
+
+def _depth_chunk(piece: bytes, state: _DepthState) -> None:
+    """Advance `state` over one piece of a JSON text (at most DEPTH_CHUNK bytes; json_depth's loop).
+
+    Escapes are removed first: a run of k backslashes is k // 2 escaped backslashes, then (k odd) one backslash
+    that escapes the next byte, so removing every `\\\\` pair and then every `\\"` leaves exactly the quotes
+    that open or close strings (in valid JSON, backslashes appear inside strings only). The parity of the quotes
+    before a bracket says whether it is inside a string. Each step is a constant number of linear passes.
+    """
+    if state.escape:  # the piece's first byte is escaped by the previous piece's last backslash
+        piece, state.escape = piece[1:], False
+    tail = len(piece) - len(piece.rstrip(b"\\"))
+    if tail % 2:  # an unpaired backslash at the end escapes the next piece's first byte
+        piece, state.escape = piece[:-1], True
+    piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+    a = np.frombuffer(piece, np.uint8)
+    if not a.size:
+        return
+    quotes = (a == 0x22).view(np.uint8)
+    inside = np.bitwise_xor.accumulate(quotes) ^ np.uint8(state.in_string)
+    state.in_string = bool(inside[-1])
+    opening = ((a == 0x5B) | (a == 0x7B)) & (inside == 0)
+    closing = ((a == 0x5D) | (a == 0x7D)) & (inside == 0)
+    pos = np.flatnonzero(opening | closing)
     if not pos.size:
-        return 0
-    b = a[pos]
-    steps = np.where((b == 0x5B) | (b == 0x7B), 1, -1).astype(np.int32)
-    return int(np.cumsum(steps).max())
+        return
+    steps = np.where(opening[pos], 1, -1).astype(np.int64)
+    levels = state.depth + np.cumsum(steps)
+    state.deepest = max(state.deepest, int(levels.max()))
+    state.depth = int(levels[-1])
 
 
 def load_json(body: bytes | str, *, max_bytes: int = MAX_BODY_BYTES, what: str = "body") -> Any:
@@ -270,7 +323,49 @@ def decode_binary(section: memoryview, name: str, shape: list[int], datatype: st
     return np.frombuffer(section, wire).astype(OIP_TO_NUMPY[datatype], copy=True)
 
 
-def attach_binary(tensor_lists: Sequence[Any], tail: memoryview, where: Sequence[str]) -> None:
+def _measure_binary(size: int, name: str, shape: list[int], datatype: str, where: str) -> None:
+    """decode_binary's size check alone (for a section that is not decoded)."""
+    n = math.prod(shape)
+    if datatype == "BYTES":
+        if n * BYTES_PREFIX > size:
+            raise OipError("binary_size_mismatch", f"{where} {name!r}: {size} bytes cannot hold {n} BYTES elements "
+                                                   f"(each needs a {BYTES_PREFIX}-byte length prefix)", status=400)
+    elif n * OIP_ITEMSIZE[datatype] != size:
+        raise OipError("binary_size_mismatch", f"{where} {name!r}: shape {shape} x {datatype} needs "
+                                               f"{n * OIP_ITEMSIZE[datatype]} bytes, the binary section has {size}",
+                       status=400)
+
+
+def check_tensors(tensors: Any, input_specs: Sequence) -> None:
+    """Refuse a request whose input tensors name an input the model does not have, or carry another datatype than
+    the spec's, before any of their data is decoded (issue 36 item 10: 2.1 M empty BYTES elements of an input the
+    model does not have took 2-2.5 s to decode before the name was checked).
+
+    Args:
+        tensors: the request's `inputs` (anything but a list of objects is left to parse_request).
+        input_specs: the spec's model.inputs.
+
+    Raises:
+        OipError: unknown_input (422) for a name the model does not take, bad_datatype (422) for a datatype
+            other than the spec's; the same reasons and messages parse_request gives afterwards.
+    """
+    if not isinstance(tensors, list):
+        return
+    expected = {s.name: SPEC_TO_OIP[s.dtype] for s in input_specs}
+    named = [t for t in tensors if isinstance(t, dict) and "name" in t]  # no name: parse_request's missing_input
+    unknown = sorted({utf8_text(str(t["name"])) for t in named} - set(expected))
+    if unknown:
+        raise OipError("unknown_input", f"unknown input(s) {[n[:200] for n in unknown[:16]]}; the model takes "
+                                        f"{list(expected)}")
+    for t in named:
+        name, dt = utf8_text(str(t["name"])), t.get("datatype")
+        if dt != expected[name]:
+            raise OipError("bad_datatype", f"input {name!r}: datatype {utf8_text(repr(dt))[:60]}, the model takes "
+                                           f"{expected[name]!r}")
+
+
+def attach_binary(tensor_lists: Sequence[Any], tail: memoryview, where: Sequence[str],
+                  decode: Sequence[Callable[[str], bool] | None] | None = None) -> None:
     """Give every tensor that declares `parameters.binary_data_size` its binary section, as its `data`.
 
     Sections follow the JSON part in the order the tensors appear, list after list (a request: its inputs; a
@@ -281,6 +376,9 @@ def attach_binary(tensor_lists: Sequence[Any], tail: memoryview, where: Sequence
         tensor_lists: lists of tensor objects (anything else is skipped: the JSON checks refuse it afterwards).
         tail: the bytes after the JSON part.
         where: a name per list, for messages.
+        decode: per list, which tensors (by name) are decoded (None: all). A tensor not decoded gets `data` None:
+            its section is measured against its shape (numeric: exactly shape x element size; BYTES: room for the
+            length prefixes), never walked or copied (a response output that is not compared).
 
     Raises:
         OipError: binary_size_mismatch (a size that is not a non-negative int, a tensor with both `data` and a
@@ -289,7 +387,8 @@ def attach_binary(tensor_lists: Sequence[Any], tail: memoryview, where: Sequence
             bad_datatype; all before anything is allocated for the tensor.
     """
     offset = 0
-    for tensors, label in zip(tensor_lists, where):
+    for k, (tensors, label) in enumerate(zip(tensor_lists, where)):
+        wanted = decode[k] if decode is not None else None
         if not isinstance(tensors, list):
             continue
         for t in tensors:
@@ -309,7 +408,11 @@ def attach_binary(tensor_lists: Sequence[Any], tail: memoryview, where: Sequence
                 raise OipError("truncated_binary", f"{label} {name!r}: binary section of {size} bytes at offset "
                                                    f"{offset} runs past the body ({len(tail)} bytes after the "
                                                    "JSON part)", status=400)
-            t["data"] = decode_binary(tail[offset:offset + size], name, shape, dt, label)
+            if wanted is None or wanted(name):
+                t["data"] = decode_binary(tail[offset:offset + size], name, shape, dt, label)
+            else:
+                _measure_binary(size, name, shape, dt, label)
+                t["data"] = None
             offset += size
     if offset != len(tail):
         raise OipError("trailing_binary", f"{len(tail) - offset} bytes after the last binary section (the JSON part "
@@ -396,6 +499,7 @@ def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes:
     if header is not None and isinstance(body, (bytes, bytearray)):
         body, tail = split_binary(bytes(body), header, max_bytes=max_bytes, what="request body")
         if isinstance(body, dict):
+            check_tensors(body.get("inputs"), input_specs)  # names and datatypes before any section is decoded
             attach_binary([body.get("inputs")], tail, ["input"])
     elif not isinstance(body, dict):
         body = load_json(body, max_bytes=max_bytes, what="request body")
@@ -455,13 +559,13 @@ def parse_request(body: bytes | str | dict, input_specs: Sequence, *, max_bytes:
                         batch=int(batch or 1))
 
 
-def parse_response_output(body: Any, output_spec: Any, batch: int) -> np.ndarray:
+def parse_response_output(body: Any, output_spec: Any, batch: int | None) -> np.ndarray:
     """The compared output (model.outputs[0]) of a live OIP response.
 
     Args:
         body: decoded response dict ({"model_name", "outputs": [...]}).
         output_spec: the spec's model.outputs[0] (its name is looked up; a single output is taken as it).
-        batch: rows of the matching request.
+        batch: rows of the matching request (None: checked later, with `check_batch`).
 
     Returns:
         (batch, ...) float array.
@@ -482,9 +586,19 @@ def parse_response_output(body: Any, output_spec: Any, batch: int) -> np.ndarray
     else:
         raise OipError("missing_output", f"response has no output {output_spec.name!r}; has {sorted(outs)}")
     arr = _array(output_spec.name, shape, dt, data, "response output")
-    if arr.ndim == 0 or arr.shape[0] != batch:
-        raise OipError("batch_mismatch", f"response output has shape {list(arr.shape)}, request batch is {batch}")
+    if batch is not None:
+        check_batch(arr, batch)
     return arr
+
+
+def check_batch(output: np.ndarray, batch: int) -> None:
+    """Refuse a response output whose rows are not the request's batch.
+
+    Raises:
+        OipError: batch_mismatch (422).
+    """
+    if output.ndim == 0 or output.shape[0] != batch:
+        raise OipError("batch_mismatch", f"response output has shape {list(output.shape)}, request batch is {batch}")
 
 
 def tensor_json(name: str, arr: np.ndarray) -> dict[str, Any]:

@@ -15,6 +15,11 @@ Endpoints:
                                    goes the /infer way (metrics endpoint="grpc").
     GET  /metrics                  Prometheus text format (names: monitoring/prometheus.py METRIC_NAMES).
     GET  /healthz                  200 while the process serves.
+    GET  /v2/health/live, /v2/health/ready, /v2/models/{name}/ready, /v2/models/{name}
+                                   the Open Inference Protocol's liveness (200), readiness (200 as /readyz, else
+                                   503), model readiness and metadata (404 unknown_model for another name), so
+                                   KServe v2 / Triton clients' is_server_ready, is_model_ready and
+                                   get_model_metadata work against the monitor.
     GET  /readyz                   200 once the models are loaded (reference, and candidate unless pairs-only or
                                    noise-floor mode) and answering, else 503 with what is missing or failing
                                    (every one of a model's last HEALTH_WINDOW calls failed). `node_check` /
@@ -23,8 +28,9 @@ Endpoints:
     GET  /v1/alerts, /v1/slices    alert records and per-slice statistics (JSON; /v1/slices?offset=&limit= pages
                                    through every tracked slice in key order, limit <= 10000, default 1000).
 
-Isolation of the live path: ingest parses and checks the body, draws the sampling decision and puts a sampled
-request on a bounded queue with `put_nowait`; it never waits for a model. A full queue drops the request
+Isolation of the live path: ingest parses and checks the body (on a parse thread, `MonitorService.parse_pool`:
+the event loop that serves /healthz only reads bodies and never parses one), draws the sampling decision and puts
+a sampled request on a bounded queue with `put_nowait`; it never waits for a model. A full queue drops the request
 (`dropped_total{reason="queue_full"}`). A worker thread runs the models, each call in its own one-thread pool
 with a timeout: a slow, crashing, NaN-returning or missing reference only moves `dropped_total{reason=...}`.
 Ingest answers 200 with `{"model_name", "id", "outputs": [], "parameters": {"tailguard.sampled": bool}}` (the
@@ -38,10 +44,12 @@ join_entry_too_large).
 
 Before any route (`_Guard`, before a body is read): the bearer token when one is configured (monitoring.auth_token_env
 / auth_token_file / --auth-token-file; every route but /healthz, /readyz and /metrics as configured; 401
-unauthenticated), then at most monitoring.max_concurrent_requests ingest requests in flight (503
-too_many_requests). Ingest bodies are read within monitoring.max_inflight_body_bytes over all requests in flight
-(503 body_budget_exceeded). /v1/slices and /v1/evidence build their entries in chunks of READ_CHUNK slices, each
-under the worker lock, never all of them at once.
+unauthenticated). Ingest bodies are read within monitoring.max_inflight_body_bytes over all requests in flight
+(bytes reserved as they arrive; 503 body_budget_exceeded) and monitoring.body_read_timeout_s each (408
+body_read_timeout); then at most monitoring.max_concurrent_requests bodies are parsed at once (503
+too_many_requests), on parse threads or, from PROCESS_PARSE_BYTES, worker processes (monitoring/parsing.py), never
+on the event loop that answers /healthz. /v1/slices and /v1/evidence build their entries in chunks of READ_CHUNK
+slices, each under the worker lock, never all of them at once.
 
 Limits (monitoring/oip.py): a body over monitoring.max_body_bytes is refused from its Content-Length, or while it
 is read, before any parsing (413 body_too_large); then JSON nesting (400 too_deep), binary sections against shapes
@@ -55,6 +63,7 @@ key `<name>=<redacted>` everywhere (statistics, /metrics, /v1/slices, alerts, ev
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures as cf
 import contextlib
@@ -85,8 +94,9 @@ from tailguard.monitoring.compare import compare_rows
 from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
 from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
-from tailguard.monitoring.oip import (BINARY_HEADER, InferRequest, OipError, attach_binary, load_json, parse_request,
-                                      parse_response_output, split_binary, utf8_text)
+from tailguard.monitoring.oip import (BINARY_HEADER, SPEC_TO_OIP, InferRequest, OipError, check_batch, load_json,
+                                      parse_request, utf8_text)
+from tailguard.monitoring.parsing import BodyParser, ParseLimits, parse_body, parse_half
 from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
 from tailguard.monitoring.sampler import Decision
 from tailguard.core.runtime import Runner, runner_for_file
@@ -100,6 +110,9 @@ READ_CHUNK = 512  # slice entries /v1/evidence and /v1/slices build per hold of 
 # uvicorn's limit_concurrency = max_concurrent_requests + this: it counts open connections (idle keep-alive ones of
 # every mirroring Envoy too) and tasks, so it is a memory bound far above the app's own limit, not the limit itself
 CONNECTION_HEADROOM = 1024
+# threads that parse HTTP ingest bodies (JSON, binary sections, CloudEvents headers), off the event loop that serves
+# /healthz; more requests wait for one (at most monitoring.max_concurrent_requests are in flight)
+PARSE_WORKERS = 4
 
 
 def redact_params(params: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
@@ -222,7 +235,7 @@ class MonitorService:
         self.cfg = cfg
         self.auth = BearerAuth(auth_token) if auth_token else None
         self.body_budget = BodyBudget(mon.max_inflight_body_bytes)
-        self.in_flight = 0  # HTTP ingest requests being handled (the event loop's count; max_concurrent_requests)
+        self.in_flight = 0  # HTTP ingest bodies being parsed (the event loop's count; max_concurrent_requests)
         self.redact = frozenset(mon.redact_fields)
         redacted_slices = [r.name for r in cfg.rules if r.column in self.redact or r.name in self.redact]
         if redacted_slices:
@@ -278,6 +291,11 @@ class MonitorService:
         self.runners: dict[str, Runner | None] = {"reference": None, "candidate": None}
         self.load_errors: dict[str, str] = {}
         self._pools = {r: cf.ThreadPoolExecutor(1, thread_name_prefix=f"tg-{r}") for r in ("reference", "candidate")}
+        # every parse of an HTTP ingest body runs here, never on the event loop (issue 36 item 2)
+        self.parse_pool = cf.ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="tg-parse")
+        # and a body of PROCESS_PARSE_BYTES or more in a worker process (its GIL holds would stall every thread)
+        self.parser = BodyParser(ParseLimits(tuple(cfg.inputs), cfg.output, int(mon.max_body_bytes),
+                                             int(mon.max_batch_rows)))
         self._stuck: dict[str, cf.Future | None] = {"reference": None, "candidate": None}
         self._batching = {"reference": True, "candidate": True}  # False once a model fails only when batched
         # per role, the drop reason of each of the last HEALTH_WINDOW calls (None = it answered)
@@ -343,8 +361,9 @@ class MonitorService:
             self._worker.join(5)
         if self.sink is not None:
             self.sink.close()
-        for p in self._pools.values():
+        for p in (*self._pools.values(), self.parse_pool):
             p.shutdown(wait=False, cancel_futures=True)
+        self.parser.close()
 
     def _load_models(self) -> None:
         for role, src in self._sources.items():
@@ -435,15 +454,23 @@ class MonitorService:
         return self.refuse_body(endpoint, "body_too_large")
 
     def refuse_body(self, endpoint: str, reason: str | None) -> tuple[int, dict[str, Any]]:
-        """The answer to a body the app did not read (counted in invalid_requests_total{reason}): 413
+        """The answer to a body the app did not read or parse (counted in invalid_requests_total{reason}): 413
         `body_too_large` (over monitoring.max_body_bytes), 503 `body_budget_exceeded` (the bodies in flight hold
-        monitoring.max_inflight_body_bytes; retry), 400 `client_disconnected` (the client left mid-body)."""
+        monitoring.max_inflight_body_bytes; retry), 400 `client_disconnected` (the client left mid-body), 408
+        `body_read_timeout` (not all there within monitoring.body_read_timeout_s), 503 `too_many_requests`
+        (monitoring.max_concurrent_requests bodies being parsed, or every gRPC ingest slot taken; retry)."""
         mon = self.cfg.mon
         if reason == "body_budget_exceeded":
             exc = OipError(reason, f"the bodies being read hold the budget of {mon.max_inflight_body_bytes} bytes "
                                    "(monitoring.max_inflight_body_bytes); retry later", status=503)
         elif reason == "client_disconnected":
             exc = OipError(reason, "the client closed the connection before the body was read", status=400)
+        elif reason == "body_read_timeout":
+            exc = OipError(reason, f"the body did not arrive within {mon.body_read_timeout_s} s "
+                                   "(monitoring.body_read_timeout_s)", status=408)
+        elif reason == "too_many_requests":
+            exc = OipError(reason, f"more than {mon.max_concurrent_requests} ingest requests in flight "
+                                   "(monitoring.max_concurrent_requests); retry later", status=503)
         else:
             exc = OipError("body_too_large", f"body over {self.max_body_bytes} bytes (monitoring.max_body_bytes)",
                            status=413)
@@ -467,28 +494,10 @@ class MonitorService:
         t0 = time.perf_counter()
         try:
             self._check_name(name, endpoint)
-            if endpoint == "pairs":
-                if header is None:
-                    doc, tail = load_json(body, max_bytes=self.max_body_bytes, what="pairs body"), None
-                else:
-                    doc, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="pairs body")
-                if not isinstance(doc, dict) or "request" not in doc or "response" not in doc:
-                    raise OipError("not_an_object", "pairs body must be {\"request\": ..., \"response\": ...}",
-                                   status=400)
-                if not isinstance(doc["request"], dict):
-                    raise OipError("not_an_object", "pairs body: 'request' must be a JSON object with 'inputs'",
-                                   status=400)
-                if tail is not None:  # sections: the request's inputs, then the response's outputs
-                    response = doc["response"]
-                    attach_binary([doc["request"].get("inputs"),
-                                   response.get("outputs") if isinstance(response, dict) else None], tail,
-                                  ["request input", "response output"])
-                req = self._parse_request(doc["request"])
-                return self._ingest_pair(endpoint, req, doc["response"], t0, self.slice_headers(headers))
-            req = self._parse_request(body, header)
+            req, cand = self.parser.run(parse_body, endpoint, body, header, size=len(body))
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        return self._admit(endpoint, req, None, t0, self.slice_headers(headers))
+        return self._admit(endpoint, req, cand, t0, self.slice_headers(headers))
 
     def slice_headers(self, headers: Mapping[str, Any] | Iterable[tuple[str, Any]] | None
                       ) -> dict[str, str] | None:
@@ -520,7 +529,7 @@ class MonitorService:
         InferenceService's `logger.metadataHeaders` as ce-metadata; it forwards no response header, so a binary
         response half needs the header set by whatever posts it). The first half of an id waits in the join
         buffer (answer 200, `"joined": false`);
-        the second one completes the pair, which then goes exactly the pairs endpoint's way (`_ingest_pair`:
+        the second one completes the pair, which then goes exactly the pairs endpoint's way (`check_batch`:
         response output checked against the request's batch, slice keys, sampling, queue).
 
         Args:
@@ -557,7 +566,7 @@ class MonitorService:
             header = _event_header(h, half)
             # checked now (a bad half is refused at once); if it has to wait, only its raw bytes are kept and it
             # is parsed again when its partner comes (monitoring/join.py: the byte budget is what is held)
-            parsed = self._parse_half(half, body, header)
+            parsed = self.parser.run(parse_half, half, body, header, size=len(body))
             try:
                 pair = self.join.add(event_id, half, (body, header), size=len(body) + len(header or ""))
             except EntryTooLarge as exc:
@@ -567,13 +576,15 @@ class MonitorService:
                 self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
                 return 200, {"model_name": self.cfg.model_name, "id": event_id, "joined": False}
             other_half = "response" if half == "request" else "request"
-            other = self._parse_half(other_half, *(pair[1] if half == "request" else pair[0]))
-            req, resp = (parsed, other) if half == "request" else (other, parsed)
+            other_body, other_header = pair[1] if half == "request" else pair[0]
+            other = self.parser.run(parse_half, other_half, other_body, other_header, size=len(other_body))
+            req, cand = (parsed, other) if half == "request" else (other, parsed)
             if not req.id:
                 req.id = event_id
+            check_batch(cand, req.batch)
         except OipError as exc:
             return self._refuse(endpoint, exc, t0)
-        status, doc = self._ingest_pair(endpoint, req, resp, t0, self._forwarded(h))
+        status, doc = self._admit(endpoint, req, cand, t0, self._forwarded(h))
         doc["joined"] = status == 200
         return status, doc
 
@@ -587,28 +598,6 @@ class MonitorService:
         except OipError:
             return None
         return self.slice_headers(meta) if isinstance(meta, dict) else None
-
-    def _parse_half(self, half: str, body: bytes, header: str | None) -> Any:
-        """A payload-logger half parsed and checked: the request as an InferRequest (checked against
-        model.inputs), the response as its JSON object with a non-empty `outputs` list (binary sections
-        attached).
-
-        Raises:
-            OipError: the usual ingest reasons (invalid_json, not_an_object, missing_output, the binary ones...).
-        """
-        if half == "request":
-            return self._parse_request(body, header)
-        if header is None:
-            value, tail = load_json(body, max_bytes=self.max_body_bytes, what="response body"), None
-        else:
-            value, tail = split_binary(body, header, max_bytes=self.max_body_bytes, what="response body")
-        if not isinstance(value, dict):
-            raise OipError("not_an_object", "response body must be a JSON object with 'outputs'", status=400)
-        if tail is not None:
-            attach_binary([value.get("outputs")], tail, ["response output"])
-        if not isinstance(value.get("outputs"), list) or not value["outputs"]:
-            raise OipError("missing_output", "response has no 'outputs' list (OIP v2 response)")
-        return value
 
     def sweep(self) -> int:
         """Drop payload-logger halves older than monitoring.logger_join_ttl_s (counted); returns how many."""
@@ -647,16 +636,6 @@ class MonitorService:
         self.metrics.invalid_requests.labels(exc.reason).inc()
         self.metrics.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return exc.status, {"error": exc.message, "reason": exc.reason}
-
-    def _ingest_pair(self, endpoint: str, req: InferRequest, response: Any, t0: float,
-                     headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-        """A request with its live response (pairs and logger endpoints): the response's output is the
-        candidate's answer; then the same admission as a mirrored request."""
-        try:
-            cand = parse_response_output(response, self.cfg.output, req.batch)
-        except OipError as exc:
-            return self._refuse(endpoint, exc, t0)
-        return self._admit(endpoint, req, cand, t0, headers)
 
     def _admit(self, endpoint: str, req: InferRequest, cand: np.ndarray | None,
                t0: float, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
@@ -911,11 +890,11 @@ class BodyBudget:
 
 
 def _needs_auth(path: str, mon: Any) -> bool:
-    """Whether a route requires the bearer token: every one but /healthz; /readyz and /metrics as configured
-    (monitoring.auth_readyz, auth_metrics)."""
-    if path == "/healthz":
+    """Whether a route requires the bearer token: every one but /healthz and /v2/health/live; /readyz,
+    /v2/health/ready and /metrics as configured (monitoring.auth_readyz, auth_metrics)."""
+    if path in ("/healthz", "/v2/health/live"):
         return False
-    if path == "/readyz":
+    if path in ("/readyz", "/v2/health/ready"):
         return bool(mon.auth_readyz)
     if path == "/metrics":
         return bool(mon.auth_metrics)
@@ -924,9 +903,9 @@ def _needs_auth(path: str, mon: Any) -> bool:
 
 class _Guard:
     """ASGI middleware ahead of every route, before any body is read: the bearer token (401 `unauthenticated`,
-    with `WWW-Authenticate: Bearer`), then the number of ingest requests (POST /v2/...) in flight (503
-    `too_many_requests` past monitoring.max_concurrent_requests, with `Retry-After: 1`). Both counted in
-    invalid_requests_total{reason}. Runs on the event loop only, so the in-flight count needs no lock."""
+    with `WWW-Authenticate: Bearer`, counted in invalid_requests_total{reason}). The number of ingest bodies
+    being parsed (monitoring.max_concurrent_requests) is checked once a body is read (`build_app`'s `_handle`):
+    a client that stalls mid-body holds no parse slot."""
 
     def __init__(self, app: Any, service: MonitorService) -> None:
         self.app = app
@@ -945,20 +924,23 @@ class _Guard:
                                 "token, monitoring.auth_token_env / auth_token_file)", "reason": "unauthenticated"}
                 await JSONResponse(doc, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
-        if scope.get("method") != "POST" or not path.startswith("/v2/"):
-            await self.app(scope, receive, send)
-            return
-        if svc.in_flight >= svc.cfg.mon.max_concurrent_requests:
-            svc.metrics.invalid_requests.labels("too_many_requests").inc()
-            doc = {"error": f"more than {svc.cfg.mon.max_concurrent_requests} ingest requests in flight "
-                            "(monitoring.max_concurrent_requests); retry later", "reason": "too_many_requests"}
-            await JSONResponse(doc, status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
-            return
-        svc.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            svc.in_flight -= 1
+        await self.app(scope, receive, send)
+
+
+def model_metadata(cfg: MonitorConfig) -> dict[str, Any]:
+    """The monitored model's OIP metadata (GET /v2/models/{name}): name, platform, the spec's inputs and the
+    compared output, each {"name", "datatype", "shape"} with symbolic dimensions as -1 (as gRPC ModelMetadata)."""
+    def meta(s: Any) -> dict[str, Any]:
+        return {"name": s.name, "datatype": SPEC_TO_OIP.get(getattr(s, "dtype", "float32"), "FP32"),
+                "shape": [d if isinstance(d, int) else -1 for d in s.shape]}
+
+    return {"name": cfg.model_name, "versions": [], "platform": "tailguard-shadow-monitor",
+            "inputs": [meta(s) for s in cfg.inputs], "outputs": [meta(cfg.output)]}
+
+
+def _unknown_model(service: MonitorService, name: str) -> dict[str, Any]:
+    return {"error": f"model {utf8_text(str(name))[:200]!r} is not monitored here; use "
+                     f"{service.cfg.model_name!r}", "reason": "unknown_model"}
 
 
 def build_app(service: MonitorService) -> Any:
@@ -974,10 +956,25 @@ def build_app(service: MonitorService) -> Any:
 
     async def _handle(endpoint: str, request: Request, handle: Callable[[bytes], tuple[int, dict[str, Any]]]
                       ) -> Response:
-        """Read the body within the limits, hand it to `handle`, release its share of the body budget."""
-        body, reason, held = await _read_body(request, service.max_body_bytes, service.body_budget)
+        """Read the body within the limits (size, body budget, monitoring.body_read_timeout_s), then, when fewer
+        than monitoring.max_concurrent_requests bodies are being parsed, hand it to `handle` on a parse thread
+        (`service.parse_pool`: no parse runs on the event loop, so /healthz answers whatever a body holds);
+        release its share of the body budget. A client that stalls mid-body holds only the bytes it sent, until
+        its read deadline: never a parse slot (issue 36 item 5)."""
+        body, reason, held = await _read_body(request, service.max_body_bytes, service.body_budget,
+                                              service.cfg.mon.body_read_timeout_s)
         try:
-            status, doc = service.refuse_body(endpoint, reason) if body is None else handle(body)
+            if body is None:
+                status, doc = service.refuse_body(endpoint, reason)
+            elif service.in_flight >= service.cfg.mon.max_concurrent_requests:
+                status, doc = service.refuse_body(endpoint, "too_many_requests")
+            else:
+                service.in_flight += 1
+                try:
+                    loop = asyncio.get_running_loop()
+                    status, doc = await loop.run_in_executor(service.parse_pool, handle, body)
+                finally:
+                    service.in_flight -= 1
         finally:
             service.body_budget.give(held)
         return JSONResponse(doc, status_code=status, headers={"Retry-After": "1"} if status == 503 else None)
@@ -1012,6 +1009,29 @@ def build_app(service: MonitorService) -> Any:
         ok, details = service.readiness()
         return JSONResponse(details, status_code=200 if ok else 503)
 
+    # the Open Inference Protocol's health and metadata routes (KServe v2 / Triton clients call them first)
+    @app.get("/v2/health/live")
+    async def oip_live() -> Response:
+        return JSONResponse({"live": True})
+
+    @app.get("/v2/health/ready")
+    async def oip_ready() -> Response:
+        ok = service.readiness()[0]
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2/models/{name}/ready")
+    async def oip_model_ready(name: str) -> Response:
+        if name != service.cfg.model_name:
+            return JSONResponse(_unknown_model(service, name), status_code=404)
+        ok = service.readiness()[0]
+        return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/v2/models/{name}")
+    async def oip_model_metadata(name: str) -> Response:
+        if name != service.cfg.model_name:
+            return JSONResponse(_unknown_model(service, name), status_code=404)
+        return JSONResponse(model_metadata(service.cfg))
+
     @app.get("/v1/alerts")
     async def alerts() -> Response:
         return JSONResponse(service.alerts())
@@ -1030,17 +1050,21 @@ def build_app(service: MonitorService) -> Any:
     return app
 
 
-async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[bytes | None, str | None, int]:
-    """The request body, read within `limit` bytes and the shared body budget.
+async def _read_body(request: Request, limit: int, budget: BodyBudget, timeout_s: float
+                     ) -> tuple[bytes | None, str | None, int]:
+    """The request body, read within `limit` bytes, the shared body budget and `timeout_s` seconds.
 
-    A declared Content-Length is checked against `limit` and reserved in `budget` before anything is read; a
-    chunked body reserves each chunk as it comes. Nothing over either bound is held in memory.
+    A declared Content-Length is checked against `limit`, and against what is left of `budget`, before anything
+    is read; bytes are reserved in `budget` as they arrive (a client that stalls holds what it sent, not what it
+    declared). Nothing over either bound is held in memory.
 
     Returns:
         (body, None, bytes reserved) or (None, reason, bytes reserved) with reason `body_too_large` (over
-        `limit`), `body_budget_exceeded` (the budget is taken by bodies in flight) or `client_disconnected` (the
-        client went away mid-body). The caller gives the reserved bytes back (`budget.give`) once done.
+        `limit`), `body_budget_exceeded` (the budget is taken by bodies in flight), `client_disconnected` (the
+        client went away mid-body) or `body_read_timeout` (not all there within `timeout_s`, counted from the
+        headers: monitoring.body_read_timeout_s). The caller gives the reserved bytes back (`budget.give`).
     """
+    import anyio
     from starlette.requests import ClientDisconnect
 
     try:
@@ -1049,23 +1073,23 @@ async def _read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[
         declared = 0
     if declared > limit:
         return None, "body_too_large", 0
-    held = max(declared, 0)
-    if held and not budget.take(held):
+    if declared > budget.limit - budget.used:
         return None, "body_budget_exceeded", 0
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return None, "body_too_large", held
-            if size > held:  # chunked (or more than declared): reserve as it comes
-                if not budget.take(size - held):
-                    return None, "body_budget_exceeded", held
-                held = size
-            chunks.append(chunk)
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return None, "body_too_large", size - len(chunk)
+                if not budget.take(len(chunk)):
+                    return None, "body_budget_exceeded", size - len(chunk)
+                chunks.append(chunk)
     except ClientDisconnect:
-        return None, "client_disconnected", held
-    return b"".join(chunks), None, held
+        return None, "client_disconnected", size
+    except TimeoutError:
+        return None, "body_read_timeout", sum(map(len, chunks))
+    return b"".join(chunks), None, size
 
 
 def _discover(targets: list[str], resolver: Callable[..., Any]) -> list[str]:

@@ -220,12 +220,13 @@ def _lie(kind):
     if kind == "trailing":
         text = json.dumps(head).encode()
         return text + raw + b"\0\0\0\0", len(text), "trailing_binary"
-    if kind == "bytes_prefix":  # BYTES: the second element's prefix says 200 bytes, 3 are there
+    if kind == "bytes_prefix":  # BYTES: the second element's prefix says 200 bytes, 3 are there; the model takes
+        # FP32: refused from the datatype before the section is decoded (issue 36 item 10)
         payload = (3).to_bytes(4, "little") + b"abc" + (200).to_bytes(4, "little") + b"xyz"
         head["inputs"][0].update({"datatype": "BYTES", "shape": [2, 1],
                                   "parameters": {"binary_data_size": len(payload)}})
         text = json.dumps(head).encode()
-        return text + payload, len(text), "bad_bytes_prefix"
+        return text + payload, len(text), "bad_datatype"
     if kind == "huge_shape":  # a shape whose product would need exabytes: refused from the sizes, nothing allocated
         head["inputs"][0]["shape"] = [2**40, 2**30]
         text = json.dumps(head).encode()

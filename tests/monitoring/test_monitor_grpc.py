@@ -103,8 +103,6 @@ def test_grpc_ingest_answers_status_code_counts_reason_and_stays_healthy_when_re
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             cases = {
                 "binary_size_mismatch": _stub_request(1, raw=features(1).tobytes()[:-4]),
-                "bad_bytes_prefix": _stub_request(1, raw=(9).to_bytes(4, "little") + b"abc", datatype="BYTES",
-                                                  shape=[1, 1]),
                 "bad_datatype": _stub_request(1, raw=features(1).astype(np.float64).tobytes(), datatype="FP64"),
                 "bad_shape": _stub_request(1, typed=True, shape=[3, 4]),
                 "non_finite_input": _stub_request(1, raw=np.full((2, 4), np.nan, np.float32).tobytes()),
@@ -113,6 +111,12 @@ def test_grpc_ingest_answers_status_code_counts_reason_and_stays_healthy_when_re
                 with pytest.raises(grpc.RpcError) as err:
                     stub.ModelInfer(req)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in err.value.details()
+            # BYTES for the FP32 input, with a length prefix that lies: refused from its datatype, before the raw
+            # contents are decoded (issue 36 item 10)
+            bad_bytes = _stub_request(1, raw=(9).to_bytes(4, "little") + b"abc", datatype="BYTES", shape=[1, 1])
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ModelInfer(bad_bytes)
+            assert "bad_datatype" in err.value.details()
         # still serving, and a good request is compared
         assert client.is_server_live()
         _infer(client, 3)
@@ -123,7 +127,8 @@ def test_grpc_ingest_answers_status_code_counts_reason_and_stays_healthy_when_re
                 time.monotonic() < deadline:
             time.sleep(0.01)
         for reason in ("body_too_large", "batch_too_large", "unknown_model", *cases):
-            assert value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) == 1, reason
+            want = 2 if reason == "bad_datatype" else 1
+            assert value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) == want, reason
         assert value(svc, "tailguard_monitor_requests_total", model=NAME, endpoint="grpc") == 1
 
 

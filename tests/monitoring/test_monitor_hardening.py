@@ -169,9 +169,17 @@ def test_logger_keeps_raw_halves_within_byte_budget_and_counts_overflow_when_par
 
 # ---------------------------------------------------------------------------- item 2: concurrency, body budget
 def test_ingest_answers_503_and_counts_when_max_concurrent_requests_are_in_flight(models):
+    # the limit counts bodies being parsed (issue 36 item 5: a client stalled mid-body holds no slot); two parses
+    # are held on an event until the third request has been answered
     with _live(models["ref"], models["cand"], max_concurrent_requests=2) as (svc, url, _):
-        stalled = [_Stalled(url, INFER, declared=4096) for _ in range(2)]
+        release, ingest = threading.Event(), svc.ingest
+        svc.ingest = lambda *a, **k: release.wait(60) and ingest(*a, **k)
+        stalled = [_Stalled(url, INFER, declared=4096) for _ in range(3)]  # mid-body: not counted
+        held = [threading.Thread(target=httpx.post, args=(url + INFER,), kwargs={"json": _body(i), "timeout": 120})
+                for i in range(2)]
         try:
+            for t in held:
+                t.start()
             _wait(lambda: svc.in_flight == 2, "two ingest requests in flight")
             r = httpx.post(url + INFER, json=_body(1), timeout=60)
             assert r.status_code == 503 and r.json()["reason"] == "too_many_requests"
@@ -179,18 +187,22 @@ def test_ingest_answers_503_and_counts_when_max_concurrent_requests_are_in_fligh
             assert httpx.get(url + "/healthz").status_code == 200  # probes are not ingest: never limited
             assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="too_many_requests") == 1
         finally:
+            release.set()
+            for t in held:
+                t.join(120)
             for s in stalled:
                 s.close()
-        _wait(lambda: svc.in_flight == 0, "the stalled requests ended")
+        _wait(lambda: svc.in_flight == 0, "the held requests ended")
+        del svc.ingest
         assert httpx.post(url + INFER, json=_body(2), timeout=60).status_code == 200
 
 
 def test_ingest_answers_503_body_budget_exceeded_when_bodies_in_flight_hold_the_budget(models):
     with _live(models["ref"], models["cand"], max_body_bytes=40_000, max_inflight_body_bytes=50_000) as (
             svc, url, _):
-        stalled = _Stalled(url, INFER, declared=40_000)
+        stalled = _Stalled(url, INFER, declared=40_000, sent=39_990)  # what arrived is reserved, not what is declared
         try:
-            _wait(lambda: svc.body_budget.used == 40_000, "the stalled body reserved")
+            _wait(lambda: svc.body_budget.used == 39_990, "the stalled body's bytes reserved")
             big = json.dumps(_body(1)).encode() + b" " * 15_000  # fits max_body_bytes, not what is left
             r = httpx.post(url + INFER, content=big, timeout=60)
             assert r.status_code == 503 and r.json()["reason"] == "body_budget_exceeded", r.text
@@ -215,7 +227,8 @@ def test_monitor_answers_401_and_counts_on_every_route_but_healthz_when_bearer_t
     routes = [("GET", "/v1/slices", None), ("GET", "/v1/evidence?since=0", None), ("GET", "/v1/alerts", None),
               ("GET", "/metrics", None), ("GET", "/openapi.json", None), ("GET", "/no-such-route", None),
               ("POST", INFER, json.dumps(_body(0)).encode()), ("POST", f"/v2/models/{NAME}/pairs", pairs),
-              ("POST", LOGGER, json.dumps(_body(0)).encode())]
+              ("POST", LOGGER, json.dumps(_body(0)).encode()), ("GET", f"/v2/models/{NAME}", None),
+              ("GET", f"/v2/models/{NAME}/ready", None)]
     wrong = ({}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": TOKEN},
              {"Authorization": f"Basic {TOKEN}"})
     with _live(models["ref"], models["cand"], auth_token=TOKEN) as (svc, url, _), \
@@ -232,7 +245,7 @@ def test_monitor_answers_401_and_counts_on_every_route_but_healthz_when_bearer_t
         for method, path, body in routes:
             r = client.request(method, path, content=body, headers={**_ce("request", "ev-1"), **good})
             assert r.status_code == (404 if path == "/no-such-route" else 200), (path, r.text)
-        for path in ("/healthz", "/readyz"):  # probes: open by default (monitoring.auth_readyz false)
+        for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):  # probes: open by default
             assert client.get(path).status_code == 200
 
 

@@ -207,6 +207,10 @@ class MonitoringSpec(SpecModel):
         "comparison's own noise; must never alert."))
     queue_size: int = Field(1000, ge=1, description="Sampled requests waiting for the shadow; more are dropped.")
     reference_timeout_s: float = Field(2.0, gt=0, description="A reference call slower than this is dropped (s).")
+    body_read_timeout_s: float = Field(30.0, gt=0, le=3600, description=(
+        "Seconds an ingest request may take to deliver its body once its headers arrived (HTTP) or its message "
+        "once the call started (gRPC ModelInfer); a slower one is refused (HTTP 408, gRPC CANCELLED) and counted "
+        "(invalid_requests_total{reason=\"body_read_timeout\"}), so stalled clients cannot hold the ingest."))
     logger_join_max_entries: int = Field(10000, ge=1, description=(
         "KServe payload-logger endpoint (POST /v2/models/{name}/logger): at most this many CloudEvent halves "
         "(a request or a response whose other half has not arrived) wait to be joined by ce-id; when full, the "
