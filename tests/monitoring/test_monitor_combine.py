@@ -479,3 +479,20 @@ def test_combined_counts_equal_replica_totals_when_own_url_and_one_replica_under
         finally:
             comb.stop()
             alias.close()
+
+
+def test_combiner_refuses_a_document_with_more_slices_than_a_replica_can_track():
+    small = _stats(source="combined", max_tracked_slices=2)
+    settings = settings_hash(small)
+    rep = _replica(10, seed=3)  # slices all and d=a
+    doc = {**rep.evidence(0), "epoch": "e", "role": "replica", "settings": settings}
+    fits = Combiner(small, lambda name, since: doc, ["r"], settings=settings)
+    fits.poll()
+    assert fits.status()["r"]["errors"] == 0 and _counts(small) == (10, 10)
+    doc["slices"]["d=b"] = copy.deepcopy(doc["slices"]["d=a"])  # 3 slices: more than max_tracked_slices (2)
+    over = _stats(source="combined", max_tracked_slices=2)
+    refused = Combiner(over, lambda name, since: doc, ["r"], settings=settings)
+    refused.poll()
+    st = refused.status()["r"]
+    assert st["errors_by_reason"] == {PeerError.BAD_DOCUMENT.value: 1}, st
+    assert "more than monitoring.max_tracked_slices (2)" in st["last_error"] and _counts(over) == (0, 0)
