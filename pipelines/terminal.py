@@ -98,7 +98,11 @@ def summary_renderables(summary: RunSummary, width: int) -> list[Any]:
     columns = ("variant", "status", *_SUMMARY_NUMBERS, "int8 MACs", "agreement", "accuracy", *_SUMMARY_TEXT)
     texts = {col: [Text(col), *[Text.from_markup(c[col]) if isinstance(c[col], str) else c[col] for c in cells]]
              for col in columns}
-    widths = _fit_widths([max((len(w) for t in texts[col] for w in t.plain.split()), default=1) for col in columns],
+    # a figure with its bounds ("1.62 [1.52, 1.72]") is never wrapped: the timing columns' minimum is their longest
+    # cell; the other columns' is their longest word
+    widths = _fit_widths([max((t.cell_len if col in _SUMMARY_NUMBERS and i else len(w)
+                               for i, t in enumerate(texts[col]) for w in t.plain.split()), default=1)
+                          for col in columns],
                          [max((t.cell_len for t in texts[col]), default=1) for col in columns],
                          width - 3 * len(columns) - 1)  # per column: 2 of padding and 1 of border, + the last border
     if widths is not None:
@@ -144,6 +148,12 @@ def print_summary(summary: RunSummary) -> None:
         console.print(Text.assemble(("! baselines", "bold red"), f": {w}"))
     for part in summary_renderables(summary, console.width):
         console.print(part)
+    from tailguard.core.report import TASK_MARK, TASK_NOTE, TIMING_COLUMNS, rounds_line
+
+    if line := rounds_line(getattr(summary, "promotion_comparison", None)):  # where the unmarked figures come from
+        console.print(Text(line, style="dim"), soft_wrap=True)
+    if any(str(r[c] or "").endswith(TASK_MARK) for r in rows for c in TIMING_COLUMNS):
+        console.print(Text(TASK_NOTE, style="dim"), soft_wrap=True)
     for key, gid in gate_ids(summary).items():  # soft_wrap: the key is never cut, the terminal wraps the line
         console.print(Text.assemble(f"  {gid} = ", (key, "dim")), soft_wrap=True)
     if reason := getattr(summary, "promotion_reason", ""):  # how the variant to promote was chosen
