@@ -27,11 +27,11 @@ is computed at 1 - 0.05 / L, so it holds whichever look the timing stopped at. R
 order-statistic bounds at the same level (`add_quantile_bounds`: latency_ms.p50.lb95 / .ub95, latency_ms.p99.ub95;
 None where the rounds are too few for one, e.g. a p99 upper bound needs 299 rounds at 95%).
 
-Runners of different runtimes in one interleaved call must not keep the cores busy between their runs: ONNX
-Runtime's intra-op workers spin-wait after each Run by default, and torch eager timed right after them waited on
-them (2.7x its solo p50 for MiniLM on a 2-core node, issue 26). Build such an ORT session with
-`OrtRunner(stop_spinning_after_run=True)` (`session.force_spinning_stop`), as the reference pass does
-(components/reference/logic.py `time_baselines`).
+Runners in one interleaved call must not keep the cores busy between their runs: ONNX Runtime's intra-op workers
+spin-wait after each Run by default, and torch eager timed right after them waited on them (2.7x its solo p50 for
+MiniLM on a 2-core node, issue 26); two ORT sessions slow each other the same way. Build every timed ORT session
+with `tailguard.core.runtime.timed_ort_runner` (spinning off), as the reference pass, the validate step, the
+promotion's paired rounds and `tailguard bench` do (issue 37: the measurements are beside that function).
 """
 
 from __future__ import annotations
