@@ -591,7 +591,8 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
     the lowest median and each other variant's ratio median(other) / median(leader) gets one-sided 95% bounds
     corrected for the looks (`latency.speed_ratio` at `look_confidence(0.95, looks)`, paired bootstrap); timing
     stops when every ratio's lower bound is above 1 + margin (confident) or its upper bound below it (within the
-    margin), else at the budget. With a single passing variant it stops once its speed-up over each baseline is
+    margin), else at the budget (`benchmark.max_seconds`, but never before `latency.DECISION_MIN_ROUNDS` rounds:
+    torch eager in the rounds must not spend the budget before anything may be decided). With a single passing variant it stops once its speed-up over each baseline is
     known within `benchmark.precision` (default 0.05; `latency.precision_reached`). The baselines never lead and
     are never promoted.
 
@@ -689,7 +690,8 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
             ds = load_validation(spec)
             with pressure:  # how short of CPU the node was while the rounds were timed
                 timed = interleaved_benchmark(runners, ds, spec.model.inputs, bench,
-                                              pad_values=spec.model.pad_values, decide=decide)
+                                              pad_values=spec.model.pad_values, decide=decide,
+                                              min_rounds=DECISION_MIN_ROUNDS)
         except (TailguardError, OSError, mlflow.exceptions.MlflowException) as exc:
             print(f"tailguard register: no paired promotion comparison: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
