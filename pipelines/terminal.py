@@ -98,11 +98,7 @@ def summary_renderables(summary: RunSummary, width: int) -> list[Any]:
     columns = ("variant", "status", *_SUMMARY_NUMBERS, "int8 MACs", "agreement", "accuracy", *_SUMMARY_TEXT)
     texts = {col: [Text(col), *[Text.from_markup(c[col]) if isinstance(c[col], str) else c[col] for c in cells]]
              for col in columns}
-    # a figure with its bounds ("1.62 [1.52, 1.72]") is never wrapped: the timing columns' minimum is their longest
-    # cell; the other columns' is their longest word
-    widths = _fit_widths([max((t.cell_len if col in _SUMMARY_NUMBERS and i else len(w)
-                               for i, t in enumerate(texts[col]) for w in t.plain.split()), default=1)
-                          for col in columns],
+    widths = _fit_widths([max((len(w) for t in texts[col] for w in t.plain.split()), default=1) for col in columns],
                          [max((t.cell_len for t in texts[col]), default=1) for col in columns],
                          width - 3 * len(columns) - 1)  # per column: 2 of padding and 1 of border, + the last border
     if widths is not None:

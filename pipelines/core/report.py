@@ -220,7 +220,7 @@ def timing_cells(paired: dict | None, *, p50_ms: float | None, p99_ms: float | N
     "p99 ms"} as text, None where there is no figure.
 
     From the paired rounds when `paired` is given (`VariantSummary.paired`): p50 / p99 in ms ("3.68"), speed-ups
-    with their one-sided 95% bounds ("1.52 [1.44, 1.61]"); a speed-up whose baseline was not in the rounds falls
+    with their one-sided 95% bounds ("1.52 [1.44,1.61]"); a speed-up whose baseline was not in the rounds falls
     back to the task figure. Else the task figures, each marked TASK_MARK ("6.72*").
 
     Args:
@@ -236,7 +236,7 @@ def timing_cells(paired: dict | None, *, p50_ms: float | None, p99_ms: float | N
         r = paired.get(key)
         if not r:
             return task(fallback)
-        return f"{r['ratio']:.2f} [{r['lower']:.2f}, {r['upper']:.2f}]"
+        return f"{r['ratio']:.2f} [{r['lower']:.2f},{r['upper']:.2f}]"  # a narrow column wraps before the bounds
 
     fmt = lambda x: None if x is None else f"{x:.2f}"  # noqa: E731
     return {"x torch": ratio("speedup_vs_torch", speedup_vs_torch),

@@ -82,7 +82,8 @@ def test_bench_model_times_a_registered_version_against_torch_and_onnx_fp32_in_o
         assert r["lower"] <= r["ratio"] <= r["upper"]
     print_summary(summary)
     out = capsys.readouterr().out
-    assert f"{row.paired['speedup_vs_torch']['ratio']:.2f} [" in out and "paired rounds at batch 1" in out
+    r = row.paired["speedup_vs_torch"]
+    assert f"[{r['lower']:.2f},{r['upper']:.2f}]" in out and "paired rounds at batch 1" in out
     assert "bench of tiny-ref-optimized v1 (ort-fp32)" in out
 
 
