@@ -93,7 +93,12 @@ def demo_once(tree: Path, home: Path, cwd: Path) -> dict[str, Any]:
         out.update(promoted_variant=d.get("promoted_variant"), promotion_rule=d.get("promotion_rule"),
                    promotion_reason=d.get("promotion_reason"),
                    gates={v["variant"]: v.get("gates") or {} for v in d.get("variants") or []},
-                   rows_used={v["variant"]: [v.get("rows_used"), v.get("rows")] for v in d.get("variants") or []})
+                   rows_used={v["variant"]: [v.get("rows_used"), v.get("rows")] for v in d.get("variants") or []},
+                   # issue 37: the promotion's paired rounds (passing variants, torch eager, ONNX FP32 together)
+                   paired={v["variant"]: v.get("paired") for v in d.get("variants") or [] if v.get("paired")},
+                   paired_baselines_p50_ms={b: ((d.get("promotion_comparison") or {}).get("latency") or {})
+                                            .get(b, {}).get("p50_ms")
+                                            for b in (d.get("promotion_comparison") or {}).get("baselines") or []})
     if proc.returncode not in (0, 3):
         out["stderr_tail"] = (proc.stderr or proc.stdout)[-2000:]
     return out

@@ -270,7 +270,9 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
         return task(register_and_promote, "register-and-promote", spec_yaml=spec_yaml,
                     resolved=res.outputs["resolved"], parent_run_id=parent_run_id, tracking_uri=tracking_uri,
                     baselines=ref.outputs["Output"],
-                    reference_outputs=ref.outputs["outputs"]).after(*validations, *searches)
+                    reference_outputs=ref.outputs["outputs"], fetched=fetch.outputs["resolved"],
+                    reference=fetch.outputs["reference"],
+                    onnx_model=exp.outputs["onnx_model"]).after(*validations, *searches)
 
     name = spec.metadata.name
     description = (f"tailguard: optimize and validate {spec.model.registered_name} ({len(variants)} variants), "

@@ -225,6 +225,29 @@ def report(run_id: str = typer.Argument(..., metavar="RUN_ID|latest",
     console.print(f"wrote {path} (parent run {parent})")
 
 
+# ---------------------------------------------------------------------------------------------- bench
+@app.command("bench")
+@handle_errors
+def bench(model: str = typer.Argument(..., metavar="MODEL@ALIAS|MODEL/VERSION", help=(
+              "A version tailguard registered, e.g. minilm-lexname-optimized@production or "
+              "minilm-lexname-optimized/3.")),
+          spec: Path = typer.Option(..., "--spec", help="The spec it was built with (inputs, validation rows, "
+                                                        "benchmark section)."),
+          batch_size: Optional[int] = typer.Option(None, "--batch-size", min=1, help=(
+              "Rows per batch (default: promotion.batch_size, else the first benchmark batch size).")),
+          tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help=(
+              "MLflow store holding the registry (default: $MLFLOW_TRACKING_URI, else the local store under "
+              "$TAILGUARD_HOME)."))) -> None:
+    """Time a registered version against torch eager and the ONNX FP32 export in one interleaved run (the
+    promotion's paired rounds) and print the run table's row for it, every speed-up with its bounds. Exit 2 for
+    an unknown model or a bad spec, 1 when it cannot be timed here."""
+    from tailguard.bench import bench_model
+    from tailguard.core.spec import load_spec
+
+    summary = bench_model(model, load_spec(spec), tracking_uri=tracking_uri, batch_size=batch_size)
+    print_summary(summary)
+
+
 # ---------------------------------------------------------------------------------------------- fetch
 @app.command("fetch")
 @handle_errors

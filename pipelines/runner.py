@@ -29,6 +29,7 @@ from tailguard.core.contract import (PARENT_TAG, RUN_DIR_ENV, RUNNER_HOST_TAG, R
 from tailguard.core.cache import ENV_CACHE
 from tailguard.components.register.logic import RunSummary
 from tailguard.core.reference import MODEL_PATH_ENV
+from tailguard.core.report import timing_cells
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.core.home import ENV_HOME, home, quiet_environment
 from tailguard.core.results import BuildStatus, GateStatus
@@ -610,10 +611,12 @@ def target_status(v: VariantSummary) -> str:
 
 
 def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
-    """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms, agreement and accuracy (overall, from
+    """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms (text, `core.report.timing_cells`: from
+    the promotion's paired rounds with bounds, else the task's figures marked "*"), agreement and accuracy (overall, from
     the variant's result; None when not measured), worst slice (`worst_slice_cell`), discovered slices (the worst
     significant ones), gates (failed ones by their `gate_ids` id), registered (the version registered, if any) and
-    promoted (only the version the alias, or a per-target alias `<alias>-<target>`, was moved to by this run). With
+    promoted (only the version the alias, or a per-target alias `<alias>-<target>`, was moved to by this run; "tied" added
+    for a variant the paired rounds could not rank against the fastest). With
     serving targets, the status of a variant that did not pass everywhere names each target's verdict
     (`target_status`)."""
     ids = gate_ids(summary)
@@ -628,8 +631,10 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
         rows.append({
             "variant": v.variant, "status": v.status if v.status != BuildStatus.OK else (
                 "passed" if v.passed else target_status(v) or "failed gates"),
-            "x torch": v.speedup_vs_torch, "x onnx fp32": v.speedup_vs_onnx_fp32, "p50 ms": v.p50_ms,
-            "p99 ms": v.p99_ms, "agreement": agreement, "accuracy": overall.get("accuracy"),
+            # one timing truth (issue 37): the paired rounds' figures, else the task's marked as such
+            **timing_cells(getattr(v, "paired", None), p50_ms=v.p50_ms, p99_ms=v.p99_ms,
+                           speedup_vs_torch=v.speedup_vs_torch, speedup_vs_onnx_fp32=v.speedup_vs_onnx_fp32),
+            "agreement": agreement, "accuracy": overall.get("accuracy"),
             "worst slice": worst_slice_cell(v),
             "discovered": "; ".join(f"{d['slice']}={d['value']}: {d['value_in_slice']:.3f} vs {d['value_rest']:.3f} "
                                     f"(n={d['support']}, q={d['q_value']:.2g})" for d in (v.discovered or [])),
@@ -644,8 +649,10 @@ def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
             # ("reused v1 (same sha256)": an existing version holds this artefact; register.registration_policy)
             "registered": (v.registration_note if v.registration == "reused" else f"v{v.version}") if v.version
             else "",
-            "promoted": ", ".join(([f"@{summary.alias} -> v{v.version}"] if v.promoted else [])
-                                  + [f"@{a} -> v{v.version}" for a in getattr(v, "target_aliases", None) or []]),
+            "promoted": " ".join(x for x in (", ".join(
+                ([f"@{summary.alias} -> v{v.version}"] if v.promoted else [])
+                + [f"@{a} -> v{v.version}" for a in getattr(v, "target_aliases", None) or []]),
+                "tied" if (getattr(v, "paired", None) or {}).get("tied") else "") if x),
         })
     return rows
 

@@ -14,12 +14,12 @@ if TYPE_CHECKING:
 
 # Torch baseline method (issue 26, item 1). Alternating a default ONNX Runtime session and torch eager in one process
 # made torch wait on ORT's intra-op workers, which spin on the cores for a while after each ORT Run: measured 2.9x
-# torch's solo time for a 4-layer width-256 encoder on a 2-core node (5.9 vs 2.1 ms), 513 vs 28 ms for MiniLM. The
-# reference pass therefore builds the ORT session it times beside torch with `session.force_spinning_stop=1`
-# (`onnx_baseline_runner`): ORT's workers still spin while its own Run lasts (its served speed: 1.38 vs 1.33 ms
-# alone on the same encoder, where turning spinning off altogether cost 30%), and stop when Run returns, so torch
-# gets the cores (torch then 1.04x its solo time). Rounds stay interleaved per run (same batch, order alternating),
-# so a change of the node's load still hits both alike.
+# torch's solo time for a 4-layer width-256 encoder on a 2-core node (5.9 vs 2.1 ms), 513 vs 28 ms for MiniLM. Issue
+# 26 set `session.force_spinning_stop`; since issue 37 the session is built as every timed ORT session is, with
+# spinning off (`tailguard.core.runtime.timed_ort_runner`; force_spinning_stop made ORT-vs-ORT ratios 2x noisier
+# and disagree with the validate step's, the measurements are beside that function), so the ONNX FP32 baseline
+# here is timed exactly as the validate step and the promotion's paired rounds time it. Rounds stay interleaved
+# per run (same batch, order alternating), so a change of the node's load still hits both alike.
 TORCH_SEGMENTS = 5        # the timed rounds are split into this many consecutive segments for the stability check
 TORCH_SPREAD_MAX = 1.5    # warn when the slowest segment's torch p50 is more than 1.5x the fastest's
 TORCH_STABILITY_MIN_ROUNDS = 30  # judged from 30 rounds (6 per segment): a median of 2 rounds is not a p50, and a
@@ -70,23 +70,21 @@ def output_kind_warnings(spec: Spec, reference: np.ndarray) -> list[str]:
             "declare `kind: probabilities` on it"]
 
 
-def onnx_baseline_runner(onnx_path: str | Path, threads: int, *, beside_torch: bool) -> Any:
+def onnx_baseline_runner(onnx_path: str | Path, threads: int) -> Any:
     """The ONNX Runtime session the reference pass times as the `onnx_fp32` baseline (CPU execution provider,
-    `threads` intra-op threads, 0 = all cores).
+    `threads` intra-op threads, 0 = all cores), built as every timed ORT session is
+    (`tailguard.core.runtime.timed_ort_runner`, spinning off; why: the module comment above TORCH_SEGMENTS).
 
     Args:
         onnx_path: the exported FP32 model.onnx.
         threads: spec `benchmark.intra_op_num_threads`.
-        beside_torch: the session is timed alternately with torch eager in this process: then it stops spinning
-            when each Run returns (`OrtRunner(stop_spinning_after_run=True)`, `session.force_spinning_stop`; why:
-            the module comment above TORCH_SEGMENTS). Alone it keeps ORT's default.
 
     Raises:
         InputError: the file is missing or not loadable (names the file).
     """
-    from tailguard.core.runtime import OrtRunner
+    from tailguard.core.runtime import timed_ort_runner
 
-    return OrtRunner(onnx_path, intra_op_num_threads=threads, stop_spinning_after_run=beside_torch)
+    return timed_ort_runner(onnx_path, intra_op_num_threads=threads)
 
 
 def torch_stability(samples_ms: Sequence[float], segments: int = TORCH_SEGMENTS,
@@ -164,11 +162,11 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Dataset,
     stops once the torch / ONNX ratio's interval (an ONNX reference: the ONNX p50's interval) is within it
     (`latency.precision_reached`, bounds corrected for the looks); any other batch size decides nothing here and
     stops at its first look (10 rounds), its figures reported with the rounds used.
-    The ORT session is built here (`onnx_baseline_runner`) with `session.force_spinning_stop` so that torch is
-    not timed waiting on ORT's spinning workers (why and the figures: the module comment above TORCH_SEGMENTS).
+    The ORT session is built here (`onnx_baseline_runner`) without spinning so that torch is not timed waiting
+    on ORT's spinning workers (why and the figures: the module comment above TORCH_SEGMENTS).
     Each torch row then gets the stability check (`torch_stability`): `segment_p50_ms`, `segment_spread`,
     `segment_spread_max`, and a line in "warnings" when the spread is above TORCH_SPREAD_MAX. An ONNX reference
-    is timed alone (`latency.benchmark`), with ORT's default session.
+    is timed alone (`latency.benchmark`), its session built the same way.
 
     Args:
         onnx_path: the exported FP32 model.onnx.
@@ -186,9 +184,10 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Dataset,
         InputError: the model file is missing or unloadable, or the validation set has no rows.
     """
     from tailguard.core.latency import benchmark, interleaved_benchmark, precision_reached
+    from tailguard.core.runtime import TIMED_ORT_SESSION
 
     threads = spec.benchmark.intra_op_num_threads
-    onnx_runner = onnx_baseline_runner(onnx_path, threads, beside_torch=torch_runner is not None)
+    onnx_runner = onnx_baseline_runner(onnx_path, threads)
     precision = getattr(spec.benchmark, "precision", None)
 
     def rule(baseline: str | None, target: str) -> Any:
@@ -220,7 +219,7 @@ def time_baselines(onnx_path: str | Path, torch_runner: Any | None, ds: Dataset,
     warnings: list[str] = []
     for name in timed:
         for row in timed[name].values():
-            row["method"] += "; ONNX Runtime session with session.force_spinning_stop=1"
+            row["method"] += f"; ONNX Runtime session with {TIMED_ORT_SESSION}"
     for bs, row in timed["torch"].items():
         check = torch_stability(row["samples_ms"])
         row.update(segment_p50_ms=check["segment_p50_ms"], segment_spread=check["spread"],

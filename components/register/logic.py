@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG,
                                      COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG, GATES_TAG,
@@ -58,7 +58,12 @@ class VariantSummary:
             `reason` says "not promoted: gate X had insufficient data").
         run_id: the nested MLflow run. version: registered version (or None).
         p50_ms, p99_ms: latency at the promotion batch size (ms). speedup_vs_torch, speedup_vs_onnx_fp32: ratios
-        of the baseline p50 to this variant's p50 at that batch size.
+        of the baseline p50 to this variant's p50 at that batch size. All four are the validate task's own timing
+        (per-task: gate inputs); what the table shows for a passing variant is `paired`.
+        paired: a passing variant's figures from the promotion's paired rounds (`compare_passing`), None when it
+            was not in them: {"p50_ms", "p99_ms", "p50_ms.lb95", "p50_ms.ub95" (ms), "speedup_vs_torch",
+            "speedup_vs_onnx_fp32" ({"ratio", "lower", "upper"}, one-sided bounds; absent without that baseline),
+            "rounds", "tied" (bool: within the margin of the fastest, or the rounds were not trusted to rank)}.
         worst_slice: {"slice", "value", "metric", "value_observed", "support"} of the lowest per-slice parity.
         discovered: the worst significant slices worst-slice discovery found (up to 3: slice, value, support,
             metric, value_in_slice, value_rest, q_value); [] when none was significant or discovery was off.
@@ -114,6 +119,7 @@ class VariantSummary:
     target_aliases: list[str] = field(default_factory=list)
     rows: int | None = None
     rows_used: int | None = None
+    paired: dict[str, Any] | None = None
 
 
 @dataclass
@@ -568,20 +574,27 @@ def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, 
 
 
 def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, VariantResult], variants: dict[str, Any],
-                    *, margin: float, batch_size: int) -> dict[str, Any] | None:
-    """Time the passing variants interleaved in this process, paired rounds at the promotion batch size, until
-    the fastest's advantage over every other is decided against 1 + margin or the budget ends.
+                    *, margin: float, batch_size: int, baselines: Callable[[], dict[str, Any]] | None = None
+                    ) -> dict[str, Any] | None:
+    """Time the passing variants, and the FP32 references beside them, interleaved in this process: paired rounds
+    at the promotion batch size, until the fastest's advantage over every other is decided against 1 + margin or
+    the budget ends. These rounds are the one timing the summary table, the report and the parent run's
+    `paired.*` metrics show (issue 37): the promotion, the latencies and the speed-ups over torch eager and the
+    ONNX FP32 export all come from them.
 
     Method: `tailguard.core.latency.interleaved_benchmark` over every row's model (downloaded from its logged
-    MLflow model or artefact folder): ONNX models on ONNX Runtime with their execution provider and the spec's
-    threads, each session stopping its workers' spinning when a Run returns (`OrtRunner(stop_spinning_after_run=
-    True)`, and never spinning beside a torch variant), torch CPU artefacts through `runner_for_file` (manifest
-    checked), the validation rows, the
-    spec's `benchmark` section at `batch_size`; looks at 10, 20, 40, ... rounds (`latency.timing_looks`); at each
-    look the leader is the lowest median and each other variant's ratio median(other) / median(leader) gets
-    one-sided 95% bounds corrected for the looks (`latency.speed_ratio` at `look_confidence(0.95, looks)`,
-    paired bootstrap); timing stops when every ratio's lower bound is above 1 + margin (confident) or its upper
-    bound below it (within the margin), else at the budget.
+    MLflow model or artefact folder) and the `baselines` runners: ONNX models on ONNX Runtime with their execution
+    provider and the spec's threads, each session built as every timed session is (`runtime.timed_ort_runner`,
+    no spin-waiting: no runner's time depends on the runners beside it), torch CPU artefacts through
+    `runner_for_file` (manifest checked), the validation rows, the spec's `benchmark` section at `batch_size`;
+    looks at 10, 20, 40, ... rounds (`latency.timing_looks`); at each look the leader is the passing variant with
+    the lowest median and each other variant's ratio median(other) / median(leader) gets one-sided 95% bounds
+    corrected for the looks (`latency.speed_ratio` at `look_confidence(0.95, looks)`, paired bootstrap); timing
+    stops when every ratio's lower bound is above 1 + margin (confident) or its upper bound below it (within the
+    margin), else at the budget (`benchmark.max_seconds`, but never before `latency.DECISION_MIN_ROUNDS` rounds:
+    torch eager in the rounds must not spend the budget before anything may be decided). With a single passing variant it stops once its speed-up over each baseline is
+    known within `benchmark.precision` (default 0.05; `latency.precision_reached`). The baselines never lead and
+    are never promoted.
 
     Args:
         spec: the spec (benchmark, model inputs, data.validation, analysis.bootstrap).
@@ -590,14 +603,19 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
         variants: their spec VariantSpecs by row name (backend, execution provider).
         margin: promotion.margin.
         batch_size: the promotion batch size.
+        baselines: callable() -> {"torch": torch eager runner, "onnx_fp32": ONNX FP32 export runner} (either may be
+            missing: an ONNX reference has no torch eager), or None: the rounds hold the variants only. A baseline
+            that does not load leaves the comparison without baselines (printed), not without a comparison.
 
     Returns:
         {"leader": name, "ratios": {name: {"name", "ratio", "lower", "upper"}} for every other row, "rounds",
-        "confidence" (per look), "stopped_by", "batch_size", "p50_ms", "cpu_pressure" (`CpuPressure.to_dict()` over
-        the timed rounds), "method"}; None when a row cannot be timed here
-        (not a CPU variant of onnxruntime or torch, no logged model, a model that does not load) or the budget
-        allows fewer than
-        `latency.DECISION_MIN_ROUNDS` rounds. No look before that many rounds decides.
+        "confidence" (per look), "stopped_by", "batch_size", "p50_ms" ({row: ms}), "latency" ({row or baseline:
+        {"p50_ms", "p99_ms", "p50_ms.lb95", "p50_ms.ub95"}}, ms, bounds None when the rounds are too few),
+        "baselines" ([names timed]), "speedups" ({row: {baseline: {"ratio", "lower", "upper"}}}: median(baseline)
+        / median(row), one-sided bounds at "confidence"), "cpu_pressure" (`CpuPressure.to_dict()` over the timed
+        rounds), "method"}; None when a row cannot be timed here (not a CPU variant of onnxruntime or torch, no
+        logged model, a model that does not load) or the budget allows fewer than `latency.DECISION_MIN_ROUNDS`
+        rounds. No look before that many rounds decides.
     """
     import tempfile
 
@@ -607,35 +625,48 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
     from tailguard.core.data import load_validation
     from tailguard.core.errors import TailguardError
     from tailguard.core.hardware import CpuPressure
-    from tailguard.core.latency import DECISION_MIN_ROUNDS, interleaved_benchmark, speed_ratio
-    from tailguard.core.runtime import OrtRunner, runner_for_file
+    from tailguard.core.latency import (DECISION_MIN_ROUNDS, interleaved_benchmark, precision_reached,
+                                        speed_ratio)
+    from tailguard.core.runtime import TIMED_ORT_SESSION, runner_for_file, timed_ort_runner
     from tailguard.core.stats import look_confidence
 
     def timeable(v: VariantSpec) -> bool:  # the register task runs on a CPU node: CPU variants only
         return v.backend == "onnxruntime" and v.execution_provider == "CPUExecutionProvider" or (
             v.backend == "torch" and v.torch_device == "cpu")
 
-    if any(not timeable(variants[r.variant]) or not results[r.variant].model_uri for r in rows):
+    if not rows or any(not timeable(variants[r.variant]) or not results[r.variant].model_uri for r in rows):
         return None
-    beside_torch = any(variants[r.variant].backend == "torch" for r in rows)
     boot = spec.analysis.bootstrap
     bench = spec.benchmark.model_copy(update={"batch_sizes": [batch_size]})
-    state: dict[str, Any] = {}
+    names = [r.variant for r in rows]
+    base: dict[str, Any] = {}
+    if baselines is not None:
+        try:
+            base = dict(baselines())
+        except (TailguardError, OSError) as exc:
+            print(f"tailguard register: the paired rounds go without the FP32 baselines: {type(exc).__name__}: "
+                  f"{exc}", file=sys.stderr)
+    keys = {b: f"@{b}" for b in base}  # a variant may be named like a baseline: keys apart in the rounds
 
     def judge(samples: Any, n_looks: int) -> tuple[str, dict[str, dict[str, float]], float]:
         level = look_confidence(0.95, n_looks)
-        med = {n: float(np.median(v)) for n, v in samples.items()}
-        leader = min(med, key=lambda n: (med[n], list(med).index(n)))
+        med = {n: float(np.median(samples[n])) for n in names}
+        leader = min(names, key=lambda n: (med[n], names.index(n)))
         ratios = {}
-        for n in samples:
+        for n in names:
             if n != leader:
                 r = speed_ratio(samples[n], samples[leader], level, samples=boot.samples, seed=boot.seed)
                 ratios[n] = {"name": n, "ratio": r["ratio"], "lower": r["lower"], "upper": r["upper"]}
         return leader, ratios, level
 
+    precision = getattr(spec.benchmark, "precision", None) or 0.05
+
     def decide(bs: int, samples: Any, look: int, n_looks: int) -> bool:
         if len(next(iter(samples.values()))) < DECISION_MIN_ROUNDS:
             return False
+        if len(names) == 1:  # nothing to rank: until the speed-ups over the baselines are known to the precision
+            return all(precision_reached(samples, precision, look, n_looks, baseline=k, target=names[0],
+                                         boot_samples=boot.samples, seed=boot.seed) for k in keys.values())
         leader, ratios, _ = judge(samples, n_looks)
         return all(r["lower"] > 1.0 + margin or r["upper"] < 1.0 + margin for r in ratios.values())
 
@@ -653,16 +684,14 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
                     runners[r.variant] = runner_for_file(files[0], spec.model.inputs,
                                                          intra_op_num_threads=spec.benchmark.intra_op_num_threads)
                     continue
-                # several ORT sessions take turns in one process: each stops spinning when its Run returns, so
-                # the next one is not timed against the previous one's spinning workers (core/latency.py); beside
-                # a torch runner they never spin (OrtRunner allow_spinning)
-                runners[r.variant] = OrtRunner(files[0], providers=[v.execution_provider],
-                                               intra_op_num_threads=spec.benchmark.intra_op_num_threads,
-                                               stop_spinning_after_run=True, allow_spinning=not beside_torch)
+                runners[r.variant] = timed_ort_runner(files[0], providers=[v.execution_provider],
+                                                      intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+            runners.update({keys[b]: runner for b, runner in base.items()})
             ds = load_validation(spec)
             with pressure:  # how short of CPU the node was while the rounds were timed
                 timed = interleaved_benchmark(runners, ds, spec.model.inputs, bench,
-                                              pad_values=spec.model.pad_values, decide=decide)
+                                              pad_values=spec.model.pad_values, decide=decide,
+                                              min_rounds=DECISION_MIN_ROUNDS)
         except (TailguardError, OSError, mlflow.exceptions.MlflowException) as exc:
             print(f"tailguard register: no paired promotion comparison: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
@@ -674,16 +703,117 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
               f"budget, fewer than {DECISION_MIN_ROUNDS}", file=sys.stderr)
         return None
     leader, ratios, level = judge(samples, int(first.get("n_looks") or 1))
+
+    def latency(row: dict[str, Any]) -> dict[str, Any]:
+        return {"p50_ms": row["latency_ms.p50"], "p99_ms": row["latency_ms.p99"],
+                "p50_ms.lb95": row.get("latency_ms.p50.lb95"), "p50_ms.ub95": row.get("latency_ms.p50.ub95")}
+
+    speedups = {}
+    for n in names:
+        speedups[n] = {}
+        for b, k in keys.items():
+            r = speed_ratio(samples[k], samples[n], level, samples=boot.samples, seed=boot.seed)
+            speedups[n][b] = {"ratio": r["ratio"], "lower": r["lower"], "upper": r["upper"]}
     return {"leader": leader, "ratios": ratios, "rounds": int(first["n_iterations"]), "confidence": level,
             "stopped_by": first.get("stopped_by"), "batch_size": batch_size,
-            "p50_ms": {n: float(np.median(v)) for n, v in samples.items()},
+            "p50_ms": {n: float(np.median(samples[n])) for n in names},
+            "latency": {**{n: latency(timed[n][batch_size]) for n in names},
+                        **{b: latency(timed[k][batch_size]) for b, k in keys.items()}},
+            "baselines": list(keys), "speedups": speedups,
             "cpu_pressure": pressure.to_dict(),
-            "method": (f"{first['method']}; leader = lowest median; ratio = median(other) / median(leader), "
-                       f"one-sided bounds at {level * 100:.4g}% per look (95% over the looks), paired bootstrap")}
+            "method": (f"{first['method'].replace(', '.join(runners), ', '.join(names + list(keys)))}; ONNX Runtime "
+                       f"sessions with {TIMED_ORT_SESSION}; leader = lowest median of the variants; ratio = "
+                       f"median(other) / median(leader), one-sided bounds at {level * 100:.4g}% per look (95% over "
+                       "the looks), paired bootstrap")}
+
+
+PAIRED_LATENCY = {"latency_ms.p50": "p50_ms", "latency_ms.p99": "p99_ms"}  # gate metric -> `paired` key
+
+
+def apply_paired(rows: list[VariantSummary], comparison: dict[str, Any] | None, decision: PromotionDecision) -> None:
+    """Set each passing row's `paired` figures from the promotion's paired rounds (`compare_passing`), in place:
+    its p50 / p99 (ms, with the p50's bounds), its speed-ups over the baselines timed in them with one-sided
+    bounds, the rounds, and `tied` when the decision found it within the margin of the fastest (or ranked nothing:
+    CPU pressure, no confident leader). Rows not in the rounds, or no comparison: `paired` stays None."""
+    if not comparison:
+        return
+    tied = set(decision.tied) if len(decision.tied) > 1 else set()
+    for row in rows:
+        lat = (comparison.get("latency") or {}).get(row.variant)
+        if lat is None:
+            continue
+        paired: dict[str, Any] = {**lat, "rounds": comparison["rounds"], "tied": row.variant in tied}
+        for b, r in ((comparison.get("speedups") or {}).get(row.variant) or {}).items():
+            paired[f"speedup_vs_{b}"] = dict(r)
+        row.paired = paired
+
+
+def latency_gate_contradictions(spec: Spec, row: VariantSummary, batch_size: int) -> list[str]:
+    """Warnings for the row's latency gates (overall `latency_ms.p50` / `.p99` with `min` / `max`, at the
+    promotion batch size) whose verdict on the validate task's own figure the promotion's paired rounds
+    contradict: the gate passed on the task's figure, but the paired rounds' figure is outside the threshold.
+    The gate stays decided on the task's figure (the gate input); the warning says the rounds disagree. [] when
+    the row has no `paired` figures or nothing disagrees."""
+    if not row.paired:
+        return []
+    out = []
+    for g in spec.gates:
+        key = PAIRED_LATENCY.get(g.metric)
+        if key is None or g.scope != "overall" or spec.gate_batch_size(g) != batch_size or g.max_drop is not None:
+            continue
+        value = row.paired.get(key)
+        task_value = row.p50_ms if key == "p50_ms" else row.p99_ms
+        if value is None or row.gates.get(g.key) != GateStatus.PASSED:
+            continue
+        outside = (g.max is not None and value > g.max) or (g.min is not None and value < g.min)
+        if outside:
+            bound = f"<= {g.max:g}" if g.max is not None else f">= {g.min:g}"
+            out.append(f"gate {g.key} passed on the validate task's {g.metric} "
+                       f"{'?' if task_value is None else f'{task_value:.4g}'} ms, but the promotion's "
+                       f"{row.paired['rounds']} paired rounds measured {value:.4g} ms (not {bound}) at batch "
+                       f"{batch_size}: the node's load changed between the two timings")
+    return out
+
+
+def paired_metrics(comparison: dict[str, Any] | None, decision: PromotionDecision | None = None) -> dict[str, float]:
+    """The parent run's metrics from the promotion's paired rounds: `paired.<name>.latency_ms.p50` / `.p99` (ms)
+    for every variant and baseline timed, `paired.<variant>.speedup_vs_<baseline>` with `.lb95` / `.ub95` (one-
+    sided bounds at the comparison's level), `paired.rounds`, and `paired.<variant>.tied` (1.0 / 0.0) when a
+    decision is given. {} without a comparison."""
+    if not comparison:
+        return {}
+    out: dict[str, float] = {"paired.rounds": float(comparison["rounds"])}
+    for name, lat in (comparison.get("latency") or {}).items():
+        out[f"paired.{name}.latency_ms.p50"] = float(lat["p50_ms"])
+        out[f"paired.{name}.latency_ms.p99"] = float(lat["p99_ms"])
+    for name, per in (comparison.get("speedups") or {}).items():
+        for b, r in per.items():
+            out[f"paired.{name}.speedup_vs_{b}"] = float(r["ratio"])
+            out[f"paired.{name}.speedup_vs_{b}.lb95"] = float(r["lower"])
+            out[f"paired.{name}.speedup_vs_{b}.ub95"] = float(r["upper"])
+    if decision is not None:
+        tied = set(decision.tied) if len(decision.tied) > 1 else set()
+        for name in comparison.get("p50_ms") or {}:
+            out[f"paired.{name}.tied"] = 1.0 if name in tied else 0.0
+    return out
+
+
+def log_paired_metrics(client: Any, parent_run_id: str, comparison: dict[str, Any] | None,
+                       decision: PromotionDecision) -> None:
+    """Log `paired_metrics` to the parent run (nothing without a comparison)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    values = paired_metrics(comparison, decision)
+    if values:
+        now = int(time.time() * 1000)
+        client.log_batch(parent_run_id, metrics=[Metric(k, v, now, 0) for k, v in values.items()])
 
 
 def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, source_version: str,
-                         source_sha256: str | None = None) -> RunSummary:
+                         source_sha256: str | None = None,
+                         baselines: Callable[[], dict[str, Any]] | None = None) -> RunSummary:
     """Register the variants `promotion.register_variants` asks for and move the alias to the fastest passing one.
 
     Registration policy and artefact reuse (same sha256: the existing version is used, never a second one):
@@ -701,6 +831,9 @@ def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, 
         experiment_id: experiment of the parent run.
         source_version: the FP32 reference version (tag tailguard.source_version on every registered version).
         source_sha256: fingerprint of the reference artifact.
+        baselines: callable() -> the FP32 references' runners timed in the promotion's paired rounds ({"torch":
+            torch eager, "onnx_fp32": the ONNX export}; `compare_passing`), or None (the rounds hold the variants
+            only, e.g. a re-decide on stored measurements).
 
     Returns:
         The RunSummary (also logged to the parent run as summary.json): one row per spec variant plus one
@@ -841,16 +974,24 @@ def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, 
             summary.searches.append(found)
     by_target_choice = {t: fastest_on_target([row for row, *_ in built], t) for t in targets}
     picked = {id(row) for row in by_target_choice.values() if row is not None}
+    # One timing truth (issue 37): the passing variants and the FP32 references are timed once, in one set of paired
+    # rounds; the promotion decides on them and the table, report and paired.* metrics show them.
+    passing = [row for row, *_ in built if row.passed and row.status == BuildStatus.OK and row.p50_ms is not None]
+    comparison = compare_passing(spec, passing, {row.variant: r for row, r, *_ in built},
+                                 {row.variant: v for row, _, v, _ in built},
+                                 margin=float(spec.promotion.margin or 0.0), batch_size=bs,
+                                 baselines=baselines) if passing else None
     decision = decide_promotion(
         [row for row, *_ in built], margin=spec.promotion.margin,
         holder=_holder_row(client, spec.optimized_model_name, expected, built),
-        compare=lambda rows: compare_passing(spec, rows, {row.variant: r for row, r, *_ in built},
-                                             {row.variant: v for row, _, v, _ in built},
-                                             margin=float(spec.promotion.margin or 0.0), batch_size=bs),
-        max_cpu_pressure=spec.promotion.max_cpu_pressure)
+        compare=lambda rows: comparison, max_cpu_pressure=spec.promotion.max_cpu_pressure)
     chosen = decision.chosen
     summary.promotion_rule, summary.promotion_reason = decision.rule, decision.reason
-    summary.promotion_comparison = decision.comparison
+    summary.promotion_comparison = comparison
+    apply_paired(passing, comparison, decision)
+    for row in passing:
+        row.warnings += latency_gate_contradictions(spec, row, bs)
+    log_paired_metrics(client, parent_run_id, comparison, decision)
     print(f"tailguard register: promotion: {decision.reason}", file=sys.stderr)
     policy = spec.promotion.register_variants
     # under a lock on a local store: two runs of one machine never register the same artefact twice

@@ -17,8 +17,9 @@ import pandas as pd
 from tailguard.core.contract import GATE_NAME_PREFIX, NOTE_TAG, REPORT_ERROR_TAG, RUN_REPORT_FILE
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.results import BuildStatus, GateStatus, PromotionStatus
-from tailguard.core.report import (CSS, TORCH_NOTE, html_table, img_tag, key_metric, markdown_text, no_mathtext,
-                                   png_base64, value_text, zoom_limits)
+from tailguard.core.report import (CSS, TASK_MARK, TASK_NOTE, TIMING_COLUMNS, TORCH_NOTE, html_table, img_tag,
+                                   key_metric, markdown_text, no_mathtext, png_base64, rounds_line, timing_cells,
+                                   value_text, zoom_limits)
 
 MAX_HEAT_ROWS = 40  # slice groups in the heat map (the worst ones across variants)
 GATE_NAME_NOTE = ("Gate names are the spec's gate keys (metric, bound, @bs batch size, @lb95/@ub95 confidence "
@@ -79,7 +80,8 @@ def decision_note(summary: dict[str, Any], *, markdown: bool = True) -> str:
         obs_text = f"{obs:.3f}" if isinstance(obs, (int, float)) else value_text(obs)
         worst = f", worst slice {ws.get('slice')}={ws.get('value')} {ws.get('metric', '')} {obs_text}" if ws else ""
         line1 = (f"Promoted {promoted} as {summary.get('optimized_model')} v{summary['promoted_version']} "
-                 f"@{alias}: p50 {value_text(_g4(v.get('p50_ms')))} ms at batch {summary.get('batch_size')}{worst}.")
+                 f"@{alias}: p50 {value_text(_g4((v.get('paired') or {}).get('p50_ms') or v.get('p50_ms')))} ms "
+                 f"at batch {summary.get('batch_size')}{worst}.")
         if summary.get("promotion_reason"):  # how it was chosen (register.decide_promotion)
             line1 += f" Why: {summary['promotion_reason']}."
     elif summary.get("promotion") == PromotionStatus.SUPERSEDED:
@@ -349,15 +351,21 @@ def run_report_html(summary: dict[str, Any] | None, *, run: dict[str, Any],
             n_pass = sum(s == GateStatus.PASSED for s in gates.values())
             mac = v.get("quantized_mac_fraction")  # INT8 builds: share of MACs computed in INT8
             reason = "; ".join(str(x) for x in [v.get("reason"), *(v.get("warnings") or [])] if x)
+            # one timing truth (issue 37): the promotion's paired rounds, else the task's figures marked "*"
+            cells = timing_cells(v.get("paired"), p50_ms=v.get("p50_ms"), p99_ms=v.get("p99_ms"),
+                                 speedup_vs_torch=v.get("speedup_vs_torch"),
+                                 speedup_vs_onnx_fp32=v.get("speedup_vs_onnx_fp32"))
+            promoted = f"@{summary.get('alias')} -> v{v['version']}" if v.get("promoted") else ""
+            if (v.get("paired") or {}).get("tied"):
+                promoted = f"{promoted} tied".strip()
             rows.append([v["variant"], v.get("backend"), v.get("precision"),
                          (st, "passed" if st == "passed" else "not_applicable" if st == "skipped" else "failed"),
-                         *[_g4(v.get(k)) for k in ("speedup_vs_torch", "speedup_vs_onnx_fp32", "p50_ms", "p99_ms")],
+                         *[cells[c] or "" for c in TIMING_COLUMNS],
                          f"{ws.get('slice')}={ws.get('value')}: {value_text(_g4(ws.get('observed')))} "
                          f"(n={ws.get('support')})" if ws else "", _g4(mac),
                          f"{n_pass}/{len(gates)}" if gates else "-",
                          f"v{v['version']}" if v.get("version") else "",
-                         f"@{summary.get('alias')} -> v{v['version']}" if v.get("promoted") else "",
-                         reason])
+                         promoted, reason])
         parts.append(html_table(["variant", "backend", "precision", "status", "x torch", "x onnx fp32", "p50 ms",
                              "p99 ms", "worst slice", "INT8 MAC share", "gates passed", "registered", "promoted",
                              "reason / warnings"], rows, cls="variants"))
@@ -366,6 +374,10 @@ def run_report_html(summary: dict[str, Any] | None, *, run: dict[str, Any],
         where = f"batch {bs}" if bs else "the first benchmark batch size"
         notes = [f"Latency at {where}. The promoted column lists only the version this run moved the alias to; "
                  "registered lists every version it registered."]
+        if line := rounds_line(summary.get("promotion_comparison")):
+            notes.append(line)
+        if any(str(r[4 + i]).endswith(TASK_MARK) for r in rows for i in range(len(TIMING_COLUMNS))):
+            notes.append(TASK_NOTE)
         if torch_baseline is False or (torch_baseline is None and blank_torch):
             notes.append(TORCH_NOTE)
         parts.append("<p class='note'>" + "<br/>".join(html.escape(n) for n in notes) + "</p>")

@@ -186,7 +186,7 @@ def make_evaluate(spec: Spec, variant: VariantSpec, *, reference_outputs: list, 
     from tailguard.components.validate.gates import verdict
     from tailguard.components.validate.logic import validate_variant
     from tailguard.components.validate.task import load_measurements, reference_runners
-    from tailguard.core.runtime import OrtRunner
+    from tailguard.core.runtime import timed_ort_runner
 
     dirs: dict[str, Path] = {}
     # as in the validate step: the FP32 reference timed interleaved with each trial (speed-ratio bounds)
@@ -194,8 +194,8 @@ def make_evaluate(spec: Spec, variant: VariantSpec, *, reference_outputs: list, 
     trial_spec = decision_spec(spec)
 
     def evaluate(trial_variant: VariantSpec, model_path: Path) -> Any:
-        runner = OrtRunner(model_path, providers=[trial_variant.execution_provider],
-                           intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+        runner = timed_ort_runner(model_path, providers=[trial_variant.execution_provider],
+                                  intra_op_num_threads=spec.benchmark.intra_op_num_threads)
         d = work_root / trial_variant.name
         if d.exists():
             shutil.rmtree(d)

@@ -368,12 +368,11 @@ def json_default_safe(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-def reference_runners(spec: Spec, reference_model_dir: str | Path | None, *, beside_torch: bool = False
-                      ) -> dict[str, Any] | None:
-    """The baselines timed interleaved with a variant: {"onnx_fp32": OrtRunner of the FP32 reference ONNX}, on
-    the CPU execution provider with the spec's threads as reference-pass times it; None without a folder. Beside
-    a torch variant (`beside_torch`) the session never spin-waits (`OrtRunner(allow_spinning=False)`): its
-    spinning workers would slow the torch runs timed in the same rounds (measured: `OrtRunner`'s docstring).
+def reference_runners(spec: Spec, reference_model_dir: str | Path | None) -> dict[str, Any] | None:
+    """The baselines timed interleaved with a variant: {"onnx_fp32": the FP32 reference ONNX}, on the CPU
+    execution provider with the spec's threads, built as every timed ORT session is
+    (`tailguard.core.runtime.timed_ort_runner`: no spin-waiting, so the ratio is the one the reference pass and the
+    promotion's paired rounds measure); None without a folder.
 
     Raises:
         InputError: the folder has no model.onnx.
@@ -381,11 +380,10 @@ def reference_runners(spec: Spec, reference_model_dir: str | Path | None, *, bes
     if not reference_model_dir:
         return None
     from tailguard.core.contract import ONNX_FILE
-    from tailguard.core.runtime import OrtRunner
+    from tailguard.core.runtime import timed_ort_runner
 
-    return {"onnx_fp32": OrtRunner(Path(reference_model_dir) / ONNX_FILE,
-                                   intra_op_num_threads=spec.benchmark.intra_op_num_threads,
-                                   allow_spinning=not beside_torch)}
+    return {"onnx_fp32": timed_ort_runner(Path(reference_model_dir) / ONNX_FILE,
+                                          intra_op_num_threads=spec.benchmark.intra_op_num_threads)}
 
 
 def _validate(spec: Spec, variant: VariantSpec, build: dict, baselines: dict, variant_dir: Path, reference_file: Path,
@@ -406,7 +404,7 @@ def _validate(spec: Spec, variant: VariantSpec, build: dict, baselines: dict, va
         except ArtifactMismatchError as exc:  # a TensorRT plan built for another node: the variant fails
             raise VariantUnusable(str(exc)) from None
         ds = load_validation(spec)
-    baseline_runners = reference_runners(spec, reference_model_dir, beside_torch=variant.backend == "torch")
+    baseline_runners = reference_runners(spec, reference_model_dir)
     work = Path(tempfile.mkdtemp(prefix=f"tailguard-validate-{variant.name}-"))
 
     def exact_runner() -> OrtRunner:  # the numerics check's second pass: exact integer accumulation
@@ -476,16 +474,16 @@ def tensorrt_expected_fingerprint(build: dict[str, Any], reference_model_dir: st
 def variant_runner(spec: Spec, variant: VariantSpec, build: dict[str, Any], variant_dir: Path,
                    reference_model_dir: str | Path | None) -> Any:
     """The runner of a built variant: a `TensorRTRunner` for backend tensorrt (the plan checked against its manifest
-    and this node before TensorRT deserializes it), else an `OrtRunner` on the providers and options it was built
-    with (`ort_session_providers`)."""
-    from tailguard.core.runtime import OrtRunner, TensorRTRunner
+    and this node before TensorRT deserializes it), else an ONNX Runtime session on the providers and options it was
+    built with (`ort_session_providers`), built as every timed session is (`runtime.timed_ort_runner`)."""
+    from tailguard.core.runtime import TensorRTRunner, timed_ort_runner
 
     model_file = variant_dir / build["artifact"]
     if variant.backend == "tensorrt":
         return TensorRTRunner(model_file, tensorrt_expected_fingerprint(build, reference_model_dir),
                               output_names=[o.name for o in spec.model.outputs])
-    return OrtRunner(model_file, providers=ort_session_providers(variant, build, variant_dir),
-                     intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+    return timed_ort_runner(model_file, providers=ort_session_providers(variant, build, variant_dir),
+                            intra_op_num_threads=spec.benchmark.intra_op_num_threads)
 
 
 def coverage_line(cov: dict[str, Any]) -> str:

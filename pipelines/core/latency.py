@@ -27,11 +27,11 @@ is computed at 1 - 0.05 / L, so it holds whichever look the timing stopped at. R
 order-statistic bounds at the same level (`add_quantile_bounds`: latency_ms.p50.lb95 / .ub95, latency_ms.p99.ub95;
 None where the rounds are too few for one, e.g. a p99 upper bound needs 299 rounds at 95%).
 
-Runners of different runtimes in one interleaved call must not keep the cores busy between their runs: ONNX
-Runtime's intra-op workers spin-wait after each Run by default, and torch eager timed right after them waited on
-them (2.7x its solo p50 for MiniLM on a 2-core node, issue 26). Build such an ORT session with
-`OrtRunner(stop_spinning_after_run=True)` (`session.force_spinning_stop`), as the reference pass does
-(components/reference/logic.py `time_baselines`).
+Runners in one interleaved call must not keep the cores busy between their runs: ONNX Runtime's intra-op workers
+spin-wait after each Run by default, and torch eager timed right after them waited on them (2.7x its solo p50 for
+MiniLM on a 2-core node, issue 26); two ORT sessions slow each other the same way. Build every timed ORT session
+with `tailguard.core.runtime.timed_ort_runner` (spinning off), as the reference pass, the validate step, the
+promotion's paired rounds and `tailguard bench` do (issue 37: the measurements are beside that function).
 """
 
 from __future__ import annotations
@@ -246,14 +246,17 @@ def _summary(ms: np.ndarray, bs: int, warmup: int, stopped_early: bool, method: 
 def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_specs: Sequence,
                           bench: BenchmarkSpec, *, pad_values: dict[str, float] | None = None,
                           clock: Callable[[], int] = time.perf_counter_ns,
-                          decide: Decide | None = None) -> dict[str, dict[int, dict[str, Any]]]:
+                          decide: Decide | None = None, min_rounds: int = MIN_SAMPLES
+                          ) -> dict[str, dict[int, dict[str, Any]]]:
     """Time several runners in interleaved rounds on the same batches (the variant and its baselines).
 
     Method, per batch size: the same seeded pool of batches as `benchmark` (`_draw_batches`); `bench.warmup`
     untimed rounds; then up to `bench.iterations` timed rounds. Round i feeds batch pool[i % len(pool)] to
     every runner, one after the other in `round_order(names, i)` (A B, B A, ...), each run timed alone with
     `clock()` before and after. Timing stops after the round in which the timed runs of all runners together
-    reach `bench.max_seconds`, but never before MIN_SAMPLES rounds. Sample j of every runner is from round j,
+    reach `bench.max_seconds`, but never before `min_rounds` rounds (default MIN_SAMPLES; the promotion's rounds
+    pass DECISION_MIN_ROUNDS, so a slow baseline beside the variants, torch eager on a loaded node, cannot spend
+    the budget before any interval may decide; `bench.iterations` still caps them). Sample j of every runner is from round j,
     so `samples_ms` lists are paired by position (`speed_ratio` resamples whole rounds).
 
     With `decide` (measured to a precision, module docstring) the rounds are looked at after each of
@@ -304,7 +307,7 @@ def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_spec
                 dt = clock() - t0
                 samples[n].append(dt)
                 spent += dt
-            over = spent >= budget_ns and i + 1 >= MIN_SAMPLES and i + 1 < bench.iterations
+            over = spent >= budget_ns and i + 1 >= min_rounds and i + 1 < bench.iterations
             if decide is not None and i + 1 < bench.iterations and (over or (taken < len(grid) and
                                                                               i + 1 == grid[taken])):
                 taken += 1

@@ -200,3 +200,63 @@ td.insufficient_data{background:#fff1c9}td.not_applicable{color:#888}td.undecide
 # Why the speed-up over torch is blank (both reports and the terminal summary say it).
 TORCH_NOTE = ("x torch is blank when the reference is an ONNX model (model.source.format onnx): there is no torch "
               "model to time, so no torch baseline exists; x onnx fp32 compares with the ONNX FP32 reference.")
+
+
+# One timing truth (issue 37): a variant's latency and speed-up cells come from the promotion's paired rounds
+# (components/register/logic.py `compare_passing`: the passing variants, torch eager and the ONNX FP32 export timed
+# interleaved on the same batches); a figure marked TASK_MARK is the variant's own validate-task timing, a gate
+# input timed at another time, shown only where the variant was not in the rounds (it failed a gate, or no rounds
+# could be timed).
+TASK_MARK = "*"
+TASK_NOTE = (f"{TASK_MARK} the variant's own validate-task timing (a gate input, timed in its own task, not beside "
+             "the others); unmarked latencies and speed-ups come from the promotion's paired rounds, "
+             "x = speed-up [one-sided 95% bounds]")
+TIMING_COLUMNS = ("x torch", "x onnx fp32", "p50 ms", "p99 ms")
+
+
+def timing_cells(paired: dict | None, *, p50_ms: float | None, p99_ms: float | None,
+                 speedup_vs_torch: float | None, speedup_vs_onnx_fp32: float | None) -> dict[str, str | None]:
+    """The summary table's and the report's timing cells of one variant: {"x torch", "x onnx fp32", "p50 ms",
+    "p99 ms"} as text, None where there is no figure.
+
+    From the paired rounds when `paired` is given (`VariantSummary.paired`): p50 / p99 in ms ("3.68"), speed-ups
+    with their one-sided 95% bounds ("1.52 [1.44,1.61]"); a speed-up whose baseline was not in the rounds falls
+    back to the task figure. Else the task figures, each marked TASK_MARK ("6.72*").
+
+    Args:
+        paired: {"p50_ms", "p99_ms", "speedup_vs_torch": {"ratio", "lower", "upper"}, ...} or None.
+        p50_ms, p99_ms, speedup_vs_torch, speedup_vs_onnx_fp32: the validate task's figures (ms; ratios), or None.
+    """
+    task = lambda x: None if x is None else f"{x:.2f}{TASK_MARK}"  # noqa: E731
+    if not paired:
+        return {"x torch": task(speedup_vs_torch), "x onnx fp32": task(speedup_vs_onnx_fp32), "p50 ms": task(p50_ms),
+                "p99 ms": task(p99_ms)}
+
+    def ratio(key: str, fallback: float | None) -> str | None:
+        r = paired.get(key)
+        if not r:
+            return task(fallback)
+        return f"{r['ratio']:.2f} [{r['lower']:.2f},{r['upper']:.2f}]"  # a narrow column wraps before the bounds
+
+    fmt = lambda x: None if x is None else f"{x:.2f}"  # noqa: E731
+    return {"x torch": ratio("speedup_vs_torch", speedup_vs_torch),
+            "x onnx fp32": ratio("speedup_vs_onnx_fp32", speedup_vs_onnx_fp32),
+            "p50 ms": fmt(paired.get("p50_ms")), "p99 ms": fmt(paired.get("p99_ms"))}
+
+
+def rounds_line(comparison: dict | None) -> str:
+    """One line on the promotion's paired rounds for the summary and the report: "timing: 80 paired rounds at
+    batch 1 (4 variants, torch eager 8.12 ms, onnx fp32 3.70 ms p50; stopped by decided; CPU pressure 3%)";
+    "" without a comparison."""
+    if not comparison:
+        return ""
+    lat = comparison.get("latency") or {}
+    base = ", ".join(f"{'torch eager' if b == 'torch' else b.replace('_', ' ')} {lat[b]['p50_ms']:.2f} ms"
+                     for b in comparison.get("baselines") or [] if b in lat)
+    n = len(comparison.get("p50_ms") or {})
+    share = (comparison.get("cpu_pressure") or {}).get("some_share")
+    return (f"timing: {comparison.get('rounds')} paired rounds at batch {comparison.get('batch_size')} "
+            f"({n} passing variant{'s' if n != 1 else ''}" + (f"; baselines p50: {base}" if base else
+                                                               "; no FP32 baseline in the rounds")
+            + f"; stopped by {comparison.get('stopped_by')}"
+            + (f"; CPU pressure {share:.0%}" if share is not None else "") + ")")

@@ -112,6 +112,40 @@ class OrtRunner:
         return self.session.run(self.output_names, {k: feeds[k] for k in self.input_names})
 
 
+# One session configuration for every ONNX Runtime session timed in rounds beside other runners (issue 37, item 2):
+# the reference pass (beside torch eager), the validate step (variant beside the ONNX FP32 export), the promotion's
+# paired rounds (every passing variant beside torch eager and the export) and `tailguard bench`. The validate step
+# used ORT's default (workers spin-wait after each Run) while the promotion set `session.force_spinning_stop`, and
+# the same two models came out 1.7x apart between the two: measured on the shared 2-core EPYC (2026-11-27, a 12-layer
+# 384-wide MatMul+Relu chain FP32 against its dynamic INT8 quantization, batch (1, 32, 384), 150 alternating
+# rounds, 2 repeats), FP32/INT8 = 1.86 [1.71, 2.06] and 1.92 [1.83, 2.10] with spinning sessions (each one's
+# spinning workers hold a core while the other runs), 3.58 [1.90, 4.49] and 3.29 [1.48, 3.70] with
+# force_spinning_stop (the FP32 session's workers parked after every Run: 3.3-3.7 ms against 1.8), and 1.72
+# [1.67, 1.76] and 1.72 [1.69, 1.76] with spinning off: the only setting whose ratio is the same in every repeat
+# and whose interval is tight, because no session's time depends on which sessions it was timed beside. Its price:
+# absolute times can be up to ~30% above a lone server session that spins (a 4-layer encoder, issue 26), alike
+# for every ORT session timed this way, so ratios between them hold; `tailguard bench` says so in its method.
+TIMED_ORT_SESSION = "session.intra_op.allow_spinning=0"  # how a timed session is built (method strings)
+
+
+def timed_ort_runner(path: str | Path, *, providers: Sequence[Any] = ("CPUExecutionProvider",),
+                     intra_op_num_threads: int = 0) -> "OrtRunner":
+    """The ONNX Runtime session of a model timed in interleaved rounds beside other runners: `OrtRunner` with
+    `allow_spinning=False` (TIMED_ORT_SESSION; why and the measurements: the comment above). Every step that times
+    ONNX Runtime against anything builds its session here, so a ratio means the same in every step.
+
+    Args:
+        path: the .onnx file.
+        providers: execution providers with options (`OrtRunner`).
+        intra_op_num_threads: 0 = all cores (spec `benchmark.intra_op_num_threads`).
+
+    Raises:
+        InputError: the file is missing or not loadable (names the file).
+        ProviderFallbackError: ONNX Runtime dropped the first requested provider.
+    """
+    return OrtRunner(path, providers=providers, intra_op_num_threads=intra_op_num_threads, allow_spinning=False)
+
+
 class TorchRunner:
     """A torch.nn.Module (or an ExportedProgram's module) run in eval mode under torch.inference_mode.
 
