@@ -252,10 +252,12 @@ def torch_runner(spec: Spec, variant: VariantSpec, model_file: Path, build: dict
     (`tailguard.core.pt2_archive`, unless model.source.trusted), then loaded here.
 
     Raises:
-        VariantUnusable: the manifest check failed or the probe process crashed (the reason names which).
+        VariantUnusable: the manifest check failed, the program.pt2 holds code (a pickled weight, e.g. of a tensor
+            subclass, without model.source.trusted) or the probe process crashed (the reason names which).
     """
     from tailguard.core.artifacts import ArtifactMismatchError
     from tailguard.core.data import make_batch
+    from tailguard.core.errors import UntrustedModelError
     from tailguard.core.torch_backend import TorchVariantRunner, config_of, probe_load
 
     config = config_of(variant)
@@ -272,7 +274,7 @@ def torch_runner(spec: Spec, variant: VariantSpec, model_file: Path, build: dict
                 raise VariantUnusable(crash)
         return TorchVariantRunner(model_file, config, spec.model.inputs, source_sha256=source,
                                   intra_op_num_threads=spec.benchmark.intra_op_num_threads, trusted=trusted)
-    except ArtifactMismatchError as exc:
+    except (ArtifactMismatchError, UntrustedModelError) as exc:  # the variant fails with the reason; the run goes on
         raise VariantUnusable(str(exc)) from None
 
 

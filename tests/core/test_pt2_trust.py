@@ -279,3 +279,15 @@ def test_monitor_refuses_a_pt2_candidate_that_holds_code_and_never_runs_it_unles
     assert "trusted" in svc.load_errors.get("candidate", "") and svc.runners["candidate"] is None
     assert not marker.exists()
     svc.stop()
+
+
+def test_validate_torch_runner_fails_the_variant_naming_trusted_when_its_program_holds_code(tmp_path):
+    from tailguard.components.validate.task import VariantUnusable, torch_runner
+
+    marker = tmp_path / "ran"
+    program = _with_manifest(plant("pickled_weight", tmp_path / "m", marker))
+    variant = NS(precision="fp32", torch_compile="eager", torch_device="cpu", cuda_graphs=False)
+    spec = NS(model=NS(inputs=SPECS, pad_values={}, source=NS(trusted=False)), benchmark=NS(intra_op_num_threads=0))
+    with pytest.raises(VariantUnusable, match="trusted"):  # the variant fails with the reason, the run goes on
+        torch_runner(spec, variant, program, {"details": {"source_sha256": "f" * 64}}, None)
+    assert not marker.exists()
