@@ -186,7 +186,6 @@ def test_run_never_decides_on_a_tampered_measurement_and_runs_the_whole_pipeline
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     decided = summary["tasks"]["redecide"]
     assert decided["used"] is False and "do not match the digest" in decided["reason"], decided
-    assert "measuring again" in proc.stderr
     assert "validate-ort-fp32" in task_names(summary)  # the whole pipeline ran
     fp32 = next(v for v in summary["variants"] if v["variant"] == "ort-fp32")
     assert fp32["passed"] is True and summary["promoted_variant"] == "ort-fp32"
