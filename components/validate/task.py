@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG,
-                                     FILES_SHA256_TAG, GATES_TAG, MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG,
+                                     FILES_SHA256_TAG, GATES_TAG, MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG,
+                                     REASON_TAG, SHA256_TAG, STATUS_TAG,
                                      TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
                                      VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
 from tailguard.core.results import BuildStatus, GatesVerdict, BuildResult, VariantResult

@@ -4,16 +4,15 @@ unless proven otherwise.
 Why: `torch.export.load` / `torch._inductor.aoti_load_package` (torch 2.13, `torch/export/pt2_archive/_package.py`,
 `torch/_export/serde/serialize.py`, `torch/export/_unlift.py`) run code from the archive in these places:
 
-| archive entry                                                 | what torch does with it                           |
-| ------------------------------------------------------------- | ------------------------------------------------- |
-| a weight / constant whose payload config says `use_pickle`    | `torch.load(weights_only=False)`: any pickle runs |
-|   (written for a tensor subclass: `_should_use_pickle`)       |                                                   |
-| `data/constants/custom_obj_N` (a torchbind ScriptObject)      | `torch._C._pickle_load_obj`                       |
-| `data/constants/opaque_obj_N` (an opaque Python value)        | `pickle.loads`                                    |
-| `data/weights/<model>.pt`, `data/constants/<model>.pt` (legacy), `data/sample_inputs/<model>.pt`, the pre-2.8 format's `serialized_*.pt` | `torch.load(weights_only=True)`, and on failure `torch.load(weights_only=False)` |
-| every `expr_str` of a symbolic size in `models/<model>.json`  | `sympy.sympify(text)`, which `eval`s it           |
-| `guards_code` in `models/<model>.json`                        | pasted into Python source and `exec`ed by `.module()`; runs on every call |
-| `data/aotinductor/...` (an AOTInductor package)               | compiled `.so` files `dlopen`ed: native code      |
+- a weight or constant whose payload config says `use_pickle` (torch writes one for a tensor subclass,
+  `_should_use_pickle`): `torch.load(weights_only=False)`, so any pickle runs;
+- `data/constants/custom_obj_N` (a torchbind ScriptObject): `torch._C._pickle_load_obj`;
+- `data/constants/opaque_obj_N` (an opaque Python value): `pickle.loads`;
+- `data/weights/<model>.pt`, `data/constants/<model>.pt` (legacy), `data/sample_inputs/<model>.pt` and the pre-2.8
+  format's `serialized_*.pt`: `torch.load(weights_only=True)`, and on failure `torch.load(weights_only=False)`;
+- every `expr_str` of a symbolic size in `models/<model>.json`: `sympy.sympify(text)`, which `eval`s it;
+- `guards_code` in `models/<model>.json`: pasted into Python source and `exec`ed by `.module()`, run on every call;
+- `data/aotinductor/...` (an AOTInductor package): compiled `.so` files, `dlopen`ed: native code.
 
 So before any load, `check_pt2_archive` reads the archive as a zip and accepts only what it can prove is data: the
 exact entry names `torch.export.save` writes, payload configs whose every entry is a raw tensor storage
