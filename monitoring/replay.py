@@ -28,6 +28,7 @@ from tailguard.monitoring.compare import compare_rows, reference_non_finite
 from tailguard.monitoring.config import MonitorConfig, resolve_config
 from tailguard.monitoring.drift import DriftSnapshots
 from tailguard.monitoring.engine import MonitorEngine
+from tailguard.core.pt2_archive import MONITOR_FIX
 from tailguard.core.runtime import Runner, run_dataset, runner_for_file
 from tailguard.core.spec import load_spec
 from tailguard.core.spec.models import Spec
@@ -93,7 +94,7 @@ def _timestamps(frame: pd.DataFrame, start: datetime) -> list[datetime]:
 
 def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | Runner, requests: str | Path,
            out_dir: str | Path, *, seed: int = 0, perturb: Perturb | None = None, source: str = "spec",
-           centroids: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+           centroids: Mapping[str, np.ndarray] | None = None, trusted: bool = False) -> dict[str, Any]:
     """Replay logged requests through the monitor and write DIR/alerts.json and DIR/slices.json.
 
     Args:
@@ -106,6 +107,8 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         perturb: optional hook changing the candidate's outputs of the sampled rows (planted drift, demo only).
         source: spec file name for error messages.
         centroids: {slice name: (k, dim)} for nearest_centroid slices (the pipeline's centroids.npz).
+        trusted: `--trusted`: a .pt2 model file is loaded without first refusing an archive that holds code
+            (tailguard.core.pt2_archive); otherwise such a file is refused (UntrustedModelError, exit 2).
 
     Returns:
         {"alerts": [alert dicts, each with request_index], "slices": slices.json content, "exit_code": 0 or 4,
@@ -127,11 +130,13 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         raise InputError(f"requests: {requests} has no metadata column(s) {missing} used by monitoring slices; "
                          f"columns: {list(ds.frame.columns)}",
                          hint="log the slice metadata with each request, or change monitoring.slice_columns")
-    ref_runner = reference if hasattr(reference, "run") else runner_for_file(reference, cfg.inputs)
+    ref_runner = reference if hasattr(reference, "run") else runner_for_file(reference, cfg.inputs, trusted=trusted,
+                                                                             fix=MONITOR_FIX)
     if cfg.mon.noise_floor:
         cand_runner = ref_runner
     else:
-        cand_runner = candidate if hasattr(candidate, "run") else runner_for_file(candidate, cfg.inputs)
+        cand_runner = candidate if hasattr(candidate, "run") else runner_for_file(candidate, cfg.inputs,
+                                                                                  trusted=trusted, fix=MONITOR_FIX)
 
     engine = MonitorEngine(cfg, seed=seed, max_request_rows=1)  # every logged row is a one-row request
     cols = cfg.metadata_columns
@@ -185,7 +190,8 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
 
 def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Path, requests: str | Path,
                out_dir: str | Path, *, seed: int = 0, console: Console | None = None,
-               err_console: Console | None = None, centroids: str | Path | None = None) -> int:
+               err_console: Console | None = None, centroids: str | Path | None = None,
+               trusted: bool = False) -> int:
     """`tailguard monitor replay`: load the spec, replay, write DIR/alerts.json and DIR/slices.json.
 
     With consoles given (the CLI's), it prints a warning on `err_console` when reference and candidate are the same
@@ -204,6 +210,7 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
         console: where the alert lines and the table go (None: print nothing).
         err_console: where the same-file warning goes (None: `console`'s, else nothing).
         centroids: a centroids.npz (`--centroids`) for nearest_centroid slices.
+        trusted: `--trusted` (as `replay`).
 
     Returns:
         0 when no alert fired, 4 when any did.
@@ -221,7 +228,8 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
             warn_to.print(Text.assemble(("warning", "bold yellow"), ": ", warning), soft_wrap=True)
     with _alert_logs_held_back():
         result = replay(spec, reference, candidate, requests, out_dir, seed=seed, source=str(spec_path),
-                        centroids=load_centroids(str(centroids)) if centroids is not None else None)
+                        centroids=load_centroids(str(centroids)) if centroids is not None else None,
+                        trusted=trusted)
     if console is not None:
         print_replay(result, console)
     return int(result["exit_code"])

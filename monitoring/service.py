@@ -86,6 +86,7 @@ from prometheus_client import Counter
 
 from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
+from tailguard.core.pt2_archive import MONITOR_FIX, check_pt2_archive
 from tailguard.monitoring.combine import (INCOMPLETE_REASONS, WAIT_POLLS, Combiner, PeerError, PollLoop,
                                           http_fetch, peers_from_dns)
 from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
@@ -203,6 +204,8 @@ class MonitorService:
             (monitoring.max_new_values_per_minute; tests inject one).
         node_check: called once at start, in the background, to compare this node with the nodes the candidate
             was validated on (monitoring/node_check.py `run_node_check`); None: not configured.
+        trusted: `--trusted`: a .pt2 model file is loaded without first refusing an archive that holds code
+            (tailguard.core.pt2_archive); otherwise such a file is not loaded (load_errors, /readyz).
     """
 
     def __init__(self, cfg: MonitorConfig, reference: str | Path | Runner | None,
@@ -212,7 +215,7 @@ class MonitorService:
                  expect_replicas: int | None = None, peer_dns: list[str] | None = None,
                  resolver: Callable[..., Any] = socket.getaddrinfo, peer_wait_polls: int = WAIT_POLLS,
                  clock: Callable[[], float] = time.monotonic,
-                 node_check: Callable[[], NodeCheck] | None = None) -> None:
+                 node_check: Callable[[], NodeCheck] | None = None, trusted: bool = False) -> None:
         if evidence_only and (peers or peer_dns):
             raise InputError("--evidence-only and --peer / --peer-dns exclude each other: a replica exports evidence, "
                              "the combiner reads it",
@@ -288,6 +291,7 @@ class MonitorService:
                                max_entry_bytes=mon.logger_join_max_entry_bytes or mon.max_body_bytes,
                                on_drop=lambda reason, n: self.metrics.dropped.labels(reason).inc(n))
         self._sources = {"reference": reference, "candidate": None if mon.noise_floor else candidate}
+        self._trusted = trusted
         self.runners: dict[str, Runner | None] = {"reference": None, "candidate": None}
         self.load_errors: dict[str, str] = {}
         self._pools = {r: cf.ThreadPoolExecutor(1, thread_name_prefix=f"tg-{r}") for r in ("reference", "candidate")}
@@ -370,7 +374,8 @@ class MonitorService:
             if src is None:
                 continue
             try:
-                self.runners[role] = src if hasattr(src, "run") else runner_for_file(src, self.cfg.inputs)
+                self.runners[role] = src if hasattr(src, "run") else runner_for_file(
+                    src, self.cfg.inputs, trusted=self._trusted, fix=MONITOR_FIX)
                 self.metrics.models_ready.labels(role).set(1)
             except TailguardError as exc:  # a bad file, or a torch artefact built for another node
                 self.load_errors[role] = exc.message
@@ -1102,7 +1107,8 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
                    peers: list[str] | None = None, poll_interval_s: float = 5.0, expect_replicas: int | None = None,
                    peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
                    auth_token_file: str | Path | None = None, candidate_version: str | None = None,
-                   tracking_uri: str | None = None, centroids: str | Path | None = None) -> MonitorService:
+                   tracking_uri: str | None = None, centroids: str | Path | None = None,
+                   trusted: bool = False) -> MonitorService:
     """Build a MonitorService from a spec (object or path); the keyword options are MonitorService's, and
     `auth_token_file` (`--auth-token-file`) overrides the spec's token source (config.load_auth_token).
     `candidate_version` (`--candidate-version NAME@ALIAS`, read from the registry at `tracking_uri`) is the
@@ -1125,7 +1131,7 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
                           peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
                           expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
-                          node_check=lambda: run_node_check(candidate_version, tracking_uri))
+                          node_check=lambda: run_node_check(candidate_version, tracking_uri), trusted=trusted)
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
@@ -1133,7 +1139,7 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
           poll_interval_s: float = 5.0, grpc_port: int | None = None, expect_replicas: int | None = None,
           peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
           auth_token_file: str | Path | None = None, candidate_version: str | None = None,
-          tracking_uri: str | None = None, centroids: str | Path | None = None) -> None:
+          tracking_uri: str | None = None, centroids: str | Path | None = None, trusted: bool = False) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -1161,17 +1167,26 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
             `tailguard.validated_on` tag the node check compares this node with; None: not checked.
         tracking_uri: the MLflow registry holding it (None: $MLFLOW_TRACKING_URI).
         centroids: the centroids.npz of the nearest_centroid slices (None: from candidate_version's run).
+        trusted: `--trusted`: load a .pt2 model file without first refusing an archive that holds code.
 
     Raises:
         SpecError: bad spec (exit 2).
         InputError: the gRPC port cannot be bound; the token cannot be read (exit 2).
+        UntrustedModelError: (exit 2, before anything is served) a .pt2 reference or candidate whose loading would
+            run code from it (a pickled weight or constant, a custom object, an AOTInductor package), without
+            `trusted` (tailguard.core.pt2_archive).
     """
     import uvicorn
+
+    for model_file in (reference, candidate):
+        if model_file is not None and Path(model_file).suffix == ".pt2" and Path(model_file).is_file():
+            check_pt2_archive(model_file, trusted=trusted, fix=MONITOR_FIX)
 
     service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
                              poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
                              expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
-                             candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids)
+                             candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids,
+                             trusted=trusted)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
                     "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")

@@ -316,7 +316,10 @@ def register(name: str = typer.Argument(..., help="Registered model name (the sp
                  "MLflow experiment of the registering run (default tailguard/model-registration).")),
              spec: Optional[Path] = typer.Option(None, "--spec", help=(
                  "Spec YAML whose model.outputs (dtype, rank, fixed sizes) are checked against the model before "
-                 "anything is written (exit 2 on a mismatch)."))) -> None:
+                 "anything is written (exit 2 on a mismatch).")),
+             trusted: bool = typer.Option(False, "--trusted", help=(
+                 "The .pt2 comes from a source you control: load it without first refusing an archive that holds "
+                 "code (pickled weights or constants, custom objects; docs/deploy.md, Trust model)."))) -> None:
     """Register an FP32 reference model file as a new version of NAME; print the version and its models:/ URI.
     Exit 0 registered, 2 bad input (nothing is written then)."""
     from tailguard.core.errors import InputError
@@ -327,7 +330,8 @@ def register(name: str = typer.Argument(..., help="Registered model name (the sp
         reg = register_model(name, path, format=format, class_path=class_path,
                              init_kwargs=parse_init_kwargs(init_kwargs) if init_kwargs is not None else None,
                              tags=parse_tags(tag or []), description=description, tracking_uri=tracking_uri,
-                             experiment=experiment or DEFAULT_EXPERIMENT, model_path=dirs, spec=spec)
+                             experiment=experiment or DEFAULT_EXPERIMENT, model_path=dirs, spec=spec,
+                             trusted=trusted)
     except InputError as err:
         field, sep, rest = err.message.partition(": ")
         if sep and field in _REGISTER_FIELDS:
@@ -440,13 +444,16 @@ def monitor_replay(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its
                    seed: int = typer.Option(0, "--seed", help="Sampler seed (replays are deterministic)."),
                    centroids: Optional[Path] = typer.Option(None, "--centroids", help=(
                        "centroids.npz of the nearest_centroid slices (`topic`), as logged with the variant's "
-                       "validate run."))) -> None:
+                       "validate run.")),
+                   trusted: bool = typer.Option(False, "--trusted", help=(
+                       "A .pt2 candidate comes from a source you control: load it without first refusing an "
+                       "archive that holds code (docs/deploy.md, Trust model)."))) -> None:
     """Replay logged requests through the monitor offline. Exit 0 no alert, 4 alert(s) fired, 2 bad input."""
     from tailguard.monitoring.replay import replay_cli
 
     # one line per alert, then a table (monitoring/replay.py print_replay); the same-file warning on stderr
     code = replay_cli(spec, reference, candidate, requests, out, seed=seed, console=console, err_console=err_console,
-                      centroids=centroids)
+                      centroids=centroids, trusted=trusted)
     raise typer.Exit(code)
 
 
@@ -495,7 +502,11 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                       "MLflow registry for --candidate-version (default: $MLFLOW_TRACKING_URI).")),
                   centroids: Optional[Path] = typer.Option(None, "--centroids", help=(
                       "centroids.npz of the nearest_centroid slices (`topic`), as logged with the variant's "
-                      "validate run (default: read from --candidate-version's run)."))) -> None:
+                      "validate run (default: read from --candidate-version's run).")),
+                  trusted: bool = typer.Option(False, "--trusted", help=(
+                      "A .pt2 candidate comes from a source you control: load it without first refusing an "
+                      "archive that holds code (pickled weights or constants, custom objects, an AOTInductor "
+                      "package's native code; docs/deploy.md, Trust model)."))) -> None:
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
@@ -508,7 +519,7 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
           poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
           expect_replicas=expect_replicas, peer_dns=list(peer_dns or []), peer_wait_polls=peer_wait_polls,
-          candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids)
+          candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids, trusted=trusted)
 
 
 # ------------------------------------------------------------------------------------------- trigger

@@ -19,14 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tailguard.core.cache import artifact_files, file_sha256, files_sha256
+from tailguard.core.contract import FILES_SHA256_TAG, SHA256_TAG
 from tailguard.core.errors import InputError, StepError
-from tailguard.core.cache import file_sha256
-from tailguard.core.contract import SHA256_TAG
-
-# Files MLflow writes around a logged model (mlflow.models.Model.save and the registry's download); not part of
-# what a serving runtime loads.
-MLFLOW_PACKAGING_FILES = frozenset({"MLmodel", "conda.yaml", "python_env.yaml", "requirements.txt",
-                                    "registered_model_meta", "input_example.json", "serving_input_example.json"})
 # MODEL@ALIAS or MODEL/VERSION, optionally as a models:/ URI. Registered model names may contain "/" and "@" is
 # not allowed in them by MLflow, so the alias form splits at the last "@" and the version form at the last "/".
 _VERSION = re.compile(r"^(?P<name>.+)/(?P<version>\d+)$")
@@ -145,8 +140,12 @@ def fetch_model(ref: str, out_dir: str | Path, *, tracking_uri: str | None = Non
     Raises:
         InputError: `ref` malformed, or no such registered model / alias / version (exit 2; the message lists
             what the store holds); `out_dir` is an existing file.
-        StepError: the download failed, held no artefact file, or no downloaded file has the digest the
-            registry recorded (`tailguard.sha256` tag) -- nothing is written to `out_dir` then (exit 1).
+        StepError: the download failed, held no artefact file, or a file is not the one registered: the files do
+            not match the version's `tailguard.files_sha256` tag (every file: external data, manifest,
+            descriptor), no file has its `tailguard.sha256` tag, or (a version without the first tag) a file other
+            than the model file is not covered by any recorded digest -- nothing is written to `out_dir` then
+            (exit 1). A version with neither tag (registered by another tool) is written unchecked, as its
+            FetchResult.registry_sha256 None says.
     """
     name, alias, version = parse_model_ref(ref)
     out = Path(out_dir)
@@ -169,17 +168,30 @@ def fetch_model(ref: str, out_dir: str | Path, *, tracking_uri: str | None = Non
         except (MlflowException, OSError) as exc:
             raise StepError(f"downloading {name} v{mv.version} from {uri} failed: {str(exc).splitlines()[0]}",
                             step="fetch") from None
-        found = sorted(p for p in local.rglob("*") if p.is_file()
-                       and p.relative_to(local).parts[0] not in MLFLOW_PACKAGING_FILES)
+        found = artifact_files(local)
         if not found:
             raise StepError(f"{name} v{mv.version} holds no model file (only MLflow's packaging files)",
                             step="fetch")
         digests = {p: file_sha256(p) for p in found}
         expected = tags.get(SHA256_TAG) or None
+        rel = [str(p.relative_to(local)) for p in found]
         if expected and expected not in digests.values():
             raise StepError(f"no downloaded file of {name} v{mv.version} has the sha256 the registry recorded "
                             f"({SHA256_TAG} {expected[:12]}...): the stored files changed after registration",
                             step="fetch", hint="re-register the model, or fetch another version")
+        all_files = tags.get(FILES_SHA256_TAG) or None
+        if all_files and files_sha256(found, local) != all_files:
+            raise StepError(f"the files of {name} v{mv.version} ({rel}) do not match the digest recorded at "
+                            f"registration ({FILES_SHA256_TAG} {all_files[:12]}...): a file was added, removed or "
+                            "changed after registration", step="fetch",
+                            hint="re-register the model, or fetch another version")
+        if expected and not all_files:
+            unchecked = [r for r, p in zip(rel, found) if digests[p] != expected]
+            if unchecked:
+                raise StepError(f"{name} v{mv.version} holds files no recorded digest covers: {unchecked} (only "
+                                f"the model file's {SHA256_TAG} was recorded)", step="fetch",
+                                hint=f"re-register the version with this tailguard, which records {FILES_SHA256_TAG} "
+                                     "over every file")
         written = []
         for p in found:
             dest = out / p.relative_to(local)

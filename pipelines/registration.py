@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from tailguard.core.contract import FORMAT_TAG, OUTPUTS_TAG, ROLE_TAG, SHA256_TAG
+from tailguard.core.cache import artifact_files_sha256
+from tailguard.core.contract import FILES_SHA256_TAG, FORMAT_TAG, OUTPUTS_TAG, ROLE_TAG, SHA256_TAG
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as _ONNX_INLINE_LIMIT_BYTES
 from tailguard.core.errors import InputError
 from tailguard.core.home import quiet_environment
+from tailguard.core.pt2_archive import REGISTER_FIX
 from tailguard.core.reference import (DESCRIPTOR_FILE, DESCRIPTOR_SCHEMA, EXPORTED_PROGRAM_FILE, REFERENCE_ARTIFACT,
                                       STATE_DICT_FILE, import_module_class, load_exported_program, read_state_dict,
                                       sha256_file)
@@ -129,7 +131,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
                    init_kwargs: Mapping[str, Any] | None = None, tags: Mapping[str, str] | None = None,
                    description: str | None = None, tracking_uri: str | None = None,
                    experiment: str = DEFAULT_EXPERIMENT, model_path: Iterable[str | Path] = (),
-                   spec: str | Path | None = None) -> RegisteredModel:
+                   spec: str | Path | None = None, trusted: bool = False) -> RegisteredModel:
     """Register an FP32 reference model file as a new version of `name`, the way `tailguard run` resolves it.
 
     Everything is checked before anything is written to the store. The model is then logged in a new MLflow run of
@@ -160,6 +162,10 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             position), or a state dict's module run on a batch shaped like `model.inputs` (by position).
             Without it, ONNX and torch.export signatures are still recorded (tag `tailguard.outputs`) for
             `tailguard spec check` to compare.
+        trusted: a `.pt2` from a source the caller trusts (`--trusted`): its archive is not read for code first.
+            Without it, a `.pt2` whose loading would run code (a pickled weight or constant, a custom or opaque
+            object, an expression or guard torch evaluates, an AOTInductor package) is refused
+            (tailguard.core.pt2_archive).
 
     Returns:
         The RegisteredModel (version, models:/ URI, format, sha256).
@@ -172,6 +178,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             a folder; the module fails on a batch shaped like the spec's inputs.
         SpecError: `spec` is invalid, or its model.outputs do not fit the model (each output named, declared vs
             found, and the declaration that fits).
+        UntrustedModelError: (exit 2) a `.pt2` that holds code, without `trusted`.
     """
     from tailguard.core import reference as logic
 
@@ -219,7 +226,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             sig.check_output_signature(model_spec.outputs, found, what=f"the ONNX graph of {path.name}",
                                        source=str(spec))
     elif fmt == "torch_export":
-        ep = logic.load_exported_program(path, field="path")
+        ep = logic.load_exported_program(path, field="path", trusted=trusted, fix=REGISTER_FIX)
         model_arg = {"exported_program": path}
         found = sig.exported_program_output_signature(ep)
         if model_spec is not None:
@@ -250,7 +257,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
 
     uri = tracking_uri or tracking_uri_for(None)
     configure(uri, experiment)
-    mv = register_reference(name, **model_arg, tags=user_tags, description=description)
+    mv = register_reference(name, **model_arg, tags=user_tags, description=description, trusted=trusted)
     return RegisteredModel(name=name, version=str(mv.version), format=fmt, model_uri=f"models:/{name}/{mv.version}",
                            sha256=(mv.tags or {}).get(SHA256_TAG, ""), tracking_uri=uri,
                            run_id=mv.run_id or None, class_path=class_path if fmt == "state_dict" else None,
@@ -332,7 +339,7 @@ def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.Mo
                        state_dict: Mapping[str, Any] | str | Path | None = None, class_path: str | None = None,
                        init_kwargs: dict[str, Any] | None = None, exported_program: Any = None,
                        pickled_module: Any = None, tags: dict[str, str] | None = None,
-                       description: str | None = None) -> "ModelVersion":
+                       description: str | None = None, trusted: bool = False) -> "ModelVersion":
     """Log an FP32 reference in the current MLflow tracking store and register it as a new version.
 
     The caller has pointed MLflow at the store (`mlflow.set_tracking_uri`, e.g. `tailguard.core.tracking.configure`)
@@ -364,6 +371,7 @@ def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.Mo
         pickled_module: a torch.nn.Module to pickle.
         tags: extra version tags.
         description: version description.
+        trusted: an `exported_program` .pt2 file from a trusted source is not read for code first.
 
     Returns:
         The new ModelVersion, tagged `tailguard.format` and `tailguard.sha256` (SHA-256 of the stored model file).
@@ -402,12 +410,13 @@ def register_reference(registered_name: str, *, onnx_path: "str | Path | onnx.Mo
                 _write_state_dict(state_dict, class_path, init_kwargs, folder)
             else:
                 fmt = "torch_export"
-                _write_exported_program(exported_program, folder)
+                _write_exported_program(exported_program, folder, trusted=trusted)
             mlflow.log_artifacts(str(folder), artifact_path=REFERENCE_ARTIFACT)
             _ensure_registered_model(client, registered_name)
             digest = json.loads((folder / DESCRIPTOR_FILE).read_text())["sha256"]
             mv = client.create_model_version(registered_name, source=mlflow.get_artifact_uri(REFERENCE_ARTIFACT),
-                                             run_id=run_id, tags={FORMAT_TAG: fmt, SHA256_TAG: digest})
+                                             run_id=run_id, tags={FORMAT_TAG: fmt, SHA256_TAG: digest,
+                                                                  FILES_SHA256_TAG: artifact_files_sha256(folder)})
         for k, v in user_tags.items():
             client.set_model_version_tag(registered_name, mv.version, k, v)
         if description:
@@ -428,15 +437,17 @@ def _ensure_registered_model(client: "MlflowClient", name: str) -> None:
 
 def _register_logged(client: "MlflowClient", name: str, info: Any, fmt: str, model_file: str,
                      tmp: Path) -> "ModelVersion":
-    """Register a LoggedModel and tag it with the digest of the model file as stored."""
+    """Register a LoggedModel and tag it with the digest of the model file as stored, and of all its files
+    (external data too) as stored (FILES_SHA256_TAG)."""
     import mlflow
 
     location = client.get_logged_model(info.model_id).artifact_location.rstrip("/")
-    stored = mlflow.artifacts.download_artifacts(artifact_uri=f"{location}/{model_file}", dst_path=str(tmp / "stored"))
-    digest = sha256_file(Path(stored))
+    stored = Path(mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(tmp / "stored")))
+    digest = sha256_file(stored / model_file)
     _ensure_registered_model(client, name)
     return client.create_model_version(name, source=info.model_uri, run_id=info.run_id, model_id=info.model_id,
-                                       tags={FORMAT_TAG: fmt, SHA256_TAG: digest})
+                                       tags={FORMAT_TAG: fmt, SHA256_TAG: digest,
+                                             FILES_SHA256_TAG: artifact_files_sha256(stored)})
 
 
 def _register_onnx(client: "MlflowClient", name: str, source: "str | Path | onnx.ModelProto",
@@ -504,14 +515,14 @@ def _write_state_dict(state_dict: Mapping[str, Any] | str | Path, class_path: st
                       torch_version=torch.__version__)
 
 
-def _write_exported_program(ep: Any, folder: Path) -> None:
+def _write_exported_program(ep: Any, folder: Path, *, trusted: bool = False) -> None:
     """Store an ExportedProgram (saved with torch.export.save), or copy a .pt2 file of one unchanged after checking
-    that torch.export.load reads it."""
+    that it holds no code (unless `trusted`) and that torch.export.load reads it."""
     import torch
 
     target = folder / EXPORTED_PROGRAM_FILE
     if isinstance(ep, (str, Path)):
-        load_exported_program(Path(ep), field="exported_program")
+        load_exported_program(Path(ep), field="exported_program", trusted=trusted, fix=REGISTER_FIX)
         shutil.copyfile(ep, target)
     elif isinstance(ep, torch.export.ExportedProgram):
         torch.export.save(ep, str(target))

@@ -1074,7 +1074,11 @@ def _write_calibration(calibration: Dataset | None, model: ModelSpec, out: Path)
 
 
 def _write_reproduce(variant: VariantSpec, fp32: Path, out: Path, model: ModelSpec, batch_size: int) -> Path:
-    """Write reproduce.sh: the same `build_variant` call, from the variant/model JSON written beside it."""
+    """Write reproduce.sh: the same `build_variant` call, from the variant/model JSON written beside it.
+
+    The default FP32 path is assigned to a shell variable quoted with `shlex.quote` and expanded inside double
+    quotes, never written inside a double-quoted default: a path holding `$(...)`, backquotes or `"` is data.
+    """
     # exclude_unset: re-validating every default can trip validators that look at the fields a user set
     # (QuantizationSpec rejects `format` on a dynamic variant)
     vdump = variant.model_dump(mode="json", exclude_unset=True)
@@ -1103,6 +1107,7 @@ def _write_reproduce(variant: VariantSpec, fp32: Path, out: Path, model: ModelSp
         "# Usage: sh reproduce.sh [FP32_ONNX] [OUT_DIR]\n"
         "set -e\n"
         f"HERE=$(cd \"$(dirname \"$0\")\" && pwd)\n"
-        f"python -c {shlex.quote(code)} \"${{1:-{fp32}}}\" \"${{2:-$HERE/rebuild}}\" \"$HERE\"\n")
+        f"FP32_DEFAULT={shlex.quote(str(fp32))}\n"
+        f"python -c {shlex.quote(code)} \"${{1:-$FP32_DEFAULT}}\" \"${{2:-$HERE/rebuild}}\" \"$HERE\"\n")
     script.chmod(0o755)
     return script

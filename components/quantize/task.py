@@ -28,8 +28,10 @@ def cache_parts(spec: Spec, variant: VariantSpec, onnx_dir: str | Path,
                 profile: dict | None = None) -> dict[str, Any] | None:
     """What a build reads, for the cache key (tailguard.core.cache.cache_key): the FP32 model's bytes, the variant
     (all but its `search` section, which a build does not read), the model section (inputs, pad values), the
-    TensorRT optimization profile (`profile`, when the variant has one), and for a static INT8 build, a TensorRT
-    INT8 build or a sensitivity ranking the calibration section and the calibration file's SHA-256.
+    TensorRT optimization profile (`profile`, when the variant has one), for a static INT8 build, a TensorRT
+    INT8 build or a sensitivity ranking the calibration section and the calibration file's SHA-256, and the node
+    facts the artefact depends on (`build_node_parts`). The library versions (onnxruntime, onnx, tensorrt, ...)
+    are in every key (`cache.versions`).
 
     Returns:
         The parts, or None when an input cannot be hashed (a remote calibration file): then no caching.
@@ -43,6 +45,7 @@ def cache_parts(spec: Spec, variant: VariantSpec, onnx_dir: str | Path,
         "variant": variant.model_dump(mode="json", exclude={"search"}),
         "model": spec.model.model_dump(mode="json", exclude={"version", "registered_name", "description"}),
         "sensitivity": spec.analysis.sensitivity.model_dump(mode="json") if sens else None,
+        "node": build_node_parts(variant),
     }
     if profile is not None:
         parts["tensorrt_profile"] = profile
@@ -52,6 +55,44 @@ def cache_parts(spec: Spec, variant: VariantSpec, onnx_dir: str | Path,
             return None
         parts["calibration"] = {**spec.data.calibration.model_dump(mode="json", exclude={"uri"}), "sha256": digest}
     return parts
+
+
+# ORT levels whose saved graph may hold hardware-specific rewrites: "all" adds layout optimizations (NCHWc for the
+# CPU's vector ISA), which ONNX Runtime's docs ("Graph optimizations", Layout optimizations / online vs offline
+# mode) call hardware dependent and not portable; "extended" fusions are EP-specific. Kept conservative: both.
+_NODE_BOUND_ORT_LEVELS = ("extended", "all")
+
+
+def build_node_parts(variant: VariantSpec) -> dict[str, Any]:
+    """The node facts a built artefact depends on, for the build cache key, so a build is never served from the
+    cache to a node it was not made for (issue 36 item 12).
+
+    - TensorRT (backend tensorrt, or ONNX Runtime on TensorrtExecutionProvider): a plan is compiled for one GPU
+      architecture and one TensorRT build: the GPUs' names and compute capabilities (`hardware.gpu_facts`) and the
+      TensorRT version.
+    - Another GPU execution provider (CUDA): the GPUs' names and compute capabilities.
+    - ONNX Runtime on CPU at graph optimization level extended or all (the optimized graph is saved offline): the
+      CPU's kernel ISA flags (`hardware.cpu_facts`, e.g. avx2 avx512f avx512_vnni) and the architecture.
+    - Otherwise (a plain quantized or converted graph): the architecture only.
+
+    Returns:
+        {"machine": str, and as above "gpus": [{"name", "compute_capability"}] | None, "tensorrt": str | None,
+        "cpu_isa": list[str] | None}.
+    """
+    import platform
+
+    from tailguard.core import hardware
+
+    node: dict[str, Any] = {"machine": platform.machine()}
+    if variant.uses_tensorrt or variant.execution_provider != "CPUExecutionProvider":
+        gpus = hardware.gpu_facts()
+        node["gpus"] = None if gpus is None else [{"name": g.get("name"), "compute_capability":
+                                                   g.get("compute_capability")} for g in gpus]
+        if variant.uses_tensorrt:
+            node["tensorrt"] = hardware.library_versions(("tensorrt",))["tensorrt"]
+    elif variant.backend == "onnxruntime" and variant.graph_optimization.level in _NODE_BOUND_ORT_LEVELS:
+        node["cpu_isa"] = hardware.cpu_facts().get("isa")
+    return node
 
 
 def skip_torch_in_ort_tools() -> bool:

@@ -41,7 +41,8 @@ def decide_variant(spec: Any, variant: Any, record: dict[str, Any], work: Path) 
         Decided (result None for a variant whose build was not ok: it is carried over as it was).
 
     Raises:
-        NotDecidable: a file of the earlier run is gone, its stored measurements are missing or pruned, the
+        NotDecidable: a file of the earlier run is gone, its stored measurements are missing, pruned or do not
+            match the digest stored with them (changed after they were stored), the
             earlier validation did not finish ok, or the new gates need rows or timing rounds never measured.
     """
     from tailguard.components.redecide.logic import NotDecidable, StoredOnly
@@ -63,6 +64,8 @@ def decide_variant(spec: Any, variant: Any, record: dict[str, Any], work: Path) 
             raise NotDecidable(f"{f} of the earlier run is gone")
     reference_model_dir = record.get("reference_model_dir")
     measurements, _ = load_measurements(spec, variant, model_file, reference_model_dir)
+    if measurements is not None and measurements.discarded:  # changed after it was stored: never decide on it
+        raise NotDecidable(measurements.discarded)
     if measurements is None or measurements.order is None:
         raise NotDecidable("its stored measurements are not in the local cache (pruned, or never stored)")
     baselines = parse_baselines(record.get("baselines_json") or "")

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tailguard.core.contract import (ALIAS_AT_START_TAG, ALIAS_VERSION_TAG, ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG,
-                                     COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG, GATES_TAG,
+                                     COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG, EXECUTION_PROVIDER_TAG,
+                                     FILES_SHA256_TAG, GATES_TAG,
                                      HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG, PRECISION_TAG, PROMOTION_REASON_TAG,
                                      PROMOTION_TAG, RUN_ID_TAG, SEARCH_OF_TAG, SHA256_TAG, SOURCE_MODEL_TAG,
                                      SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG, SUPERSEDED_BY_TAG,
@@ -353,14 +354,16 @@ def backend_tags(variant: VariantSpec, run_tags: dict[str, str]) -> dict[str, st
     """The registered version's backend-specific tags: the ONNX Runtime execution provider (onnxruntime), the
     TensorRT plan's fingerprint (tensorrt: TensorRT version, GPU, compute capability, CUDA; from the validated run's
     ARTIFACT_FINGERPRINT_TAG), or the torch variant's compile mode, device, CUDA graphs and the artefact's
-    fingerprint (torch version, device name, compute capability or CPU ISA flags)."""
+    fingerprint (torch version, device name, compute capability or CPU ISA flags); for both node-bound kinds also
+    the digest of the artefact folder's files (FILES_SHA256_TAG, checked by `tailguard fetch`)."""
+    files = {FILES_SHA256_TAG: run_tags[FILES_SHA256_TAG]} if run_tags.get(FILES_SHA256_TAG) else {}
     if variant.backend == "tensorrt":
-        return {ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, "")}
+        return {ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, ""), **files}
     if variant.backend != "torch":
         return {EXECUTION_PROVIDER_TAG: variant.execution_provider}
     return {COMPILE_TAG: variant.torch_compile, DEVICE_TAG: variant.torch_device,
             CUDA_GRAPHS_TAG: str(variant.cuda_graphs).lower(),
-            ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, "")}
+            ARTIFACT_FINGERPRINT_TAG: run_tags.get(ARTIFACT_FINGERPRINT_TAG, ""), **files}
 
 
 def register_artifact_folder(client: Any, name: str, model_uri: str, run_id: str, tags: dict[str, str]) -> Any:
@@ -681,8 +684,9 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
                 if not files:
                     return None
                 if v.backend == "torch":  # the artefact's manifest is checked on this node first
-                    runners[r.variant] = runner_for_file(files[0], spec.model.inputs,
-                                                         intra_op_num_threads=spec.benchmark.intra_op_num_threads)
+                    runners[r.variant] = runner_for_file(files[0], spec.model.inputs,  # a registry .pt2: vetted
+                                                         intra_op_num_threads=spec.benchmark.intra_op_num_threads,
+                                                         trusted=spec.model.source.trusted)
                     continue
                 runners[r.variant] = timed_ort_runner(files[0], providers=[v.execution_provider],
                                                       intra_op_num_threads=spec.benchmark.intra_op_num_threads)

@@ -632,6 +632,8 @@ class Measurements:
         exact_outputs: the exact-accumulation pass (numerics check) for the first rows of `order`, or None.
         timing: {runner name: {batch size: the `interleaved_benchmark` row (samples_ms included)}}, or None.
         changed: set when validation measured something new (the caller stores it again).
+        discarded: why a stored entry was found but not used (its content no longer matches the digest stored
+            with it: changed after it was stored), else None; the measurements are then empty.
     """
 
     order: np.ndarray | None = None
@@ -640,6 +642,7 @@ class Measurements:
     exact_outputs: np.ndarray | None = None
     timing: dict[str, dict[int, dict[str, Any]]] | None = None
     changed: bool = False
+    discarded: str | None = None
 
     def blocks(self) -> list[np.ndarray]:
         """`order` split into its scored blocks."""

@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG, GATES_TAG,
-                                     MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG, REASON_TAG, SHA256_TAG, STATUS_TAG,
+from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG,
+                                     FILES_SHA256_TAG, GATES_TAG, MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG,
+                                     REASON_TAG, SHA256_TAG, STATUS_TAG,
                                      TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
                                      VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
 from tailguard.core.results import BuildStatus, GatesVerdict, BuildResult, VariantResult
@@ -247,26 +249,33 @@ class VariantUnusable(Exception):
 
 def torch_runner(spec: Spec, variant: VariantSpec, model_file: Path, build: dict[str, Any], ds: Dataset) -> Any:
     """The torch variant's runner: its manifest checked against this node (and, for an AOTInductor package, a
-    load-and-run probe in a child process first, `torch_backend.probe_load`), then loaded here.
+    load-and-run probe in a child process first, `torch_backend.probe_load`), a program.pt2 read for code
+    (`tailguard.core.pt2_archive`, unless model.source.trusted), then loaded here.
 
     Raises:
-        VariantUnusable: the manifest check failed or the probe process crashed (the reason names which).
+        VariantUnusable: the manifest check failed, the program.pt2 holds code (a pickled weight, e.g. of a tensor
+            subclass, without model.source.trusted) or the probe process crashed (the reason names which).
     """
     from tailguard.core.artifacts import ArtifactMismatchError
     from tailguard.core.data import make_batch
+    from tailguard.core.errors import UntrustedModelError
     from tailguard.core.torch_backend import TorchVariantRunner, config_of, probe_load
 
     config = config_of(variant)
     source = (build.get("details") or {}).get("source_sha256", "")
+    # an AOTInductor package this run's build step compiled is native code we made; a program.pt2 is still read
+    # for code first (tailguard.core.pt2_archive) unless the spec trusts the model's source
+    trusted = config.compile == "aot_inductor" or spec.model.source.trusted
     try:
         if config.compile == "aot_inductor":
             feeds = make_batch(ds, np.arange(min(2, ds.n_rows)), spec.model.inputs, pad_values=spec.model.pad_values)
-            crash = probe_load(model_file, config, spec.model.inputs, source_sha256=source, feeds=feeds)
+            crash = probe_load(model_file, config, spec.model.inputs, source_sha256=source, feeds=feeds,
+                               trusted=trusted)
             if crash:
                 raise VariantUnusable(crash)
         return TorchVariantRunner(model_file, config, spec.model.inputs, source_sha256=source,
-                                  intra_op_num_threads=spec.benchmark.intra_op_num_threads)
-    except ArtifactMismatchError as exc:
+                                  intra_op_num_threads=spec.benchmark.intra_op_num_threads, trusted=trusted)
+    except (ArtifactMismatchError, UntrustedModelError) as exc:  # the variant fails with the reason; the run goes on
         raise VariantUnusable(str(exc)) from None
 
 
@@ -304,9 +313,26 @@ def measurement_parts(spec: Spec, variant: VariantSpec, model_file: Path,
             "node": node_facts()}
 
 
+MEASUREMENTS_DIGEST = "content_sha256"  # the entry's result.json field: digest of measurements.npz and timing.json
+
+
+def measurements_digest(files: Path) -> str:
+    """Hex SHA-256 over the stored measurement files (`MEASUREMENTS_NPZ`, `TIMING_JSON`: names and bytes) in
+    `files` (`tailguard.core.cache.files_sha256`)."""
+    from tailguard.core.cache import files_sha256
+
+    return files_sha256([files / MEASUREMENTS_NPZ, files / TIMING_JSON], files)
+
+
 def load_measurements(spec: Spec, variant: VariantSpec, model_file: Path,
                       reference_model_dir: str | Path | None) -> tuple[Any, Any]:
     """The variant's stored measurements from the local cache and the function that stores them again.
+
+    The entry carries the digest of its files (`measurements_digest`, stored in its result as
+    `MEASUREMENTS_DIGEST`), checked here before anything is read: an entry whose files changed after they were
+    stored (an edited outputs array, a truncated copy) or that has no digest is not used, and says so on stderr;
+    the returned Measurements is then empty with `discarded` set, so a validation measures again and a gate-only
+    re-run falls back to a full run instead of deciding on it.
 
     Returns:
         (Measurements, save) when the cache is on (`tailguard run`, tailguard.core.cache.enabled) and the inputs can
@@ -327,6 +353,14 @@ def load_measurements(spec: Spec, variant: VariantSpec, model_file: Path,
     if entry is not None:
         try:
             files = Path(entry.path) / "files"
+            stored = json.loads((Path(entry.path) / "result.json").read_text()).get(MEASUREMENTS_DIGEST)
+            if stored != measurements_digest(files):
+                m.discarded = (f"its stored measurements (cache entry {entry.key[:12]}) do not match the digest "
+                               f"stored with them{'' if stored else ' (none stored)'}: changed after they were "
+                               "stored, so they are not used")
+                print(f"tailguard: variant {variant.name}: {m.discarded}; measuring again", file=sys.stderr,
+                      flush=True)
+                return m, save_fn(key, variant)
             with np.load(files / MEASUREMENTS_NPZ) as z:
                 m.order, m.outputs = z["order"], z["outputs"]
                 m.block_sizes = [int(b) for b in z["block_sizes"]]
@@ -335,8 +369,14 @@ def load_measurements(spec: Spec, variant: VariantSpec, model_file: Path,
             m.timing = {n: {int(bs): row for bs, row in rows.items()} for n, rows in raw.items()} or None
         except (OSError, ValueError, KeyError):  # pruned or replaced while read: measure again
             m = Measurements()
+    return m, save_fn(key, variant)
 
-    def save(meas: Measurements) -> None:
+
+def save_fn(key: str, variant: VariantSpec) -> Any:
+    """The function that stores a variant's measurements under `key` with their digest (`load_measurements`)."""
+    from tailguard.core import cache
+
+    def save(meas: Any) -> None:
         if meas is None or not meas.changed or meas.order is None:
             return
         with tempfile.TemporaryDirectory(prefix="tailguard-measurements-") as tmp:
@@ -348,7 +388,8 @@ def load_measurements(spec: Spec, variant: VariantSpec, model_file: Path,
             timing = {n: {str(bs): row for bs, row in rows.items()} for n, rows in (meas.timing or {}).items()}
             Path(tmp, TIMING_JSON).write_text(json.dumps(timing, default=json_default_safe))
             try:
-                cache.store(key, tmp, {"rows_scored": int(meas.order.size),
+                cache.store(key, tmp, {MEASUREMENTS_DIGEST: measurements_digest(Path(tmp)),
+                                       "rows_scored": int(meas.order.size),
                                        "timed_batch_sizes": sorted({int(bs) for rows in (meas.timing or {}).values()
                                                                     for bs in rows})},
                             step=MEASUREMENTS_STEP, label=f"measurements {variant.name}", replace=True)
@@ -356,7 +397,7 @@ def load_measurements(spec: Spec, variant: VariantSpec, model_file: Path,
             except OSError:  # a full disk must not fail the validation: the result is still good
                 pass
 
-    return m, save
+    return save
 
 
 def json_default_safe(o: Any) -> Any:
@@ -608,7 +649,8 @@ def log_validated_model(client: Any, run_id: str, result: ValidationResult, *, w
         execution_provider: the ONNX Runtime EP the model is meant for (saved with the MLflow model).
         onnx: True: log with mlflow.onnx.log_model (an MLflow model); False: log the artefact and its manifest as
             the run's "model" folder (registered by the register step with create_model_version) and tag the
-            artefact's fingerprint (ARTIFACT_FINGERPRINT_TAG).
+            artefact's fingerprint (ARTIFACT_FINGERPRINT_TAG) and the digest of the folder's files
+            (FILES_SHA256_TAG).
         metrics: optional KFP Output[Metrics].
         report_path: optional path the report.html is copied to (a KFP Output[HTML]).
         identity: the candidate's name, backend, precision and search fields for variant_result.json (its
@@ -656,6 +698,10 @@ def log_validated_model(client: Any, run_id: str, result: ValidationResult, *, w
         client.log_artifact(run_id, str(manifest), artifact_path="model")
         client.set_tag(run_id, ARTIFACT_FINGERPRINT_TAG,
                        json.dumps(json.loads(manifest.read_text()).get("fingerprint", {}), sort_keys=True)[:5000])
+        from tailguard.core.cache import files_sha256
+
+        # the folder as registered (`tailguard fetch` checks every file of it against this)
+        client.set_tag(run_id, FILES_SHA256_TAG, files_sha256([Path(model_file), manifest], Path(model_file).parent))
         model_uri = f"runs:/{run_id}/model"
     client.set_tag(run_id, MODEL_URI_TAG, model_uri)
     identity = identity or VariantResult(variant=result.variant, backend="", precision="", status=BuildStatus.OK)

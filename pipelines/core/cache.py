@@ -96,6 +96,22 @@ def files_sha256(paths: Iterable[Path], root: Path) -> str:
     return h.hexdigest()
 
 
+def artifact_files(folder: str | Path) -> list[Path]:
+    """The model's own files under a downloaded (or logged) model folder, sorted: every regular file but MLflow's
+    packaging files at its top (`contract.MLFLOW_PACKAGING_FILES`)."""
+    from tailguard.core.contract import MLFLOW_PACKAGING_FILES
+
+    root = Path(folder)
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0]
+                  not in MLFLOW_PACKAGING_FILES)
+
+
+def artifact_files_sha256(folder: str | Path) -> str:
+    """Hex SHA-256 over (relative path, file SHA-256) of `artifact_files(folder)` (`files_sha256`): the value of a
+    version's `tailguard.files_sha256` tag."""
+    return files_sha256(artifact_files(folder), Path(folder))
+
+
 def dir_sha256(path: str | Path, *, prefix: str = "") -> str:
     """Hex SHA-256 of every file under `path` (names and bytes); `prefix`: only files whose name starts so."""
     root = Path(path)

@@ -94,6 +94,13 @@ TRIAL_NAME_TAG = "tailguard.trial_name"    # on trial runs: the trial's name (<V
 # ------------------------------------------------------------------------------------------------ model-version tags
 FORMAT_TAG = "tailguard.format"            # a registered FP32 reference's format
 SHA256_TAG = "tailguard.sha256"            # a version's artefact fingerprint (hex sha256 of the model file)
+# hex sha256 over every file of a version but MLflow's packaging files (cache.artifact_files_sha256): what
+# `tailguard fetch` checks the whole download against (external data, manifests, descriptors: not the model file only)
+FILES_SHA256_TAG = "tailguard.files_sha256"
+# Files MLflow writes around a logged model (mlflow.models.Model.save and the registry's download); not part of
+# what a serving runtime loads, nor of FILES_SHA256_TAG.
+MLFLOW_PACKAGING_FILES = frozenset({"MLmodel", "conda.yaml", "python_env.yaml", "requirements.txt",
+                                    "registered_model_meta", "input_example.json", "serving_input_example.json"})
 OUTPUTS_TAG = "tailguard.outputs"          # a registered reference's recorded output signature (JSON)
 RUN_ID_TAG = "tailguard.run_id"            # a registered variant's validated run
 EXECUTION_PROVIDER_TAG = "tailguard.execution_provider"  # a registered variant's ONNX Runtime execution provider

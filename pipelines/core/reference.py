@@ -22,8 +22,11 @@ A state dict's `class_path` module is imported from `sys.path`, then from the fo
 
 Trust (docs/deploy.md, Trust model): the registry's content is data, not instructions. A class path from a
 version's `tailguard-model.json` is imported only when the spec names the same class (`model.source.class_path`)
-or says `model.source.trusted: true`; a pickle loads only with `trusted: true`; the model file must be a regular
-file inside the downloaded artifact folder (no absolute path, no `..`, no symlink leading out, no device / FIFO).
+or says `model.source.trusted: true`; a pickle loads only with `trusted: true`; a torch.export `.pt2` loads only
+after its archive was read and holds no code (tailguard.core.pt2_archive: no pickled weight or constant, no custom
+or opaque object, no expression or guard torch evaluates), or with `trusted: true`; the model file must be a
+regular file inside the downloaded artifact folder (no absolute path, no `..`, no symlink leading out, no device /
+FIFO).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
 from tailguard.core.cache import file_sha256
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.home import quiet_environment
+from tailguard.core.pt2_archive import SPEC_FIX, check_pt2_archive
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions (KFP components import this module)
     import onnx
@@ -208,16 +212,28 @@ def resolve_version(client: "MlflowClient", name: str, version: str) -> "ModelVe
     return mv
 
 
-def load_exported_program(path: Path, *, field: str) -> Any:
-    """`torch.export.load(path)`, with a missing or unreadable file as an InputError naming `field`.
+def load_exported_program(path: Path, *, field: str, trusted: bool = False, fix: str = SPEC_FIX) -> Any:
+    """`torch.export.load(path)`, with a missing or unreadable file as an InputError naming `field`, after
+    `check_pt2_archive` (a .pt2 is code unless proven otherwise; tailguard.core.pt2_archive).
+
+    Args:
+        path: the .pt2 file.
+        field: the spec / CLI field that named it, for messages.
+        trusted: load without reading the archive for code first (a source the user trusts).
+        fix: how the user marks the source trusted, for a refusal's hint.
 
     Returns:
         The torch.export.ExportedProgram.
+
+    Raises:
+        InputError: a missing or unreadable file (exit 2).
+        UntrustedModelError: (exit 2) not `trusted` and loading the archive would run code from it.
     """
     import torch
 
     if not path.is_file():
         raise InputError(f"{field}: file not found: {path}")
+    check_pt2_archive(path, trusted=trusted, fix=fix)
     try:
         ep = torch.export.load(str(path))
     except Exception as exc:  # torch raises several types for a bad archive
@@ -488,7 +504,9 @@ def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.n
     """Load the resolved reference as a torch module (CPU, eval mode where the module supports it).
 
     - torch_export: `torch.export.load(file).module()` (a GraphModule; it has no train/eval switch: the program
-      was captured in the mode it was exported in).
+      was captured in the mode it was exported in), after `check_pt2_archive` unless `spec.source.trusted`: an
+      archive whose loading would run code (a pickled weight, a custom object, an expression torch evaluates) is
+      refused.
     - state_dict: import `class_path` ("module:Class"; `spec.source.class_path` overrides the record), build it
       with `init_kwargs`, read the weights (safetensors, or `torch.load(weights_only=True)`), load them strictly.
       Strictness is checked as `load_state_dict(strict=True)` does (any missing or unexpected key fails), but all
@@ -506,8 +524,9 @@ def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.n
         InputError: ONNX reference (no torch module), unknown class path (names model.source.class_path), bad
             init kwargs, unreadable weights, or a state dict that does not fit the class (missing / unexpected
             keys or shape mismatches listed).
-        UntrustedModelError: a pickle reference without `model.source.trusted: true`, or a state dict whose
-            class the spec does not name (`model.source.class_path`) without `trusted: true`.
+        UntrustedModelError: a pickle reference without `model.source.trusted: true`, a state dict whose
+            class the spec does not name (`model.source.class_path`) without `trusted: true`, or a torch.export
+            archive that holds code without `trusted: true`.
     """
     import torch
 
@@ -519,6 +538,7 @@ def load_torch_reference(resolved: ResolvedModel, spec: "ModelSpec") -> "torch.n
         raise InputError(f"reference model file not found: {path}",
                          hint="pass the folder the resolve step downloaded into (ResolvedModel.with_local_dir)")
     if resolved.format == "torch_export":
+        check_pt2_archive(path, trusted=spec.source.trusted)
         try:
             return torch.export.load(str(path)).module()
         except Exception as exc:  # torch raises several types for a bad archive

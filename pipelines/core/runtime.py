@@ -178,7 +178,8 @@ class TorchRunner:
         return [o.detach().cpu().numpy() for o in out]
 
 
-def runner_for_file(path: str | Path, input_specs: Sequence, *, intra_op_num_threads: int = 0) -> Runner:
+def runner_for_file(path: str | Path, input_specs: Sequence, *, intra_op_num_threads: int = 0, trusted: bool = False,
+                    fix: str | None = None) -> Runner:
     """A runner for a model file given by path (the monitor's reference and candidate, `monitor replay`): an .onnx
     file runs on ONNX Runtime (CPU); a torch artefact (program.pt2 / package.pt2 with its `<file>.json` manifest,
     as `tailguard fetch` writes a torch variant) runs on the torch backend after its manifest check.
@@ -187,10 +188,14 @@ def runner_for_file(path: str | Path, input_specs: Sequence, *, intra_op_num_thr
         path: the model file.
         input_specs: the spec's model.inputs.
         intra_op_num_threads: CPU threads (0: all cores for ORT, torch's setting for torch).
+        trusted: a torch artefact's source is trusted (the spec's model.source.trusted, the monitor's --trusted):
+            its archive is not read for code first (tailguard.core.pt2_archive).
+        fix: how the user marks the source trusted, for a refusal's hint (None: the spec's model.source.trusted).
 
     Raises:
         InputError: a missing file, or a file that is neither (names the file and what is accepted).
         ArtifactMismatchError: a torch artefact built for another node or torch version.
+        UntrustedModelError: (exit 2) an untrusted torch artefact whose loading would run code from it.
     """
     p = Path(path)
     if p.suffix == ".onnx":
@@ -198,7 +203,10 @@ def runner_for_file(path: str | Path, input_specs: Sequence, *, intra_op_num_thr
     if p.with_name(p.name + ".json").is_file():
         from tailguard.core.torch_backend import runner_for_artifact
 
-        return runner_for_artifact(p, input_specs, intra_op_num_threads=intra_op_num_threads)
+        from tailguard.core.pt2_archive import SPEC_FIX
+
+        return runner_for_artifact(p, input_specs, intra_op_num_threads=intra_op_num_threads, trusted=trusted,
+                                   fix=fix or SPEC_FIX)
     if not p.is_file():
         raise InputError(f"model file not found: {p}")
     raise InputError(f"{p}: not a model tailguard can run: give an .onnx file, or a torch variant's .pt2 with its "

@@ -49,6 +49,7 @@ import numpy as np
 
 from tailguard.core.artifacts import ArtifactMismatchError, config_sha256, verify_artifact, write_manifest
 from tailguard.core.errors import InputError, MissingDependencyError, TailguardError
+from tailguard.core.pt2_archive import SPEC_FIX, check_pt2_archive
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -412,10 +413,20 @@ def _compiled_call(module: Any) -> Callable[..., Any]:
     return _torch().compile(module, backend="inductor", dynamic=True)
 
 
-def load_callable(path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any]) -> Callable[..., Any]:
+def load_callable(path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any], *, trusted: bool = False,
+                  fix: str = SPEC_FIX) -> Callable[..., Any]:
     """The artefact as a callable on tensors (positional, model.inputs order), without the manifest check
-    (`TorchVariantRunner` does it first)."""
+    (`TorchVariantRunner` does it first).
+
+    A .pt2 is code unless proven otherwise (tailguard.core.pt2_archive): unless `trusted`, the archive is read
+    first and refused when loading it would run code from it (a pickled weight or constant, a custom or opaque
+    object, an expression or guard torch evaluates, or an AOTInductor package's native code).
+
+    Raises:
+        UntrustedModelError: (exit 2) the archive holds code and `trusted` is False; the hint is `fix`.
+    """
     torch = _torch()
+    check_pt2_archive(path, trusted=trusted, fix=fix)
     if config.compile == "aot_inductor":
         return torch._inductor.aoti_load_package(str(path))
     program = torch.export.load(str(path))
@@ -498,15 +509,20 @@ class TorchVariantRunner:
         input_specs: the spec's model.inputs (forward's positional order).
         source_sha256: the reference model's digest the artefact must have been built from.
         intra_op_num_threads: CPU threads (0: leave torch's setting).
+        trusted: load without reading the archive first (`load_callable`): a source the caller trusts
+            (`model.source.trusted`, the monitor's `--trusted`, or a package this run built itself).
+        fix: how the user marks the source trusted, for the refusal's hint.
 
     Raises:
         ArtifactMismatchError: the file changed, or was built for another torch version, device, GPU, CPU ISA,
             settings or source model (every differing field named).
+        UntrustedModelError: (exit 2) not `trusted` and loading the archive would run code from it.
         MissingDependencyError: torch is not installed.
     """
 
     def __init__(self, path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any], *,
-                 source_sha256: str, intra_op_num_threads: int = 0) -> None:
+                 source_sha256: str, intra_op_num_threads: int = 0, trusted: bool = False,
+                 fix: str = SPEC_FIX) -> None:
         torch = _torch()
         self.torch = torch
         self.config = config
@@ -517,7 +533,7 @@ class TorchVariantRunner:
                                         kind=config.artifact_kind)
         self.path = Path(path)
         self.dtype = torch_dtype(config.precision)
-        fn = load_callable(path, config, input_specs)
+        fn = load_callable(path, config, input_specs, trusted=trusted, fix=fix)
         self.graphs = CudaGraphCache(fn, config.max_cuda_graphs) if config.cuda_graphs else None
         self.fn = fn
 
@@ -531,35 +547,43 @@ class TorchVariantRunner:
 
 
 def _probe_child(path: str, config: dict[str, Any], input_specs: list[dict[str, Any]], source_sha256: str,
-                 feeds: dict[str, np.ndarray]) -> None:
+                 feeds: dict[str, np.ndarray], trusted: bool = False) -> None:
     """Child process of `probe_load`: load the artefact and run one batch (a crash ends only this process)."""
     import faulthandler
     from types import SimpleNamespace
 
     faulthandler.enable()
     specs = [SimpleNamespace(**s) for s in input_specs]
-    TorchVariantRunner(path, TorchBuildConfig(**config), specs, source_sha256=source_sha256).run(feeds)
+    TorchVariantRunner(path, TorchBuildConfig(**config), specs, source_sha256=source_sha256,
+                       trusted=trusted).run(feeds)
 
 
 def probe_load(path: str | Path, config: TorchBuildConfig, input_specs: Sequence[Any], *, source_sha256: str,
-               feeds: Mapping[str, np.ndarray], timeout_s: float = 600.0) -> str | None:
+               feeds: Mapping[str, np.ndarray], timeout_s: float = 600.0, trusted: bool = False,
+               fix: str = SPEC_FIX) -> str | None:
     """Load and run an artefact once in a child process (spawned) before this process loads it: a native loader
     that crashes the interpreter (seen: SIGSEGV in `aoti_load_package`, torch 2.11 on an H200, 2026-11-26) then
     fails the variant with the reason instead of ending the task.
 
     Args:
-        path, config, input_specs, source_sha256: as `TorchVariantRunner`.
+        path, config, input_specs, source_sha256, trusted, fix: as `TorchVariantRunner`.
         feeds: one batch {input: (batch, ...) array}.
         timeout_s: seconds before the child is killed (a hang counts as a failure).
 
     Returns:
         None when the child loaded and ran the batch; else the reason (its exit code or signal, or the timeout).
         A manifest mismatch in the child is a non-zero exit: the caller's own load then raises the full message.
+
+    Raises:
+        UntrustedModelError: (exit 2) not `trusted` and the archive holds code: checked here before the child is
+            started, and again by the child's own load.
     """
     import multiprocessing
 
+    check_pt2_archive(path, trusted=trusted, fix=fix)
     proc = multiprocessing.get_context("spawn").Process(
-        target=_probe_child, args=(str(path), asdict(config), signature(input_specs), source_sha256, dict(feeds)))
+        target=_probe_child, args=(str(path), asdict(config), signature(input_specs), source_sha256, dict(feeds),
+                                   trusted))
     proc.start()
     proc.join(timeout_s)
     if proc.is_alive():
@@ -574,7 +598,8 @@ def probe_load(path: str | Path, config: TorchBuildConfig, input_specs: Sequence
 
 
 def runner_for_artifact(path: str | Path, input_specs: Sequence[Any], *, intra_op_num_threads: int = 0,
-                        cuda_graphs: bool | None = None) -> TorchVariantRunner:
+                        cuda_graphs: bool | None = None, trusted: bool = False,
+                        fix: str = SPEC_FIX) -> TorchVariantRunner:
     """A TorchVariantRunner for an artefact found on its own (a registry download, the monitor's candidate): the
     settings and the source digest come from its manifest, the node check from this node.
 
@@ -583,9 +608,12 @@ def runner_for_artifact(path: str | Path, input_specs: Sequence[Any], *, intra_o
         input_specs: the spec's model.inputs (their signature is part of the fingerprint).
         intra_op_num_threads: CPU threads (0: leave torch's setting).
         cuda_graphs: override the recorded CUDA-graph setting (None: as built).
+        trusted, fix: as `TorchVariantRunner` (a registry download or a monitor candidate is untrusted unless the
+            spec's model.source.trusted or the monitor's --trusted says otherwise).
 
     Raises:
         ArtifactMismatchError: no or unreadable manifest, a changed file, or another node / torch build.
+        UntrustedModelError: (exit 2) not `trusted` and loading the archive would run code from it.
     """
     from tailguard.core.artifacts import read_manifest
 
@@ -598,7 +626,7 @@ def runner_for_artifact(path: str | Path, input_specs: Sequence[Any], *, intra_o
         recorded["cuda_graphs"] = cuda_graphs
     config = TorchBuildConfig(**recorded)
     return TorchVariantRunner(path, config, input_specs, source_sha256=manifest["fingerprint"].get("source_sha256", ""),
-                              intra_op_num_threads=intra_op_num_threads)
+                              intra_op_num_threads=intra_op_num_threads, trusted=trusted, fix=fix)
 
 
 class EagerModuleRunner:

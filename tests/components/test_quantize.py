@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -420,6 +421,23 @@ def test_reproduce_script_rebuilds_the_same_graph_when_run(tiny, tmp_path):
     result = json.loads(done.stdout[done.stdout.index("{"):])
     assert result["status"] == "ok"
     assert _op_counts(result["artifact"]) == _op_counts(res.artifact)
+
+
+def test_reproduce_script_runs_no_command_from_the_default_path_when_the_path_holds_shell_syntax(tiny, tmp_path):
+    """Issue 36 item 9: a home path holding `$(...)` inside the script's double-quoted default ran the command."""
+    _, spec, path, calib = tiny
+    odd = tmp_path / 'home $(touch pwned) `touch pwned2` "q"'
+    odd.mkdir()
+    fp32 = odd / "model.onnx"
+    shutil.copyfile(path, fp32)
+    res = build_variant(_variant(name="dyn-odd", precision="int8", quantization={"mode": "dynamic"}), fp32,
+                        odd / "dyn-odd", calibration=calib, model=spec)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(["sh", str(res.details["reproduce"])], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)  # no arguments: the default FP32 path is used
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "pwned2").exists()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout[done.stdout.index("{"):])["status"] == "ok"
 
 
 def test_quantization_preset_builds_a_valid_spec_when_overridden():

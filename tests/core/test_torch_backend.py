@@ -144,7 +144,7 @@ def test_torch_aot_inductor_package_runs_on_cpu_close_to_the_module_when_batch_i
     assert build.path.name == "package.pt2" and build.compile_seconds > 0
     manifest = json.loads(manifest_path(build.path).read_text())
     assert manifest["kind"] == "AOTInductor package" and manifest["fingerprint"]["cpu_isa"]  # bound to the ISA
-    runner = TorchVariantRunner(build.path, cfg, SPECS, source_sha256="c" * 64)
+    runner = TorchVariantRunner(build.path, cfg, SPECS, source_sha256="c" * 64, trusted=True)  # built here
     reference = EagerModuleRunner(_model(), SPECS)
     for rows, length in ((1, 3), (9, 33)):
         feeds = _batch(rows, length, seed=rows)
@@ -171,7 +171,7 @@ def test_torch_probe_load_reports_the_childs_exit_when_the_package_cannot_load(t
     package = tmp_path / "package.pt2"
     package.write_bytes(b"not a zip archive")  # a manifest that matches the bytes: the loader itself fails
     write_manifest(package, fingerprint(cfg, "d" * 64, signature(SPECS)), kind=cfg.artifact_kind)
-    reason = probe_load(package, cfg, SPECS, source_sha256="d" * 64, feeds=_batch(2, 5))
+    reason = probe_load(package, cfg, SPECS, source_sha256="d" * 64, feeds=_batch(2, 5), trusted=True)
     assert reason is not None and "probe process ended with exit code 1" in reason
 
 
@@ -186,6 +186,6 @@ def test_validate_torch_runner_fails_the_variant_naming_the_field_when_built_for
     manifest["fingerprint"]["torch_version"] = "2.11.0+cu130"
     manifest_path(copy).write_text(json.dumps(manifest))
     variant = NS(precision="fp32", torch_compile="eager", torch_device="cpu", cuda_graphs=False)
-    spec = NS(model=NS(inputs=SPECS, pad_values={}), benchmark=NS(intra_op_num_threads=0))
+    spec = NS(model=NS(inputs=SPECS, pad_values={}, source=NS(trusted=False)), benchmark=NS(intra_op_num_threads=0))
     with pytest.raises(VariantUnusable, match=r"torch_version: '2.11.0\+cu130' != "):
         torch_runner(spec, variant, copy, {"details": {"source_sha256": "a" * 64}}, None)

@@ -83,3 +83,55 @@ def test_fetch_reads_the_named_store_when_run_as_a_fresh_process_with_tracking_u
                        cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (out / "model.onnx").is_file() and not (cwd / "mlflow.db").exists()
+
+
+def _stored_folder(store) -> "Path":
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    client = mlflow.MlflowClient(store["uri"], registry_uri=store["uri"])
+    uri = client.get_model_version_download_uri("clf", "1")
+    if uri.startswith("models:/"):  # a LoggedModel: its artifact location
+        uri = client.get_logged_model(client.get_model_version("clf", "1").model_id).artifact_location
+    folder = Path(urlparse(uri).path)
+    assert (folder / "model.onnx").is_file(), folder
+    return folder
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["files-digest", "model-digest-only"])
+def test_fetch_exits_1_and_writes_nothing_when_a_file_beside_the_model_was_added_after_registration(store, legacy):
+    """Issue 36 item 8: every file of the version is checked, not only the model file (a planted external-data
+    file would otherwise be written unchecked beside a model file whose digest matches)."""
+    client = mlflow.MlflowClient(store["uri"], registry_uri=store["uri"])
+    assert client.get_model_version("clf", "1").tags["tailguard.files_sha256"]  # recorded at registration
+    if legacy:  # a version registered before the all-files digest: only the model file's digest is known
+        client.delete_model_version_tag("clf", "1", "tailguard.files_sha256")
+    (_stored_folder(store) / "model.onnx.data").write_bytes(b"\0" * 64)
+    out = store["root"] / "out"
+    r = _fetch("clf@production", "-o", out, "--tracking-uri", store["uri"])
+    assert r.exit_code == 1, r.output
+    text = " ".join(r.output.split())
+    assert "model.onnx.data" in text and "Traceback" not in text
+    assert ("no recorded digest covers" if legacy else "do not match the digest recorded at registration") in text
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_fetch_exits_1_when_a_registered_references_descriptor_changed_after_registration(store):
+    import json
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    import torch
+
+    model = torch.nn.Linear(4, 3).eval()
+    pt2 = store["root"] / "ref.pt2"
+    torch.export.save(torch.export.export(model, (torch.ones(2, 4),)), str(pt2))
+    r = CliRunner().invoke(app, ["register", "ref", str(pt2), "--tracking-uri", store["uri"]])
+    assert r.exit_code == 0, r.output
+    client = mlflow.MlflowClient(store["uri"], registry_uri=store["uri"])
+    folder = Path(urlparse(client.get_model_version_download_uri("ref", "1")).path)
+    descriptor = folder / "tailguard-model.json"
+    assert _fetch("ref/1", "-o", store["root"] / "ok", "--tracking-uri", store["uri"]).exit_code == 0
+    descriptor.write_text(json.dumps({**json.loads(descriptor.read_text()), "class_path": "evil:Module"}))
+    r = _fetch("ref/1", "-o", store["root"] / "bad", "--tracking-uri", store["uri"])
+    assert r.exit_code == 1 and "tailguard.files_sha256" in " ".join(r.output.split()), r.output

@@ -163,3 +163,31 @@ def test_run_falls_back_to_the_whole_pipeline_and_scores_more_rows_when_a_new_ga
                                  f"tags.`tailguard.pipeline_run` = '{summary['pipeline_run']}'")
     # the attempt logged nothing: one parent run, the whole pipeline's, finished
     assert [(p.info.run_id, p.info.status) for p in parents] == [(summary["parent_run_id"], "FINISHED")]
+
+
+def test_run_never_decides_on_a_tampered_measurement_and_runs_the_whole_pipeline_when_its_digest_differs(base):
+    """Issue 36 item 6: rolling ort-fp32's stored outputs made a gate-only re-run score it at agreement 0 and move
+    the alias to the INT8 variant. Now the entry's digest no longer matches: the re-run says so, measures again and
+    decides what an honest run decides."""
+    import numpy as np
+
+    tampered = 0
+    for entry in (base["home"] / "cache" / "entries").glob("*/entry.json"):
+        if json.loads(entry.read_text()).get("label") == "measurements ort-fp32":
+            npz = entry.parent / "files" / "measurements.npz"
+            with np.load(npz) as z:
+                arrays = {k: z[k] for k in z.files}
+            arrays["outputs"] = np.roll(arrays["outputs"], 1, axis=0)
+            np.savez(npz, **arrays)
+            tampered += 1
+    assert tampered >= 1
+    spec = write_spec(base["root"], gates=[{"metric": "top1_agreement", "min": 0.9}])  # a gate-only change
+    proc, summary = run(base, spec)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    decided = summary["tasks"]["redecide"]
+    assert decided["used"] is False and "do not match the digest" in decided["reason"], decided
+    assert "validate-ort-fp32" in task_names(summary)  # the whole pipeline ran
+    fp32 = next(v for v in summary["variants"] if v["variant"] == "ort-fp32")
+    assert fp32["passed"] is True and summary["promoted_variant"] == "ort-fp32"
+    client = mlflow.MlflowClient(base["uri"], base["uri"])
+    assert client.get_model_version_by_alias(f"{NAME}-optimized", "production").tags["tailguard.variant"] == "ort-fp32"

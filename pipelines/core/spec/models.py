@@ -236,8 +236,10 @@ class ModelSource(SpecModel):
     weights_file: str | None = Field(None, description=(
         "State-dict file inside the registry version's artifacts (default: the single *.safetensors/*.pt file)."))
     trusted: bool = Field(False, description=(
-        "Allow a pickled PyTorch model (mlflow.pytorch default flavor). Unpickling runs arbitrary code: set only "
-        "for sources you control."))
+        "Allow a pickled PyTorch model (mlflow.pytorch default flavor), and a .pt2 (the reference, a registered torch "
+        "variant) whose archive holds code: pickled weights or constants, custom or opaque objects, evaluated "
+        "expressions, an AOTInductor package's native code. Unpickling runs arbitrary code: set only for sources "
+        "you control."))
 
     @model_validator(mode="after")
     def _class_for_state_dict(self) -> "ModelSource":
