@@ -273,6 +273,25 @@ def asdict_config(config: Any) -> dict[str, Any]:
     return asdict(config)
 
 
+def _start_variant(v: BenchVariant, device: str, row: dict[str, Any], runners: dict[str, Any], factory: Any,
+                   inputs: Any) -> Any:
+    """The first step of every variant in `run` and `run_quick`: the eager nn.Module baseline gets its runner
+    (row status ok), a variant this node cannot run is skipped with the reason; returns the TorchBuildConfig of a
+    variant to build, or None when there is nothing to build."""
+    from tailguard.core.torch_backend import EagerModuleRunner, TorchBuildConfig, unavailable_reason
+
+    if v.compile == "module":
+        runners[v.name] = EagerModuleRunner(factory(), inputs, precision=v.precision, device=device)
+        row.update(status="ok", build=None)
+        return None
+    config = TorchBuildConfig(precision=v.precision, compile=v.compile, device=device, cuda_graphs=v.cuda_graphs)
+    reason = unavailable_reason(config)
+    if reason:
+        row.update(status="skipped", reason=reason)
+        return None
+    return config
+
+
 def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, rounds: int,
         max_seconds: float, batch_sizes: list[int], checkpoint: Any = None,
         build_deadline: float = float("inf"), validate_deadline: float = float("inf"),
@@ -292,8 +311,7 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset
     from tailguard.core.spec.models import BenchmarkSpec
-    from tailguard.core.torch_backend import (EagerModuleRunner, TorchBuildConfig, TorchVariantRunner,
-                                              unavailable_reason)
+    from tailguard.core.torch_backend import EagerModuleRunner, TorchVariantRunner
 
     t_start = time.perf_counter()
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, device {device}"
@@ -322,15 +340,8 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
                                "cuda_graphs": v.cuda_graphs, "device": device}
         rows[v.name] = row
         try:
-            if v.compile == "module":
-                runners[v.name] = EagerModuleRunner(factory(), inputs, precision=v.precision, device=device)
-                row.update(status="ok", build=None)
-                continue
-            config = TorchBuildConfig(precision=v.precision, compile=v.compile, device=device,
-                                      cuda_graphs=v.cuda_graphs)
-            reason = unavailable_reason(config)
-            if reason:
-                row.update(status="skipped", reason=reason)
+            config = _start_variant(v, device, row, runners, factory, inputs)
+            if config is None:
                 continue
             key = json.dumps(config.build_settings(), sort_keys=True)
             if key not in builds:  # cuda_graphs is a load-time choice: one artefact serves both
@@ -465,8 +476,7 @@ def run_quick(bundle: Path, device: str, variants: list[BenchVariant], work: Pat
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset
     from tailguard.core.spec.models import BenchmarkSpec
-    from tailguard.core.torch_backend import (EagerModuleRunner, TorchBuildConfig, TorchVariantRunner,
-                                              build_torch_variant, unavailable_reason)
+    from tailguard.core.torch_backend import EagerModuleRunner, TorchVariantRunner, build_torch_variant
 
     t_start = time.perf_counter()
 
@@ -513,15 +523,8 @@ def run_quick(bundle: Path, device: str, variants: list[BenchVariant], work: Pat
                                "cuda_graphs": v.cuda_graphs, "device": device}
         rows[v.name] = row
         try:
-            if v.compile == "module":
-                runners[v.name] = EagerModuleRunner(factory(), inputs, precision=v.precision, device=device)
-                row.update(status="ok", build=None)
-                continue
-            config = TorchBuildConfig(precision=v.precision, compile=v.compile, device=device,
-                                      cuda_graphs=v.cuda_graphs)
-            reason = unavailable_reason(config)
-            if reason:
-                row.update(status="skipped", reason=reason)
+            config = _start_variant(v, device, row, runners, factory, inputs)
+            if config is None:
                 continue
             out_dir = work / f"{v.compile}-{v.precision}"
             path = out_dir / config.artifact_file
