@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from enum import StrEnum
 from pathlib import Path
@@ -234,12 +235,15 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
             search.chosen_p50_ms).
 
     Returns:
-        JSON: SearchResult.to_dict() plus status (ok | not_needed | skipped), reason, variant_run_id,
+        JSON: SearchResult.to_dict() plus status (ok | not_needed | skipped | failed), reason, variant_run_id,
         searched_run_id (the '<V>-searched' run or None), trial_run_ids ({index: run id}).
 
+    A search that raises (a trial graph ONNX cannot read, an opset the quantizer cannot write...) fails alone: V's
+    run is tagged tailguard.search = failed, its search/search.json says why (status failed, reason) and the task
+    returns, so the run's other variants and its summary go on (issue 38: a broken search stopped the whole run).
+
     Raises:
-        StepError: the validate output has no run id, or the search failed (V's run is tagged
-            tailguard.search = failed).
+        StepError: the validate output has no run id.
     """
     import mlflow
 
@@ -307,6 +311,17 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
         d = {**result.to_dict(), **base, "status": BuildStatus.OK,
              "reason": "" if chosen is not None else "no trial passed every gate",
              "searched_run_id": searched_run_id, "trial_run_ids": {str(k): v for k, v in trial_runs.items()}}
+        return json.dumps(d, default=str)
+    except Exception as exc:  # a search that breaks fails alone: the other variants and the summary go on
+        first = (str(exc).strip().splitlines() or [""])[0][:400]
+        reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        client.set_tag(variant_run_id, SEARCH_TAG, SearchStatus.FAILED)
+        d = {**base, "status": SearchStatus.FAILED, "reason": reason, "trials": [],
+             "stopped_by": f"failed ({reason})"}
+        write_json(out / "search.json", d)
+        client.log_artifact(variant_run_id, str(out / "search.json"), artifact_path=SEARCH_ARTIFACT_PATH)
+        print(f"tailguard search: {variant.name}: the search failed, the run goes on without it: {reason}",
+              file=sys.stderr)
         return json.dumps(d, default=str)
     except BaseException:
         client.set_tag(variant_run_id, SEARCH_TAG, SearchStatus.FAILED)

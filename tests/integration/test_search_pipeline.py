@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import mlflow
+import numpy as np
 import pytest
 import yaml
 
@@ -274,3 +275,36 @@ def test_print_search_prints_each_trial_with_front_and_chosen_marks_when_given_a
     lines = {ln.split("│")[1].strip(): ln for ln in text.splitlines() if ln.startswith("│") and "-t0" in ln}
     assert "[mm2]" in lines[f"{V}-t01"] and "<-" in lines[f"{V}-t01"] and "<-" not in lines[f"{V}-t00"]
     assert "failed" in lines[f"{V}-t02"]
+
+
+def test_search_task_fails_alone_with_its_reason_when_the_search_raises(tmp_path, monkeypatch):
+    from tailguard.components.search import task as search_task
+    from tailguard.core.contract import SEARCH_JSON
+
+    mlp_rows(64, 0).to_parquet(tmp_path / "validation.parquet")
+    mlp_rows(32, 1).to_parquet(tmp_path / "calibration.parquet")
+    spec = write_spec(tmp_path, gates=[COSINE_GATE], search={"when": "always"})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):  # configure() sets them: restored after the test
+        monkeypatch.setenv(k, uri)
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("search-fails", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    onnx_dir = tmp_path / "export"
+    onnx_dir.mkdir()
+    (onnx_dir / "model.onnx").write_bytes(b"not an ONNX model")  # what a broken export or opset leaves behind
+    (tmp_path / "reference").mkdir()
+    np.savez(tmp_path / "reference" / "reference_outputs.npz",
+             y=np.zeros((64, OUT), dtype=np.float32))
+    out = json.loads(search_task.main(
+        spec_yaml=spec.read_text().replace("calibration.parquet", str(tmp_path / "calibration.parquet"))
+        .replace("validation.parquet", str(tmp_path / "validation.parquet")),
+        variant_name=V, validation_json=json.dumps({"variant": V, "status": "ok", "passed": False,
+                                                    "run_id": run_id}),
+        baselines_json="", parent_run_id=run_id, tracking_uri=uri, onnx_dir=str(onnx_dir),
+        reference_dir=str(tmp_path / "reference"), out_dir=str(tmp_path / "out")))
+
+    assert out["status"] == "failed" and out["reason"], out  # returned, not raised: the run goes on
+    assert client.get_run(run_id).data.tags["tailguard.search"] == "failed"
+    logged = json.loads(Path(client.download_artifacts(run_id, SEARCH_JSON, str(tmp_path / "dl"))).read_text())
+    assert logged["status"] == "failed" and logged["reason"] == out["reason"]
