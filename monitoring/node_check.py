@@ -23,9 +23,10 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
-from tailguard.core.contract import EXECUTION_PROVIDER_TAG, VALIDATED_ON_TAG
+from tailguard.core.contract import EXECUTION_PROVIDER_TAG, SHA256_TAG, VALIDATED_ON_TAG
 from tailguard.core.errors import InputError
 from tailguard.core.hardware import fact_differences, kernel_facts, node_facts
 
@@ -151,7 +152,8 @@ _VERSION = re.compile(r"^(?P<name>.+)/(?P<version>\d+)$")
 _ALIAS = re.compile(r"^(?P<name>.+)@(?P<alias>[\w\-]+)$")
 
 
-def read_validated_on(ref: str, tracking_uri: str | None = None) -> tuple[str, list[dict[str, Any]], str | None]:
+def read_validated_on(ref: str, tracking_uri: str | None = None
+                      ) -> tuple[str, list[dict[str, Any]], str | None, str | None]:
     """The `tailguard.validated_on` entries of the registry version `ref`, and its execution provider.
 
     Args:
@@ -159,8 +161,8 @@ def read_validated_on(ref: str, tracking_uri: str | None = None) -> tuple[str, l
         tracking_uri: the MLflow registry (None: $MLFLOW_TRACKING_URI, MLflow's default).
 
     Returns:
-        ("name/version", entries, the version's `tailguard.execution_provider` or None); entries [] when the
-        version has no tag.
+        ("name/version", entries, the version's `tailguard.execution_provider` or None, its `tailguard.sha256`
+        (the model file's digest) or None); entries [] when the version has no tag.
 
     Raises:
         InputError: `ref` is neither form; no such model, alias or version; an unreadable tag.
@@ -185,20 +187,33 @@ def read_validated_on(ref: str, tracking_uri: str | None = None) -> tuple[str, l
     tags = mv.tags or {}
     tag = tags.get(VALIDATED_ON_TAG)
     entries = parse_validated_on(tag, source=f"{where} tag {VALIDATED_ON_TAG}") if tag else []
-    return where, entries, tags.get(EXECUTION_PROVIDER_TAG) or None
+    return where, entries, tags.get(EXECUTION_PROVIDER_TAG) or None, tags.get(SHA256_TAG) or None
 
 
 def run_node_check(ref: str | None, tracking_uri: str | None = None, *,
-                   node: dict[str, str] | None = None) -> NodeCheck:
+                   node: dict[str, str] | None = None, candidate_file: str | Path | None = None) -> NodeCheck:
     """The monitor's check at start: this node (`node`, default `kernel_facts(node_facts())`) against the version
     `ref` (`read_validated_on`); NOT_CONFIGURED without `ref`, UNKNOWN (with the error) when the registry cannot be
-    read. Never raises: the monitor serves whatever the outcome."""
+    read. With `candidate_file` (the `--candidate` file), its sha256 is compared with the version's
+    `tailguard.sha256` first: a file that is not that version's model is a MISMATCH (`differences["sha256"]`),
+    whatever the node, since the version's validated nodes say nothing about another file. Never raises: the
+    monitor serves whatever the outcome."""
     here = node if node is not None else kernel_facts(node_facts())
     if not ref:
         return NodeCheck(NodeCheckStatus.NOT_CONFIGURED.value, here, reason=(
             "no --candidate-version: the nodes the candidate was validated on are unknown to this monitor"))
     try:
-        version, entries, provider = read_validated_on(ref, tracking_uri)
+        version, entries, provider, digest = read_validated_on(ref, tracking_uri)
+        if candidate_file is not None and digest and Path(candidate_file).is_file():
+            from tailguard.core.cache import file_sha256
+
+            got = file_sha256(Path(candidate_file))
+            if got != digest:
+                return NodeCheck(NodeCheckStatus.MISMATCH.value, here, version=version,
+                                 differences={"sha256": {"node": got, "validated": digest}},
+                                 reason=(f"the candidate file {Path(candidate_file).name} (sha256 {got[:12]}...) is not "
+                                         f"the model of {version} (sha256 {digest[:12]}...): fetch that version, or "
+                                         "name the version the file came from"))
     except InputError as exc:
         return NodeCheck(NodeCheckStatus.UNKNOWN.value, here, reason=exc.message)
     except Exception as exc:  # noqa: BLE001 - an unreachable registry must not stop the monitor

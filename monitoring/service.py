@@ -1123,7 +1123,11 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     """
     source = str(spec) if not isinstance(spec, Spec) else "spec"
     spec_obj = load_spec(spec) if not isinstance(spec, Spec) else spec
+    from tailguard.core.tracking import tracking_uri_for
     from tailguard.monitoring.centroids import resolve_centroids
+
+    if candidate_version and not tracking_uri:  # the store every other command uses ($TAILGUARD_HOME's by default)
+        tracking_uri = tracking_uri_for(spec_obj)
 
     cfg: MonitorConfig = resolve_config(spec_obj, source=source, centroids=resolve_centroids(
         spec_obj, centroids, candidate_version, tracking_uri))
@@ -1131,7 +1135,8 @@ def create_service(spec: Spec | str | Path, reference: str | Path | None, candid
     return MonitorService(cfg, reference, candidate, seed=seed, start=start, evidence_only=evidence_only,
                           peers=peers, poll_interval_s=poll_interval_s, auth_token=token,
                           expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
-                          node_check=lambda: run_node_check(candidate_version, tracking_uri), trusted=trusted)
+                          node_check=lambda: run_node_check(candidate_version, tracking_uri,
+                                                            candidate_file=candidate), trusted=trusted)
 
 
 def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
@@ -1165,7 +1170,8 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
             monitoring.auth_token_file / auth_token_env); None: the spec's source, or no authentication.
         candidate_version: the candidate's registry version (NAME@ALIAS, NAME/VERSION or models:/...), whose
             `tailguard.validated_on` tag the node check compares this node with; None: not checked.
-        tracking_uri: the MLflow registry holding it (None: $MLFLOW_TRACKING_URI).
+        tracking_uri: the MLflow registry holding it (None: the store every command uses: the spec's
+            mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the one under $TAILGUARD_HOME).
         centroids: the centroids.npz of the nearest_centroid slices (None: from candidate_version's run).
         trusted: `--trusted`: load a .pt2 model file without first refusing an archive that holds code.
 

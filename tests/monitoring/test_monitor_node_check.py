@@ -116,7 +116,7 @@ def test_check_node_is_unknown_not_matched_when_the_version_records_no_passing_n
 def test_run_node_check_reads_the_versions_validated_nodes_from_the_registry_when_given_an_alias(registry):
     uri, put = registry
     v = put([entry(None, here()["isa"], gpu=here()["gpu"])])
-    where, entries, provider = read_validated_on(f"models:/{MODEL}@production", uri)
+    where, entries, provider, _ = read_validated_on(f"models:/{MODEL}@production", uri)
     assert where == f"{MODEL}/{v}" and entries[0]["target"] is None and provider == "CPUExecutionProvider"
     check = run_node_check(f"{MODEL}/{v}", uri)
     assert check.status == "matched" and check.matched == "build node" and check.version == f"{MODEL}/{v}"
@@ -205,3 +205,48 @@ def test_sampled_pair_rows_carry_where_the_candidate_output_came_from_when_writt
            "reference": np.zeros(3), "candidate": np.zeros(3), "metrics": {},
            "candidate_source": "recomputed_other_node"}
     assert redact_row(rec, set())["_tg_candidate_source"] == "recomputed_other_node"
+
+
+# ------------------------------------------------------------------------- the candidate file and the store
+def _put_with_digest(uri, tmp_path, digest):
+    client = mlflow.MlflowClient(uri, uri)
+    client.create_registered_model(MODEL)
+    mv = client.create_model_version(MODEL, source=str(tmp_path), tags={
+        "tailguard.validated_on": json.dumps([entry(None, here()["isa"], gpu=here()["gpu"])]),
+        "tailguard.execution_provider": "CPUExecutionProvider", "tailguard.sha256": digest})
+    client.set_registered_model_alias(MODEL, "production", mv.version)
+
+
+def test_run_node_check_mismatches_on_sha256_when_the_candidate_file_is_not_that_versions_model(tmp_path, models):
+    from tailguard.core.cache import file_sha256
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    _put_with_digest(uri, tmp_path, file_sha256(models["ref"]))  # the version holds the reference file
+
+    same = run_node_check(f"{MODEL}@production", uri, candidate_file=models["ref"])
+    other = run_node_check(f"{MODEL}@production", uri, candidate_file=models["bad"])
+
+    assert same.status == "matched"
+    assert other.status == "mismatch" and set(other.differences) == {"sha256"}  # was "matched": no digest compared
+    assert other.differences["sha256"]["validated"] == file_sha256(models["ref"]) and "is not the model" in other.reason
+
+
+def test_monitor_reads_the_candidate_version_from_the_tailguard_home_store_when_no_tracking_uri_is_given(
+        tmp_path, models, monkeypatch):
+    from tailguard.core.home import default_tracking_uri
+
+    monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # a stray store in the working folder must not be the one read
+    uri = default_tracking_uri()
+    client = mlflow.MlflowClient(uri, uri)
+    client.create_registered_model(MODEL)
+    mv = client.create_model_version(MODEL, source=str(tmp_path), tags={
+        "tailguard.validated_on": json.dumps([entry(None, here()["isa"], gpu=here()["gpu"])]),
+        "tailguard.execution_provider": "CPUExecutionProvider"})
+    client.set_registered_model_alias(MODEL, "production", mv.version)
+
+    svc, _ = service(models, models["bad"], None)
+
+    assert svc.node_check.status == "matched", svc.node_check.reason  # was "unknown": MLflow's default store read
+    svc.stop()
