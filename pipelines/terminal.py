@@ -146,10 +146,11 @@ def print_summary(summary: RunSummary) -> None:
         console.print(part)
     from tailguard.core.report import TASK_MARK, TASK_NOTE, TIMING_COLUMNS, rounds_line
 
+    # prose: wrapped at spaces to the terminal's width (only the gate keys below are never cut)
     if line := rounds_line(getattr(summary, "promotion_comparison", None)):  # where the unmarked figures come from
-        console.print(Text(line, style="dim"), soft_wrap=True)
+        console.print(Text(line, style="dim"))
     if any(str(r[c] or "").endswith(TASK_MARK) for r in rows for c in TIMING_COLUMNS):
-        console.print(Text(TASK_NOTE, style="dim"), soft_wrap=True)
+        console.print(Text(TASK_NOTE, style="dim"))
     for key, gid in gate_ids(summary).items():  # soft_wrap: the key is never cut, the terminal wraps the line
         console.print(Text.assemble(f"  {gid} = ", (key, "dim")), soft_wrap=True)
     if reason := getattr(summary, "promotion_reason", ""):  # how the variant to promote was chosen
