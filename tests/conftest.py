@@ -1,4 +1,4 @@
-"""Shared test setup: no telemetry, offline model hubs, and a private $TAILGUARD_HOME per test session."""
+"""Shared test setup: no telemetry, offline model hubs, MLflow URIs that do not leak, a private $TAILGUARD_HOME fixture."""
 
 import os
 
@@ -38,3 +38,14 @@ def _mlflow_uris_do_not_leak():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def private_home(tmp_path, monkeypatch):
+    """A $TAILGUARD_HOME of the test's own, with no MLflow URI in the environment: `spec check` resolves
+    model.registered_name in the local store when one exists, so a store another test of the session left in the
+    default home must not decide a test that checks specs (use with pytest.mark.usefixtures("private_home"))."""
+    monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "private-home"))
+    for k in MLFLOW_URI_VARS:
+        monkeypatch.delenv(k, raising=False)
+    return tmp_path / "private-home"

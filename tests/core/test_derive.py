@@ -18,13 +18,8 @@ from tailguard.preflight import column_errors
 from tests.core.test_spec import TINY
 
 
-@pytest.fixture(autouse=True)
-def _private_home(tmp_path, monkeypatch):
-    """A $TAILGUARD_HOME of this test's own: `spec check` resolves model.registered_name in the local store when one
-    exists, and a store another test of the session left in the default home must not decide these tests."""
-    monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "private-home"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+# `spec check` resolves model.registered_name in an existing local store: a private home per test (conftest)
+pytestmark = pytest.mark.usefixtures("private_home")
 
 N_TOKENS = SliceSpec(name="n_tokens", derive={"input": "attention_mask", "reduce": "length"}, bins=[0, 4, 8, 129])
 IDS_SUM = SliceSpec(name="ids", derive={"input": "input_ids", "reduce": "sum"})

@@ -20,13 +20,8 @@ from tailguard.preflight import check_spec_file
 from tailguard.core.spec import validate_spec
 
 
-@pytest.fixture(autouse=True)
-def _private_home(tmp_path, monkeypatch):
-    """A $TAILGUARD_HOME of this test's own: `spec check` resolves model.registered_name in the local store when one
-    exists, and a store another test of the session left in the default home must not decide these tests."""
-    monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "private-home"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+# `spec check` resolves model.registered_name in an existing local store: a private home per test (conftest)
+pytestmark = pytest.mark.usefixtures("private_home")
 
 runner = CliRunner()
 
