@@ -468,8 +468,11 @@ class MonitorConfig:
             if isinstance(lab, str):
                 whole.append(f"{name}={lab}")
             else:
+                by_label: dict[str, list[int]] = {}
                 for i, x in enumerate(lab):
-                    rows_of.setdefault(f"{name}={x}", []).append(i)
+                    by_label.setdefault(x, []).append(i)
+                for x, idx in by_label.items():
+                    rows_of[f"{name}={x}"] = idx
         for i, j in self.pairs:
             li, lj = per_rule[i], per_rule[j]
             if isinstance(li, str) and isinstance(lj, str):

@@ -104,6 +104,7 @@ and Kish's effective sample size of those weights; they never decide an alert (`
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import OrderedDict
@@ -296,6 +297,14 @@ def _logmeanexp(xs: Sequence[float]) -> float:
     return m + math.log(sum(math.exp(x - m) for x in xs) / len(xs))
 
 
+Prepared = tuple[int, float, list[tuple[str, float, float, float]],
+                 list[tuple[str, list[tuple[int, float]], list[tuple[int, float]] | None]]]
+"""One request's (or one slice group's) rows reduced for the statistics (`SliceStatistics._prepare`): (rows, the
+sum of the rows' decay weights, [(metric, decay weight sum over rows with a value, decayed sum of finite values,
+decayed count of infinite values)] in `metrics` order, [(bounded metric, alarm units, recovery units or None)],
+units from `request_units`)."""
+
+
 @dataclass(frozen=True)
 class Betting:
     """The bets of one (metric, direction) detector.
@@ -369,11 +378,18 @@ def request_units(bet: Betting, excess: Any, max_rows: int) -> list[tuple[int, f
     return [(min(max_rows, n - a), float(y[a:a + max_rows].sum())) for a in range(0, n, max_rows)]
 
 
+@functools.lru_cache(maxsize=8192)
+def log_factors(lambdas: tuple[float, ...], x: float) -> tuple[float, ...]:
+    """log(1 + lam_j * x) for each bet lam_j, x = r * S / M (memoized: a 0/1 metric's request sums take few
+    values, and the keys of one slice group share them)."""
+    return tuple(math.log1p(lam * x) for lam in lambdas)
+
+
 def _add_walk(walk: list[float], bet: Betting, u: float, r: float) -> None:
     """Accumulate one unit's log factors per bet (u = S / M from `request_units`) into an unclipped walk (a
     replica's recovery-side evidence)."""
-    for j, lam in enumerate(bet.lambdas):
-        walk[j] += math.log1p(lam * r * u)
+    for j, inc in enumerate(log_factors(bet.lambdas, r * u)):
+        walk[j] += inc
 
 
 class Cusum:
@@ -402,14 +418,19 @@ class Cusum:
         """Add one evidence unit: u = S / M (S its clipped excess sum in the bet's sign, `request_units`), weight
         ratio r in (0, 1], `row` the slice's unit number, `acc` the stream's window sums before this unit."""
         s, walk = self.s, self.walk
+        if u <= 0.0 and not any(s):  # idle, and a unit on the good side (every factor <= 1): all stay at 0
+            if u < 0.0:
+                self.walk = [w + inc for w, inc in zip(walk, log_factors(bet.lambdas, r * u))]
+            self.start = [row + 1] * N_BETS
+            self.start_request = [None] * N_BETS
+            return
         if u == 0.0:  # every factor is 1 (e.g. candidate_error_rate 0 at threshold 0): only idle CUSUMs move start
             for j in range(N_BETS):
                 if s[j] == 0.0:
                     self.start[j] = row + 1
                     self.start_request[j] = None
             return
-        for j, lam in enumerate(bet.lambdas):
-            inc = math.log1p(lam * r * u)
+        for j, inc in enumerate(log_factors(bet.lambdas, r * u)):
             walk[j] += inc
             v = s[j] + inc
             if v <= 0.0:
@@ -671,37 +692,78 @@ class SliceStatistics:
             The alerts fired and cleared by this update.
         """
         ev = Evaluation()
-        n, display, excess = self._prepare(values)
-        if n == 0:
-            return ev
-        d = self.decay
-        dn = d ** n
-        g_all = display[""][0]
+        prepared = self._prepare(values)
+        if prepared[0]:
+            self._apply(keys, prepared, weight, ratios, request_index, now, ev)
+        return ev
+
+    def update_groups(self, groups: Sequence[tuple[Sequence[str], np.ndarray | None]], values: Mapping[str, Any],
+                      weight: float, ratios: Sequence[Sequence[float] | None] | None = None,
+                      request_index: int | None = None, now: datetime | None = None) -> Evaluation:
+        """Add one sampled request whose rows fall into several slice groups (per-row slices): each group is one
+        `update` with its rows only, the groups' sums computed for all of them at once.
+
+        The same evidence as calling `update` once per group (the sums may differ in the last bits: one matrix
+        product instead of a sum per group); a request whose values hold a NaN or infinity, or with a group of
+        more than max_request_rows rows, takes the per-group path.
+
+        Args:
+            groups: [(keys whose rows are the same, (group rows,) int64 row indices into the values, or None for
+                every row)] (monitoring/config.py `MonitorConfig.row_groups`).
+            values: {metric: (rows,) float64 per-row values} of the whole request (as `update`).
+            weight: sampling weight w = 1/p of the request.
+            ratios: per group, its keys' ratios pi_slice / p (as `update`'s), or None (all 1).
+            request_index: sequence number recorded in alerts.
+            now: time stamp for fired/cleared records.
+
+        Returns:
+            The alerts fired and cleared by this update.
+        """
+        ev = Evaluation()
+        for (keys, _), prepared, r in zip(groups, self._prepare_groups(values, [idx for _, idx in groups]),
+                                          ratios if ratios is not None else [None] * len(groups)):
+            if prepared[0]:
+                self._apply(keys, prepared, weight, r, request_index, now, ev)
+        return ev
+
+    def _apply(self, keys: Sequence[str], prepared: Prepared, weight: float, ratios: Sequence[float] | None,
+               request_index: int | None, now: datetime | None, ev: Evaluation) -> None:
+        """Add one prepared request (`_prepare`) to each of its slices' counts, display sums and detectors."""
+        n, g_all, display, excess = prepared
+        dn = self.decay ** n
         units = -(-n // self.max_request_rows)
         self.version += 1
+        version = self.version
+        sw_add, sww_add = weight * g_all, weight * weight * g_all
+        weighted = [(m, weight * gm, weight * gx, ginf) for m, gm, gx, ginf in display]
         for i, k in enumerate(keys):
             s = self.state(k)
-            s.version = self.version
+            s.version = version
             s.rows += n
             base = s.requests
             s.requests += units
             if units > 1:
                 s.oversize += 1
             s.last_request = request_index
-            s.sw = dn * s.sw + weight * g_all
-            s.sww = dn * s.sww + weight * weight * g_all
-            for m in self.metrics:
-                gm, gx, ginf = display[m]
-                s.swm[m] = dn * s.swm[m] + weight * gm
-                s.swx[m] = dn * s.swx[m] + weight * gx
-                s.ninf[m] = dn * s.ninf[m] + ginf
+            s.sw = dn * s.sw + sw_add
+            s.sww = dn * s.sww + sww_add
+            swm, swx, ninf = s.swm, s.swx, s.ninf
+            for m, wgm, wgx, ginf in weighted:
+                swm[m] = dn * swm[m] + wgm
+                swx[m] = dn * swx[m] + wgx
+                ninf[m] = dn * ninf[m] + ginf
             r = ratios[i] if ratios is not None else 1.0
-            for m, (au, ru) in excess.items():
-                stream = s.streams.get(m)
+            streams = s.streams
+            peak = 0.0
+            for m, au, ru in excess:
+                stream = streams.get(m)
                 if stream is not None:
                     self._step(k, m, s, stream, au, ru, r, base, request_index, now, ev)
-            s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
-        return ev
+            for st in streams.values():
+                top = max(st.alarm.s)
+                if top > peak:
+                    peak = top
+            s.peak = peak
 
     def _decay_weights(self, n: int) -> tuple[np.ndarray, float]:
         """(decay ** (n-1 .. 0), their sum) for an n-row update of the display estimate, memoized per n (a
@@ -714,13 +776,8 @@ class SliceStatistics:
                 self._geo[n] = got
         return got
 
-    def _prepare(self, values: Mapping[str, Any]
-                 ) -> tuple[int, dict[str, tuple[float, float, float]],
-                            dict[str, tuple[list[tuple[int, float]], list[tuple[int, float]] | None]]]:
-        """One request's rows reduced once for all its slices: (rows, {metric: (sum of decay weights over rows
-        with a value, decayed sum of finite values, decayed count of infinite values)} with key "" holding the
-        decay weight sum over all rows, {bounded metric: (alarm units, recovery units or None)}, units from
-        `request_units`)."""
+    def _prepare(self, values: Mapping[str, Any]) -> Prepared:
+        """One request's rows reduced once for all its slices (`Prepared`)."""
         arrays = {m: np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics if m in values}
         n0 = max((a.shape[0] for a in arrays.values()), default=0)
         for m in self.metrics:  # a metric the caller did not give has no value on these rows
@@ -728,24 +785,26 @@ class SliceStatistics:
                 arrays[m] = np.full(n0, np.nan)
         n = max((a.shape[0] for a in arrays.values()), default=0)
         if n == 0:
-            return 0, {}, {}
+            return 0, 0.0, [], []
         geo, geo_sum = self._decay_weights(n)
-        display: dict[str, tuple[float, float, float]] = {"": (geo_sum, 0.0, 0.0)}
-        excess: dict[str, tuple[list[tuple[int, float]], list[tuple[int, float]] | None]] = {}
-        for m, a in arrays.items():
+        display: list[tuple[str, float, float, float]] = []
+        excess: list[tuple[str, list[tuple[int, float]], list[tuple[int, float]] | None]] = []
+        for m in self.metrics:
+            a = arrays[m]
             if a.shape[0] != n:
                 raise ValueError(f"metric {m!r} has {a.shape[0]} rows, the request {n}")
             all_finite = bool(np.isfinite(a).all())  # the common case: one reduction instead of three masks
             valid = None if all_finite else ~np.isnan(a)
             if n == 1:
                 x = float(a[0])
-                display[m] = ((1.0, x, 0.0) if all_finite else (1.0, 0.0, 1.0)) if x == x else (0.0, 0.0, 0.0)
+                display.append((m, *(((1.0, x, 0.0) if all_finite else (1.0, 0.0, 1.0)) if x == x
+                                     else (0.0, 0.0, 0.0))))
             elif all_finite:
-                display[m] = (geo_sum, float(geo @ a), 0.0)
+                display.append((m, geo_sum, float(geo @ a), 0.0))
             else:
                 finite = np.isfinite(a)
-                display[m] = (float(geo[valid].sum()), float((geo[finite] * a[finite]).sum()),
-                              float(geo[valid & ~finite].sum()))
+                display.append((m, float(geo[valid].sum()), float((geo[finite] * a[finite]).sum()),
+                                float(geo[valid & ~finite].sum())))
             b = self.bounds.get(m)
             if b is None or (valid is not None and not valid.any()):
                 continue
@@ -757,9 +816,58 @@ class SliceStatistics:
             y = float(y[0]) if y.shape[0] == 1 else y
             alarm_bet, rec_bet = self.bets[m]
             mr = self.max_request_rows
-            excess[m] = (request_units(alarm_bet, y, mr),
-                         request_units(rec_bet, y, mr) if rec_bet is not None else None)
-        return n, display, excess
+            excess.append((m, request_units(alarm_bet, y, mr),
+                           request_units(rec_bet, y, mr) if rec_bet is not None else None))
+        return n, geo_sum, display, excess
+
+    def _prepare_groups(self, values: Mapping[str, Any], groups: Sequence[np.ndarray | None]) -> list[Prepared]:
+        """`_prepare` of each group's rows of one request (groups: (group rows,) row indices, or None for every
+        row), the groups' sums computed at once: with B the (groups, rows) 0/1 membership matrix, the display sums
+        are W @ x (W = B times the decay weight of each row's place in its group, the last row weighing 1, as
+        `_decay_weights`) and the clipped excess sums B @ y. Values with a NaN or infinity, a metric left out, or
+        a group of more than max_request_rows rows take `_prepare` per group."""
+        arrays = [np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics if m in values]
+        n = arrays[0].shape[0] if arrays else 0
+        sizes = [n if idx is None else len(idx) for idx in groups]
+        if (n == 0 or len(arrays) < len(self.metrics) or max(sizes) > self.max_request_rows
+                or any(a.shape[0] != n for a in arrays) or not np.isfinite(np.stack(arrays)).all()):
+            return [self._prepare(values if idx is None else {m: np.atleast_1d(np.asarray(values[m]))[idx]
+                                                              for m in self.metrics if m in values})
+                    for idx in groups]
+        stacked = np.stack(arrays, axis=1)  # (rows, metrics)
+        member = np.zeros((len(groups), n))
+        for g, idx in enumerate(groups):
+            if idx is None:
+                member[g] = 1.0
+            else:
+                member[g, idx] = 1.0
+        count = np.asarray(sizes, dtype=np.float64)
+        w = member * self.decay ** (count[:, None] - np.cumsum(member, axis=1))
+        geo_sum = w.sum(axis=1).tolist()
+        disp = (w @ stacked).tolist()  # (groups, metrics)
+        cols, slots = [], []
+        for j, m in enumerate(self.metrics):
+            b = self.bounds.get(m)
+            if b is None:
+                continue
+            a = stacked[:, j]
+            if b.higher_is_better:
+                y = b.value - a
+            else:
+                y = (np.minimum(a, b.truncate_at) if b.truncate_at is not None else a) - b.value
+            alarm_bet, rec_bet = self.bets[m]
+            slots.append((m, len(cols), len(cols) + 1 if rec_bet is not None else None))
+            cols.append(np.clip(alarm_bet.sign * y, -alarm_bet.span, alarm_bet.cap))
+            if rec_bet is not None:
+                cols.append(np.clip(rec_bet.sign * y, -rec_bet.span, rec_bet.cap))
+        sums = (member @ np.stack(cols, axis=1)).tolist() if cols else [[] for _ in groups]
+        metrics = self.metrics
+        out: list[Prepared] = []
+        for size, gs, row_disp, row in zip(sizes, geo_sum, disp, sums):
+            out.append((size, gs, [(m, gs, x, 0.0) for m, x in zip(metrics, row_disp)],
+                        [(m, [(size, row[ja])], [(size, row[jr])] if jr is not None else None)
+                         for m, ja, jr in slots]))
+        return out
 
     def _step(self, key: str, metric: str, s: SliceState, stream: Stream, au: list[tuple[int, float]],
               ru: list[tuple[int, float]] | None, r: float, base: int, request_index: int | None,

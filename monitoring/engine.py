@@ -232,13 +232,11 @@ class MonitorEngine:
         """
         ratios = dict(zip(keys, decision.ratios)) if decision.ratios else {}
         base = ratios.get(ALL_SLICE, 1.0)
-        ev = Evaluation()
-        for group_keys, idx in self.cfg.row_groups(keys, reference, keep):
-            values = row if idx is None else {m: np.asarray(v)[idx] for m, v in row.items()}
-            r = [ratios.get(k, base) for k in group_keys] if ratios else None
-            part = self.stats.update(group_keys, values, decision.weight, r, request_index=request_index, now=now)
-            ev.fired.extend(part.fired)
-            ev.cleared.extend(part.cleared)
+        groups = self.cfg.row_groups(keys, reference, keep)
+        r = [[ratios.get(k, base) for k in group_keys] for group_keys, _ in groups] if ratios else None
+        ev = self.stats.update_groups(groups, row, decision.weight, r, request_index=request_index, now=now)
+        if self.checkpoints is not None:
+            self.checkpoints.tick()
         first = next(iter(row.values()), 0.0)
         self.compared_rows += int(np.size(first))
         self.compared_requests += 1

@@ -232,10 +232,16 @@ def row_labels(spec: SliceSpec, x: np.ndarray) -> list[str | None]:
         e = [float(b) for b in spec.bins]
         xf = vals.astype(np.float64)
         names = [f"(-inf,{_fmt(e[0])})"] + [f"[{_fmt(a)},{_fmt(b)})" for a, b in zip(e[:-1], e[1:])] + \
-            [f"[{_fmt(e[-1])},inf)"]
+            [f"[{_fmt(e[-1])},inf)", NULL]
         pos = np.searchsorted(np.asarray(e), xf, side="right")
-        return [NULL if np.isnan(v) else names[p] for v, p in zip(xf.tolist(), pos.tolist())]
-    labels = [value_label(v) for v in vals.tolist()]
+        pos[np.isnan(xf)] = len(names) - 1
+        return [names[p] for p in pos.tolist()]
+    if vals.dtype.kind in "fiub" and vals.size > 1:  # numeric: label each distinct value once
+        uniq, inverse = np.unique(vals, return_inverse=True)
+        names = [value_label(v) for v in uniq.tolist()]
+        labels = [names[i] for i in inverse.ravel().tolist()]
+    else:
+        labels = [value_label(v) for v in vals.tolist()]
     if spec.values is not None:
         wanted = {value_label(v) for v in spec.values}
         return [lab if lab in wanted else None for lab in labels]

@@ -1,0 +1,126 @@
+"""The per-row slice path (issue 35): `SliceStatistics.update_groups` computes every slice group of a request at
+once (one membership matrix product) and must leave the statistics exactly where one `update` per group leaves
+them: counts, display sums, every CUSUM and its change point, alerts. Seeded simulations and hypothesis-drawn
+requests drive two real SliceStatistics side by side; no wall clock."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tailguard.monitoring.config import Bound
+from tailguard.monitoring.detector import SliceStatistics
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+BOUNDS = {"top1_agree": Bound("top1_agree", 0.97, True, "min"),
+          "candidate_error_rate": Bound("candidate_error_rate", 0.0, False, "max"),
+          "kl_divergence": Bound("kl_divergence", 0.05, False, "max", truncate_at=1.0)}
+METRICS = ("top1_agree", "kl_divergence", "abs_error", "candidate_error_rate")
+
+
+def _pair(max_request_rows=16, **kw):
+    args = dict(streams_per_request=3, alpha=0.05, horizon=2000, min_support=5, max_request_rows=max_request_rows)
+    args.update(kw)
+    return (SliceStatistics("m", METRICS, BOUNDS, **args), SliceStatistics("m", METRICS, BOUNDS, **args))
+
+
+def _request(rng, rows, classes, agree=0.95, nan_rate=0.0):
+    labels = rng.integers(0, classes, rows)
+    groups = [(["all", "domain=a"], None)] + [([f"predicted={c}"], np.flatnonzero(labels == c))
+                                              for c in np.unique(labels)]
+    values = {"top1_agree": (rng.random(rows) < agree).astype(float), "kl_divergence": rng.random(rows) * 0.1,
+              "abs_error": rng.random(rows), "candidate_error_rate": (rng.random(rows) < 0.01).astype(float)}
+    if nan_rate:
+        values["kl_divergence"][rng.random(rows) < nan_rate] = np.nan
+    return groups, values
+
+
+def _per_group(st_, groups, values, **kw):
+    fired = []
+    for keys, idx in groups:
+        part = values if idx is None else {m: v[idx] for m, v in values.items()}
+        fired += st_.update(keys, part, 1.0, **kw).fired
+    return fired
+
+
+def _assert_same(a, b):
+    assert list(a.slices) == list(b.slices)
+    for key, x in a.slices.items():
+        y = b.slices[key]
+        assert (x.rows, x.requests, x.oversize, x.last_request) == (y.rows, y.requests, y.oversize, y.last_request), key
+        assert math.isclose(x.sw, y.sw, rel_tol=1e-9) and math.isclose(x.sww, y.sww, rel_tol=1e-9), key
+        for m in METRICS:
+            assert math.isclose(x.swm[m], y.swm[m], rel_tol=1e-9, abs_tol=1e-12), (key, m)
+            assert math.isclose(x.swx[m], y.swx[m], rel_tol=1e-9, abs_tol=1e-12), (key, m)
+        for m, sx in x.streams.items():
+            sy = y.streams[m]
+            assert np.allclose(sx.alarm.s, sy.alarm.s, rtol=1e-9, atol=1e-12), (key, m)
+            assert sx.alarm.start == sy.alarm.start and sx.active == sy.active, (key, m)
+            assert np.allclose(sx.acc, sy.acc, rtol=1e-9, atol=1e-12), (key, m)
+
+
+def test_update_groups_matches_one_update_per_group_when_a_drifted_class_alarms():
+    grouped, looped = _pair()
+    rng = np.random.default_rng(3)
+    fired_g, fired_l = [], []
+    for i in range(600):
+        groups, values = _request(rng, 16, 6, agree=0.99)
+        drifted = [idx for keys, idx in groups if keys == ["predicted=2"]]
+        if i >= 200 and drifted:  # class 2's rows drift to 0.6 agreement
+            values["top1_agree"][drifted[0]] = (rng.random(len(drifted[0])) < 0.6).astype(float)
+        fired_g += grouped.update_groups(groups, values, 1.0, request_index=i).fired
+        fired_l += _per_group(looped, groups, values, request_index=i)
+    _assert_same(grouped, looped)
+    assert [(a.slice, a.metric) for a in fired_g] == [(a.slice, a.metric) for a in fired_l]
+    assert ("predicted=2", "top1_agree") in [(a.slice, a.metric) for a in fired_g]
+
+
+def test_update_groups_matches_one_update_per_group_when_values_hold_nan_or_a_group_exceeds_m():
+    grouped, looped = _pair(max_request_rows=4)  # groups of more than 4 rows: split into chunks (per-group path)
+    rng = np.random.default_rng(5)
+    for i in range(200):
+        groups, values = _request(rng, 12, 3, nan_rate=0.2 if i % 2 else 0.0)
+        grouped.update_groups(groups, values, 1.0, request_index=i)
+        _per_group(looped, groups, values, request_index=i)
+    _assert_same(grouped, looped)
+    assert any(s.oversize for s in grouped.slices.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), classes=st.integers(1, 8), seed=st.integers(0, 10_000),
+       ratio=st.sampled_from([None, 0.25, 1.0]))
+def test_update_groups_matches_one_update_per_group_when_requests_are_drawn(rows, classes, seed, ratio):
+    grouped, looped = _pair(max_request_rows=32)
+    rng = np.random.default_rng(seed)
+    for i in range(20):
+        groups, values = _request(rng, rows, classes, agree=0.9)
+        ratios = None if ratio is None else [[ratio] * len(keys) for keys, _ in groups]
+        grouped.update_groups(groups, values, 2.0, ratios, request_index=i)
+        for (keys, idx), r in zip(groups, ratios or [None] * len(groups)):
+            part = values if idx is None else {m: v[idx] for m, v in values.items()}
+            looped.update(keys, part, 2.0, r, request_index=i)
+    _assert_same(grouped, looped)
+
+
+def test_engine_replica_takes_checkpoints_when_its_slices_are_per_row():
+    """A replica (`--evidence-only`) whose slices are per row (the default `predicted`) checkpoints its walks every
+    CHECKPOINT_EVERY sampled requests, as one with request-level slices does (the combiner merges in order)."""
+    from tailguard.core.spec import parse_spec
+    from tailguard.monitoring import testing as T
+    from tailguard.monitoring.combine import CHECKPOINT_EVERY
+    from tailguard.monitoring.config import resolve_config
+    from tailguard.monitoring.engine import MonitorEngine
+
+    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "max_request_rows": 8})))
+    engine = MonitorEngine(cfg, role="replica", clock=lambda: 0.0)
+    rng = np.random.default_rng(0)
+    for i in range(CHECKPOINT_EVERY + 1):
+        x = {"x": rng.normal(size=(8, T.N_FEATURES)).astype(np.float32)}
+        keys, decision = engine.admit({"domain": "news"}, x)
+        assert keys.per_row
+        ref = rng.normal(size=(8, T.N_CLASSES)).astype(np.float32)
+        engine.observe(keys, decision, ref, ref.copy(), request_index=i)
+    assert engine.checkpoints.after(0)
