@@ -682,14 +682,19 @@ def bench_batched_detection(runs=50, sizes=(1, 16, 64), share=0.01, sample_rate=
                     "with median"}
 
 
-def _mlp_classifier(path, features=65, hidden=64, classes=10, seed=0):
-    """A real 2-layer MLP as ONNX ([batch, features] -> logits [batch, classes]), the issue's 65-feature model."""
+def _mlp_classifier(path, features=65, hidden=64, classes=10, seed=0, noise=0.0):
+    """A real 2-layer MLP as ONNX ([batch, features] -> logits [batch, classes]), the issue's 65-feature model;
+    `noise` > 0: the seed's weights plus Gaussian noise of that scale (a close candidate, like a quantized one)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
-    w1 = numpy_helper.from_array(rng.normal(size=(features, hidden)).astype(np.float32), "w1")
-    w2 = numpy_helper.from_array(rng.normal(size=(hidden, classes)).astype(np.float32), "w2")
+    a1, a2 = rng.normal(size=(features, hidden)), rng.normal(size=(hidden, classes))
+    if noise:
+        perturb = np.random.default_rng(seed + 1000)
+        a1, a2 = a1 + noise * perturb.normal(size=a1.shape), a2 + noise * perturb.normal(size=a2.shape)
+    w1 = numpy_helper.from_array(a1.astype(np.float32), "w1")
+    w2 = numpy_helper.from_array(a2.astype(np.float32), "w2")
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("MatMul", ["r", "w2"], ["logits"])]
     g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", features])],
@@ -736,28 +741,36 @@ def _wrk(port, body, duration, connections=32):
             "latency_p99_ms": round(doc["p99"], 3)}
 
 
-def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000):
+def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, slices=None, bodies=None, **mon):
     """Shadow comparisons per second while wrk drives closed-loop HTTP load at 10% sampling: `backlog` sampled
-    1-row requests are queued first (sampler base rate raised to 1 for them, then back to 0.1), so the worker
-    always has work; the rate is the requests it compared during the load. The worker before issue 27 is
-    shadow_batch_rows 1 (one request per inference call)."""
-    cfg = resolve_config(_mlp_spec(sample_rate=0.1, shadow_batch_rows=batch_rows, queue_size=backlog * 2))
+    requests (`bodies`, default 1-row) are queued first (sampler base rate raised to 1 for them, then back to
+    0.1), so the worker always has work; the rate is the requests it compared during the load. The worker before
+    issue 27 is shadow_batch_rows 1 (one request per inference call). `slices` / `mon`: the spec's slices and
+    further monitoring settings (default: the `domain` column slice)."""
+    spec = _mlp_spec(sample_rate=0.1, shadow_batch_rows=batch_rows, queue_size=backlog * 2, **mon)
+    if slices is not None:
+        doc = spec.model_dump(mode="json", exclude_none=True)
+        doc["slices"] = slices
+        spec = parse_spec(doc)
+    cfg = resolve_config(spec)
     svc = MonitorService(cfg, ref, cand, start=False)  # models loaded here, the worker started with the load
     svc._load_models()
     server, th, port = _server(svc)
-    bodies = _mlp_bodies()
+    bodies = bodies if bodies is not None else _mlp_bodies()
     svc.engine.sampler.base_rate = 1.0
     for i in range(backlog):
         svc.ingest("infer", "tiny-clf", bodies[i % len(bodies)])
     svc.engine.sampler.base_rate = 0.1
     svc._worker = threading.Thread(target=svc._work, name="tg-worker", daemon=True)
-    c0, t0 = svc.engine.compared_requests, time.perf_counter()
+    c0, r0, t0 = svc.engine.compared_requests, svc.engine.compared_rows, time.perf_counter()
     svc._worker.start()
     load = _wrk(port, bodies[0], duration)
     compared, elapsed = svc.engine.compared_requests - c0, time.perf_counter() - t0
     get = svc.metrics.registry.get_sample_value
+    rows = svc.engine.compared_rows - r0
     res = {"shadow_batch_rows": batch_rows, "compared_during_load": compared,
-           "compares_per_s": round(compared / elapsed, 1), "backlog_left": svc.queue.qsize(), "http": load,
+           "compares_per_s": round(compared / elapsed, 1), "compared_rows_per_s": round(rows / elapsed, 1),
+           "slices_tracked": len(svc.engine.stats.slices), "backlog_left": svc.queue.qsize(), "http": load,
            "queue_full": get("tailguard_monitor_dropped_total", {"reason": "queue_full"})}
     server.should_exit = True
     th.join(10)
@@ -810,6 +823,112 @@ def bench_shadow_throughput(d, duration, rounds=2):
             "note": "wrk (2 threads, 32 connections) and the monitor (uvicorn in a thread) share the 2 cores; the "
                     "worker has a backlog of 40,000 sampled requests during the load, so its rate is its capacity "
                     "under that load. The open-loop load comes from 4 Python client processes (http.client keep-alive, paced)."}
+
+
+# ------------------------------------------------------------ derived slices (issue 35)
+DERIVED_SLICES = {  # the spec's slices per mode; the monitor's slice_columns per mode (None: the default set)
+    "column_only": ([{"name": "domain", "column": "domain"}], ["domain"]),
+    "derived_default": ([{"name": "domain", "column": "domain"}], None),
+    "derived_default_and_input": ([{"name": "domain", "column": "domain"},
+                                   {"name": "ink", "derive": {"input": "x", "select": [0, 64], "reduce": "sum"},
+                                    "bins": [-1000, -8, 0, 8, 1000]}], None),
+}
+
+
+def _mlp_batch_bodies(rows, n=256):
+    """`n` JSON request bodies of `rows` rows of the 65-feature MLP's input, each with a `domain` parameter."""
+    rng = np.random.default_rng(1)
+    return [json.dumps(request_json({"x": rng.normal(size=(rows, 65)).astype(np.float32)},
+                                    {"domain": str(rng.choice(["news", "web"]))})).encode() for _ in range(n)]
+
+
+def bench_derived_throughput(d, duration, rounds=3, rows=16):
+    """Shadow compares/s under wrk (the `shadow_throughput` set-up: 10% sampling, a queued backlog, 256-row
+    micro-batches) of `rows`-row JSON requests, with today's column slice only (`slice_columns: [domain]`, one
+    detector update per request) against the default slices with derived ones (`predicted`, the reference's
+    top-1, and pairs: one update per (request, slice group)) and with an input-derived slice added, interleaved in
+    `rounds`. Target (issue 35): derived slices cost < 20% of compares/s (ratio >= 0.8)."""
+    ref = _mlp_classifier(d / "mlp-ref.onnx")
+    cand = _mlp_classifier(d / "mlp-cand.onnx", seed=1)
+    bodies = _mlp_batch_bodies(rows)
+    runs = {k: [] for k in DERIVED_SLICES}
+    for _ in range(rounds):
+        for mode, (slices, cols) in DERIVED_SLICES.items():
+            mon = {"max_request_rows": rows} if cols is None else {"max_request_rows": rows, "slice_columns": cols}
+            runs[mode].append(_compares_under_load(ref, cand, 256, duration, backlog=5_000, slices=slices,
+                                                   bodies=bodies, **mon))
+    med = {k: float(np.median([r["compared_rows_per_s"] for r in v])) for k, v in runs.items()}
+    base = med["column_only"]
+    return {"model": f"MLP 65 -> 64 -> 10 (ONNX Runtime, CPU), {rows}-row JSON requests, 10% sampling",
+            "compared_rows_per_s_median": med,
+            "ratio_to_column_only": {k: v / base for k, v in med.items()},
+            "target_ratio": 0.8, "meets_target": all(v / base >= 0.8 for v in med.values()),
+            "rounds": runs,
+            "note": "wrk (2 threads, 32 connections) and the monitor share the 2 cores; rounds interleaved, the "
+                    "worker always has a backlog, so its rate is its capacity under that load"}
+
+
+def _derived_detect_once(args):
+    """One run: requests of `rows` rows, each row in the 1% derived slice independently (share), agreement
+    1.00 then 0.94 in the slice's rows; only requests with a slice row update the slice (one group update each).
+    Returns (delay in sampled requests of all traffic, in sampled slice requests, in slice rows) or None."""
+    rows, seed, share, h, max_rows, limit = args
+    from tailguard.monitoring.config import Bound
+    from tailguard.monitoring.detector import SliceStatistics
+
+    rng = np.random.default_rng(30_000 + 1000 * rows + seed)
+    st = SliceStatistics("m", ["top1_agree"], {"top1_agree": Bound("top1_agree", THRESHOLD, True, "min")},
+                         streams_per_request=1, alpha=0.01, horizon=1000, min_support=1, max_request_rows=max_rows)
+    st.h = h
+    p_any = 1.0 - (1.0 - share) ** rows
+
+    def slice_rows_of_next():  # the slice's rows in a request holding at least one (binomial given >= 1)
+        k = 0
+        while k == 0:
+            k = int(rng.binomial(rows, share))
+        return k
+
+    for _ in range(200):  # burn-in at 1.00
+        st.update(["s"], {"top1_agree": np.ones(slice_rows_of_next())}, 1.0)
+    traffic, slice_requests, slice_rows = 0, 0, 0
+    while slice_requests < limit:
+        traffic += int(rng.geometric(p_any))  # requests up to the next one holding a slice row
+        k = slice_rows_of_next()
+        slice_requests += 1
+        slice_rows += k
+        if st.update(["s"], {"top1_agree": (rng.random(k) < 0.94).astype(float)}, 1.0,
+                     request_index=slice_requests).fired:
+            return traffic, slice_requests, slice_rows
+    return None
+
+
+def bench_derived_detection(runs=50, sizes=(1, 16, 64), share=0.01, workers=2):
+    """Detection delay of a 1.00 -> 0.94 top-1 agreement drift in a derived slice holding 1% of the ROWS (rows of
+    a batched request fall into it independently: a reference class, an input bin), for 1-, 16- and 64-row
+    requests, each (request, slice group) one bet on its rows (monitor engine `update_groups`), at the alarm
+    level h of the default derived configuration; M = the request size and the default M = 64. Delays in sampled
+    requests of all traffic (divide by the sample rate for requests served), in the slice's sampled requests and
+    in its rows, with 95% intervals."""
+    import multiprocessing as mp
+
+    slices, _ = DERIVED_SLICES["derived_default"]
+    doc = T.spec_dict({"sample_rate": 0.05, "max_request_rows": 64}, slices=slices)
+    h = MonitorEngine(resolve_config(parse_spec(doc))).stats.h
+    jobs = [(r, seed, share, h, m, 200_000) for r in sizes for m in sorted({r, 64}) for seed in range(runs)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        out = pool.map(_derived_detect_once, jobs)
+    cases = []
+    for r in sizes:
+        for m in sorted({r, 64}):
+            got = [o for j, o in zip(jobs, out) if j[0] == r and j[4] == m]
+            hit = [o for o in got if o is not None]
+            cases.append({"rows_per_request": r, "max_request_rows": m, "runs": len(got), "detected": len(hit),
+                          "delay_sampled_requests": _interval([o[0] for o in hit]),
+                          "delay_slice_requests": _interval([o[1] for o in hit]),
+                          "delay_slice_rows": _interval([o[2] for o in hit])})
+    return {"slice_row_share": share, "change": "1.00 -> 0.94 top1_agree", "threshold": THRESHOLD,
+            "alarm_threshold_h": h, "cases": cases, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 # ------------------------------------------------------------ the row-weighted null (issue 41)
@@ -1037,7 +1156,8 @@ def main(argv=None):
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "monitor.json"))
     ap.add_argument("--quick", action="store_true", help="shorter runs (smoke test)")
     ap.add_argument("--only", default="ingest,overload,detection,false_alarms,flood,batched_false_alarms,"
-                                      "batched_detection,shadow_throughput,protocols,row_weighted,mixed_sizes",
+                                      "batched_detection,shadow_throughput,protocols,row_weighted,mixed_sizes,"
+                                      "derived_throughput,derived_detection",
                     help="comma-separated sections to run")
     a = ap.parse_args(argv)
     dur, reps, n, flood_n = (3, 2, 50_000, 120_000) if a.quick else (10, 8, 1_000_000, 1_000_000)
@@ -1084,6 +1204,12 @@ def main(argv=None):
         if "shadow_throughput" in only:
             res["shadow_throughput"] = bench_shadow_throughput(d, dur)
             print("shadow_throughput", json.dumps(res["shadow_throughput"]), flush=True)
+        if "derived_throughput" in only:
+            res["derived_throughput"] = bench_derived_throughput(d, dur, rounds=2 if a.quick else 3)
+            print("derived_throughput", json.dumps(res["derived_throughput"]), flush=True)
+        if "derived_detection" in only:
+            res["derived_detection"] = bench_derived_detection(runs=10 if a.quick else 50)
+            print("derived_detection", json.dumps(res["derived_detection"]), flush=True)
         if "protocols" in only:
             from monitor_protocols import bench_protocols
 
@@ -1091,6 +1217,11 @@ def main(argv=None):
             print("protocols", json.dumps(res["protocols"]), flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and a.only != ap.get_default("only"):  # a partial run replaces its sections, keeps the rest
+        kept = json.loads(out.read_text())
+        res = {**kept, **res, "commands": {**kept.get("commands", {}), **{k: res["command"] for k in res
+                                                                           if k not in ("machine", "hardware",
+                                                                                        "command")}}}
     out.write_text(json.dumps(res, indent=2, default=float))
     print(f"wrote {out}")
 
