@@ -847,9 +847,11 @@ def bench_derived_throughput(d, duration, rounds=3, rows=16):
     micro-batches) of `rows`-row JSON requests, with today's column slice only (`slice_columns: [domain]`, one
     detector update per request) against the default slices with derived ones (`predicted`, the reference's
     top-1, and pairs: one update per (request, slice group)) and with an input-derived slice added, interleaved in
-    `rounds`. Target (issue 35): derived slices cost < 20% of compares/s (ratio >= 0.8)."""
+    `rounds`. The candidate is the reference's weights plus noise (top-1 agreement ~0.99, no alert: the common
+    case; an alerting slice also runs its recovery CUSUM). Target (issue 35): derived slices cost < 20% of
+    compares/s (ratio >= 0.8)."""
     ref = _mlp_classifier(d / "mlp-ref.onnx")
-    cand = _mlp_classifier(d / "mlp-cand.onnx", seed=1)
+    cand = _mlp_classifier(d / "mlp-close.onnx", noise=0.01)  # top-1 agreement ~0.99: a healthy candidate
     bodies = _mlp_batch_bodies(rows)
     runs = {k: [] for k in DERIVED_SLICES}
     for _ in range(rounds):

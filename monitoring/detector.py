@@ -397,7 +397,8 @@ class Cusum:
 
     Attributes:
         s: (N_BETS,) current CUSUM statistics (log scale, >= 0).
-        start: (N_BETS,) the slice's evidence-unit number (sampled request) where each CUSUM last left zero.
+        start: (N_BETS,) the slice's evidence-unit number (sampled request) where each CUSUM last left zero (read
+            only while it is above zero: an idle CUSUM's entry is stale).
         start_request: (N_BETS,) the request index of that request.
         walk: (N_BETS,) unclipped sum of the log factors since start (replicas export it, monitoring/combine.py).
         mark: (N_BETS,) the stream's window sums (Stream.acc, ACC_FIELDS) just before each CUSUM left zero, so
@@ -418,17 +419,11 @@ class Cusum:
         """Add one evidence unit: u = S / M (S its clipped excess sum in the bet's sign, `request_units`), weight
         ratio r in (0, 1], `row` the slice's unit number, `acc` the stream's window sums before this unit."""
         s, walk = self.s, self.walk
-        if u <= 0.0 and not any(s):  # idle, and a unit on the good side (every factor <= 1): all stay at 0
-            if u < 0.0:
-                self.walk = [w + inc for w, inc in zip(walk, log_factors(bet.lambdas, r * u))]
-            self.start = [row + 1] * N_BETS
-            self.start_request = [None] * N_BETS
+        if u == 0.0:  # every factor is 1 (e.g. candidate_error_rate 0 at threshold 0): nothing moves
             return
-        if u == 0.0:  # every factor is 1 (e.g. candidate_error_rate 0 at threshold 0): only idle CUSUMs move start
-            for j in range(N_BETS):
-                if s[j] == 0.0:
-                    self.start[j] = row + 1
-                    self.start_request[j] = None
+        if u < 0.0 and not any(s):  # idle, and a unit on the good side (every factor < 1): all stay at 0 (the
+            # change points of idle CUSUMs are set when they leave 0, below, and read only then)
+            self.walk = [w + inc for w, inc in zip(walk, log_factors(bet.lambdas, r * u))]
             return
         for j, inc in enumerate(log_factors(bet.lambdas, r * u)):
             walk[j] += inc
@@ -735,6 +730,7 @@ class SliceStatistics:
         self.version += 1
         version = self.version
         sw_add, sww_add = weight * g_all, weight * weight * g_all
+        scale = 1.0 / self.max_request_rows
         weighted = [(m, weight * gm, weight * gx, ginf) for m, gm, gx, ginf in display]
         for i, k in enumerate(keys):
             s = self.state(k)
@@ -757,8 +753,28 @@ class SliceStatistics:
             peak = 0.0
             for m, au, ru in excess:
                 stream = streams.get(m)
-                if stream is not None:
-                    self._step(k, m, s, stream, au, ru, r, base, request_index, now, ev)
+                if stream is None:
+                    continue
+                alarm = stream.alarm
+                if units == 1 and au[0][1] <= 0.0 and not stream.active and stream.rec_walk is None \
+                        and not any(alarm.s):
+                    # the common case, inlined (_step and Cusum.update give the same): one unit on the good side
+                    # of an idle CUSUM moves only its walk and the window sums
+                    rows_k, total = au[0]
+                    if total < 0.0:
+                        alarm.walk = [w + inc for w, inc in
+                                      zip(alarm.walk, log_factors(self.bets[m][0].lambdas, r * total * scale))]
+                    acc = stream.acc
+                    rn, rs = r * rows_k, r * total
+                    acc[0] += 1.0
+                    acc[1] += rows_k
+                    acc[2] += rn
+                    acc[3] += rs
+                    acc[4] += rs * rs
+                    acc[5] += rn * rs
+                    acc[6] += rn * rn
+                    continue
+                self._step(k, m, s, stream, au, ru, r, base, request_index, now, ev)
             for st in streams.values():
                 top = max(st.alarm.s)
                 if top > peak:
