@@ -16,6 +16,7 @@ from tailguard.core.contract import RUN_ID_TAG
 from tailguard.core.derive import CENTROIDS_FILE, load_centroids, monitored_default_slices
 from tailguard.core.errors import InputError
 from tailguard.core.spec.models import Spec
+from tailguard.monitoring.node_check import read_model_version
 
 log = logging.getLogger("tailguard.monitoring")
 
@@ -41,25 +42,9 @@ def version_centroids(ref: str, tracking_uri: str | None = None) -> dict[str, np
     Raises:
         InputError: the version cannot be read.
     """
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    from tailguard.monitoring.node_check import _ALIAS, _VERSION
-
-    text = ref.strip().removeprefix("models:/")
-    m = _ALIAS.match(text) or _VERSION.match(text)
-    if m is None:
-        raise InputError(f"--candidate-version: {ref!r} names neither an alias nor a version",
-                         hint="write NAME@ALIAS or NAME/VERSION")
-    g = m.groupdict()
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    try:
-        mv = (client.get_model_version_by_alias(g["name"], g["alias"]) if "alias" in g
-              else client.get_model_version(g["name"], g["version"]))
-        run_id = (mv.tags or {}).get(RUN_ID_TAG) or mv.run_id
-    except MlflowException as exc:
-        raise InputError(f"--candidate-version: {ref!r}: {str(exc).splitlines()[0]}",
-                         hint="name a registered version of the candidate, or pass --centroids FILE") from None
+    mv = read_model_version(ref, tracking_uri, hint="name a registered version of the candidate, or pass "
+                            "--centroids FILE")
+    run_id = (mv.tags or {}).get(RUN_ID_TAG) or mv.run_id
     return run_centroids(run_id, tracking_uri) if run_id else {}
 
 

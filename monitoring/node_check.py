@@ -152,6 +152,39 @@ _VERSION = re.compile(r"^(?P<name>.+)/(?P<version>\d+)$")
 _ALIAS = re.compile(r"^(?P<name>.+)@(?P<alias>[\w\-]+)$")
 
 
+def read_model_version(ref: str, tracking_uri: str | None = None, *, hint: str = "name a registered version of "
+                       "the candidate (the alias it was fetched by)") -> Any:
+    """The registry version `--candidate-version` names (the one reader of that option: the node check, the
+    centroids of nearest_centroid slices).
+
+    Args:
+        ref: NAME@ALIAS or NAME/VERSION, optionally as a models:/ URI (the init container's CANDIDATE_MODEL_URI).
+        tracking_uri: the MLflow registry (None: $MLFLOW_TRACKING_URI, MLflow's default).
+        hint: the fix printed when the registry has no such model, alias or version.
+
+    Returns:
+        The mlflow.entities.model_registry.ModelVersion.
+
+    Raises:
+        InputError: `ref` is neither form; no such model, alias or version.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    text = ref.strip().removeprefix("models:/")
+    m = _ALIAS.match(text) or _VERSION.match(text)
+    if m is None:
+        raise InputError(f"--candidate-version: {ref!r} names neither an alias nor a version",
+                         hint="write NAME@ALIAS (e.g. minilm-embedder-optimized@production) or NAME/VERSION")
+    g = m.groupdict()
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    try:
+        return (client.get_model_version_by_alias(g["name"], g["alias"]) if "alias" in g
+                else client.get_model_version(g["name"], g["version"]))
+    except MlflowException as exc:
+        raise InputError(f"--candidate-version: {ref!r}: {str(exc).splitlines()[0]}", hint=hint) from None
+
+
 def read_validated_on(ref: str, tracking_uri: str | None = None
                       ) -> tuple[str, list[dict[str, Any]], str | None, str | None]:
     """The `tailguard.validated_on` entries of the registry version `ref`, and its execution provider.
@@ -167,22 +200,7 @@ def read_validated_on(ref: str, tracking_uri: str | None = None
     Raises:
         InputError: `ref` is neither form; no such model, alias or version; an unreadable tag.
     """
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    text = ref.strip().removeprefix("models:/")
-    m = _ALIAS.match(text) or _VERSION.match(text)
-    if m is None:
-        raise InputError(f"--candidate-version: {ref!r} names neither an alias nor a version",
-                         hint="write NAME@ALIAS (e.g. minilm-embedder-optimized@production) or NAME/VERSION")
-    g = m.groupdict()
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    try:
-        mv = (client.get_model_version_by_alias(g["name"], g["alias"]) if "alias" in g
-              else client.get_model_version(g["name"], g["version"]))
-    except MlflowException as exc:
-        raise InputError(f"--candidate-version: {ref!r}: {str(exc).splitlines()[0]}",
-                         hint="name a registered version of the candidate (the alias it was fetched by)") from None
+    mv = read_model_version(ref, tracking_uri)
     where = f"{mv.name}/{mv.version}"
     tags = mv.tags or {}
     tag = tags.get(VALIDATED_ON_TAG)
