@@ -1285,7 +1285,8 @@ class ProbeServer:
 
     def stop(self) -> None:
         """Stop accepting and close the socket."""
-        self.httpd.shutdown()
+        if self._thread.is_alive():
+            self.httpd.shutdown()
         self.httpd.server_close()
 
 
