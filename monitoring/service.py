@@ -70,10 +70,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures as cf
-import http.server
 import contextlib
 import dataclasses
 import functools
+import http.server
 import json
 import logging
 import queue
@@ -917,7 +917,8 @@ class MonitorService:
     def _drop(self, reason: str, n: int = 1) -> None:
         """Count `n` sampled requests dropped uncompared (dropped_total{reason}, and the drop window)."""
         self.metrics.dropped.labels(reason).inc(n)
-        self.drops.add(n, reason)
+        if reason in SERVICE_DROPS:
+            self.drops.add(n, reason)
 
     def _process(self, items: list[_Item]) -> None:
         """Compare a micro-batch of sampled requests: group by input signature, run each model once per group,
@@ -1257,7 +1258,7 @@ class ProbeServer:
     `unauthenticated`, counted).
 
     Args:
-        service: the monitor whose state the routes report.
+        service: the monitor whose state the routes report (None: `attach` it before `start`).
         host: bind address.
         port: TCP port (0: a free one, see `port`).
 
@@ -1265,8 +1266,9 @@ class ProbeServer:
         InputError: the port cannot be bound (exit 2, naming the port and --probe-port).
     """
 
-    def __init__(self, service: MonitorService, host: str, port: int) -> None:
-        handler = type("_ProbeHandler", (_ProbeHandler,), {"service": service, "timeout": PROBE_READ_TIMEOUT_S})
+    def __init__(self, service: MonitorService | None, host: str, port: int) -> None:
+        self._handler = handler = type("_ProbeHandler", (_ProbeHandler,), {"service": service,
+                                                                           "timeout": PROBE_READ_TIMEOUT_S})
         try:
             self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
         except OSError as exc:
@@ -1278,8 +1280,14 @@ class ProbeServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="tg-probe", daemon=True)
 
+    def attach(self, service: MonitorService) -> None:
+        """Report `service` (when the port was bound before the service was made: `serve`)."""
+        self._handler.service = service
+
     def start(self) -> "ProbeServer":
         """Serve in a daemon thread; returns self."""
+        if self._handler.service is None:
+            raise RuntimeError("ProbeServer.start before attach: no service to report")
         self._thread.start()
         return self
 
@@ -1340,6 +1348,16 @@ class _ProbeHandler(http.server.BaseHTTPRequestHandler):
 
 
 _PROBE_ROUTES = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
+
+
+def _start_probe_when_listening(server: Any, probe: ProbeServer, host: str) -> None:
+    """Start answering on the probe port once uvicorn listens on the ingest port, so the probe port never says
+    ready while mirrored traffic would be refused (a kubelet probe meanwhile waits in the socket's backlog)."""
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if server.started:
+        probe.start()
+        log.warning("probe port (/healthz, /readyz, /metrics) on %s:%d", host, probe.port)
 
 
 def uvicorn_config(service: MonitorService, host: str, port: int, *, headroom: int = CONNECTION_HEADROOM) -> Any:
@@ -1489,28 +1507,32 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         if model_file is not None and Path(model_file).suffix == ".pt2" and Path(model_file).is_file():
             check_pt2_archive(model_file, trusted=trusted, fix=MONITOR_FIX)
 
-    service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
-                             poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
-                             expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
-                             candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids,
-                             trusted=trusted)
-    if service.auth is None:
-        log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
-                    "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")
-    probe_port = service.cfg.mon.probe_port if probe_port is None else probe_port
+    # the probe port is checked and bound before the service starts any thread (a refusal then exits cleanly)
+    if probe_port is None:
+        mon = load_spec(spec_path).monitoring  # None: create_service refuses the spec below
+        probe_port = mon.probe_port if mon is not None else 0
     probe = None
     if probe_port:
         if probe_port in (port, grpc_port):
-            service.stop()
             raise InputError(f"the probe port {probe_port} is also the {'HTTP' if probe_port == port else 'gRPC'} "
                              "port", hint="give --probe-port (monitoring.probe_port) a port of its own, or 0 to "
                                           "turn it off")
-        try:
-            probe = ProbeServer(service, host, probe_port).start()
-        except InputError:
-            service.stop()
-            raise
-        log.warning("probe port (/healthz, /readyz, /metrics) on %s:%d", host, probe.port)
+        probe = ProbeServer(None, host, probe_port)  # answers once the ingest port listens
+    try:
+        service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
+                                 poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
+                                 expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
+                                 candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids,
+                                 trusted=trusted)
+    except BaseException:
+        if probe is not None:
+            probe.stop()
+        raise
+    if probe is not None:
+        probe.attach(service)
+    if service.auth is None:
+        log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
+                    "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")
     grpc_server = None
     if grpc_port is not None:
         from tailguard.monitoring.grpc_ingest import start_grpc
@@ -1526,7 +1548,11 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
     try:
         # the app answers 503 past max_concurrent_requests ingest requests (counted); uvicorn's own limit bounds
         # the connections and tasks beyond that (its plain 503, not counted)
-        uvicorn.Server(uvicorn_config(service, host, port)).run()
+        server = uvicorn.Server(uvicorn_config(service, host, port))
+        if probe is not None:
+            threading.Thread(target=_start_probe_when_listening, args=(server, probe, host), name="tg-probe-start",
+                             daemon=True).start()
+        server.run()
     finally:
         if grpc_server is not None:
             grpc_server.stop(1.0)

@@ -147,6 +147,12 @@ def test_monitor_serve_answers_on_probe_port_when_started_from_the_cli(models, t
     same = subprocess.run([*cmd, "--port", str(port), "--probe-port", str(port)], capture_output=True, text=True,
                           timeout=120)
     assert same.returncode == 2 and "probe port" in same.stdout + same.stderr and "Traceback" not in same.stderr
+    with socket.socket() as taken:  # a port another process holds: exit 2 naming the option, before any model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = subprocess.run([*cmd, "--port", str(port), "--probe-port", str(taken.getsockname()[1])],
+                              capture_output=True, text=True, timeout=120)
+    assert busy.returncode == 2 and "--probe-port" in busy.stdout + busy.stderr and "Traceback" not in busy.stderr
     proc = subprocess.Popen([*cmd, "--port", str(port), "--probe-port", str(probe)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
