@@ -30,6 +30,17 @@ Sections of the JSON it writes:
 * mixed_size_false_alarms (issue 41): honest traffic of 1-, 16- and 64-row requests with size-correlated
   agreement, per row >= 1 point above the threshold (per request below it): no alert, 100k requests x 5 seeds;
   bad traffic 2+ points below per row (per request above): an alert in every run.
+* liveness (issue 36 item 5): /healthz latency (p50 / p99 / max ms, non-200 answers) on the probe port
+  (monitoring.probe_port) and on the ingest port, probed by a separate process every 50 ms on a new connection (as
+  a kubelet does), while (a) one hostile 8 MiB JSON body (65 `[`, one `"`, then `\\"` to max_body_bytes; issue 36
+  item 2) is posted over and over, (b) 1,100 sockets with unfinished headers are open on the ingest port, (c) 8
+  stalled gRPC ModelInfer streams and 64 stalled HTTP bodies are held; and idle. Target: no /healthz answer on
+  the probe port slower than 100 ms.
+* drops_at_rate (issue 38 item 7; needs --minilm-dir DIR with reference/model.onnx and promoted/model.onnx, the
+  demo's MiniLM): 8-row binary requests at 84 requests/s, every request sampled and at the demo monitor's 5%,
+  default settings otherwise, with
+  the micro-batch size fixed (shadow_batch_adapt false, the old behaviour) and adapted (the default): sampled
+  requests dropped by reason, /readyz at the end, the adapted batch size.
 """
 
 from __future__ import annotations
@@ -1155,12 +1166,279 @@ def bench_mixed_sizes(n=100_000, seeds=5, workers=2):
     return {**res, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+# ------------------------------------------------------------------------------------------ liveness
+LIVENESS_PROBE_MS = 50  # one /healthz probe per port every 50 ms, each on a new connection
+
+
+def _hostile_body(n):
+    """Issue 36 item 2's hostile JSON: 65 `[`, one `"`, then `\\"` up to n bytes."""
+    head = b"[" * 65 + b'"'
+    return head + b'\\"' * ((n - len(head)) // 2)
+
+
+def _probe_main(main_port, probe_port, duration):
+    """Probe process: GET /healthz on both ports every LIVENESS_PROBE_MS for `duration` s, a new connection each
+    (status 0: no answer within 10 s or a connection error); prints {"main": [[ms, status]...], "probe": ...}."""
+    import http.client
+
+    out = {"main": [], "probe": []}
+    end = time.perf_counter() + float(duration)
+    while time.perf_counter() < end:
+        tick = time.perf_counter()
+        for key, port in (("probe", int(probe_port)), ("main", int(main_port))):
+            t0 = time.perf_counter()
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                conn.request("GET", "/healthz")
+                r = conn.getresponse()
+                r.read()
+                status = r.status
+                conn.close()
+            except OSError:
+                status = 0
+            out[key].append([(time.perf_counter() - t0) * 1000.0, status])
+        time.sleep(max(0.0, LIVENESS_PROBE_MS / 1000.0 - (time.perf_counter() - tick)))
+    print(json.dumps(out))
+
+
+def _post_main(port, duration, size):
+    """Poster process: POST the hostile body of `size` bytes to /infer over and over for `duration` s; prints
+    {"posts": n, "statuses": {status: count}}."""
+    import http.client
+
+    body = _hostile_body(int(size))
+    statuses = {}
+    end, n = time.perf_counter() + float(duration), 0
+    while time.perf_counter() < end:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=60)
+            conn.request("POST", "/v2/models/tiny-clf/infer", body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            statuses[r.status] = statuses.get(r.status, 0) + 1
+        except OSError:
+            statuses[0] = statuses.get(0, 0) + 1
+        n += 1
+    print(json.dumps({"posts": n, "statuses": statuses}))
+
+
+def _latency(samples):
+    ms = [m for m, _ in samples]
+    return {"probes": len(ms), "p50_ms": _pct(np.asarray(ms) / 1000.0, 50), "p99_ms": _pct(np.asarray(ms) / 1000.0, 99),
+            "max_ms": max(ms) if ms else None, "non_200": sum(1 for _, st in samples if st != 200),
+            "over_100ms": sum(1 for m in ms if m > 100.0)}
+
+
+def _stalled_grpc(addr, n):
+    """n gRPC ModelInfer calls that send headers and no message (issue 36 item 5): (channel, stop, futures)."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+
+    stop = threading.Event()
+
+    def never():
+        stop.wait(600)
+        return
+        yield
+
+    channel = grpc.insecure_channel(addr)
+    call = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer",
+                                request_serializer=pb.ModelInferRequest.SerializeToString,
+                                response_deserializer=pb.ModelInferResponse.FromString)
+    return channel, stop, [call.future(never()) for _ in range(n)]
+
+
+def _raw_sockets(port, n, head):
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s.sendall(head)
+        socks.append(s)
+    return socks
+
+
+def bench_liveness(d, duration):
+    """/healthz latency on the probe port and the ingest port under the issue's three attacks (module doc)."""
+    import subprocess
+
+    import uvicorn
+
+    from tailguard.monitoring.grpc_ingest import start_grpc
+    from tailguard.monitoring.service import CONNECTION_HEADROOM, ProbeServer, uvicorn_config
+
+    ref = T.linear_classifier(d / "ref.onnx")
+    cand = T.linear_classifier(d / "cand.onnx", T.weights(noise=0.02))
+    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 0.1, "seed": 0})))  # max_body_bytes 8 MiB
+    svc = MonitorService(cfg, ref, cand)
+    while not svc.readiness()[0]:
+        time.sleep(0.05)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn_config(svc, "127.0.0.1", port, headroom=CONNECTION_HEADROOM))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+    probe = ProbeServer(svc, "127.0.0.1", 0).start()
+    grpc_server, gport = start_grpc(svc, "127.0.0.1", 0)
+
+    def measure():
+        proc = subprocess.run([sys.executable, __file__, "--probe", str(port), str(probe.port), str(duration)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"prober failed: {proc.stderr[-2000:]}")
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"probe_port": _latency(doc["probe"]), "ingest_port": _latency(doc["main"]),
+                "load_average_1m": os.getloadavg()[0]}
+
+    res = {"duration_s": duration, "probe_interval_ms": LIVENESS_PROBE_MS,
+           "ingest_limit_concurrency": cfg.mon.max_concurrent_requests + CONNECTION_HEADROOM,
+           "max_body_bytes": int(cfg.mon.max_body_bytes), "body_read_timeout_s": cfg.mon.body_read_timeout_s}
+    res["idle"] = measure()
+    # (a) the hostile max_body_bytes body, posted over and over (one poster process, one body at a time)
+    poster = subprocess.Popen([sys.executable, __file__, "--post", str(port), str(duration + 2),
+                               str(int(cfg.mon.max_body_bytes))], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    res["hostile_8mib_body"] = measure()
+    out, _ = poster.communicate()
+    res["hostile_8mib_body"]["poster"] = json.loads(out.strip().splitlines()[-1])
+    # (b) 1,100 sockets with unfinished headers on the ingest port
+    socks = _raw_sockets(port, 1100, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    time.sleep(1.0)
+    res["unfinished_headers_1100"] = measure()
+    for s_ in socks:
+        s_.close()
+    time.sleep(1.0)
+    # (c) 8 stalled gRPC streams and 64 stalled HTTP bodies
+    channel, stop, futures = _stalled_grpc(f"127.0.0.1:{gport}", 8)
+    head = (b"POST /v2/models/tiny-clf/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 4096\r\n\r\n" + b" " * 16)
+    socks = _raw_sockets(port, 64, head)
+    time.sleep(1.0)
+    res["stalled_grpc8_http64"] = measure()
+    stop.set()
+    for f in futures:
+        f.cancel()
+    channel.close()
+    for s_ in socks:
+        s_.close()
+    worst = max(res[k]["probe_port"]["max_ms"] for k in ("idle", "hostile_8mib_body", "unfinished_headers_1100",
+                                                          "stalled_grpc8_http64"))
+    res["probe_port_worst_ms"] = worst
+    res["target_probe_healthz_under_100ms"] = worst < 100.0
+    grpc_server.stop(None)
+    probe.stop()
+    server.should_exit = True
+    th.join(10)
+    svc.stop()
+    return res
+
+
+# ------------------------------------------------------------------------------------------ drops at a rate
+def _minilm_bodies(n=64, rows=8, seq=64, seed=0):
+    """8-row binary-extension bodies for the demo's MiniLM (input_ids, attention_mask INT64 [rows, seq]) and the
+    JSON part's length of each: [(body, header_length)]."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        lengths = rng.integers(8, seq + 1, size=rows)
+        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+        ids = np.where(mask == 1, rng.integers(1000, 30000, size=(rows, seq)), 0).astype(np.int64)
+        ids[:, 0] = 101
+        parts = [ids.tobytes(), mask.tobytes()]
+        head = json.dumps({"id": f"r{i}", "inputs": [
+            {"name": name, "shape": [rows, seq], "datatype": "INT64", "parameters": {"binary_data_size": len(b)}}
+            for name, b in zip(("input_ids", "attention_mask"), parts)]}).encode()
+        out.append((head + b"".join(parts), len(head)))
+    return out
+
+
+def _paced_bin_main(port, rate, n):
+    """Open-loop client of MiniLM binary requests: request i at start + i / rate; prints statuses and rate."""
+    import http.client
+
+    bodies = _minilm_bodies()
+    conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=30)
+    rate, n = float(rate), int(n)
+    statuses, start = {}, time.perf_counter()
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        body, hlen = bodies[i % len(bodies)]
+        conn.request("POST", "/v2/models/minilm/infer", body=body,
+                     headers={"Content-Type": "application/octet-stream",
+                              "Inference-Header-Content-Length": str(hlen)})
+        r = conn.getresponse()
+        r.read()
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    print(json.dumps({"statuses": statuses, "achieved": n / (time.perf_counter() - start)}))
+
+
+def bench_drops_at_rate(minilm_dir, n=1500, rate=84.0, sample_rates=(1.0, 0.05)):
+    """Sampled requests dropped at `rate` requests/s of 8-row binary MiniLM requests, batch size fixed vs adapted,
+    at each sample rate (1.0: every request sampled; 0.05: the demo monitor's rate)."""
+    return {f"sample_rate_{r:g}": _drops_at_rate(minilm_dir, n, rate, r) for r in sample_rates}
+
+
+def _drops_at_rate(minilm_dir, n, rate, sample_rate):
+    import subprocess
+
+    spec = T.spec_dict({"sample_rate": sample_rate, "seed": 0}, slices=[], name="minilm")
+    spec["model"].update(task="embedding", inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
+                                                   {"name": "attention_mask", "dtype": "int64",
+                                                    "shape": ["batch", "sequence"]}],
+                         outputs=[{"name": "embedding", "dtype": "float32", "shape": ["batch", 384]}])
+    spec["gates"] = [{"metric": "cosine_similarity.p01", "min": 0.99}]
+    d = Path(minilm_dir)
+    res = {"model": "the demo's MiniLM-L6 (reference/model.onnx vs promoted/model.onnx)", "requests": n,
+           "offered_rps": rate, "rows_per_request": 8, "sequence": 64, "sample_rate": sample_rate}
+    for mode, adapt in (("fixed_256_rows", False), ("adapted", True)):
+        spec["monitoring"]["shadow_batch_adapt"] = adapt
+        svc = MonitorService(resolve_config(parse_spec(spec)), d / "reference" / "model.onnx",
+                             d / "promoted" / "model.onnx")
+        while not svc.readiness()[0]:
+            assert not svc.load_errors, svc.load_errors
+            time.sleep(0.1)
+        server, th, port = _server(svc)
+        proc = subprocess.run([sys.executable, __file__, "--paced-bin", str(port), str(rate), str(n)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"load generator failed: {proc.stderr[-2000:]}")
+        client = json.loads(proc.stdout.strip().splitlines()[-1])
+        ready_end = svc.readiness()
+        idle = svc.wait_idle(30)
+        get = svc.metrics.registry.get_sample_value
+        drops = {r: get("tailguard_monitor_dropped_total", {"reason": r}) for r in
+                 ("queue_full", "reference_timeout", "reference_error")}
+        hist = {"count": get("tailguard_monitor_inference_seconds_count", {"model": "minilm", "role": "reference"}),
+                "sum_s": get("tailguard_monitor_inference_seconds_sum", {"model": "minilm", "role": "reference"})}
+        sampled = get("tailguard_monitor_sampled_total", {"model": "minilm", "slice": "all"})
+        res[mode] = {"client": client, "sampled": sampled, "dropped": drops, "dropped_total": sum(drops.values()),
+                     "queue_left_30s_after_traffic": 0 if idle else svc.queue.qsize(),
+                     "compared_requests": svc.engine.compared_requests,
+                     "readyz_at_end_of_traffic": {"ready": ready_end[0], "reason": ready_end[1].get("reason")},
+                     "reference_inference_calls": hist,
+                     "batch_rows_at_end": svc.sizers["reference"].rows, "load_average_1m": os.getloadavg()[0]}
+        print(sample_rate, mode, json.dumps(res[mode]), flush=True)
+        server.should_exit = True
+        th.join(10)
+        svc.stop()
+    return res
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--paced":
         return _paced_main(*argv[1:4])
     if argv and argv[0] == "--client":
         return _client_main(*argv[1:5])
+    if argv and argv[0] == "--probe":
+        return _probe_main(*argv[1:4])
+    if argv and argv[0] == "--post":
+        return _post_main(*argv[1:4])
+    if argv and argv[0] == "--paced-bin":
+        return _paced_bin_main(*argv[1:4])
     import logging
 
     logging.getLogger("tailguard.monitoring").setLevel(logging.ERROR)
@@ -1170,7 +1448,9 @@ def main(argv=None):
     ap.add_argument("--only", default="ingest,overload,detection,false_alarms,flood,batched_false_alarms,"
                                       "batched_detection,shadow_throughput,protocols,row_weighted,mixed_sizes,"
                                       "derived_throughput,derived_detection",
-                    help="comma-separated sections to run")
+                    help="comma-separated sections to run (also: liveness, drops_at_rate)")
+    ap.add_argument("--minilm-dir", default=None, help="drops_at_rate: folder with reference/model.onnx and "
+                                                        "promoted/model.onnx (the demo's $TAILGUARD_HOME/demo)")
     a = ap.parse_args(argv)
     dur, reps, n, flood_n = (3, 2, 50_000, 120_000) if a.quick else (10, 8, 1_000_000, 1_000_000)
     only = set(a.only.split(","))
@@ -1227,6 +1507,11 @@ def main(argv=None):
 
             res["protocols"] = bench_protocols(dur)
             print("protocols", json.dumps(res["protocols"]), flush=True)
+        if "liveness" in only:
+            res["liveness"] = bench_liveness(d, 5 if a.quick else 15)
+            print("liveness", json.dumps(res["liveness"]), flush=True)
+        if "drops_at_rate" in only:
+            res["drops_at_rate"] = bench_drops_at_rate(a.minilm_dir, n=300 if a.quick else 1500)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists() and a.only != ap.get_default("only"):  # a partial run replaces its sections, keeps the rest

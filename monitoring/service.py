@@ -25,6 +25,10 @@ Endpoints:
                                    (every one of a model's last HEALTH_WINDOW calls failed). `node_check` /
                                    `node_mismatch`: this node against the nodes the candidate was validated on
                                    (monitoring/node_check.py; a mismatch leaves the monitor ready).
+    Probe port (`monitoring.probe_port`, `monitor serve --probe-port`; default 8082, 0 = off): /healthz, /readyz,
+                                   /metrics (and /v2/health/live, /v2/health/ready) again, from a server of their
+                                   own (`ProbeServer`, stdlib threads) that the ingest port's connections cannot
+                                   starve: kubelet probes and Prometheus scrapes go there (issue 36 item 5).
     GET  /v1/alerts, /v1/slices    alert records and per-slice statistics (JSON; /v1/slices?offset=&limit= pages
                                    through every tracked slice in key order, limit <= 10000, default 1000).
 
@@ -69,6 +73,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
+import http.server
 import json
 import logging
 import queue
@@ -82,7 +87,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
@@ -114,6 +119,31 @@ CONNECTION_HEADROOM = 1024
 # threads that parse HTTP ingest bodies (JSON, binary sections, CloudEvents headers), off the event loop that serves
 # /healthz; more requests wait for one (at most monitoring.max_concurrent_requests are in flight)
 PARSE_WORKERS = 4
+# the probe port's server (ProbeServer): a client must deliver its request line and headers within this many
+# seconds, else its connection is closed (kubelet probes and Prometheus scrapes send theirs at once)
+PROBE_READ_TIMEOUT_S = 10.0
+# Drops that are seen (issue 38 items 6, 7): /readyz is `degraded` (503) while more than monitoring.max_drop_rate of
+# the sampled requests of the last DROP_WINDOW_S seconds were dropped uncompared, once at least DROP_MIN_SAMPLED
+# were sampled in that window (a few drops at start, a model's first slow call, do not flip it). A window in
+# seconds, not in requests: an unready pod gets no mirrored traffic, so a window of requests would never empty and
+# the pod would never be ready again; this one empties a minute after the drops stop.
+DROP_WINDOW_S = 60.0
+DROP_MIN_SAMPLED = 20
+# Reasons a sampled request is dropped uncompared (what the drop rate counts): the monitor's own failures to keep
+# up. reference_missing makes /readyz 503 by itself (`missing`); non_finite counts rows the reference judged
+# non-finite (the model's output, not a drop of the monitor).
+SERVICE_DROPS = ("queue_full", "reference_timeout", "reference_error", "internal_error", "candidate_missing",
+                 "reference_missing")
+# The shadow worker's micro-batch size adapts to the measured inference time (`BatchSizer`): a call slower than
+# ADAPT_HIGH x reference_timeout_s halves the rows of the next calls, a full call faster than ADAPT_LOW x
+# reference_timeout_s grows them (doubling until the first slow call, then by 1/ADAPT_GROW_DIV), up to
+# monitoring.shadow_batch_rows; it starts at ADAPT_START_ROWS rows. With a cost linear in rows a doubled call stays
+# under 2 x ADAPT_LOW = ADAPT_HIGH of the timeout: the search never reaches the timeout (TCP's slow start and
+# additive-increase / multiplicative-decrease, Jacobson 1988, "Congestion avoidance and control", SIGCOMM).
+ADAPT_HIGH = 0.5
+ADAPT_LOW = 0.25
+ADAPT_GROW_DIV = 8
+ADAPT_START_ROWS = 16
 
 
 def redact_params(params: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
@@ -174,6 +204,86 @@ class _Item:
         self.signature = tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(self.feeds.items()))
 
 
+class DropWindow:
+    """Sampled requests and the ones dropped uncompared over the last `window_s` seconds (thread-safe: admission
+    runs on the event loop and gRPC threads, drops and comparisons on the worker).
+
+    Args:
+        window_s: the window (DROP_WINDOW_S).
+        clock: monotonic seconds (tests pass a fixed one).
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
+        self.window_s = float(window_s)
+        self.clock = clock
+        self._buckets: collections.deque[list[Any]] = collections.deque()  # [second, sampled, dropped, {reason: n}]
+        self._lock = threading.Lock()
+
+    def add(self, n: int = 1, reason: str | None = None) -> None:
+        """Record `n` sampled requests that were compared (`reason` None) or dropped for `reason`."""
+        now = self.clock()
+        second = int(now)
+        with self._lock:
+            self._expire(now)
+            if not self._buckets or self._buckets[-1][0] != second:
+                self._buckets.append([second, 0, 0, {}])
+            b = self._buckets[-1]
+            b[1] += n
+            if reason is not None:
+                b[2] += n
+                b[3][reason] = b[3].get(reason, 0) + n
+
+    def _expire(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] + 1 <= now - self.window_s:
+            self._buckets.popleft()
+
+    def totals(self) -> tuple[int, int, dict[str, int]]:
+        """(sampled, dropped, {reason: dropped}) over the window."""
+        with self._lock:
+            self._expire(self.clock())
+            reasons: dict[str, int] = {}
+            for b in self._buckets:
+                for k, v in b[3].items():
+                    reasons[k] = reasons.get(k, 0) + v
+            return sum(b[1] for b in self._buckets), sum(b[2] for b in self._buckets), reasons
+
+
+class BatchSizer:
+    """The shadow worker's micro-batch size for one model, adapted to its measured inference time so that a call
+    fits monitoring.reference_timeout_s (issue 38 item 7: 256-row batches of MiniLM took longer than the 2 s
+    timeout and 1,467 of 1,500 sampled requests were dropped).
+
+    Rules (ADAPT_* constants): start at min(ADAPT_START_ROWS, `limit`) rows; a call of r rows that took longer than
+    ADAPT_HIGH x timeout (or timed out) sets the size to max(1, r // 2); a call of at least the current size that
+    took at most ADAPT_LOW x timeout doubles it until the first slow call, then grows it by size // ADAPT_GROW_DIV
+    (at least 1); never above `limit` (monitoring.shadow_batch_rows). With `adapt` False the size is `limit`.
+
+    Args:
+        limit: monitoring.shadow_batch_rows.
+        timeout_s: monitoring.reference_timeout_s.
+        adapt: monitoring.shadow_batch_adapt.
+    """
+
+    def __init__(self, limit: int, timeout_s: float, adapt: bool = True) -> None:
+        self.limit = int(limit)
+        self.timeout_s = float(timeout_s)
+        self.adapt = adapt
+        self.rows = min(ADAPT_START_ROWS, self.limit) if adapt else self.limit
+        self.slow_start = True
+
+    def observe(self, rows: int, seconds: float | None) -> int:
+        """Account one call of `rows` rows that took `seconds` (None: it timed out); returns the new size."""
+        if not self.adapt or rows <= 0:
+            return self.rows
+        if seconds is None or seconds > ADAPT_HIGH * self.timeout_s:
+            self.rows = max(1, min(self.rows, rows // 2))
+            self.slow_start = False
+        elif seconds <= ADAPT_LOW * self.timeout_s and rows >= self.rows:
+            grown = self.rows * 2 if self.slow_start else self.rows + max(1, self.rows // ADAPT_GROW_DIV)
+            self.rows = min(self.limit, grown)
+        return self.rows
+
+
 class MonitorService:
     """Models, queue, worker and exporters of one monitor process (the FastAPI app is `build_app(service)`).
 
@@ -206,6 +316,9 @@ class MonitorService:
             was validated on (monitoring/node_check.py `run_node_check`); None: not configured.
         trusted: `--trusted`: a .pt2 model file is loaded without first refusing an archive that holds code
             (tailguard.core.pt2_archive); otherwise such a file is not loaded (load_errors, /readyz).
+        timer: monotonic seconds that time each inference call (the micro-batch adaptation, the latency
+            histogram, and a call that returns later than monitoring.reference_timeout_s is a timeout); tests pass
+            one a slowed reference advances (a declared time per row).
     """
 
     def __init__(self, cfg: MonitorConfig, reference: str | Path | Runner | None,
@@ -215,7 +328,8 @@ class MonitorService:
                  expect_replicas: int | None = None, peer_dns: list[str] | None = None,
                  resolver: Callable[..., Any] = socket.getaddrinfo, peer_wait_polls: int = WAIT_POLLS,
                  clock: Callable[[], float] = time.monotonic,
-                 node_check: Callable[[], NodeCheck] | None = None, trusted: bool = False) -> None:
+                 node_check: Callable[[], NodeCheck] | None = None, trusted: bool = False,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         if evidence_only and (peers or peer_dns):
             raise InputError("--evidence-only and --peer / --peer-dns exclude each other: a replica exports evidence, "
                              "the combiner reads it",
@@ -302,6 +416,17 @@ class MonitorService:
                                              int(mon.max_batch_rows)))
         self._stuck: dict[str, cf.Future | None] = {"reference": None, "candidate": None}
         self._batching = {"reference": True, "candidate": True}  # False once a model fails only when batched
+        self._timer = timer
+        self.sizers = {r: BatchSizer(mon.shadow_batch_rows, mon.reference_timeout_s, mon.shadow_batch_adapt)
+                       for r in ("reference", "candidate")}
+        self._carry: _Item | None = None  # a request taken that did not fit the last micro-batch: the next one's
+        self.drops = DropWindow(DROP_WINDOW_S, clock)
+        self.batch_rows_gauge = Gauge("tailguard_monitor_shadow_batch_rows", "Rows the shadow worker puts in one "
+                                      "inference call now, by role (adapted to the measured inference time, "
+                                      "monitoring.shadow_batch_adapt; at most monitoring.shadow_batch_rows).",
+                                      ["role"], registry=self.metrics.registry)
+        for r, sizer in self.sizers.items():
+            self.batch_rows_gauge.labels(r).set(sizer.rows)
         # per role, the drop reason of each of the last HEALTH_WINDOW calls (None = it answered)
         self._health: dict[str, collections.deque[str | None]] = {
             r: collections.deque(maxlen=HEALTH_WINDOW) for r in ("reference", "candidate")}
@@ -420,9 +545,23 @@ class MonitorService:
         """True when the infer endpoint must run a candidate model."""
         return self._sources["candidate"] is not None
 
+    def degraded(self) -> str | None:
+        """"degraded: ..." while more than monitoring.max_drop_rate of the sampled requests of the last
+        DROP_WINDOW_S seconds (at least DROP_MIN_SAMPLED) were dropped uncompared (SERVICE_DROPS); else None."""
+        sampled, dropped, reasons = self.drops.totals()
+        limit = self.cfg.mon.max_drop_rate
+        if sampled < DROP_MIN_SAMPLED or dropped <= limit * sampled:
+            return None
+        top = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        return (f"degraded: {dropped} of {sampled} sampled requests of the last {DROP_WINDOW_S:g} s dropped "
+                f"uncompared ({dropped / sampled:.1%} > monitoring.max_drop_rate {limit:g}; {top}); see "
+                "tailguard_monitor_dropped_total and docs/monitor.md, Drops")
+
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, details): ready once the reference and (if configured) the candidate are loaded, and not while
-        every one of a model's last HEALTH_WINDOW calls failed (`failing` names the model and the last reason).
+        every one of a model's last HEALTH_WINDOW calls failed (`failing` names the model and the last reason),
+        nor while the monitor is `degraded` (`reason`: more than monitoring.max_drop_rate of the recent sampled
+        requests dropped, `degraded`; `drops` holds the window's counts).
         A node mismatch does not make the monitor unready: `node_mismatch` names the differing facts
         ({fact: {node, validated}}; null when none) and `node_check` holds the whole check."""
         need = ["reference"] + (["candidate"] if self.needs_candidate else [])
@@ -433,9 +572,14 @@ class MonitorService:
             if self.runners[r] is not None and len(window) == HEALTH_WINDOW and all(window):
                 failing[r] = f"the last {HEALTH_WINDOW} calls failed (last: {window[-1]})"
         incomplete = self.combiner.incomplete() if self.combiner is not None else {}
-        ready = not missing and not failing and not incomplete
+        degraded = self.degraded()
+        ready = not missing and not failing and not incomplete and degraded is None
         check = self.node_check
+        sampled, dropped, reasons = self.drops.totals()
         return ready, {"ready": ready, "missing": missing, "failing": failing, "errors": self.load_errors,
+                       **({"reason": degraded} if degraded is not None else {}),
+                       "drops": {"window_s": DROP_WINDOW_S, "sampled": sampled, "dropped": dropped,
+                                 "reasons": reasons, "max_drop_rate": self.cfg.mon.max_drop_rate},
                              "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
                              "noise_floor": self.cfg.mon.noise_floor, "role": self.engine.role,
                              "node_check": check.to_dict(), "node_mismatch": check.differences or None,
@@ -657,13 +801,13 @@ class MonitorService:
         m.requests.labels(self.cfg.model_name, endpoint).inc()
         if decision.sampled:
             if self.runners["reference"] is None:
-                m.dropped.labels("reference_missing").inc()
+                self._drop("reference_missing")
             else:
                 item = _Item(keys, decision, req.feeds, meta, req.id, seq, endpoint, cand)
                 try:
                     self.queue.put_nowait(item)
                 except queue.Full:
-                    m.dropped.labels("queue_full").inc()
+                    self._drop("queue_full")
             m.queue_depth.set(self.queue.qsize())
         m.ingest_seconds.labels(endpoint).observe(time.perf_counter() - t0)
         return 200, {"model_name": self.cfg.model_name, "id": req.id, "outputs": [],
@@ -677,7 +821,33 @@ class MonitorService:
     # failure is charged to the request that causes it (and a model that cannot batch, e.g. a fixed batch
     # dimension, is run one request at a time from then on). A timeout is charged to every request of the call.
     def _call(self, role: str, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray | None, str | None]:
-        """Run one model on `feeds` with the reference timeout: (output, None) or (None, failure reason)."""
+        """Run one model on `feeds` with the reference timeout: (output, None) or (None, failure reason). Rows
+        past the model's adapted micro-batch size (`sizers`, BatchSizer) run as consecutive calls of at most that
+        many rows (while the model batches and monitoring.shadow_batch_adapt is on), each with its own timeout; one
+        failure fails the whole."""
+        first = next(iter(feeds.values()), None)
+        rows = int(first.shape[0]) if first is not None and first.ndim else 1
+        sizer = self.sizers[role]
+        size = sizer.rows
+        if rows <= size or not sizer.adapt or not self._batching[role]:
+            return self._call_once(role, feeds)
+        outs = []
+        for a in range(0, rows, size):
+            out, reason = self._call_once(role, {k: v[a:a + size] for k, v in feeds.items()})
+            if out is None:
+                return None, reason
+            outs.append(out)
+        return np.concatenate(outs), None
+
+    def _timed(self, role: str, rows: int, seconds: float | None) -> None:
+        """Account one inference call (BatchSizer, the gauge)."""
+        self.batch_rows_gauge.labels(role).set(self.sizers[role].observe(rows, seconds))
+
+    def _call_once(self, role: str, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray | None, str | None]:
+        """One inference call (`_call`). A call that times out is observed in inference_seconds at the time it
+        was given up (reference_timeout_s), so the histogram's tail shows it (dropped_total{reason} counts the
+        request); a call refused because an earlier timed-out call still holds the model's thread is no call
+        and is not observed."""
         ref = role == "reference"
         err_reason = "reference_error" if ref else "candidate_error"
         timeout_reason = "reference_timeout" if ref else "candidate_timeout"
@@ -689,17 +859,27 @@ class MonitorService:
             if not stuck.done():  # a timed-out call still holds the model's thread: do not pile up behind it
                 return None, timeout_reason
             self._stuck[role] = None
-        t0 = time.perf_counter()
+        first = next(iter(feeds.values()), None)
+        rows = int(first.shape[0]) if first is not None and first.ndim else 1
+        timeout_s = self.cfg.mon.reference_timeout_s
+        hist = self.metrics.inference_seconds.labels(self.cfg.model_name, role)
+        t0 = self._timer()
         fut = self._pools[role].submit(runner.run, feeds)
         try:
-            outs = fut.result(timeout=self.cfg.mon.reference_timeout_s)
+            outs = fut.result(timeout=timeout_s)
         except cf.TimeoutError:
             self._stuck[role] = fut
+            hist.observe(max(self._timer() - t0, timeout_s))
+            self._timed(role, rows, None)
             return None, timeout_reason
         except Exception as exc:  # the model raised (ORT runtime error, bad output): count, never propagate
             log.warning("%s model failed: %s", role, str(exc).splitlines()[0][:200] if str(exc) else type(exc))
             return None, err_reason
-        self.metrics.inference_seconds.labels(self.cfg.model_name, role).observe(time.perf_counter() - t0)
+        elapsed = self._timer() - t0
+        hist.observe(elapsed)
+        self._timed(role, rows, elapsed if elapsed <= timeout_s else None)
+        if elapsed > timeout_s:  # answered, but later than the timeout allows: a timeout, as if it had not
+            return None, timeout_reason
         names = list(getattr(runner, "output_names", []) or [])
         out = np.asarray(outs[names.index(self.cfg.output.name) if self.cfg.output.name in names else 0])
         first = next(iter(feeds.values()))
@@ -735,7 +915,10 @@ class MonitorService:
         return results
 
     def _drop(self, reason: str, n: int = 1) -> None:
+        """Count `n` sampled requests dropped uncompared (dropped_total{reason}, and the drop window)."""
         self.metrics.dropped.labels(reason).inc(n)
+        if reason in SERVICE_DROPS:
+            self.drops.add(n, reason)
 
     def _process(self, items: list[_Item]) -> None:
         """Compare a micro-batch of sampled requests: group by input signature, run each model once per group,
@@ -763,6 +946,7 @@ class MonitorService:
                     if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):
                         self._drop(reason or "reference_error")
                         continue
+                    self.drops.add(1)
                     source = None if self.cfg.mon.noise_floor else self.candidate_source(it.candidate is not None)
                     if source is not None:
                         self.sources[source] += 1
@@ -793,7 +977,7 @@ class MonitorService:
         """`first` plus queued requests, up to monitoring.shadow_batch_rows rows, waiting at most
         monitoring.shadow_batch_wait_ms for more."""
         items, rows = [first], first.rows
-        limit = self.cfg.mon.shadow_batch_rows
+        limit = self.sizers["reference"].rows  # adapted (BatchSizer), at most monitoring.shadow_batch_rows
         deadline = time.monotonic() + self.cfg.mon.shadow_batch_wait_ms / 1000.0
         while rows < limit:
             try:
@@ -806,6 +990,9 @@ class MonitorService:
                     item = self.queue.get(timeout=remaining)
                 except queue.Empty:
                     break
+            if rows + item.rows > limit:  # it would overfill this call: it starts the next micro-batch
+                self._carry = item
+                break
             items.append(item)
             rows += item.rows
         return items
@@ -813,7 +1000,7 @@ class MonitorService:
     def _work(self) -> None:
         while not self._stop.is_set():
             try:
-                first = self.queue.get(timeout=0.1)
+                first, self._carry = self._carry or self.queue.get(timeout=0.1), None
             except queue.Empty:
                 self.join.sweep()  # idle: expire payload-logger halves that will never be joined
                 continue
@@ -1055,6 +1242,134 @@ def build_app(service: MonitorService) -> Any:
     return app
 
 
+class ProbeServer:
+    """The probe port: /healthz, /readyz, /metrics (and the OIP /v2/health/live, /v2/health/ready) served apart
+    from the ingest port, so that no number of ingest connections can make a kubelet probe or a scrape fail.
+
+    Why a stdlib `http.server.ThreadingHTTPServer` on its own thread, not a second uvicorn server: the ingest port's
+    starvation is uvicorn's connection accounting (`limit_concurrency` counts every open connection, also ones whose
+    headers never finish: ~1,100 of them answered /healthz 503 for 31 s, issue 36 item 5) and its one event loop.
+    This server shares neither: it accepts on its own socket and answers each connection on a thread of its own
+    (a handful of probes at a time; the answers are a dict lookup, `MonitorService.readiness` and the Prometheus
+    exposition), with no ASGI stack between the socket and the answer. A client here that stalls mid-headers holds
+    one thread for at most PROBE_READ_TIMEOUT_S; keep the port to the kubelet and Prometheus (NetworkPolicy,
+    docs/deploy.md). The same authentication rules as the main port: /healthz and /v2/health/live open, /readyz
+    and /v2/health/ready as monitoring.auth_readyz says, /metrics as monitoring.auth_metrics says (401
+    `unauthenticated`, counted).
+
+    Args:
+        service: the monitor whose state the routes report (None: `attach` it before `start`).
+        host: bind address.
+        port: TCP port (0: a free one, see `port`).
+
+    Raises:
+        InputError: the port cannot be bound (exit 2, naming the port and --probe-port).
+    """
+
+    def __init__(self, service: MonitorService | None, host: str, port: int) -> None:
+        self._handler = handler = type("_ProbeHandler", (_ProbeHandler,), {"service": service,
+                                                                           "timeout": PROBE_READ_TIMEOUT_S})
+        try:
+            self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            raise InputError(f"cannot bind the probe port {host}:{port}: {exc.strerror or exc}",
+                             hint="choose a free port with --probe-port (or monitoring.probe_port), 0 turns it "
+                                  "off") from None
+        self.httpd.daemon_threads = True
+        self.port = int(self.httpd.server_address[1])
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="tg-probe", daemon=True)
+
+    def attach(self, service: MonitorService) -> None:
+        """Report `service` (when the port was bound before the service was made: `serve`)."""
+        self._handler.service = service
+
+    def start(self) -> "ProbeServer":
+        """Serve in a daemon thread; returns self."""
+        if self._handler.service is None:
+            raise RuntimeError("ProbeServer.start before attach: no service to report")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting and close the socket."""
+        if self._thread.is_alive():
+            self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _ProbeHandler(http.server.BaseHTTPRequestHandler):
+    """One probe-port connection (ProbeServer); `service` and `timeout` are set on the subclass it makes."""
+
+    service: MonitorService
+    protocol_version = "HTTP/1.0"  # one request per connection: nothing idles on a thread after its answer
+    server_version = "tailguard-probe"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - no access log (as the main port)
+        return
+
+    def _send(self, status: int, body: bytes, ctype: str = "application/json",
+              headers: Mapping[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, doc: Any, headers: Mapping[str, str] | None = None) -> None:
+        self._send(status, json.dumps(doc, default=str).encode(), headers=headers)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        svc, path = self.service, self.path.split("?", 1)[0]
+        if path not in _PROBE_ROUTES:
+            self._json(404, {"error": f"{utf8_text(path)[:200]!r} is not served on the probe port; it serves "
+                                      f"{sorted(_PROBE_ROUTES)}", "reason": "not_found"})
+            return
+        if svc.auth is not None and _needs_auth(path, svc.cfg.mon) and not svc.auth.check(
+                self.headers.get("Authorization")):
+            svc.metrics.invalid_requests.labels("unauthenticated").inc()
+            self._json(401, {"error": "missing or wrong bearer token: send 'Authorization: Bearer <token>' (the "
+                                      "monitor's token, monitoring.auth_token_env / auth_token_file)",
+                             "reason": "unauthenticated"}, headers={"WWW-Authenticate": "Bearer"})
+            return
+        if path in ("/healthz", "/v2/health/live"):
+            self._json(200, {"status": "ok"} if path == "/healthz" else {"live": True})
+        elif path == "/metrics":
+            svc.sweep()
+            self._send(200, svc.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
+        else:
+            ok, details = svc.readiness()
+            self._json(200 if ok else 503, details if path == "/readyz" else {"ready": ok})
+
+    do_HEAD = do_GET
+
+
+_PROBE_ROUTES = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
+
+
+def _start_probe_when_listening(server: Any, probe: ProbeServer, host: str) -> None:
+    """Start answering on the probe port once uvicorn listens on the ingest port, so the probe port never says
+    ready while mirrored traffic would be refused (a kubelet probe meanwhile waits in the socket's backlog)."""
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if server.started:
+        probe.start()
+        log.warning("probe port (/healthz, /readyz, /metrics) on %s:%d", host, probe.port)
+
+
+def uvicorn_config(service: MonitorService, host: str, port: int, *, headroom: int = CONNECTION_HEADROOM) -> Any:
+    """The ingest port's uvicorn.Config (what `serve` runs): the app, and limit_concurrency =
+    monitoring.max_concurrent_requests + `headroom` (open connections and tasks past it get uvicorn's plain 503,
+    /healthz and /metrics on this port too: the probe port is the one that stays answering)."""
+    import uvicorn
+
+    return uvicorn.Config(build_app(service), host=host, port=port, log_level="warning", access_log=False,
+                          limit_concurrency=service.cfg.mon.max_concurrent_requests + headroom)
+
+
 async def _read_body(request: Request, limit: int, budget: BodyBudget, timeout_s: float
                      ) -> tuple[bytes | None, str | None, int]:
     """The request body, read within `limit` bytes, the shared body budget and `timeout_s` seconds.
@@ -1144,7 +1459,8 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
           poll_interval_s: float = 5.0, grpc_port: int | None = None, expect_replicas: int | None = None,
           peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
           auth_token_file: str | Path | None = None, candidate_version: str | None = None,
-          tracking_uri: str | None = None, centroids: str | Path | None = None, trusted: bool = False) -> None:
+          tracking_uri: str | None = None, centroids: str | Path | None = None, trusted: bool = False,
+          probe_port: int | None = None) -> None:
     """`tailguard monitor serve`: run the monitor until interrupted.
 
     A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
@@ -1174,10 +1490,13 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
             mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the one under $TAILGUARD_HOME).
         centroids: the centroids.npz of the nearest_centroid slices (None: from candidate_version's run).
         trusted: `--trusted`: load a .pt2 model file without first refusing an archive that holds code.
+        probe_port: serve /healthz, /readyz and /metrics also on this port, from a server the ingest port's
+            connections cannot starve (`ProbeServer`); None: monitoring.probe_port (default 8082); 0: off.
 
     Raises:
         SpecError: bad spec (exit 2).
-        InputError: the gRPC port cannot be bound; the token cannot be read (exit 2).
+        InputError: the gRPC or probe port cannot be bound (or is the HTTP port); the token cannot be read
+            (exit 2).
         UntrustedModelError: (exit 2, before anything is served) a .pt2 reference or candidate whose loading would
             run code from it (a pickled weight or constant, a custom object, an AOTInductor package), without
             `trusted` (tailguard.core.pt2_archive).
@@ -1188,11 +1507,29 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         if model_file is not None and Path(model_file).suffix == ".pt2" and Path(model_file).is_file():
             check_pt2_archive(model_file, trusted=trusted, fix=MONITOR_FIX)
 
-    service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
-                             poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
-                             expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
-                             candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids,
-                             trusted=trusted)
+    # the probe port is checked and bound before the service starts any thread (a refusal then exits cleanly)
+    if probe_port is None:
+        mon = load_spec(spec_path).monitoring  # None: create_service refuses the spec below
+        probe_port = mon.probe_port if mon is not None else 0
+    probe = None
+    if probe_port:
+        if probe_port in (port, grpc_port):
+            raise InputError(f"the probe port {probe_port} is also the {'HTTP' if probe_port == port else 'gRPC'} "
+                             "port", hint="give --probe-port (monitoring.probe_port) a port of its own, or 0 to "
+                                          "turn it off")
+        probe = ProbeServer(None, host, probe_port)  # answers once the ingest port listens
+    try:
+        service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
+                                 poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
+                                 expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
+                                 candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids,
+                                 trusted=trusted)
+    except BaseException:
+        if probe is not None:
+            probe.stop()
+        raise
+    if probe is not None:
+        probe.attach(service)
     if service.auth is None:
         log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
                     "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")
@@ -1203,14 +1540,21 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         try:
             grpc_server, bound = start_grpc(service, host, grpc_port)
         except InputError:
+            if probe is not None:
+                probe.stop()
             service.stop()
             raise
         log.warning("OIP gRPC ingest on %s:%d", host, bound)
     try:
         # the app answers 503 past max_concurrent_requests ingest requests (counted); uvicorn's own limit bounds
         # the connections and tasks beyond that (its plain 503, not counted)
-        uvicorn.run(build_app(service), host=host, port=port, log_level="warning", access_log=False,
-                    limit_concurrency=service.cfg.mon.max_concurrent_requests + CONNECTION_HEADROOM)
+        server = uvicorn.Server(uvicorn_config(service, host, port))
+        if probe is not None:
+            threading.Thread(target=_start_probe_when_listening, args=(server, probe, host), name="tg-probe-start",
+                             daemon=True).start()
+        server.run()
     finally:
         if grpc_server is not None:
             grpc_server.stop(1.0)
+        if probe is not None:
+            probe.stop()

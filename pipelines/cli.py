@@ -506,7 +506,11 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                   trusted: bool = typer.Option(False, "--trusted", help=(
                       "A .pt2 candidate comes from a source you control: load it without first refusing an "
                       "archive that holds code (pickled weights or constants, custom objects, an AOTInductor "
-                      "package's native code; docs/deploy.md, Trust model)."))) -> None:
+                      "package's native code; docs/deploy.md, Trust model).")),
+                  probe_port: Optional[int] = typer.Option(None, "--probe-port", min=0, max=65535, help=(
+                      "Also serve /healthz, /readyz and /metrics on this port, from a server the ingest port's "
+                      "connections cannot starve (point kubelet probes and Prometheus here; default "
+                      "monitoring.probe_port, 8082; 0: off)."))) -> None:
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
@@ -519,7 +523,8 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
     serve(spec, reference, candidate, host, port, evidence_only=evidence_only, peers=list(peer or []),
           poll_interval_s=poll_interval, grpc_port=grpc_port, auth_token_file=auth_token_file,
           expect_replicas=expect_replicas, peer_dns=list(peer_dns or []), peer_wait_polls=peer_wait_polls,
-          candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids, trusted=trusted)
+          candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids, trusted=trusted,
+          probe_port=probe_port)
 
 
 # ------------------------------------------------------------------------------------------- trigger

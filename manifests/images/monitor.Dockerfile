@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# tailguard shadow-traffic monitor: `tailguard monitor serve` (FastAPI on :8080, Prometheus /metrics).
+# tailguard shadow-traffic monitor: `tailguard monitor serve` (FastAPI ingest on :8080; /healthz, /readyz, /metrics
+# also on the probe port :8082, a server of their own).
 #   docker build -f manifests/images/monitor.Dockerfile -t ghcr.io/tailguard/tailguard-monitor:0.1.0 .
 # Base pinned by version tag; add @sha256:<digest> when you build (not knowable offline).
 FROM python:3.11.13-slim-bookworm
@@ -29,5 +30,5 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation /opt/tailguard \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp/tailguard --shell /usr/sbin/nologin tailguard
 
 USER 10001:10001
-EXPOSE 8080
+EXPOSE 8080 8082
 ENTRYPOINT ["tailguard", "monitor", "serve"]

@@ -119,7 +119,7 @@ def _prod_policies() -> tuple[list[dict], dict, dict]:
 
 
 @pytest.mark.parametrize("src, dst, port, protocol", [
-    ("serving", "monitor", 8080, "TCP"), ("prometheus", "monitor", 8080, "TCP"),
+    ("serving", "monitor", 8080, "TCP"), ("prometheus", "monitor", 8082, "TCP"),  # Prometheus: the probe port
     ("mlflow", "trigger", 8080, "TCP"), ("prometheus", "trigger", 8080, "TCP"),
     ("monitor", "dns", 53, "UDP"), ("trigger", "dns", 53, "TCP"),
     ("monitor", "mlflow", 5000, "TCP"), ("monitor", "s3", 443, "TCP"),
@@ -142,6 +142,7 @@ def test_prod_network_policies_allow_what_each_workload_needs_when_rendered(src,
     ("trigger", "monitor", 8080),  # not even inside the namespace
     ("monitor", "kube-api", 6443),  # neither talks to the Kubernetes API
     ("serving", "monitor", 9090),
+    ("serving", "monitor", 8082),  # the probe port (/metrics) is Prometheus' only
 ])
 def test_prod_network_policies_refuse_everything_else_when_rendered(src, dst, port):
     policies, monitor, trigger = _prod_policies()

@@ -491,7 +491,7 @@ def test_monitor_serve_exits_2_naming_the_option_when_peer_dns_is_not_name_and_p
 # ------------------------------------------------------------------------------------------ real processes
 def _serve(args: list[str], port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve", *args,
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), "--probe-port", str(free_port())]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 

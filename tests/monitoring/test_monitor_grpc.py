@@ -149,7 +149,7 @@ def test_monitor_serve_accepts_grpc_beside_http_when_grpc_port_given(models, tmp
     proc = subprocess.Popen([sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve",
                              "--spec", str(spec), "--reference", str(models["ref"]), "--candidate",
                              str(models["cand"]), "--host", "127.0.0.1", "--port", str(port), "--grpc-port",
-                             str(gport)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                             str(gport), "--probe-port", str(free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{gport}")
         deadline = time.monotonic() + 90  # a bound on a hung process, not a timing assumption

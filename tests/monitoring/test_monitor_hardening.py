@@ -317,7 +317,8 @@ def test_monitor_serve_requires_the_token_from_auth_token_file(models, tmp_path)
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(T.spec_dict({"sample_rate": 1.0, "seed": 0})))
     cmd = [sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve", "--spec", str(spec),
-           "--reference", str(models["ref"]), "--candidate", str(models["cand"]), "--host", "127.0.0.1"]
+           "--reference", str(models["ref"]), "--candidate", str(models["cand"]), "--host", "127.0.0.1",
+           "--probe-port", str(free_port())]
     bad = subprocess.run([*cmd, "--port", str(free_port()), "--auth-token-file", str(tmp_path / "absent")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "absent" in bad.stdout + bad.stderr and "Traceback" not in bad.stderr

@@ -98,7 +98,7 @@ def test_combiner_keeps_polling_others_and_counts_error_when_peer_fails():
 # ------------------------------------------------------------------------------------- two real processes
 def _serve(args, port):
     cmd = [sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve", *args,
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), "--probe-port", str(free_port())]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 

@@ -213,7 +213,7 @@ def test_worker_runs_queued_requests_in_one_call_per_model_when_signatures_match
     ref = CountingRunner(models["ref"])
     cand = CountingRunner(models["cand"])
     ref.gate.clear()  # hold the worker on its first request while the others queue up
-    svc, client = _service(ref, cand, shadow_batch_rows=1024, shadow_batch_wait_ms=0)
+    svc, client = _service(ref, cand, shadow_batch_rows=1024, shadow_batch_wait_ms=0, shadow_batch_adapt=False)
     with client:
         for i in range(50):  # each answer comes after its request is queued (or in the worker's hands)
             client.post(f"/v2/models/{NAME}/infer", json=_body(i, "web", batch=1 + i % 3))
@@ -229,7 +229,7 @@ def test_worker_compares_one_request_per_call_when_model_cannot_batch(models):
     ref = CountingRunner(models["ref"])
     cand = CountingRunner(models["cand"], max_batch=3)  # e.g. a fixed batch dimension
     ref.gate.clear()
-    svc, client = _service(ref, cand, shadow_batch_rows=1024, shadow_batch_wait_ms=0)
+    svc, client = _service(ref, cand, shadow_batch_rows=1024, shadow_batch_wait_ms=0, shadow_batch_adapt=False)
     with client:
         for i in range(20):
             client.post(f"/v2/models/{NAME}/infer", json=_body(i, "web", batch=2))
@@ -264,7 +264,7 @@ def test_worker_gives_the_same_statistics_when_requests_are_micro_batched_or_com
     for batch_rows in (1, 1024):
         ref = CountingRunner(models["ref"])
         ref.gate.clear()  # everything queues first, so the batched worker really batches
-        svc, client = _service(ref, noisy, shadow_batch_rows=batch_rows, shadow_batch_wait_ms=0,
+        svc, client = _service(ref, noisy, shadow_batch_rows=batch_rows, shadow_batch_wait_ms=0, shadow_batch_adapt=False,
                                window_size=10**9)
         with client:
             for i in range(60):

@@ -199,6 +199,12 @@ class MonitoringSpec(SpecModel):
         "The shadow worker runs queued sampled requests that share an input signature (names, dtypes, "
         "non-batch dimensions) as one inference call per model, up to this many rows; each request keeps its "
         "own evidence. 1 turns micro-batching off."))
+    shadow_batch_adapt: bool = Field(True, description=(
+        "Adapt the micro-batch size to the measured inference time so that a call fits reference_timeout_s: it "
+        "starts at 16 rows (at most shadow_batch_rows), halves after a call slower than half the timeout, and "
+        "grows back (doubling at first, then by 1/8) after full calls faster than a quarter of it, never above "
+        "shadow_batch_rows (docs/monitor.md, Drops); the size is exported as "
+        "tailguard_monitor_shadow_batch_rows{role}. false: always shadow_batch_rows."))
     shadow_batch_wait_ms: float = Field(2.0, ge=0, le=1000, description=(
         "Longest wait (ms) for more queued requests to fill a micro-batch once one is taken; 0 takes only "
         "what is already queued."))
@@ -206,7 +212,10 @@ class MonitoringSpec(SpecModel):
         "Compare the reference with itself (a second run) instead of the candidate: measures the "
         "comparison's own noise; must never alert."))
     queue_size: int = Field(1000, ge=1, description="Sampled requests waiting for the shadow; more are dropped.")
-    reference_timeout_s: float = Field(2.0, gt=0, description="A reference call slower than this is dropped (s).")
+    reference_timeout_s: float = Field(2.0, gt=0, description=(
+        "A model call slower than this is given up (s): its sampled requests are dropped "
+        "(dropped_total{reason=\"reference_timeout\"}; a candidate's counts as candidate_timeout) and the call is "
+        "observed in tailguard_monitor_inference_seconds at this time."))
     body_read_timeout_s: float = Field(30.0, gt=0, le=3600, description=(
         "Seconds an ingest request may take to deliver its body once its headers arrived (HTTP) or its message "
         "once the call started (gRPC ModelInfer); a slower one is refused (HTTP 408, gRPC CANCELLED) and counted "
@@ -268,6 +277,17 @@ class MonitoringSpec(SpecModel):
     auth_token_file: str | None = Field(None, description=(
         "Path of a file holding the bearer token (a mounted Secret); `monitor serve --auth-token-file` "
         "overrides it. At most one of auth_token_env and auth_token_file."))
+    probe_port: int = Field(8082, ge=0, le=65535, description=(
+        "`monitor serve` also answers /healthz, /readyz and /metrics (same authentication rules) on this port, "
+        "from a small server of its own that no number of ingest connections can starve (uvicorn's "
+        "limit_concurrency on the ingest port counts every open connection); point the kubelet probes and "
+        "Prometheus here. `monitor serve --probe-port` overrides it; 0 turns it off. The routes stay on the "
+        "ingest port too."))
+    max_drop_rate: float = Field(0.05, ge=0, le=1, description=(
+        "/readyz answers 503 `degraded` while more than this share of the sampled requests of the last "
+        "DROP_WINDOW_S seconds (at least DROP_MIN_SAMPLED of them; monitoring/service.py) were dropped "
+        "uncompared (queue_full, reference_timeout, reference_error, internal_error): the evidence is then no "
+        "longer the sample the false-alarm guarantee assumes (docs/monitor.md, Drops). 1 never degrades."))
     auth_readyz: bool = Field(False, description=(
         "With a token: /readyz (and gRPC ServerReady/ModelReady) require it too. Default false: kubelet probes "
         "send no token. /healthz and gRPC ServerLive never require it."))
