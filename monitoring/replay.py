@@ -43,6 +43,20 @@ def _output_index(runner: Runner, name: str) -> int:
     return names.index(name) if name in names else 0
 
 
+def _mask_feeds(cfg: MonitorConfig, ds: Dataset, ref_out: np.ndarray) -> dict[str, np.ndarray] | None:
+    """token_classification with model.decode.mask_input: {mask input: (rows, time) mask, each row's mask padded
+    with 0 to the output's time axis}; else None."""
+    d = cfg.spec.model.decode
+    if cfg.task != "token_classification" or d is None or d.mask_input is None:
+        return None
+    time = ref_out.shape[1] if ref_out.ndim == 3 else 0
+    mask = np.zeros((ds.n_rows, time), dtype=np.int64)
+    for i, m in enumerate(ds.inputs[d.mask_input]):
+        m = np.asarray(m).reshape(-1)[:time]
+        mask[i, :m.size] = m
+    return {d.mask_input: mask}
+
+
 def _run(runner: Runner, ds: Dataset, cfg: MonitorConfig, role: str) -> np.ndarray:
     spec = cfg.spec
     try:
@@ -157,7 +171,8 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
             cand_out = perturb(cand_out.copy(), idx, ds.frame)
         bad_ref = reference_non_finite(ref_out)
         values = compare_rows(cfg.task, ref_out, cand_out, cfg.metrics,
-                              probabilities=cfg.output.kind == "probabilities")
+                              probabilities=cfg.output.kind == "probabilities", decode=cfg.spec.model.decode,
+                              feeds=_mask_feeds(cfg, sub, ref_out))
         snaps = DriftSnapshots(cfg, background=False) if cfg.mon.evidently_workspace else None
         for j, i in enumerate(idx):
             keys, d = admitted[i]
