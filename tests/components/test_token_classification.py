@@ -89,7 +89,11 @@ def test_validate_scores_token_agreement_exact_match_and_cer_overall_and_per_sli
     assert metrics["slice.font.serif.cer"] == pytest.approx(want["char_error"][serif].mean())
     assert metrics["slice.font.sans.sequence_exact_match"] == pytest.approx(want["sequence_exact"][~serif].mean())
     worst = pd.read_csv(d / "v" / "worst_samples.csv")
-    assert len(worst)  # ranked by the per-row cer
+    assert worst["char_error"].is_monotonic_decreasing and worst["char_error"].iloc[0] == want["char_error"].max()
+    # the report's key metric and the worst slice are the per-slice cer
+    assert res.worst_slice["metric"] == "cer"
+    assert res.worst_slice["observed"] == pytest.approx(max(want["char_error"][serif].mean(),
+                                                            want["char_error"][~serif].mean()))
 
 
 def test_validate_passes_every_gate_when_the_candidate_is_the_reference(setup):
