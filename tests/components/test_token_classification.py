@@ -185,3 +185,23 @@ def test_register_with_spec_exits_2_naming_token_classification_when_a_ctc_model
     assert r.exit_code == 2, r.output
     assert "outputs.0.shape" in r.output and "use task: token_classification" in r.output
     assert "Traceback" not in r.output
+
+
+def test_compare_rows_takes_the_mask_from_the_request_inputs_when_decode_names_a_mask_input():
+    from tailguard.core.errors import InputError
+    from tailguard.core.spec.models import DecodeSpec
+
+    x = C.features(4, seed=3)
+    ref, cand = C.scores(x), C.scores(x, corrupt=True)
+    mask = np.ones((4, C.TIME), dtype=np.int64)
+    mask[:, C.CORRUPT_T:] = 0  # the corrupted position is padding here
+    decode = DecodeSpec(kind="ctc_greedy", blank=0, mask_input="attention_mask")
+
+    rows = compare_rows("token_classification", ref, cand, ["token_top1_agree", "char_error"], decode=decode,
+                        feeds={"attention_mask": mask})
+
+    want = C.expected(x, mask)
+    assert rows["token_top1_agree"].tolist() == [1.0] * 4 and rows["char_error"].tolist() == [0.0] * 4
+    assert want["char_error"].tolist() == [0.0] * 4
+    with pytest.raises(InputError, match="attention_mask"):
+        compare_rows("token_classification", ref, cand, ["char_error"], decode=decode, feeds={"x": x})
