@@ -514,7 +514,8 @@ def task_metrics(task: str, *, with_labels: bool = True) -> tuple[str, ...]:
 def monitor_metrics(task: str) -> tuple[str, ...]:
     """The per-row keys the shadow monitor can track for a task (and tracks by default), in ROW_METRICS order:
     classification top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error;
-    regression/generic abs_error, rel_error. Raises InputError for an unknown task."""
+    regression/generic abs_error, rel_error; token_classification token_top1_agree, sequence_exact, char_error;
+    every task candidate_error_rate. Raises InputError for an unknown task."""
     _check_task(task)
     return tuple(r.key for r in ROW_METRICS if r.monitored and task in r.tasks)
 

@@ -123,7 +123,9 @@ def _check_pair(task: str, reference: np.ndarray, candidate: np.ndarray) -> tupl
     if task in ("classification", "embedding") and ref.ndim != 2:
         axis = "classes" if task == "classification" else "dim"
         raise InputError(f"parity: task {task!r} needs 2-D outputs (rows, {axis}), got shape {ref.shape}",
-                         hint="set model.task to 'generic' for other output shapes")
+                         hint="use task: token_classification for (batch, time, classes) outputs (CTC, token "
+                              "tagging)" if task == "classification" and ref.ndim == 3 else
+                         "set model.task to 'generic' for other output shapes")
     return ref, cand
 
 

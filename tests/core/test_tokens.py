@@ -108,3 +108,10 @@ def test_catalogue_registers_token_metrics_with_directions_and_bounded_ranges_wh
     from tailguard.monitoring.config import METRIC_RANGE
 
     assert METRIC_RANGE["char_error"] == (0.0, 1.0) and METRIC_RANGE["token_top1_agree"] == (0.0, 1.0)
+
+
+def test_classification_parity_hints_token_classification_when_given_three_axis_outputs():
+    ref = _onehot([[1, 2, 3]])
+    with pytest.raises(InputError) as info:
+        per_sample_metrics("classification", ref, ref)
+    assert "token_classification" in info.value.hint
