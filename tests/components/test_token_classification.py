@@ -205,3 +205,21 @@ def test_compare_rows_takes_the_mask_from_the_request_inputs_when_decode_names_a
     assert want["char_error"].tolist() == [0.0] * 4
     with pytest.raises(InputError, match="attention_mask"):
         compare_rows("token_classification", ref, cand, ["char_error"], decode=decode, feeds={"x": x})
+
+
+def test_sequential_validation_scores_token_rows_block_by_block_when_enabled(setup):
+    d, ds, x, _, ref, cand = setup
+    doc = _doc(decode={"kind": "ctc_greedy", "blank": 0}, gates=[{"metric": "cer", "max": 0.5}])
+    doc["analysis"]["sequential"] = {"enabled": True, "block_rows": 16, "min_rows": 32, "seed": 0}
+    spec = parse_spec(doc)
+    reference = reference_outputs(OrtRunner(ref), ds, spec)
+
+    res = validate_variant(spec, "ort-fp32", OrtRunner(cand), reference, ds, d / "seq")
+
+    # the rows scored are a prefix of the seeded permutation (components/validate/logic.py score_sequentially)
+    assert res.rows_used is not None and 32 <= res.rows_used <= N and res.rows_used % 16 == 0
+    rows = np.random.default_rng(0).permutation(N)[:res.rows_used]
+    want = C.expected(x[rows])
+    assert res.overall["cer"] == pytest.approx(want["char_error"].mean())
+    assert res.overall["sequence_exact_match"] == pytest.approx(want["sequence_exact"].mean())
+    assert res.gates[0].status == "passed"
