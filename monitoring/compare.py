@@ -51,8 +51,8 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
     kwargs: dict = {"probabilities": True} if probabilities and task == "classification" else {}
     if task == "embedding":  # nearest-neighbour metrics are not monitored; give parity a trivial index
         kwargs = {"reference_index": ref, "exclude_self": False}
-    if task == "token_classification":
-        kwargs = token_kwargs(decode, feeds)
+    if task == "token_classification":  # ids (rows, time) carry their mask already (tokens.run_token_ids)
+        kwargs = token_kwargs(decode, feeds, need_mask=ref.ndim == 3)
     per = parity.per_sample_metrics(task, ref, np.asarray(candidate), **kwargs)
     per[CANDIDATE_ERROR] = np.zeros(ref.shape[0])  # the candidate answered every row compared here
     out = {m: np.asarray(per[m], dtype=np.float64) for m in metrics}
@@ -60,9 +60,10 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
     return out
 
 
-def token_kwargs(decode: Any, feeds: Mapping[str, np.ndarray] | None) -> dict[str, Any]:
+def token_kwargs(decode: Any, feeds: Mapping[str, np.ndarray] | None, *, need_mask: bool = True) -> dict[str, Any]:
     """`parity.per_sample_metrics` keyword arguments of a token_classification request: decode kind, blank, and
-    the mask taken from the request's inputs (`feeds[decode.mask_input]`).
+    the mask taken from the request's inputs (`feeds[decode.mask_input]`; only when `need_mask`: outputs given
+    as scores, not as `tokens.token_ids`).
 
     Raises:
         InputError: decode names a mask input the request does not carry.
@@ -70,7 +71,7 @@ def token_kwargs(decode: Any, feeds: Mapping[str, np.ndarray] | None) -> dict[st
     d = tokens.decode_of(decode)
     kw: dict[str, Any] = {"decode": d["decode"], "blank": d["blank"]}
     name = d["mask_input"]
-    if name is not None:
+    if name is not None and need_mask:
         if feeds is None or name not in feeds:
             raise InputError(f"model.decode.mask_input {name!r}: the request carries no such input",
                              hint="send the mask input with every request, or remove model.decode.mask_input")

@@ -191,7 +191,8 @@ def decode_of(d: Any) -> dict[str, Any]:
 
 
 def run_token_ids(runner: Any, ds: Any, input_specs: Sequence, *, batch_size: int,
-                  pad_values: dict[str, float] | None = None, mask_input: str | None = None) -> np.ndarray:
+                  pad_values: dict[str, float] | None = None, mask_input: str | None = None,
+                  output_index: int = 0) -> np.ndarray:
     """Run every row of `ds` (length-sorted batches, as `tailguard.core.runtime.run_dataset`) and keep only the
     first output's `token_ids`, in the original row order: memory is one batch's (batch, time, classes) floats plus
     the (rows, time) ids.
@@ -203,6 +204,7 @@ def run_token_ids(runner: Any, ds: Any, input_specs: Sequence, *, batch_size: in
         batch_size: rows per batch.
         pad_values: model.pad_values.
         mask_input: model.decode.mask_input (its padded batch tensor is the mask), or None.
+        output_index: which of the runner's outputs is the compared one (default the first).
 
     Returns:
         int32 (rows, max time over batches); a batch padded to a shorter time gets IGNORE beyond it.
@@ -215,15 +217,16 @@ def run_token_ids(runner: Any, ds: Any, input_specs: Sequence, *, batch_size: in
     parts: list[tuple[np.ndarray, np.ndarray]] = []
     for idx, feeds in iter_batches(ds, input_specs, batch_size, pad_values=pad_values):
         res = runner.run(feeds)
-        if not res:
-            raise InputError("token_classification: the model produced no outputs")
+        if len(res) <= output_index:
+            raise InputError(f"token_classification: the model produced {len(res)} output(s), the compared one is "
+                             f"output {output_index}")
         mask = None
         if mask_input is not None:
             if mask_input not in feeds:
                 raise InputError(f"model.decode.mask_input: {mask_input!r} is not among the fed inputs "
                                  f"{sorted(feeds)}", hint="name a model input")
             mask = feeds[mask_input]
-        parts.append((np.asarray(idx), token_ids(res[0], mask)))
+        parts.append((np.asarray(idx), token_ids(res[output_index], mask)))
     width = max((p.shape[1] for _, p in parts), default=0)
     out = np.full((ds.n_rows, width), IGNORE, dtype=np.int32)
     for idx, p in parts:

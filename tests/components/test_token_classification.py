@@ -223,3 +223,24 @@ def test_sequential_validation_scores_token_rows_block_by_block_when_enabled(set
     assert res.overall["cer"] == pytest.approx(want["char_error"].mean())
     assert res.overall["sequence_exact_match"] == pytest.approx(want["sequence_exact"].mean())
     assert res.gates[0].status == "passed"
+
+
+def test_monitor_replay_alerts_on_char_error_with_ids_kept_per_batch_when_the_candidate_corrupts_a_position(
+        setup, tmp_path):
+    from tailguard.monitoring.replay import replay
+
+    d, ds, x, font, ref, cand = setup
+    pd.DataFrame({"x": [r.tolist() for r in x], "font": font}).to_parquet(tmp_path / "requests.parquet")
+    doc = _doc(decode={"kind": "ctc_greedy", "blank": 0})
+    doc["monitoring"] = {"sample_rate": 1.0, "seed": 0, "min_support": 1, "slice_columns": ["font"],
+                         "thresholds": {"char_error": {"max": 0.01}}}
+    spec = parse_spec(doc)
+
+    same = replay(spec, ref, ref, tmp_path / "requests.parquet", tmp_path / "same")
+    bad = replay(spec, ref, cand, tmp_path / "requests.parquet", tmp_path / "bad")
+
+    assert same["exit_code"] == 0 and not same["alerts"]
+    assert bad["exit_code"] == 4 and {a["metric"] for a in bad["alerts"]} == {"char_error"}
+    overall = bad["slices"]["slices"]["all"]
+    assert overall["samples_total"] == N
+    assert overall["metrics"]["char_error"]["mean"] == pytest.approx(C.expected(x)["char_error"].mean(), abs=0.03)
