@@ -244,3 +244,35 @@ def test_monitor_replay_alerts_on_char_error_with_ids_kept_per_batch_when_the_ca
     overall = bad["slices"]["slices"]["all"]
     assert overall["samples_total"] == N
     assert overall["metrics"]["char_error"]["mean"] == pytest.approx(C.expected(x)["char_error"].mean(), abs=0.03)
+
+
+def test_monitor_service_masks_the_corrupt_position_per_request_when_requests_carry_the_mask_input(tmp_path):
+    ref = C.reference_model(tmp_path / "ref.onnx", mask_input=True)
+    cand = C.candidate_model(tmp_path / "cand.onnx", mask_input=True)
+    doc = _doc(decode={"kind": "ctc_greedy", "blank": 0, "mask_input": "attention_mask"})
+    doc["model"]["inputs"].append({"name": "attention_mask", "dtype": "int64", "shape": ["batch", C.TIME]})
+    spec = parse_spec(doc)
+    x = C.features(64, seed=5)
+    mask = np.ones((64, C.TIME), dtype=np.int64)
+    mask[32:, C.CORRUPT_T:] = 0  # the last two requests mask the corrupted position (and what follows)
+    svc = MonitorService(resolve_config(spec), ref, cand)
+    try:
+        with uvicorn_in_thread(build_app(svc)) as url:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                for i in range(0, 64, 16):
+                    body = {"inputs": [{"name": "x", "shape": [16, C.TIME, C.FEAT], "datatype": "FP32",
+                                        "data": x[i:i + 16].ravel().tolist()},
+                                       {"name": "attention_mask", "shape": [16, C.TIME], "datatype": "INT64",
+                                        "data": mask[i:i + 16].ravel().tolist()}],
+                            "parameters": {"font": "serif" if i < 32 else "sans"}}
+                    assert client.post("/v2/models/tiny-clf/infer", json=body).status_code == 200
+                assert svc.wait_idle(60)
+                doc = client.get("/v1/slices").json()
+    finally:
+        svc.stop()
+    slices = doc["slices"]
+    want = C.expected(x, mask)
+    assert want["char_error"][32:].max() == 0.0 and want["char_error"][:32].mean() > 0
+    assert slices["font=sans"]["metrics"]["char_error"]["mean"] == 0.0
+    assert slices["font=serif"]["metrics"]["char_error"]["mean"] == pytest.approx(want["char_error"][:32].mean(),
+                                                                                  abs=0.03)

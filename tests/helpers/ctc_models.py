@@ -19,7 +19,7 @@ _W = np.random.default_rng(7).normal(size=(FEAT, CLASSES)).astype(np.float32) * 
 _B = np.array([1.5, 0, 0, 0, 0, 0], dtype=np.float32)  # blanks are common, as in a real CTC head
 
 
-def _save(path: Path, bump: bool) -> Path:
+def _save(path: Path, bump: bool, mask_input: bool = False) -> Path:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -31,8 +31,10 @@ def _save(path: Path, bump: bool) -> Path:
         p[0, CORRUPT_T, CORRUPT_CLASS] = BUMP
         inits["P"] = p
         nodes.append(helper.make_node("Add", ["s0", "P"], ["scores"]))
-    graph = helper.make_graph(nodes, "ctc", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                                           ["batch", TIME, FEAT])],
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", TIME, FEAT])]
+    if mask_input:  # fed, not read by the graph: tailguard takes the compared positions from it
+        inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", TIME]))
+    graph = helper.make_graph(nodes, "ctc", inputs,
                               [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", TIME, CLASSES])],
                               [numpy_helper.from_array(v, k) for k, v in inits.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -43,14 +45,15 @@ def _save(path: Path, bump: bool) -> Path:
     return Path(path)
 
 
-def reference_model(path) -> Path:
-    """Save the reference recognizer (scores = x @ W + b) as ONNX."""
-    return _save(Path(path), bump=False)
+def reference_model(path, *, mask_input: bool = False) -> Path:
+    """Save the reference recognizer (scores = x @ W + b) as ONNX; `mask_input` adds an `attention_mask` input
+    (batch, TIME) int64 that the graph does not read."""
+    return _save(Path(path), bump=False, mask_input=mask_input)
 
 
-def candidate_model(path) -> Path:
-    """Save the candidate that forces class CORRUPT_CLASS at position CORRUPT_T."""
-    return _save(Path(path), bump=True)
+def candidate_model(path, *, mask_input: bool = False) -> Path:
+    """Save the candidate that forces class CORRUPT_CLASS at position CORRUPT_T (`mask_input` as above)."""
+    return _save(Path(path), bump=True, mask_input=mask_input)
 
 
 def features(rows: int, seed: int = 0) -> np.ndarray:
