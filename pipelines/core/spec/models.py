@@ -170,7 +170,8 @@ class TensorSpec(SpecModel):
     kind: Literal["logits", "probabilities"] | None = Field(None, description=(
         "Outputs only, classification: what the compared output holds: 'logits' (default; KL divergence and "
         "margins on its softmax) or 'probabilities' (rows already sum to 1, e.g. a model ending in Softmax: KL on "
-        "the values themselves). Validation warns when logits rows already sum to 1."))
+        "the values themselves). Validation warns when logits rows already sum to 1. Also accepted for "
+        "token_classification, where only each position's top-1 class is compared, so it changes nothing."))
 
     @field_validator("shape", mode="before")
     @classmethod
@@ -314,7 +315,8 @@ class ModelSpec(SpecModel):
                                  "remove it from the input")
         for i, t in enumerate(self.outputs):
             if t.kind is not None and self.task not in ("classification", "token_classification"):
-                raise ValueError(f"outputs.{i}.kind: {t.kind!r} applies to task classification, not "
+                raise ValueError(f"outputs.{i}.kind: {t.kind!r} applies to task classification (and "
+                                 f"token_classification), not "
                                  f"{self.task!r}; remove it")
         return self
 
