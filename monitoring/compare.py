@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tailguard.core import parity
+from tailguard.core import parity, tokens
+from tailguard.core.errors import InputError
 from tailguard.monitoring.config import CANDIDATE_ERROR, HIGHER_IS_BETTER, METRIC_RANGE, Bound
 
 
@@ -24,7 +25,8 @@ def reference_non_finite(reference: np.ndarray) -> np.ndarray:
 
 
 def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metrics: Sequence[str], *,
-                 probabilities: bool = False) -> dict[str, np.ndarray]:
+                 probabilities: bool = False, decode: Any = None,
+                 feeds: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Per-row parity values for the tracked metrics.
 
     Args:
@@ -33,23 +35,48 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
         candidate: same shape, the candidate's output.
         metrics: per-row metric names (keys of `parity.per_sample_metrics`).
         probabilities: the output holds probabilities, not logits (model.outputs[0].kind): KL on the values.
+        decode: token_classification: the spec's model.decode (DecodeSpec: kind, blank, mask_input) or None (no
+            mask, no decoding).
+        feeds: token_classification with decode.mask_input: the request's input tensors {name: (rows, ...)}; the
+            mask is feeds[decode.mask_input], (rows, time).
 
     Returns:
         {metric: (rows,) float64} plus "non_finite": (rows,) bool (candidate rows scored worst-case by parity);
         candidate_error_rate is 0 on every row (the candidate answered).
 
     Raises:
-        InputError: shapes differ or do not suit the task (from parity).
+        InputError: shapes differ or do not suit the task (from parity); a mask input the request lacks.
     """
     ref = np.asarray(reference)
     kwargs: dict = {"probabilities": True} if probabilities and task == "classification" else {}
     if task == "embedding":  # nearest-neighbour metrics are not monitored; give parity a trivial index
         kwargs = {"reference_index": ref, "exclude_self": False}
+    if task == "token_classification":  # ids (rows, time) carry their mask already (tokens.run_token_ids)
+        kwargs = token_kwargs(decode, feeds, need_mask=ref.ndim == 3)
     per = parity.per_sample_metrics(task, ref, np.asarray(candidate), **kwargs)
     per[CANDIDATE_ERROR] = np.zeros(ref.shape[0])  # the candidate answered every row compared here
     out = {m: np.asarray(per[m], dtype=np.float64) for m in metrics}
     out["non_finite"] = np.asarray(per["non_finite"], dtype=bool)
     return out
+
+
+def token_kwargs(decode: Any, feeds: Mapping[str, np.ndarray] | None, *, need_mask: bool = True) -> dict[str, Any]:
+    """`parity.per_sample_metrics` keyword arguments of a token_classification request: decode kind, blank, and
+    the mask taken from the request's inputs (`feeds[decode.mask_input]`; only when `need_mask`: outputs given
+    as scores, not as `tokens.token_ids`).
+
+    Raises:
+        InputError: decode names a mask input the request does not carry.
+    """
+    d = tokens.decode_of(decode)
+    kw: dict[str, Any] = {"decode": d["decode"], "blank": d["blank"]}
+    name = d["mask_input"]
+    if name is not None and need_mask:
+        if feeds is None or name not in feeds:
+            raise InputError(f"model.decode.mask_input {name!r}: the request carries no such input",
+                             hint="send the mask input with every request, or remove model.decode.mask_input")
+        kw["mask"] = np.asarray(feeds[name])
+    return kw
 
 
 def failure_rows(rows: int, metrics: Sequence[str], bounds: dict[str, Bound]) -> dict[str, np.ndarray]:

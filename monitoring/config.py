@@ -62,6 +62,8 @@ DEFAULT_THRESHOLDS: dict[str, dict[str, MonitorThreshold]] = {
     "embedding": {"cosine_similarity": MonitorThreshold(min=0.98)},
     "regression": {},
     "generic": {},
+    # CTC/token outputs: 0.97 of positions, as for classification's top-1; cer and exact match are spec thresholds
+    "token_classification": {"token_top1_agree": MonitorThreshold(min=0.97)},
 }
 
 

@@ -151,7 +151,8 @@ class MonitorEngine:
         if failure is None and values is None:
             try:
                 values = compare_rows(self.cfg.task, ref, candidate, self.cfg.metrics,  # type: ignore[arg-type]
-                                      probabilities=self.cfg.output.kind == "probabilities")
+                                      probabilities=self.cfg.output.kind == "probabilities",
+                                      decode=self.cfg.spec.model.decode, feeds=feeds)
             except InputError:  # an output the task cannot score (e.g. not 2-D logits): the candidate's fault
                 failure = "candidate_shape"
         bad_ref = reference_non_finite(ref)

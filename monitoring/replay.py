@@ -32,6 +32,7 @@ from tailguard.core.pt2_archive import MONITOR_FIX
 from tailguard.core.runtime import Runner, run_dataset, runner_for_file
 from tailguard.core.spec import load_spec
 from tailguard.core.spec.models import Spec
+from tailguard.core.tokens import IGNORE, NON_FINITE, align, decode_settings, run_token_ids
 
 TIMESTAMP_COLUMN = "timestamp"
 # perturb(candidate_outputs (n_sampled, ...), row_indices (n_sampled,), frame) -> candidate_outputs
@@ -44,8 +45,15 @@ def _output_index(runner: Runner, name: str) -> int:
 
 
 def _run(runner: Runner, ds: Dataset, cfg: MonitorConfig, role: str) -> np.ndarray:
+    """The compared output of `runner` on `ds`, (rows, ...); for token_classification its per-position top-1 ids
+    (rows, time) int32 (`tokens.run_token_ids`: one batch of scores held at a time, the mask applied)."""
     spec = cfg.spec
     try:
+        if cfg.task == "token_classification":
+            return run_token_ids(runner, ds, cfg.inputs, batch_size=spec.data.validation.batch_size,
+                                 pad_values=spec.model.pad_values,
+                                 mask_input=decode_settings(spec.model)["mask_input"],
+                                 output_index=_output_index(runner, cfg.output.name))
         outs = run_dataset(runner, ds, cfg.inputs, batch_size=spec.data.validation.batch_size,
                            pad_values=spec.model.pad_values)
     except TailguardError:
@@ -66,21 +74,28 @@ def _run_candidate(runner: Runner, ds: Dataset, cfg: MonitorConfig, shape: tuple
         out = _run(runner, ds, cfg, "candidate")
     except StepError:
         out = None
+    if out is not None and cfg.task == "token_classification" and out.ndim == 2 and out.shape[0] == n and \
+            out.shape[1] < shape[1]:  # ids of a run padded shorter: positions past it are not compared
+        out = align(out, np.zeros(shape, dtype=np.int32))[0]
     if out is not None and out.shape == shape:
         return out, [None] * n
     if out is not None:  # answered, but not the reference's shape: every row is a shape failure
-        return np.zeros(shape, dtype=np.float32), ["candidate_shape"] * n
-    rows, failed = np.zeros(shape, dtype=np.float32), []
+        return np.zeros(shape, dtype=np.int32 if cfg.task == "token_classification" else np.float32), \
+            ["candidate_shape"] * n
+    rows = (np.full(shape, IGNORE, dtype=np.int32) if cfg.task == "token_classification"
+            else np.zeros(shape, dtype=np.float32))
+    failed: list[str | None] = []
     for j in range(n):
         try:
             one = _run(runner, ds.subset(np.array([j])), cfg, "candidate")
         except StepError:
             failed.append("candidate_error")
             continue
-        if one.shape != (1, *shape[1:]):
+        token = cfg.task == "token_classification" and one.ndim == 2 and one.shape[1] <= shape[1]
+        if one.shape != (1, *shape[1:]) and not token:
             failed.append("candidate_shape")
             continue
-        rows[j] = one[0]
+        rows[j, :one.shape[1]] = one[0]  # token ids of a shorter padded width keep IGNORE past it
         failed.append(None)
     return rows, failed
 
@@ -155,9 +170,10 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         cand_out, failed = _run_candidate(cand_runner, sub, cfg, ref_out.shape)
         if perturb is not None:
             cand_out = perturb(cand_out.copy(), idx, ds.frame)
-        bad_ref = reference_non_finite(ref_out)
+        bad_ref = ((ref_out == NON_FINITE).any(axis=1) if cfg.task == "token_classification"  # ids: a sentinel
+                   else reference_non_finite(ref_out))
         values = compare_rows(cfg.task, ref_out, cand_out, cfg.metrics,
-                              probabilities=cfg.output.kind == "probabilities")
+                              probabilities=cfg.output.kind == "probabilities", decode=cfg.spec.model.decode)
         snaps = DriftSnapshots(cfg, background=False) if cfg.mon.evidently_workspace else None
         for j, i in enumerate(idx):
             keys, d = admitted[i]

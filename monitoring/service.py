@@ -964,10 +964,18 @@ class MonitorService:
               if reason is None and cand is not None and cand.shape == ref.shape]
         if len(ok) < 2 or len({judged[n][1].shape[1:] for n in ok}) > 1:
             return {}
+        decode = self.cfg.spec.model.decode
+        feeds = None
+        if decode is not None and decode.mask_input is not None:  # token_classification: the rows' masks too
+            masks = [(judged[n][0].feeds or {}).get(decode.mask_input) for n in ok]
+            if any(m is None for m in masks) or len({np.shape(m)[1:] for m in masks}) > 1:
+                return {}
+            feeds = {decode.mask_input: np.concatenate(masks)}
         try:
             values = compare_rows(self.cfg.task, np.concatenate([judged[n][1] for n in ok]),
                                   np.concatenate([seconds[n][0] for n in ok]), self.cfg.metrics,
-                                  probabilities=self.cfg.output.kind == "probabilities")
+                                  probabilities=self.cfg.output.kind == "probabilities", decode=decode,
+                                  feeds=feeds)
         except InputError:  # an output the task cannot score: each request finds out on its own
             return {}
         bounds = np.cumsum([0] + [judged[n][1].shape[0] for n in ok])

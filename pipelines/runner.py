@@ -564,8 +564,9 @@ def summary_document(summary: RunSummary) -> dict[str, Any]:
     return doc
 
 
-# The overall "agreement" column: the task's top-1 agreement metric (classification, embedding), in this order.
-AGREEMENT_METRICS = ("top1_agreement", "nn_top1_agreement")
+# The overall "agreement" column: the task's top-1 agreement metric (classification, embedding, token_classification:
+# per position), in this order.
+AGREEMENT_METRICS = ("top1_agreement", "nn_top1_agreement", "token_top1_agreement")
 
 
 def gate_ids(summary: RunSummary) -> dict[str, str]:

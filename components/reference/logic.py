@@ -36,7 +36,9 @@ def reference_outputs(truth: Any, ds: Dataset, spec: Spec) -> list[np.ndarray]:
         spec: the validated spec (model.inputs / outputs / pad_values, data.validation.batch_size).
 
     Returns:
-        One array per `model.outputs` entry, (rows, ...), the model's dtype, original row order.
+        One array per `model.outputs` entry, (rows, ...), the model's dtype, original row order; for task
+        token_classification only the first, as its per-position top-1 ids, int32 (rows, time)
+        (`tailguard.core.tokens.run_token_ids`: one batch's scores held at a time).
 
     Raises:
         StepError: an output holds NaN/Inf (the message counts the rows; exit 1).
@@ -44,6 +46,17 @@ def reference_outputs(truth: Any, ds: Dataset, spec: Spec) -> list[np.ndarray]:
     from tailguard.core.errors import StepError
     from tailguard.core.runtime import run_dataset
 
+    if spec.model.task == "token_classification":  # only the compared output, as per-position ids (rows, time)
+        from tailguard.core.tokens import NON_FINITE, decode_settings, run_token_ids
+
+        ids = run_token_ids(truth, ds, spec.model.inputs, batch_size=spec.data.validation.batch_size,
+                            pad_values=spec.model.pad_values, mask_input=decode_settings(spec.model)["mask_input"])
+        bad = int((ids == NON_FINITE).any(axis=1).sum())
+        if bad:
+            raise StepError(f"the FP32 reference output {spec.model.outputs[0].name!r} has NaN/Inf in {bad} "
+                            "validation rows", step="reference-pass",
+                            hint="check the validation inputs (data.validation.uri) and the reference model")
+        return [ids]
     outputs = run_dataset(truth, ds, spec.model.inputs, batch_size=spec.data.validation.batch_size,
                           pad_values=spec.model.pad_values)
     for spec_out, arr in zip(spec.model.outputs, outputs):

@@ -85,7 +85,8 @@ class SearchStop(StrEnum):
 # The key parity metric when a trial has no worst slice (no slices with enough support): by task, the same
 # defaults as worst-slice discovery (spec DiscoverySpec.metric).
 DEFAULT_KEY_METRIC = {"classification": "top1_agreement", "embedding": "nn_top1_agreement",
-                      "regression": "abs_error.mean", "generic": "abs_error.mean"}
+                      "regression": "abs_error.mean", "generic": "abs_error.mean",
+                      "token_classification": "cer"}
 
 
 @dataclass

@@ -88,7 +88,8 @@ from tailguard.core.stats import benjamini_hochberg, fisher_exact_greater, mann_
 MAX_PAIR_CANDIDATES = 5000  # pair candidates tested at most (the largest by support); see the module docstring
 PAIR_SEP = "&"  # joins the two columns (slice) and the two values (value) of a pair candidate
 DEFAULT_METRIC: dict[str, str] = {"classification": "top1_agreement", "embedding": "nn_top1_agreement",
-                                  "regression": "abs_error.mean", "generic": "abs_error.mean"}
+                                  "regression": "abs_error.mean", "generic": "abs_error.mean",
+                                  "token_classification": "cer"}
 TABLE_COLUMNS = ("slice", "value", "support", "metric", "value_in_slice", "value_rest", "drop", "p_value",
                  "q_value", "significant")
 _TABLE_DTYPES = {"slice": object, "value": object, "support": "int64", "metric": object,

@@ -82,6 +82,7 @@ from tailguard.core.taskio import json_default
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
+from tailguard.core.tokens import align, decode_settings, run_token_ids
 from tailguard.core.report import key_metric
 from tailguard.core.derive import (CENTROIDS_FILE, derive_dataset, fit_centroids, monitored_default_slices,
                                    save_centroids)
@@ -105,6 +106,7 @@ WORST_SAMPLE_KEY: dict[str, tuple[str, bool]] = {
     "embedding": ("cosine_similarity", True),
     "regression": ("abs_error", False),
     "generic": ("abs_error", False),
+    "token_classification": ("char_error", False),
 }
 
 
@@ -574,6 +576,9 @@ def _run_first_output(runner: Runner, validation: Dataset, spec: Spec, variant_n
     Raises:
         InputError: the runner produced no outputs.
     """
+    if spec.model.task == "token_classification":  # reduced batch by batch to (rows, time) ids: tailguard.core.tokens
+        return run_token_ids(runner, validation, spec.model.inputs, batch_size=spec.data.validation.batch_size,
+                             pad_values=spec.model.pad_values, mask_input=decode_settings(spec.model)["mask_input"])
     outputs = run_dataset(runner, validation, spec.model.inputs, batch_size=spec.data.validation.batch_size,
                           pad_values=spec.model.pad_values)
     if not outputs:
@@ -592,6 +597,9 @@ def _per_row(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray |
                           if task == "embedding" else {})
     if task == "classification":
         kw["probabilities"] = spec.model.outputs[0].kind == "probabilities"
+    if task == "token_classification":  # outputs are tokens.token_ids (the mask is applied in them)
+        d = decode_settings(spec.model)
+        kw.update(decode=d["decode"], blank=d["blank"])
     if rows is None:
         return per_sample_metrics(task, ref, cand, labels=labels, **kw)
     if task == "embedding":
@@ -608,11 +616,20 @@ def _score(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray | N
     return per_sample, aggregate(task, per_sample), per_slice_table(task, per_sample, groups)
 
 
+def _concat(spec: Spec, parts: list[np.ndarray]) -> np.ndarray:
+    """Outputs of several runs stacked on the rows axis; token_classification ids (rows, time) of runs padded to
+    different lengths are first widened with `tokens.IGNORE` to the widest."""
+    if spec.model.task == "token_classification" and parts:
+        width = max(p.shape[1] for p in parts)
+        parts = [align(p, np.zeros((p.shape[0], width), dtype=np.int32))[0] for p in parts]
+    return np.concatenate(parts)
+
+
 def _run_blocks(runner: Runner, validation: Dataset, spec: Spec, variant_name: str,
                 blocks: list[np.ndarray]) -> np.ndarray:
     """The variant's first output over the rows of `blocks` (global row indices), block after block, each block
     length-sorted into batches as `run_dataset` does: (sum of block sizes, ...), in block order."""
-    return np.concatenate([_run_first_output(runner, validation.subset(b), spec, variant_name) for b in blocks])
+    return _concat(spec, [_run_first_output(runner, validation.subset(b), spec, variant_name) for b in blocks])
 
 
 @dataclass
@@ -749,7 +766,7 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
             p.update(per_row, block, scored, scored >= floor)
         if scored >= floor and should_stop(plans, seq.stop):
             break
-    result = SequentialScoring(perm[:scored], np.concatenate(outs), blocks, plans)
+    result = SequentialScoring(perm[:scored], _concat(spec, outs), blocks, plans)
     if m is not None and len(blocks) > len(stored_blocks):  # scored past the stored rows: they grow
         m.order, m.outputs = result.order, result.outputs
         m.block_sizes = [int(b.size) for b in blocks]
@@ -847,7 +864,7 @@ def _exact_outputs(runner: Runner, validation: Dataset, spec: Spec, variant_name
     parts = [have[:keep]] if keep else []
     if keep < order.size:  # the rest in one length-sorted run (fewer, fuller batches than block by block)
         parts.append(_run_first_output(runner, validation.subset(order[keep:]), spec, variant_name))
-    out = np.concatenate(parts)
+    out = _concat(spec, parts)
     if m is not None and out.shape[0] > n_have and m.order is not None and out.shape[0] <= m.order.size:
         m.exact_outputs, m.changed = out, True
     return out

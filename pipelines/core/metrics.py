@@ -49,7 +49,9 @@ Kind = Literal["proportion", "continuous", "performance", "build", "record"]
 Aggregate = Literal["mean", "quantile", "max", "min", "ratio", "fact", "count"]
 Bound = Literal["wilson", "bootstrap", "paired_bootstrap"]
 
-TASKS: tuple[str, ...] = ("classification", "embedding", "regression", "generic")
+TASKS: tuple[str, ...] = ("classification", "embedding", "regression", "generic", "token_classification")
+# tasks whose outputs are compared element by element (abs_error): a token_classification output is reduced to its
+# per-position top-1 class ids while it is run (tailguard.core.tokens), so its logits are never held whole
 ALL_TASKS = TASKS
 LABELLED_TASKS = ("classification", "embedding")  # tasks whose parity uses data.validation.label_column
 INF = math.inf
@@ -158,6 +160,8 @@ class Metric:
 # -------------------------------------------------------------------------------------------- per-row values
 _F01 = (0.0, 1.0)
 _NONNEG = (0.0, INF)
+_TOK = ("token_classification",)
+_DENSE = tuple(t for t in TASKS if t not in _TOK)
 
 ROW_METRICS: tuple[RowMetric, ...] = (
     # order: the monitor's default metrics per task are the monitored keys of the task in this order
@@ -167,10 +171,19 @@ ROW_METRICS: tuple[RowMetric, ...] = (
               "KL(softmax(reference) || softmax(variant)), float64 log-softmax, clipped at 0"),
     RowMetric("cosine_similarity", "higher", False, (-1.0, 1.0), "cosine", ("embedding",), True, False,
               "cosine of the variant's and the reference's vectors (norms floored at 1e-12)"),
-    RowMetric("abs_error", "lower", False, _NONNEG, "output units", TASKS, True, False,
+    RowMetric("abs_error", "lower", False, _NONNEG, "output units", _DENSE, True, False,
               "largest |variant - reference| over the row's output elements"),
     RowMetric("rel_error", "lower", False, _NONNEG, "relative (dimensionless)", ("regression", "generic"), True,
               False, "largest |variant - reference| / max(|reference|, 1e-6) over the row's output elements"),
+    # token_classification (formulas: tailguard.core.tokens); cer is truncated at 1 so every value lies in [0, 1]
+    RowMetric("token_top1_agree", "higher", False, _F01, "fraction", _TOK, True, False,
+              "share of the row's unmasked positions whose top-1 class equals the FP32 reference's"),
+    RowMetric("sequence_exact", "higher", True, _F01, "0/1", _TOK, True, False,
+              "the row's sequence equals the reference's: every unmasked position's top-1 class, or with "
+              "model.decode kind ctc_greedy the decoded label sequence"),
+    RowMetric("char_error", "lower", False, _F01, "edits per reference label", _TOK, True, False,
+              "min(1, Levenshtein distance of the variant's sequence to the reference's / reference length); "
+              "an empty reference scores 0 against an empty sequence, else 1"),
     RowMetric("correct", "higher", True, _F01, "0/1", LABELLED_TASKS, False, True,
               "the variant's prediction equals the label (classification: argmax; embedding: kNN label)"),
     RowMetric("reference_correct", "higher", True, _F01, "0/1", LABELLED_TASKS, False, True,
@@ -225,6 +238,8 @@ _NAMED_MEANS: dict[str, tuple[str, str]] = {
     "top1_agreement": ("top1_agree", "mean"), "nn_top1_agreement": ("nn_top1_agree", "mean"),
     "nn_top5_agreement": ("nn_top5_overlap", "mean"), "nn_recall_at_k": ("nn_recall", "mean"),
     "nn_top1_margin_agreement": ("nn_top1_margin_agree", "mean"),
+    "token_top1_agreement": ("token_top1_agree", "mean"), "sequence_exact_match": ("sequence_exact", "mean"),
+    "cer": ("char_error", "mean"),
 }
 _CLS, _EMB, _REG = ("classification",), ("embedding",), ("regression", "generic")
 
@@ -253,11 +268,11 @@ METRICS: tuple[Metric, ...] = (
             "share of rows whose nearest FP32-index neighbour is the reference's", self_score=1.0),
     _parity("nn_top5_agreement", "continuous", _EMB, "fraction",
             "mean overlap of the variant's and the reference's 5 nearest neighbours", self_score=1.0),
-    _parity("abs_error.max", "continuous", TASKS, "output units",
+    _parity("abs_error.max", "continuous", _DENSE, "output units",
             "largest absolute output difference over all rows", self_score=0.0),
-    _parity("abs_error.mean", "continuous", TASKS, "output units",
+    _parity("abs_error.mean", "continuous", _DENSE, "output units",
             "mean of the per-row largest absolute output difference", self_score=0.0),
-    _parity("abs_error.p99", "continuous", TASKS, "output units",
+    _parity("abs_error.p99", "continuous", _DENSE, "output units",
             "99th percentile of the per-row largest absolute output difference", self_score=0.0),
     _parity("nn_recall_at_k", "continuous", _EMB, "fraction",
             "mean recall@K of the reference's K nearest neighbours (analysis.embedding.recall_k)", self_score=1.0),
@@ -268,6 +283,14 @@ METRICS: tuple[Metric, ...] = (
             "largest relative output difference over all rows", self_score=0.0),
     _parity("rel_error.mean", "continuous", _REG, "relative (dimensionless)",
             "mean of the per-row largest relative output difference", self_score=0.0),
+    _parity("token_top1_agreement", "continuous", _TOK, "fraction",
+            "mean over rows of the share of unmasked positions whose top-1 class is the reference's", self_score=1.0),
+    _parity("sequence_exact_match", "proportion", _TOK, "fraction",
+            "share of rows whose sequence (positions' top-1 classes, or the CTC-decoded labels) is the reference's",
+            self_score=1.0),
+    _parity("cer", "continuous", _TOK, "edits per reference label",
+            "mean per-row character error rate of the variant's sequence against the reference's (Levenshtein "
+            "distance / reference length, truncated at 1)", self_score=0.0),
     # ---- performance: overall only; latency/throughput/cost/speedups per benchmark batch size (bs<N>.)
     _perf("latency_ms.p50", "lower", "quantile", "ms", "median latency of one batch over the timed iterations",
           statistic="p50"),
@@ -491,7 +514,8 @@ def task_metrics(task: str, *, with_labels: bool = True) -> tuple[str, ...]:
 def monitor_metrics(task: str) -> tuple[str, ...]:
     """The per-row keys the shadow monitor can track for a task (and tracks by default), in ROW_METRICS order:
     classification top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error;
-    regression/generic abs_error, rel_error. Raises InputError for an unknown task."""
+    regression/generic abs_error, rel_error; token_classification token_top1_agree, sequence_exact, char_error;
+    every task candidate_error_rate. Raises InputError for an unknown task."""
     _check_task(task)
     return tuple(r.key for r in ROW_METRICS if r.monitored and task in r.tasks)
 

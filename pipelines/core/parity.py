@@ -39,6 +39,10 @@ embedding (vectors, shape (rows, dim)):
     retrieval-consistency check for quantized embedding models (e.g. the "retrieval overlap@k" of
     sentence-transformers quantization studies): a variant may keep cosine 0.99 and still reorder neighbours.
 
+token_classification (shape (rows, time, classes), or its per-position top-1 ids (rows, time)):
+    token_top1_agree_i, sequence_exact_i, char_error_i (cer): formulas and the masking / CTC decoding in
+    `tailguard.core.tokens`
+
 regression / generic (any shape (rows, ...)):
     abs_error_i = max_j |cand_ij - ref_ij|
     rel_error_i = max_j |cand_ij - ref_ij| / max(|ref_ij|, REL_EPS)      REL_EPS = 1e-6
@@ -119,7 +123,9 @@ def _check_pair(task: str, reference: np.ndarray, candidate: np.ndarray) -> tupl
     if task in ("classification", "embedding") and ref.ndim != 2:
         axis = "classes" if task == "classification" else "dim"
         raise InputError(f"parity: task {task!r} needs 2-D outputs (rows, {axis}), got shape {ref.shape}",
-                         hint="set model.task to 'generic' for other output shapes")
+                         hint="use task: token_classification for (batch, time, classes) outputs (CTC, token "
+                              "tagging)" if task == "classification" and ref.ndim == 3 else
+                         "set model.task to 'generic' for other output shapes")
     return ref, cand
 
 
@@ -204,12 +210,14 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
                        exclude_self: bool = True, index_labels: np.ndarray | None = None,
                        recall_k: int = RECALL_K, knn_k: int = KNN_K,
                        margin_tolerance: float = MARGIN_TOLERANCE,
-                       query_rows: np.ndarray | None = None, probabilities: bool = False
+                       query_rows: np.ndarray | None = None, probabilities: bool = False,
+                       mask: np.ndarray | None = None, decode: str = "none", blank: int = 0
                        ) -> dict[str, np.ndarray]:
     """One parity value per validation row, for the task's metrics (formulas: module docstring).
 
     Args:
-        task: "classification", "embedding", "regression" or "generic" (spec `model.task`).
+        task: "classification", "embedding", "regression", "generic" or "token_classification" (spec
+            `model.task`).
         reference: FP32 reference output, shape (rows, ...) — (rows, classes) logits for classification,
             (rows, dim) vectors for embedding; float (float16/32/64).
         candidate: the variant's output for the same rows, same shape as `reference`.
@@ -234,6 +242,9 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
             e.g. a block of the validation set scored against the full FP32 reference set: with `exclude_self`
             each row is kept out of its own neighbours, so a row's values equal those it gets when every row is
             scored at once (sequential validation). Needs `reference_index` (and `index_labels` with labels).
+        mask, decode, blank: token_classification only (`tailguard.core.tokens.per_row`): the (rows, time) mask
+            input of float outputs, the decoding ("none" / "ctc_greedy", model.decode.kind) and the CTC blank.
+            Its outputs may also be given as `tokens.token_ids` (int (rows, time)), as validation keeps them.
 
     Returns:
         {per-row metric: array of shape (rows,)}:
@@ -242,7 +253,8 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
         embedding: "cosine_similarity", "abs_error" (float64), "nn_top1_agree" (bool),
         "nn_top5_overlap", "nn_recall" (float64 in [0, 1]), "nn_margin" (float64, cosine units, the FP32
         top-1/top-2 gap), "nn_top1_margin_agree" (bool), and with labels "correct", "reference_correct" (bool);
-        regression/generic: "abs_error", "rel_error" (float64).
+        regression/generic: "abs_error", "rel_error" (float64);
+        token_classification: "token_top1_agree", "char_error" (float64 in [0, 1]), "sequence_exact" (bool).
         Every task also has "non_finite" (bool): rows with NaN/inf in the candidate or reference, scored
         worst-case.
 
@@ -251,6 +263,10 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
             an index of another width, or an index too small to search (fewer than 2 rows with exclude_self),
             embedding labels with a custom index but no index_labels, k < 1 or a negative margin_tolerance.
     """
+    if task == "token_classification":
+        from tailguard.core.tokens import per_row
+
+        return per_row(reference, candidate, mask=mask, decode=decode, blank=blank)
     ref, cand = _check_pair(task, reference, candidate)
     rows = ref.shape[0]
     bad = non_finite_rows(cand) | non_finite_rows(ref)
@@ -389,6 +405,9 @@ _AGG: dict[str, tuple[str, str]] = {
     "nn_top5_agreement": ("nn_top5_overlap", "mean"),
     "nn_recall_at_k": ("nn_recall", "mean"),
     "nn_top1_margin_agreement": ("nn_top1_margin_agree", "mean"),
+    "token_top1_agreement": ("token_top1_agree", "mean"),
+    "sequence_exact_match": ("sequence_exact", "mean"),
+    "cer": ("char_error", "mean"),
 }
 
 

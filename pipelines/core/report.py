@@ -29,7 +29,7 @@ import pandas as pd
 from tailguard.core import metrics as _metrics
 
 # key metric of the per-slice plot, per task (first one present in the table is used)
-KEY_METRICS = ("top1_agreement", "nn_top1_agreement", "cosine_similarity.p01", "accuracy", "abs_error.max")
+KEY_METRICS = ("top1_agreement", "nn_top1_agreement", "cosine_similarity.p01", "accuracy", "abs_error.max", "cer")
 
 
 class CellStatus(StrEnum):

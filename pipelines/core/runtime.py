@@ -231,7 +231,8 @@ def run_dataset(runner: Runner, ds: Dataset, input_specs: Sequence, *, batch_siz
         for o, r in zip(outs, res):
             if r.shape[1:] != o.shape[1:]:
                 raise InputError(f"output shape {r.shape} varies with the padded length; pool sequence outputs "
-                                 f"in the model (expected (batch, {', '.join(map(str, o.shape[1:]))}))")
+                                 f"in the model (expected (batch, {', '.join(map(str, o.shape[1:]))})), or for "
+                                 "per-position (batch, time, classes) outputs use task: token_classification")
             o[idx] = r
     return outs or []
 

@@ -64,6 +64,11 @@ OLD_TASK_METRICS = {
 }
 # The old substring rule of the report was wrong for these two (it drew their per-slice plots best-first).
 REPORT_RULE_BUGS = {"nn_recall_at_k", "quantized_mac_fraction"}
+# Issue 38 added the token_classification task after the old rules and tables: its metrics and per-row values are
+# checked against these, the old ones against the old tables.
+TOKEN_METRICS = ("token_top1_agreement", "sequence_exact_match", "cer")
+TOKEN_ROWS = {"token_top1_agree": (True, (0.0, 1.0)), "sequence_exact": (True, (0.0, 1.0)),
+              "char_error": (False, (0.0, 1.0))}
 
 
 # ------------------------------------------------------------------------------------------ synthetic outputs
@@ -71,8 +76,9 @@ def _outputs(task: str, seed: int = 0) -> dict:
     """(reference, candidate, labels) for a task: ROWS rows, the candidate = reference + small noise, a few
     rows with a flipped top-1 (classification) so no metric is trivially constant."""
     rng = np.random.default_rng(seed)
-    width = {"classification": 5, "embedding": 8, "regression": 1, "generic": 3}[task]
-    ref = rng.normal(size=(ROWS, width)).astype(np.float32)
+    width = {"classification": 5, "embedding": 8, "regression": 1, "generic": 3, "token_classification": 5}[task]
+    shape = (ROWS, 6, width) if task == "token_classification" else (ROWS, width)  # (rows, time, classes)
+    ref = rng.normal(size=shape).astype(np.float32)
     cand = (ref + rng.normal(scale=0.05, size=ref.shape)).astype(np.float32)
     labels = None
     if task == "classification":
@@ -164,13 +170,13 @@ def test_higher_is_better_returns_default_only_when_asked_for_an_unknown_name():
 
 # ------------------------------------------------------------------------------------------------- direction
 def test_direction_agrees_with_the_old_spec_rule_when_metric_is_gateable():
-    gateable = [m.name for m in M.METRICS if m.gateable]
+    gateable = [m.name for m in M.METRICS if m.gateable and m.name not in TOKEN_METRICS]
     assert {n: M.higher_is_better(n) for n in gateable} == {n: _old_spec_rule(n) for n in gateable}
     assert not hasattr(S, "higher_is_better") and not hasattr(R, "higher_is_better")  # one, the catalogue's
 
 
 def test_direction_agrees_with_the_old_report_rule_except_its_two_bugs():
-    shown = [m.name for m in M.METRICS if m.kind != "record"]
+    shown = [m.name for m in M.METRICS if m.kind != "record" and m.name not in TOKEN_METRICS]
     differ = {n for n in shown if M.higher_is_better(n) != _old_report_rule(n)}
     assert differ == REPORT_RULE_BUGS
     assert all(M.higher_is_better(n) for n in REPORT_RULE_BUGS)  # recall and coverage: more is better
@@ -178,9 +184,13 @@ def test_direction_agrees_with_the_old_report_rule_except_its_two_bugs():
 
 def test_monitor_tables_equal_the_old_ones_when_computed_from_the_catalogue():
     # issue 27 added the monitor-only candidate_error_rate (lower is better, [0, 1]) to the old table
-    assert monitor_config.HIGHER_IS_BETTER == {**OLD_MONITOR_DIRECTION, "candidate_error_rate": False}
-    assert monitor_config.METRIC_RANGE == {**OLD_MONITOR_RANGE, "candidate_error_rate": (0.0, 1.0)}
-    assert monitor_config.DEFAULT_METRICS == {t: (*m, "candidate_error_rate") for t, m in OLD_MONITOR_DEFAULTS.items()}
+    tok_direction = {k: v[0] for k, v in TOKEN_ROWS.items()}
+    tok_range = {k: v[1] for k, v in TOKEN_ROWS.items()}
+    assert monitor_config.HIGHER_IS_BETTER == {**OLD_MONITOR_DIRECTION, **tok_direction, "candidate_error_rate": False}
+    assert monitor_config.METRIC_RANGE == {**OLD_MONITOR_RANGE, **tok_range, "candidate_error_rate": (0.0, 1.0)}
+    assert monitor_config.DEFAULT_METRICS == {
+        **{t: (*m, "candidate_error_rate") for t, m in OLD_MONITOR_DEFAULTS.items()},
+        "token_classification": (*TOKEN_ROWS, "candidate_error_rate")}
     assert {k: M.higher_is_better(k) for k in OLD_MONITOR_DIRECTION} == OLD_MONITOR_DIRECTION
 
 
@@ -201,14 +211,15 @@ def test_spec_tables_equal_the_old_literals_when_computed_from_the_catalogue():
     assert S.PERF_METRICS == ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                               "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32", "peak_rss_mb",
                               "model_size_mb")
+    assert S.TASK_METRICS["token_classification"] == TOKEN_METRICS
     assert S.PROPORTION_METRICS == {"accuracy", "reference_accuracy", "top1_agreement", "nn_top1_agreement",
-                                    "nn_top1_margin_agreement"}
+                                    "nn_top1_margin_agreement", "sequence_exact_match"}
     assert S.RATIO_METRICS == {"speedup_vs_onnx_fp32"} and S.BUILD_METRICS == ("quantized_mac_fraction",)
     assert S.BATCHED_METRICS == {"latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                                  "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32"}
-    assert set(S.LOWER_IS_BETTER_PREFIXES) == {"abs_error", "rel_error", "kl_divergence"}
+    assert set(S.LOWER_IS_BETTER_PREFIXES) == {"abs_error", "rel_error", "kl_divergence", "char_error"}
     assert MONITOR_METRICS == ("top1_agree", "kl_divergence", "cosine_similarity", "abs_error", "rel_error",
-                               "candidate_error_rate")
+                               *TOKEN_ROWS, "candidate_error_rate")
 
 
 # -------------------------------------------------------------------------------- monitor thresholds, spec check

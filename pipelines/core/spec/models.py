@@ -30,7 +30,7 @@ MAX_SLICE_GROUPS = 1000  # slices[].max_groups
 MAX_SLICE_NAME = 64  # characters; with it every slice metric key fits MLflow's 250 (validate.logic.slice_key_prefix)
 MAX_GATES = 128
 
-Task = Literal["classification", "embedding", "regression", "generic"]
+Task = Literal["classification", "embedding", "regression", "generic", "token_classification"]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 
 # The metric tables below are computed from the metric catalogue (tailguard.core.metrics, one row per metric with
@@ -134,6 +134,7 @@ PARITY_GATE_EXAMPLE: dict[str, str] = {
     "embedding": "{metric: nn_top1_agreement, min: 0.99}",
     "regression": "{metric: abs_error.p99, max: 0.01}",
     "generic": "{metric: abs_error.p99, max: 0.01}",
+    "token_classification": "{metric: cer, max: 0.01}",
 }
 NO_PARITY_GATE = "no parity gate"  # start of the `gates` error message (parse_spec keys its fix hint on it)
 
@@ -169,7 +170,8 @@ class TensorSpec(SpecModel):
     kind: Literal["logits", "probabilities"] | None = Field(None, description=(
         "Outputs only, classification: what the compared output holds: 'logits' (default; KL divergence and "
         "margins on its softmax) or 'probabilities' (rows already sum to 1, e.g. a model ending in Softmax: KL on "
-        "the values themselves). Validation warns when logits rows already sum to 1."))
+        "the values themselves). Validation warns when logits rows already sum to 1. Also accepted for "
+        "token_classification, where only each position's top-1 class is compared, so it changes nothing."))
 
     @field_validator("shape", mode="before")
     @classmethod
@@ -248,6 +250,21 @@ class ModelSource(SpecModel):
         return self
 
 
+class DecodeSpec(SpecModel):
+    """How a token_classification output (batch, time, classes) becomes the sequence that is compared
+    (formulas: tailguard.core.tokens)."""
+
+    kind: Literal["none", "ctc_greedy"] = Field("none", description=(
+        "'none': the sequence is the top-1 class of every unmasked position; 'ctc_greedy': greedy CTC decoding "
+        "(top-1 class per position, repeats collapsed, `blank` dropped), so sequence_exact_match and cer compare "
+        "the decoded label sequences (OCR, ASR)."))
+    blank: int = Field(0, ge=0, description="ctc_greedy: the class index of the CTC blank.")
+    mask_input: str | None = Field(None, description=(
+        "A model input (e.g. attention_mask) of shape (batch, time) whose 0 entries mark positions that are not "
+        "compared (padding, special tokens); its time axis must be the output's. None: every position counts "
+        "(declare one when inputs are padded per batch, or padded positions are compared too)."))
+
+
 class ModelSpec(SpecModel):
     """The FP32 reference: an MLflow registered model version."""
 
@@ -262,6 +279,33 @@ class ModelSpec(SpecModel):
     export: ExportSpec = Field(default_factory=ExportSpec, description="torch -> ONNX export settings.")
     pad_values: dict[str, float] = Field(default_factory=dict, description=(
         "Value used to pad each variable-length input per batch (default 0; attention masks pad with 0)."))
+    decode: DecodeSpec | None = Field(None, description=(
+        "task token_classification only: the mask input and the decoding (greedy CTC) of the compared output "
+        "(default: no mask, no decoding)."))
+
+    @model_validator(mode="after")
+    def _token_outputs(self) -> "ModelSpec":
+        rank = len(self.outputs[0].shape)
+        name = self.outputs[0].name
+        if self.task == "classification" and rank == 3:
+            raise ValueError(f"outputs.0.shape: {name} has 3 axes {self.outputs[0].shape} (batch, time, classes), "
+                             "but task classification compares one class per row; use task: token_classification "
+                             "(per-position agreement, sequence exact match, cer with decode kind ctc_greedy)")
+        if self.task == "token_classification" and rank != 3:
+            raise ValueError(f"outputs.0.shape: task token_classification compares (batch, time, classes) "
+                             f"outputs; {name} has {rank} axes {self.outputs[0].shape}: declare [batch, time, C] "
+                             "or choose another task")
+        if self.decode is not None:
+            if self.task != "token_classification":
+                raise ValueError(f"decode: applies to task token_classification, not {self.task!r}; remove it")
+            names = [t.name for t in self.inputs]
+            if self.decode.mask_input is not None and self.decode.mask_input not in names:
+                raise ValueError(f"decode.mask_input: {self.decode.mask_input!r} is not a model input "
+                                 f"({names}); name one of them or remove mask_input")
+            c = self.outputs[0].shape[-1]
+            if self.decode.kind == "ctc_greedy" and isinstance(c, int) and self.decode.blank >= c:
+                raise ValueError(f"decode.blank: {self.decode.blank} is not a class of {name} ({c} classes)")
+        return self
 
     @model_validator(mode="after")
     def _output_kinds(self) -> "ModelSpec":
@@ -270,8 +314,9 @@ class ModelSpec(SpecModel):
                 raise ValueError(f"inputs.{i}.kind: kind applies to outputs only (logits or probabilities); "
                                  "remove it from the input")
         for i, t in enumerate(self.outputs):
-            if t.kind is not None and self.task != "classification":
-                raise ValueError(f"outputs.{i}.kind: {t.kind!r} applies to task classification, not "
+            if t.kind is not None and self.task not in ("classification", "token_classification"):
+                raise ValueError(f"outputs.{i}.kind: {t.kind!r} applies to task classification (and "
+                                 f"token_classification), not "
                                  f"{self.task!r}; remove it")
         return self
 
