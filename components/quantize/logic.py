@@ -435,7 +435,7 @@ def _optimize_graph(variant: VariantSpec, src: Path, dst: Path, details: dict[st
     """Graph optimization before quantization / fp16 conversion, at `optimization_levels(variant)[0]` (the
     search's sensitivity analysis prepares its graph with this too, so node names match); memoized under
     `tailguard run` (`_prepared`)."""
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
 
     parts = {"input": file_sha256(src), "graph_optimization": variant.graph_optimization.model_dump(mode="json"),
              "levels": list(optimization_levels(variant)), "provider": variant.execution_provider}
@@ -633,7 +633,7 @@ def _to_fp16(variant: VariantSpec, src: Path, dst: Path, details: dict[str, Any]
 # -------------------------------------------------------------------------------------------------- int8
 def _preprocess(src: Path, dst: Path, details: dict[str, Any]) -> Path:
     """`_preprocess_uncached`, memoized under `tailguard run` (`_prepared`, keyed on the input's SHA-256)."""
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
 
     return _prepared("preprocess", {"input": file_sha256(src)}, Path(src), Path(dst), details,
                      lambda d, det: _preprocess_uncached(src, d, det))

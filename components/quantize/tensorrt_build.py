@@ -551,7 +551,7 @@ def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, 
         InputError: no profile (the build task computes it), or INT8 without calibration rows.
     """
     from tailguard.components.quantize.engine import fingerprint, probe_device, write_manifest
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
 
     if profile is None:
         raise InputError(f"variant {variant.name}: a TensorRT build needs its optimization profile",

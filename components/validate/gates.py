@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -84,7 +84,6 @@ from tailguard.core.parity import aggregate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .discovery import DiscoveryResult
-    from .logic import ValidationResult
     from tailguard.core.slices import SliceGroup
 
 @dataclass
@@ -609,7 +608,16 @@ def all_passed(results: list[GateResult]) -> bool:
     return not any(r.status in held_back for r in results)
 
 
-def verdict(result: ValidationResult) -> tuple[bool, str]:
+class Judged(Protocol):
+    """What `verdict` reads of a validated variant: `logic.ValidationResult` has these fields. A protocol, not an
+    import of logic.py, so gates.py stays below the module that evaluates the gates (no import cycle)."""
+
+    non_finite_rows: int
+    gates: list[GateResult]
+    passed: bool
+
+
+def verdict(result: Judged) -> tuple[bool, str]:
     """Whether a validated variant passed, and why not: the one decision of `passed` (the validate task logs it
     and stores it in variant_result.json; the search task judges its trials with it; nothing recomputes it).
 
@@ -617,7 +625,8 @@ def verdict(result: ValidationResult) -> tuple[bool, str]:
     back (an insufficient-data gate was not judged, so it never counts as passed: `all_passed`).
 
     Args:
-        result: the variant's ValidationResult (components/validate/logic.py).
+        result: the variant's ValidationResult (components/validate/logic.py), or anything with its `Judged`
+            fields.
 
     Returns:
         (passed, reason): reason is "" when passed, else "non-finite outputs in N validation rows", or

@@ -28,7 +28,8 @@ import pytest
 
 from tailguard.components.quantize import logic
 from tailguard.components.quantize.logic import DatasetCalibrationReader, build_variant
-from tailguard.core.presets import QUANTIZATION_PRESETS, quantization_preset
+from tailguard.core.presets import QUANTIZATION_PRESETS
+from tailguard.core.spec import quantization_preset
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.spec.models import VariantSpec
 from tailguard.components.quantize.registry import UnknownBuilderError, get_builder, registered_builders

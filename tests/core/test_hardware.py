@@ -19,7 +19,7 @@ import pytest
 
 from tailguard.core.contract import HW_CORES_TAG, HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG
 from tailguard.core.hardware import cpu_facts, hardware_tags, isa_text, node_facts, ran_on_line
-from tailguard.core.runtime import gpu_unavailable_reason
+from tailguard.core.hardware import gpu_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 EPYC = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"

@@ -19,8 +19,9 @@ import yaml
 from pydantic import ValidationError
 
 from tailguard.core.errors import FieldError, SpecError
+from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.spec.models import (CROSS_FIELD_SEP, NO_PARITY_GATE, PARITY_GATE_EXAMPLE, SKIP_CROSS_FIELD,
-                                        Spec)
+                                        QuantizationSpec, Spec)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -247,3 +248,27 @@ def json_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://tailguard.dev/schemas/tailguard-v1.json"
     return schema
+
+
+# --------------------------------------------------------------------------------------------- presets
+def quantization_preset(name: str, **overrides: Any):
+    """A validated `QuantizationSpec` from a named preset, with field overrides.
+
+    Args:
+        name: a key of QUANTIZATION_PRESETS.
+        **overrides: QuantizationSpec fields that replace the preset's.
+
+    Returns:
+        tailguard.core.spec.models.QuantizationSpec.
+
+    Raises:
+        SpecError: unknown preset name (listing the known ones) or an invalid override.
+    """
+    if name not in QUANTIZATION_PRESETS:
+        raise SpecError([FieldError("quantization.preset", f"unknown preset {name!r}; known: "
+                                                          f"{sorted(QUANTIZATION_PRESETS)}")])
+    try:
+        return QuantizationSpec.model_validate({"preset": name, **overrides})
+    except ValidationError as exc:
+        raise SpecError([FieldError(".".join(map(str, e["loc"])) or "quantization", e["msg"])
+                         for e in exc.errors(include_url=False)], source=f"preset {name}") from None
