@@ -475,7 +475,7 @@ def build_metrics(model_path: Any) -> dict[str, float]:
 
     Returns:
         {"quantized_mac_fraction": float in [0, 1]} from the model's metadata_props[QUANTIZATION_COVERAGE_KEY]
-        (written by components/quantize/logic.py; MACs per sample, formulas in components/quantize/macs.py);
+        (written by components/quantize/onnxruntime_builder.py; MACs per sample, formulas in components/quantize/macs.py);
         {} when the file has no such entry (fp32/fp16 variants, models built before it existed) or the value is
         not a number.
 

@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from tailguard.core.digests import dir_sha256, file_sha256
 from tailguard.core.errors import InputError
