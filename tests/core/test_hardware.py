@@ -129,7 +129,7 @@ def test_run_summary_carries_baseline_hardware_and_warnings_and_prints_ran_on_li
     from rich.console import Console
 
     from tailguard import terminal
-    from tailguard.components.register.logic import RunSummary
+    from tailguard.components.register.summary import RunSummary
     from tailguard.components.register.task import baseline_notes
 
     facts = {"cpu": {"model": "AMD EPYC 7B13", "isa": ["avx2", "fma", "f16c"], "cores": 2}, "gpus": None}
