@@ -427,7 +427,7 @@ def test_local_rerun_with_one_gate_changed_serves_reference_pass_and_measurement
 def test_register_logs_the_reference_pass_baselines_and_coverage_on_the_parent_run_when_given_its_outputs(env):
     import mlflow
 
-    from tailguard.components.register.task import log_reference
+    from tailguard.components.register.finish import log_reference
 
     write_rows(env["root"] / "validation.parquet", 30, 0)
     write_rows(env["root"] / "calibration.parquet", 12, 1)

@@ -130,7 +130,7 @@ def test_run_summary_carries_baseline_hardware_and_warnings_and_prints_ran_on_li
 
     from tailguard import terminal
     from tailguard.components.register.summary import RunSummary
-    from tailguard.components.register.task import baseline_notes
+    from tailguard.components.register.finish import baseline_notes
 
     facts = {"cpu": {"model": "AMD EPYC 7B13", "isa": ["avx2", "fma", "f16c"], "cores": 2}, "gpus": None}
     hardware, warnings = baseline_notes(json.dumps({"rows": 3, "hardware": facts,

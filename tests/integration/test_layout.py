@@ -11,7 +11,8 @@ Rules:
   imports counts the units of its kernel importers): single-user code lives beside its user;
 - a component imports core, `components.images` and nothing of another component, except the orchestrators: search,
   which may import the public names (no leading underscore) of quantize and validate, and redecide, of resolve,
-  validate and register; no cycle among components;
+  validate and register, but not their task modules (`SIDEWAYS_TASK_IMPORTS` lists the exception left); no cycle
+  among components;
 - monitoring imports core only;
 - the application may import everything, with no import cycle between its modules;
 - no import cycle between the modules of one unit either: inside the kernel, inside each component, inside
@@ -38,6 +39,13 @@ SHARED_COMPONENT_MODULES = {"tailguard.components", "tailguard.components.images
 # components that may import the public names of others: search (trials are builds and validations) and redecide
 # (a gate-only re-run: resolve's parent run, validate's replay and logging, register's registration and promotion)
 ORCHESTRATORS = {"search": {"quantize", "validate"}, "redecide": {"resolve", "validate", "register"}}
+# A component's task.py is its KFP glue, not its public API: an orchestrator imports another component's logic
+# modules (register/finish.py, resolve/parent_run.py), never its task module. The one exception left, with its
+# reason (issue 40 item 2; remove it when the functions move):
+_VALIDATE_TASK_WHY = ("validate/task.py's measurement loading and MLflow logging (load_measurements, "
+                      "log_validated_model, write_validation_record, ...) still live in validate's task module, "
+                      "which another helper was editing when issue 40 moved register's and resolve's")
+SIDEWAYS_TASK_IMPORTS = {("redecide", "validate"): _VALIDATE_TASK_WHY, ("search", "validate"): _VALIDATE_TASK_WHY}
 
 
 def package_dirs() -> dict[str, Path]:
@@ -146,6 +154,9 @@ def violation(imp: Import) -> str | None:
     if src.startswith("components.") and dst == "components.images":
         return None
     if dst.split(".")[1] in ORCHESTRATORS.get(src.split(".")[1], ()):
+        if (imp.target.split(".")[3:4] == ["task"]
+                and (src.split(".")[1], dst.split(".")[1]) not in SIDEWAYS_TASK_IMPORTS):
+            return f"{src} imports the task module of {dst}"
         return None
     return f"{src} imports {dst}"
 
@@ -361,6 +372,12 @@ def test_layout_packages_list_equals_the_package_folders():
     ("tailguard.components.quantize.sensitivity", "tailguard.components.quantize.logic", "_excluded_nodes", None),
     ("tailguard.core.spec", "tailguard.core.presets", "_x", None),
     ("tailguard.builder", "tailguard.core.spec", "x", None),
+    ("tailguard.components.redecide.task", "tailguard.components.register.task", "finish_run",
+     "components.redecide imports the task module of components.register"),
+    ("tailguard.components.redecide.task", "tailguard.components.resolve.task", None,
+     "components.redecide imports the task module of components.resolve"),
+    ("tailguard.components.redecide.task", "tailguard.components.register.finish", "finish_run", None),
+    ("tailguard.components.search.task", "tailguard.components.validate.gates", "verdict", None),
 ])
 def test_layout_violation_flags_upward_imports_when_given_synthetic_edges(src, dst, name, expected):
     assert violation(Import(src, ROOT / "x.py", 1, dst, name)) == expected
