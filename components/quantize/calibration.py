@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
+from tailguard.components.quantize.onnx_files import _graph, _has_contrib_ops, _jsonable, _large, _quant_type
+
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
     from tailguard.core.spec.models import ModelSpec, QuantizationSpec, TensorSpec
-
-from tailguard.components.quantize.onnx_files import _graph, _has_contrib_ops, _jsonable, _large, _quant_type
 
 
 class DatasetCalibrationReader:

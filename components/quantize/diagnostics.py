@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tailguard.components.quantize.onnx_files import _graph, _op_counts, _quantized_node_names
+
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
     from tailguard.core.spec.models import GraphOptimizationSpec, VariantSpec
-
-from tailguard.components.quantize.onnx_files import _graph, _op_counts, _quantized_node_names
 
 
 # Fused operators reported after graph optimization (onnxruntime.transformers BertOnnxModel's statistics list,

@@ -13,14 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tailguard.components.quantize.onnx_files import _graph_scope
+from tailguard.components.quantize.registry import get_builder
+from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
     from tailguard.core.spec.models import ModelSpec, VariantSpec
-from tailguard.core.results import BuildResult
-from tailguard.components.quantize.registry import get_builder
-
-from tailguard.components.quantize.onnx_files import _graph_scope
 
 
 BUILDER_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt", "torch": "compile.torch"}

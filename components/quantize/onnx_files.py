@@ -15,13 +15,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # protobuf's 2 GiB limit
+from tailguard.core.errors import InputError
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
     from tailguard.core.spec.models import VariantSpec
-from tailguard.core.errors import InputError
-
-from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
 
 # Operators that compute in integer arithmetic (QOperator format and dynamic quantization).

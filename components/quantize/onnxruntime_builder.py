@@ -46,22 +46,21 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tailguard.components.quantize.calibration import _quantize_static, _write_calibration
+from tailguard.components.quantize.diagnostics import (FUSED_OP_TYPES, _coverage, attention_quantization_warnings,
+                                                       export_warnings, fusion_warnings)
+from tailguard.components.quantize.onnx_files import (_check_inputs, _graph, _has_contrib_ops, _jsonable, _large,
+                                                      _load_check, _op_counts, _quant_type, _save_proto,
+                                                      _save_self_contained, _summary)
+from tailguard.components.quantize.registry import register_builder
+from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
+from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # protobuf's 2 GiB limit
+from tailguard.core.errors import InputError
+from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
     from tailguard.core.spec.models import ModelSpec, QuantizationSpec, VariantSpec
-from tailguard.core.errors import InputError
-from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
-from tailguard.core.results import BuildResult
-from tailguard.components.quantize.registry import register_builder
-
-from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
-from tailguard.components.quantize.calibration import _quantize_static, _write_calibration
-from tailguard.components.quantize.diagnostics import (attention_quantization_warnings, _coverage, export_warnings,
-                                                       FUSED_OP_TYPES, fusion_warnings)
-from tailguard.components.quantize.onnx_files import (_check_inputs, _graph, _has_contrib_ops, _jsonable, _large,
-                                                      _load_check, _op_counts, _quant_type, _save_proto,
-                                                      _save_self_contained, _summary)
 
 
 # ORT graph optimization levels by spec name, and the matching `opt_level` of onnxruntime.transformers.optimizer

@@ -29,6 +29,14 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
+from tailguard.components.register.promotion import (_holder_row, apply_paired, compare_passing, decide_promotion,
+                                                     fastest_on_target, latency_gate_contradictions, log_paired_metrics,
+                                                     merge_gate_statuses, promote)
+from tailguard.components.register.summary import (RunSummary, VariantSummary, _search_json, coverage_warnings,
+                                                   numerics_warnings, read_variant_result, target_entry)
+from tailguard.components.register.versions import (Registration, _record_nodes, backend_tags, register_artifact_folder,
+                                                    registration_policy, validated_on, validated_on_text,
+                                                    versions_by_sha256)
 from tailguard.core.contract import (ALIAS_AT_START_TAG, BACKEND_TAG, GATES_TAG, PRECISION_TAG, RUN_ID_TAG,
                                      SEARCH_OF_TAG, SHA256_TAG, SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG,
                                      SPEC_SHA256_TAG, TARGET_ALIASES_TAG, TARGET_TAG, TRIAL_RUN_TAG, VALIDATED_ON_TAG,
@@ -38,14 +46,6 @@ from tailguard.core.results import BuildStatus, GatesVerdict, PromotionStatus, V
 
 if TYPE_CHECKING:
     from tailguard.core.spec.models import Spec, VariantSpec
-from tailguard.components.register.promotion import (apply_paired, compare_passing, decide_promotion, fastest_on_target,
-                                                     _holder_row, latency_gate_contradictions, log_paired_metrics,
-                                                     merge_gate_statuses, promote)
-from tailguard.components.register.summary import (coverage_warnings, numerics_warnings, read_variant_result,
-                                                   RunSummary, _search_json, target_entry, VariantSummary)
-from tailguard.components.register.versions import (backend_tags, _record_nodes, register_artifact_folder, Registration,
-                                                    registration_policy, validated_on, validated_on_text,
-                                                    versions_by_sha256)
 
 
 def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, source_version: str,

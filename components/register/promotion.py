@@ -11,6 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from tailguard.components.register.summary import VariantSummary, read_variant_result
 from tailguard.core.contract import (ALIAS_VERSION_TAG, PROMOTION_REASON_TAG, PROMOTION_TAG, RUN_ID_TAG, SHA256_TAG,
                                      SOURCE_VERSION_TAG, SUPERSEDED_BY_TAG)
 from tailguard.core.reference import alias_version
@@ -18,7 +19,6 @@ from tailguard.core.results import BuildStatus, GateStatus, PromotionStatus, Var
 
 if TYPE_CHECKING:
     from tailguard.core.spec.models import Spec, VariantSpec
-from tailguard.components.register.summary import read_variant_result, VariantSummary
 
 
 # A gate's status over several targets is its worst one (failed, then insufficient data, then passed); a gate that

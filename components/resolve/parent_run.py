@@ -12,6 +12,7 @@ from tailguard.core.contract import (ALIAS_AT_START_TAG, KFP_RUN_TAG, LABEL_TAG_
                                      SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG, SPEC_TAG)
 from tailguard.core.reference import alias_version
 
+
 # Set by the local runner (tailguard.runner.run_local) in the environment its tasks inherit; recorded on the parent
 # run so that a later local run can tell a run whose runner died (kill -9) from one still going. Absent on a cluster.
 RUNNER_ENV = {"TAILGUARD_RUNNER_PID": RUNNER_PID_TAG, "TAILGUARD_RUNNER_HOST": RUNNER_HOST_TAG,

@@ -3,9 +3,10 @@
 This package's entry (`tailguard.core.spec`) reads, validates, dumps and describes a spec: `load_spec` /
 `parse_spec` / `validate_spec` report every problem with its field path in one pass (`SpecError`, the text
 `tailguard spec check` prints), `dump_spec` / `spec_from_yaml` carry a spec to the pipeline's tasks, and
-`json_schema` is what `tailguard spec schema` prints (docs/spec.schema.json holds a copy; a test keeps it in step).
+`json_schema` is what `tailguard spec schema` prints (docs/spec.schema.json holds a copy; a test keeps it in step),
+and `quantization_preset` builds a validated `QuantizationSpec` from a named preset (`tailguard.core.presets`).
 The models are the truth: `models.py` (the root `Spec` and its sections), `monitor.py` (the `monitoring` section),
-`base.py` (their common base).
+`base.py` (their common base), `reads.py` (what each pipeline step reads of a spec).
 """
 
 from __future__ import annotations
