@@ -223,7 +223,7 @@ def run_node_check(ref: str | None, tracking_uri: str | None = None, *,
     try:
         version, entries, provider, digest = read_validated_on(ref, tracking_uri)
         if candidate_file is not None and digest and Path(candidate_file).is_file():
-            from tailguard.core.cache import file_sha256
+            from tailguard.core.digests import file_sha256
 
             got = file_sha256(Path(candidate_file))
             if got != digest:

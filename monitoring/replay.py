@@ -287,7 +287,7 @@ def same_file_warning(reference: str | Path, candidate: str | Path | None) -> st
     """
     if candidate is None:
         return None
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
 
     try:
         same = Path(reference).resolve() == Path(candidate).resolve() or \

@@ -2,7 +2,7 @@
 
 Times any registered version of `<model>-optimized` against the FP32 references it was built from, torch eager
 and the unoptimized ONNX FP32 export, in one interleaved run: the promotion's paired rounds
-(components/register/logic.py `compare_passing`, same batches, order alternating, every ONNX Runtime session built
+(components/register/promotion.py `compare_passing`, same batches, order alternating, every ONNX Runtime session built
 by `tailguard.core.runtime.timed_ort_runner`), at the spec's promotion batch size, on the spec's validation rows.
 It prints the table a run prints (`tailguard.terminal.print_summary`): p50 / p99 and the speed-ups with their
 one-sided 95% bounds, from those rounds only.
@@ -71,8 +71,8 @@ def bench_model(ref: str, spec: Spec, *, tracking_uri: str | None = None, batch_
         StepError: the download or the timing failed (exit 1).
     """
     from tailguard.components.export.task import main as export_main
-    from tailguard.components.register.logic import (PromotionDecision, RunSummary, VariantSummary, apply_paired,
-                                                     compare_passing)
+    from tailguard.components.register.promotion import apply_paired, compare_passing, PromotionDecision
+    from tailguard.components.register.summary import RunSummary, VariantSummary
     from tailguard.components.register.task import baseline_runners
     from tailguard.components.resolve.task import fetch_main
     from tailguard.core.results import VariantResult

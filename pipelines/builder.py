@@ -54,24 +54,21 @@ def is_pure(name: str) -> bool:
     return name in ("fetch-reference", "export", "reference-pass") or name.startswith("build-")
 
 
-# The one variant of the step spec of export and reference-pass, which read no variant (a spec needs one).
-CANONICAL_VARIANT: dict[str, str] = {"name": "fp32", "backend": "onnxruntime", "precision": "fp32"}
-
-
 def step_spec_yaml(spec: Spec, variant: "str | None" = None) -> str:
     """The spec as a pure task sees it, YAML (`dump_spec`): export and reference-pass (`variant` None) or
     build-<variant> (`variant` its name).
 
-    The sections they read stay as they are: model (but `model.version`), data (but `data.expectations`),
-    slices, benchmark, `analysis.sensitivity`, `metadata.name`, and for a build its own variant (its `search`
-    only by its presence: the build's sensitivity ranking is skipped for a variant with a search). What none of
-    them reads gets a fixed canonical value, so that changing it leaves their inputs, and so KFP's cache key,
-    unchanged: `gates` [] with `promotion` {enabled: false} (valid without a parity gate), `monitoring` and
-    `cost` None, `metadata.labels` {}, `mlflow`, `kubeflow`, the rest of `analysis`, the variant's `search`
-    settings, `serving_targets` and `data.expectations` at their defaults, `model.version` "latest" (the
-    concrete version reaches them as fetch-reference's artifact), and `variants`: only the build's own variant, or
-    for export and reference-pass one canonical FP32 variant (CANONICAL_VARIANT). Checked against the spec fields
-    the task and logic modules of components/export, components/reference and components/quantize read.
+    What the task reads is its declaration in `tailguard.core.spec.reads` (`EXPORT`, `REFERENCE_PASS`, `BUILD`):
+    model (but `model.version`), data (but `data.expectations`), slices, benchmark, `analysis.sensitivity`,
+    `metadata.name`, and for a build its own variant (its `search` only by its presence: the build's sensitivity
+    ranking is skipped for a variant with a search). Everything else gets its default (`reads.step_view`), so that
+    changing it leaves their inputs, and so KFP's cache key, unchanged: `gates` [] with `promotion` {enabled:
+    false} (valid without a parity gate), `monitoring` and `cost` None, `metadata.labels` {}, `mlflow`,
+    `kubeflow`, the rest of `analysis`, `serving_targets` and `data.expectations` at their defaults,
+    `model.version` "latest" (the concrete version reaches them as fetch-reference's artifact), and `variants`:
+    only the build's own variant, or for export and reference-pass one canonical FP32 variant
+    (`reads.CANONICAL_VARIANT`). reference-pass's one read of `gates` (the batch sizes of its speed gates) is
+    its cache key's (`timing_gates_key`), not its spec's.
 
     Args:
         spec: a validated spec.
@@ -85,24 +82,10 @@ def step_spec_yaml(spec: Spec, variant: "str | None" = None) -> str:
         KeyError: `variant` is not a variant of `spec`.
     """
     from tailguard.core.spec import dump_spec, parse_spec
+    from tailguard.core.spec.reads import BUILD, EXPORT, step_view
 
     doc = spec.model_dump(mode="json", exclude_none=False)
-    doc["metadata"] = {"name": spec.metadata.name, "labels": {}}
-    doc["model"]["version"] = "latest"
-    doc["data"]["expectations"] = []
-    doc["analysis"] = {"sensitivity": doc["analysis"]["sensitivity"]}
-    if variant is None:
-        doc["variants"] = [dict(CANONICAL_VARIANT)]
-    else:
-        mine = [v for v in doc["variants"] if v["name"] == variant]
-        if not mine:
-            raise KeyError(f"variant {variant!r} is not in the spec; variants: {[v.name for v in spec.variants]}")
-        if mine[0].get("search") is not None:
-            mine[0]["search"] = {}
-        doc["variants"] = mine
-    doc.update(gates=[], promotion={"enabled": False}, monitoring=None, cost=None, mlflow={}, kubeflow={},
-               serving_targets=[])
-    return dump_spec(parse_spec(doc))
+    return dump_spec(parse_spec(step_view(doc, EXPORT if variant is None else BUILD, variant)))
 
 
 def named(component: Any, name: str) -> Any:

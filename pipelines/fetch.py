@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailguard.core.cache import artifact_files, file_sha256, files_sha256
+from tailguard.core.digests import artifact_files, file_sha256, files_sha256
 from tailguard.core.contract import FILES_SHA256_TAG, SHA256_TAG
 from tailguard.core.errors import InputError, StepError
 # MODEL@ALIAS or MODEL/VERSION, optionally as a models:/ URI. Registered model names may contain "/" and "@" is

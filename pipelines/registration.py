@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from tailguard.core.cache import artifact_files_sha256
+from tailguard.core.digests import artifact_files_sha256
 from tailguard.core.contract import FILES_SHA256_TAG, FORMAT_TAG, OUTPUTS_TAG, ROLE_TAG, SHA256_TAG
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as _ONNX_INLINE_LIMIT_BYTES
 from tailguard.core.errors import InputError

@@ -20,10 +20,11 @@ from typing import Any
 
 from tailguard.core.contract import VALIDATIONS_DIR
 from tailguard.core.spec.models import Spec
+from tailguard.core.spec.reads import DECIDE
 
 RECORD_FILE = "rerun.json"
 RECORD_FORMAT = 2  # 2: + baseline_gates
-REDECIDED_SECTIONS = ("gates", "promotion")  # what a re-decide may differ in
+REDECIDED_SECTIONS = DECIDE.paths  # what a re-decide may differ in: what only the decision reads
 
 
 def spec_rest_sha256(spec: Spec) -> str:

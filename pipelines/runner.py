@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 from tailguard.core.contract import (PARENT_TAG, RUN_DIR_ENV, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
                                      SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, insufficient_reason)
 from tailguard.core.cache import ENV_CACHE
-from tailguard.components.register.logic import RunSummary
+from tailguard.components.register.summary import RunSummary
 from tailguard.core.reference import MODEL_PATH_ENV
 from tailguard.core.report import timing_cells
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
@@ -41,7 +41,7 @@ from tailguard.core.tracking import configure, experiment_name_for, tracking_uri
 from tailguard.rerun import earlier_run, write_record
 
 if TYPE_CHECKING:
-    from tailguard.components.register.logic import VariantSummary
+    from tailguard.components.register.summary import VariantSummary
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXEC = re.compile(r"Executing task '?([\w\-]+)'?")

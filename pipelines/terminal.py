@@ -13,7 +13,7 @@ from rich.table import Table
 from tailguard.core.results import BuildStatus
 
 if TYPE_CHECKING:
-    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.components.register.summary import RunSummary, VariantSummary
     from tailguard.core.spec.models import Spec
 
 # Wide enough for the summary table when output goes to a file or a CI log (no terminal to measure).
@@ -24,7 +24,7 @@ err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isa
 def int8_macs_cell(v: VariantSummary | None) -> str:
     """The summary's "int8 MACs" cell of a VariantSummary: the share of MACs in INT8 for INT8 variants ("100%";
     red with "!" under LOW_QUANTIZED_MAC_FRACTION; "?" when not recorded), "" for other variants."""
-    from tailguard.components.register.logic import LOW_QUANTIZED_MAC_FRACTION
+    from tailguard.components.register.summary import LOW_QUANTIZED_MAC_FRACTION
 
     if v is None or getattr(v, "precision", None) != "int8":
         return ""
@@ -80,7 +80,7 @@ def summary_renderables(summary: RunSummary, width: int) -> list[Any]:
     two-column block per variant (field, value), empty fields left out, so no word is folded either way.
 
     Args:
-        summary: a RunSummary (components/register/logic.py).
+        summary: a RunSummary (components/register/summary.py).
         width: the console's width in character cells.
 
     Returns:

@@ -9,7 +9,8 @@ for _k, _v in {"MLFLOW_DISABLE_TELEMETRY": "true", "GX_ANALYTICS_ENABLED": "fals
 
 import pytest  # noqa: E402
 
-from tailguard.core.runtime import gpu_unavailable_reason, tensorrt_unavailable_reason  # noqa: E402
+from tailguard.core.runtime import tensorrt_unavailable_reason  # noqa: E402
+from tailguard.core.hardware import gpu_unavailable_reason
 
 
 def pytest_collection_modifyitems(config, items):

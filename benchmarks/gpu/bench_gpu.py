@@ -306,7 +306,7 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
     import torch
 
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
     from tailguard.core.data import load_dataset
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset
@@ -471,7 +471,7 @@ def run_quick(bundle: Path, device: str, variants: list[BenchVariant], work: Pat
     import torch
 
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
     from tailguard.core.data import load_dataset
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
     from tailguard.core.data import load_dataset
     from tailguard.core.runtime import TorchRunner, run_dataset
     from tailguard.demo.data import build_wordnet_datasets

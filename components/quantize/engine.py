@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from tailguard.core.artifacts import config_sha256, verify_artifact
 from tailguard.core.artifacts import write_manifest as write_artifact_manifest
-from tailguard.core.cache import file_sha256
+from tailguard.core.digests import file_sha256
 from tailguard.core.runtime import TENSORRT_ENGINE_KIND
 
 KIND = TENSORRT_ENGINE_KIND

@@ -2,8 +2,8 @@
 
 Why: a node count hides what matters. ORT's extended graph optimization fused Gemm+Relu into FusedGemm, which no
 quantizer knows, so an "INT8" MLP quantized 1 of its 3 layers (9% of its MACs) and still read "passed". The build
-step (`logic.quantize_onnxruntime`) counts MACs on the FP32 graph it gives the quantizer and on the quantized
-graph, and reports `quantized_mac_fraction` = MACs in INT8 / all MACs; a spec may gate on it.
+step (`onnxruntime_builder.quantize_onnxruntime`) counts MACs on the FP32 graph it gives the quantizer and on the
+quantized graph, and reports `quantized_mac_fraction` = MACs in INT8 / all MACs; a spec may gate on it.
 
 Shapes: ONNX shape inference (`onnx.shape_inference.infer_shapes`, data propagation on) after every symbolic
 dimension of the graph inputs is made concrete; when that leaves a MAC node's inputs untyped (contrib ops such

@@ -17,7 +17,8 @@ from tailguard.core.results import BuildResult
 
 # Modules whose import registers builders; `load_all()` imports them so the registry is complete.
 BUILDER_MODULES = (
-    "tailguard.components.quantize.logic",
+    "tailguard.components.quantize.onnxruntime_builder",
+    "tailguard.components.quantize.tensorrt_build",
     "tailguard.components.quantize.torch_builder",
 )
 

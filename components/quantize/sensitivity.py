@@ -3,9 +3,10 @@
 Method ("one at a time" sensitivity):
 
 1. The graph is prepared exactly as the variant's build prepares it before quantizing
-   (`tailguard.components.quantize.logic`): `_optimize_graph` with the variant's `graph_optimization`, then
-   `_preprocess` (quant_pre_process) when `quantization.preprocess` is set. Node names therefore are the names
-   `quantization.exclude_nodes` must use (`_excluded_nodes` checks them against this very graph).
+   (`tailguard.components.quantize.onnxruntime_builder`): `_optimize_graph` with the variant's
+   `graph_optimization`, then `_preprocess` (quant_pre_process) when `quantization.preprocess` is set. Node
+   names therefore are the names `quantization.exclude_nodes` must use (`_excluded_nodes` checks them against
+   this very graph).
 2. The candidates are the nodes the variant's quantization would quantize and that carry weights or heavy
    compute: op types in WEIGHTED_OP_TYPES that ONNX Runtime's quantizer registry for the variant's mode knows
    (dynamic: `IntegerOpsRegistry` (+ Gemm, which quantize_dynamic rewrites as MatMul + Add); static QDQ:
@@ -142,7 +143,7 @@ def _name_unnamed(src: Path, dst: Path) -> Path:
 
 def _has_quantized_ops(graph: Any) -> bool:
     """Whether onnx GraphProto `graph` holds integer, QDQ or QLinear ops."""
-    from .logic import INTEGER_OP_TYPES, QDQ_OP_TYPES
+    from .onnx_files import INTEGER_OP_TYPES, QDQ_OP_TYPES
 
     return any(n.op_type in INTEGER_OP_TYPES or n.op_type in QDQ_OP_TYPES or n.op_type.startswith("QLinear")
                for n in graph.node)
@@ -158,7 +159,7 @@ def _run(path: Path, ds: Dataset, model: ModelSpec, provider: str, batch_size: i
 # ------------------------------------------------------------------ dynamic mode: single-node models in memory
 def _in_memory(q: QuantizationSpec, named: Path) -> bool:
     """Whether the dynamic fast path applies: dynamic mode and a graph under 2 GB (one serializable protobuf)."""
-    from .logic import _large
+    from .onnx_files import _large
 
     return q.mode == "dynamic" and not _large(named)
 
@@ -171,7 +172,7 @@ def _dynamic_base(q: QuantizationSpec, src: Path) -> tuple[Any, dict[str, Any]]:
     (`update_opset_version`) and builds an `ONNXQuantizer`, whose __init__ in dynamic mode rewrites EVERY Gemm as
     MatMul (+ Add) (`ONNXModel.replace_gemm_with_matmul`, excluded or not) and shape-infers the result again
     (`save_and_reload_model_with_shape_infer`). This function does exactly those steps, in that order, with the
-    build's options (`logic._dynamic_options`).
+    build's options (`onnxruntime_builder._dynamic_options`).
 
     Args:
         q: the variant's quantization (mode dynamic).
@@ -186,7 +187,7 @@ def _dynamic_base(q: QuantizationSpec, src: Path) -> tuple[Any, dict[str, Any]]:
                                                       save_and_reload_model_with_shape_infer, update_opset_version)
     from onnxruntime.quantization.registry import IntegerOpsRegistry
 
-    from .logic import _dynamic_options
+    from .onnxruntime_builder import _dynamic_options
 
     options = _dynamic_options(q, src)
     extra = dict(options["extra_options"])
@@ -306,7 +307,8 @@ def _score_node(name: str, op_type: str) -> dict[str, Any]:
     rec: dict[str, Any] = {"node": name, "op_type": op_type, "error": ""}
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            from .logic import _quantize_dynamic, _quantize_static
+            from .calibration import _quantize_static
+            from .onnxruntime_builder import _quantize_dynamic
 
             excluded = _others_excluded(ctx["graph"], name)
             if ctx.get("base_error") is not None:
@@ -396,7 +398,7 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
     """
     import onnx
 
-    from .logic import _excluded_nodes, _optimize_graph, _preprocess
+    from .onnxruntime_builder import _excluded_nodes, _optimize_graph, _preprocess
 
     q = variant.quantization
     if variant.precision != "int8" or variant.backend != "onnxruntime" or q is None:

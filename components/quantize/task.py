@@ -36,7 +36,8 @@ def cache_parts(spec: Spec, variant: VariantSpec, onnx_dir: str | Path,
     Returns:
         The parts, or None when an input cannot be hashed (a remote calibration file): then no caching.
     """
-    from tailguard.core.cache import data_sha256, dir_sha256
+    from tailguard.core.cache import data_sha256
+    from tailguard.core.digests import dir_sha256
 
     static = _needs_calibration(variant)
     sens = _wants_sensitivity(spec, variant)

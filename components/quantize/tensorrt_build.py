@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from tailguard.components.quantize.onnx_files import _check_inputs
+from tailguard.components.quantize.registry import register_builder
 from tailguard.core.errors import InputError
 from tailguard.core.results import BuildResult
 
@@ -551,7 +553,7 @@ def build_tensorrt_engine(variant: VariantSpec, fp32_onnx: Path, out_dir: Path, 
         InputError: no profile (the build task computes it), or INT8 without calibration rows.
     """
     from tailguard.components.quantize.engine import fingerprint, probe_device, write_manifest
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
 
     if profile is None:
         raise InputError(f"variant {variant.name}: a TensorRT build needs its optimization profile",
@@ -675,3 +677,27 @@ def _collecting_logger(trt: Any, lines: list[str]) -> Any:
 def _torch_dtype(torch: Any, dtype: np.dtype) -> Any:
     return {np.dtype("float32"): torch.float32, np.dtype("float16"): torch.float16, np.dtype("int64"): torch.int64,
             np.dtype("int32"): torch.int32, np.dtype("bool"): torch.bool}[np.dtype(dtype)]
+
+
+# ------------------------------------------------------------------------------- the registered builder
+@register_builder("compile.tensorrt")
+def compile_tensorrt(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
+                     calibration: Dataset | None = None, model: ModelSpec | None = None,
+                     calibration_batch_size: int = 8, profile: dict | None = None) -> BuildResult:
+    """Build a TensorRT engine for `variant`: skipped with the reason where no GPU or TensorRT is present.
+
+    TensorRT is never imported at module level; `tailguard.core.runtime.tensorrt_unavailable_reason` is the seam.
+    Arguments and result as `build_variant`.
+
+    Raises:
+        InputError: `fp32_onnx` is missing.
+    """
+    _check_inputs(variant, fp32_onnx, None)
+    from tailguard.core.runtime import tensorrt_unavailable_reason  # tailguard.core.runtime imports pandas
+
+    reason = tensorrt_unavailable_reason()
+    if reason:
+        return BuildResult("skipped", reason=f"TensorRT variant {variant.name} needs a GPU with TensorRT: {reason}",
+                          details={"backend": "tensorrt", "precision": variant.precision})
+    return build_tensorrt_engine(variant, Path(fp32_onnx), Path(out_dir), calibration, model, profile=profile,
+                                 calibration_batch_size=calibration_batch_size)

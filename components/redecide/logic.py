@@ -48,15 +48,15 @@ def spec_reasons(spec: Any) -> str | None:
     """Why a spec's runs cannot be re-decided in one task at all, or None.
 
     A spec with `serving_targets` (one validation per target and node pool), with a variant that has a `search`
-    (whether the search runs and which trial it picks depend on the gates: its trials would be judged again), or
-    with a gate on a metric of the validating process (`PROCESS_METRICS`) runs the whole pipeline.
+    (whether the search runs and which trial it picks depend on the gates: its trials would be judged again), both
+    declared in `tailguard.core.spec.reads.NOT_REPLAYABLE`, or with a gate on a metric of the validating process
+    (`PROCESS_METRICS`) runs the whole pipeline.
     """
-    if spec.serving_targets:
-        return "the spec has serving_targets (one validation per target)"
-    searched = [v.name for v in spec.variants if v.search is not None]
-    if searched:
-        return (f"variant {searched[0]!r} has a search: which trials run and which is chosen depend on the gates, "
-                "so the search runs again")
+    from tailguard.core.spec.reads import not_replayable
+
+    why = not_replayable(spec.model_dump(mode="json"))
+    if why:
+        return why
     process = sorted({g.metric for g in spec.gates if g.metric in PROCESS_METRICS})
     if process:
         return f"a gate on {process[0]}, which is measured on the validating process and not stored"

@@ -156,8 +156,8 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     import mlflow
 
     from tailguard.components.redecide.logic import NotDecidable, spec_reasons
-    from tailguard.components.register.task import finish_run
-    from tailguard.components.resolve.task import open_parent_run
+    from tailguard.components.register.finish import finish_run
+    from tailguard.components.resolve.parent_run import open_parent_run
     from tailguard.components.validate.task import write_validation_record
     from tailguard.core.contract import REDECIDED_FROM_TAG
     from tailguard.core.hardware import hardware_tags, node_facts

@@ -157,8 +157,11 @@ def timing_gates_key(spec: Spec) -> list[int] | None:
     """The one thing the baselines' timing reads from `gates`: with `benchmark.precision`, the sorted
     `baseline_gate_batch_sizes` (their timing stops at the first look elsewhere); None without it (the full
     budget). Part of reference-pass's cache key and of a gate-only re-run's identity (`tailguard.rerun`), so
-    adding a speed gate that reads these baselines times them again instead of reusing a first-look timing."""
-    if getattr(spec.benchmark, "precision", None) is None:
+    adding a speed gate that reads these baselines times them again instead of reusing a first-look timing. What
+    reference-pass reads of `gates` is declared in `tailguard.core.spec.reads.REFERENCE_PASS`."""
+    from tailguard.core.spec.reads import REFERENCE_PASS
+
+    if REFERENCE_PASS.gates != "baseline_batch_sizes" or getattr(spec.benchmark, "precision", None) is None:
         return None
     return sorted(baseline_gate_batch_sizes(spec))
 

@@ -29,7 +29,8 @@ def cache_parts(spec: Spec, resolved: ResolvedModel, onnx_dir: str | Path) -> di
         The parts, or None when an input cannot be hashed (a remote data file, a model class without a source
         file): then no caching.
     """
-    from tailguard.core.cache import dataset_parts, dir_sha256, machine_parts, reference_parts
+    from tailguard.core.cache import dataset_parts, machine_parts, reference_parts
+    from tailguard.core.digests import dir_sha256
 
     from .logic import timing_gates_key
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -84,7 +84,6 @@ from tailguard.core.parity import aggregate
 
 if TYPE_CHECKING:  # pragma: no cover
     from .discovery import DiscoveryResult
-    from .logic import ValidationResult
     from tailguard.core.slices import SliceGroup
 
 @dataclass
@@ -476,7 +475,7 @@ def build_metrics(model_path: Any) -> dict[str, float]:
 
     Returns:
         {"quantized_mac_fraction": float in [0, 1]} from the model's metadata_props[QUANTIZATION_COVERAGE_KEY]
-        (written by components/quantize/logic.py; MACs per sample, formulas in components/quantize/macs.py);
+        (written by components/quantize/onnxruntime_builder.py; MACs per sample, formulas in components/quantize/macs.py);
         {} when the file has no such entry (fp32/fp16 variants, models built before it existed) or the value is
         not a number.
 
@@ -609,7 +608,16 @@ def all_passed(results: list[GateResult]) -> bool:
     return not any(r.status in held_back for r in results)
 
 
-def verdict(result: ValidationResult) -> tuple[bool, str]:
+class Judged(Protocol):
+    """What `verdict` reads of a validated variant: `logic.ValidationResult` has these fields. A protocol, not an
+    import of logic.py, so gates.py stays below the module that evaluates the gates (no import cycle)."""
+
+    non_finite_rows: int
+    gates: list[GateResult]
+    passed: bool
+
+
+def verdict(result: Judged) -> tuple[bool, str]:
     """Whether a validated variant passed, and why not: the one decision of `passed` (the validate task logs it
     and stores it in variant_result.json; the search task judges its trials with it; nothing recomputes it).
 
@@ -617,7 +625,8 @@ def verdict(result: ValidationResult) -> tuple[bool, str]:
     back (an insufficient-data gate was not judged, so it never counts as passed: `all_passed`).
 
     Args:
-        result: the variant's ValidationResult (components/validate/logic.py).
+        result: the variant's ValidationResult (components/validate/logic.py), or anything with its `Judged`
+            fields.
 
     Returns:
         (passed, reason): reason is "" when passed, else "non-finite outputs in N validation rows", or

@@ -50,8 +50,8 @@ def flat_params(variant: VariantSpec) -> dict[str, str]:
 
 
 def _sha256(path: Path) -> str:
-    """sha256 of a file, hex (tailguard.core.cache.file_sha256)."""
-    from tailguard.core.cache import file_sha256
+    """sha256 of a file, hex (tailguard.core.digests.file_sha256)."""
+    from tailguard.core.digests import file_sha256
 
     return file_sha256(path)
 
@@ -295,7 +295,8 @@ def measurement_parts(spec: Spec, variant: VariantSpec, model_file: Path,
     Returns:
         The parts, or None when the validation file cannot be hashed (a remote URI): then nothing is cached.
     """
-    from tailguard.core.cache import dataset_parts, dir_sha256, file_sha256
+    from tailguard.core.cache import dataset_parts
+    from tailguard.core.digests import dir_sha256, file_sha256
     from tailguard.core.contract import ONNX_FILE
     from tailguard.core.hardware import node_facts
 
@@ -318,8 +319,8 @@ MEASUREMENTS_DIGEST = "content_sha256"  # the entry's result.json field: digest 
 
 def measurements_digest(files: Path) -> str:
     """Hex SHA-256 over the stored measurement files (`MEASUREMENTS_NPZ`, `TIMING_JSON`: names and bytes) in
-    `files` (`tailguard.core.cache.files_sha256`)."""
-    from tailguard.core.cache import files_sha256
+    `files` (`tailguard.core.digests.files_sha256`)."""
+    from tailguard.core.digests import files_sha256
 
     return files_sha256([files / MEASUREMENTS_NPZ, files / TIMING_JSON], files)
 
@@ -496,7 +497,7 @@ def tensorrt_expected_fingerprint(build: dict[str, Any], reference_model_dir: st
         MissingDependencyError: no TensorRT / CUDA here.
     """
     from tailguard.core.artifacts import config_sha256
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
     from tailguard.core.contract import ONNX_FILE
     from tailguard.core.errors import InputError
     from tailguard.core.runtime import tensorrt_device_facts
@@ -699,7 +700,7 @@ def log_validated_model(client: Any, run_id: str, result: ValidationResult, *, w
         client.log_artifact(run_id, str(manifest), artifact_path="model")
         client.set_tag(run_id, ARTIFACT_FINGERPRINT_TAG,
                        json.dumps(json.loads(manifest.read_text()).get("fingerprint", {}), sort_keys=True)[:5000])
-        from tailguard.core.cache import files_sha256
+        from tailguard.core.digests import files_sha256
 
         # the folder as registered (`tailguard fetch` checks every file of it against this)
         client.set_tag(run_id, FILES_SHA256_TAG, files_sha256([Path(model_file), manifest], Path(model_file).parent))

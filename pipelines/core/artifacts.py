@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from tailguard.core.cache import file_sha256
+from tailguard.core.digests import file_sha256
 from tailguard.core.errors import TailguardError
 
 MANIFEST_SUFFIX = ".json"

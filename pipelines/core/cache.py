@@ -29,8 +29,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from tailguard.core.digests import dir_sha256, file_sha256
 from tailguard.core.errors import InputError
 from tailguard.core.home import home
 
@@ -79,45 +80,6 @@ def max_bytes() -> int:
 
 
 # ------------------------------------------------------------------------------------------------- keys
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def files_sha256(paths: Iterable[Path], root: Path) -> str:
-    """Hex SHA-256 over (path relative to `root`, file SHA-256) of `paths`, in sorted order."""
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + file_sha256(p).encode() + b"\n")
-    return h.hexdigest()
-
-
-def artifact_files(folder: str | Path) -> list[Path]:
-    """The model's own files under a downloaded (or logged) model folder, sorted: every regular file but MLflow's
-    packaging files at its top (`contract.MLFLOW_PACKAGING_FILES`)."""
-    from tailguard.core.contract import MLFLOW_PACKAGING_FILES
-
-    root = Path(folder)
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).parts[0]
-                  not in MLFLOW_PACKAGING_FILES)
-
-
-def artifact_files_sha256(folder: str | Path) -> str:
-    """Hex SHA-256 over (relative path, file SHA-256) of `artifact_files(folder)` (`files_sha256`): the value of a
-    version's `tailguard.files_sha256` tag."""
-    return files_sha256(artifact_files(folder), Path(folder))
-
-
-def dir_sha256(path: str | Path, *, prefix: str = "") -> str:
-    """Hex SHA-256 of every file under `path` (names and bytes); `prefix`: only files whose name starts so."""
-    root = Path(path)
-    return files_sha256((p for p in root.rglob("*") if p.is_file() and p.name.startswith(prefix)), root)
-
-
 def data_sha256(uri: str) -> str | None:
     """SHA-256 of a local data file; None for a remote URI (s3://...): a step reading one is not cached."""
     if "://" in uri and not uri.startswith("file://"):

@@ -94,7 +94,7 @@ TRIAL_NAME_TAG = "tailguard.trial_name"    # on trial runs: the trial's name (<V
 # ------------------------------------------------------------------------------------------------ model-version tags
 FORMAT_TAG = "tailguard.format"            # a registered FP32 reference's format
 SHA256_TAG = "tailguard.sha256"            # a version's artefact fingerprint (hex sha256 of the model file)
-# hex sha256 over every file of a version but MLflow's packaging files (cache.artifact_files_sha256): what
+# hex sha256 over every file of a version but MLflow's packaging files (digests.artifact_files_sha256): what
 # `tailguard fetch` checks the whole download against (external data, manifests, descriptors: not the model file only)
 FILES_SHA256_TAG = "tailguard.files_sha256"
 # Files MLflow writes around a logged model (mlflow.models.Model.save and the registry's download); not part of

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import shutil
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,13 @@ def cpu_facts(cpuinfo: str | Path = CPUINFO) -> dict[str, Any]:
             "cores": cores, "logical_cpus": os.cpu_count(), "machine": platform.machine()}
 
 
+def gpu_unavailable_reason() -> str | None:
+    """None when an NVIDIA GPU is visible, else why not (no import of CUDA libraries)."""
+    if shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
+        return "no NVIDIA GPU on this node (no /dev/nvidia0, no nvidia-smi)"
+    return None
+
+
 def gpu_facts() -> list[dict[str, Any]] | None:
     """The visible NVIDIA GPUs as torch sees them, or None.
 
@@ -87,8 +95,6 @@ def gpu_facts() -> list[dict[str, Any]] | None:
         [{"index": int, "name": str (e.g. "NVIDIA H100 80GB HBM3"), "compute_capability": str ("9.0")}, ...],
         or None (no GPU, no torch, or torch.cuda.is_available() false).
     """
-    from tailguard.core.runtime import gpu_unavailable_reason
-
     if gpu_unavailable_reason() is not None or importlib.util.find_spec("torch") is None:
         return None
     import torch

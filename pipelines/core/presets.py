@@ -1,8 +1,8 @@
 """Named INT8 quantization presets: plain data, each with the hardware constraint behind its choices.
 
 A spec selects one with `quantization: {preset: <name>}`; fields it also sets replace the preset's
-(`QuantizationSpec`); `quantization_preset(name, **overrides)` builds the same from Python. Sources: ONNX
-Runtime's `quantize_static` docstring ("Choosing parameters for CPU inference",
+(`QuantizationSpec`); `tailguard.core.spec.quantization_preset(name, **overrides)` builds the same from Python.
+Sources: ONNX Runtime's `quantize_static` docstring ("Choosing parameters for CPU inference",
 onnxruntime/quantization/quantize.py), `session.x64quantprecision` in ORT's onnxruntime_session_options_config_keys.h,
 and the TensorRT developer guide (explicit quantization: QDQ,
 symmetric INT8, per-channel weights).
@@ -52,31 +52,3 @@ QUANTIZATION_PRESETS: dict[str, dict[str, Any]] = {
                       "per_channel": True, "reduce_range": False, "calibration_method": "percentile",
                       "percentile": 99.99},
 }
-
-
-def quantization_preset(name: str, **overrides: Any):
-    """A validated `QuantizationSpec` from a named preset, with field overrides.
-
-    Args:
-        name: a key of QUANTIZATION_PRESETS.
-        **overrides: QuantizationSpec fields that replace the preset's.
-
-    Returns:
-        tailguard.core.spec.models.QuantizationSpec.
-
-    Raises:
-        SpecError: unknown preset name (listing the known ones) or an invalid override.
-    """
-    from pydantic import ValidationError
-
-    from tailguard.core.errors import FieldError, SpecError
-    from tailguard.core.spec.models import QuantizationSpec  # lazy: spec/models.py imports this module
-
-    if name not in QUANTIZATION_PRESETS:
-        raise SpecError([FieldError("quantization.preset", f"unknown preset {name!r}; known: "
-                                                          f"{sorted(QUANTIZATION_PRESETS)}")])
-    try:
-        return QuantizationSpec.model_validate({"preset": name, **overrides})
-    except ValidationError as exc:
-        raise SpecError([FieldError(".".join(map(str, e["loc"])) or "quantization", e["msg"])
-                         for e in exc.errors(include_url=False)], source=f"preset {name}") from None

@@ -45,7 +45,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
-from tailguard.core.cache import file_sha256
+from tailguard.core.digests import file_sha256
 from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.home import quiet_environment
 from tailguard.core.pt2_archive import SPEC_FIX, check_pt2_archive
@@ -737,7 +737,7 @@ def build_state_dict_module(class_path: str, init_kwargs: Mapping[str, Any], wei
     return module.eval()
 
 
-sha256_file = file_sha256  # one sha256 helper: tailguard.core.cache.file_sha256
+sha256_file = file_sha256  # one sha256 helper: tailguard.core.digests.file_sha256
 
 
 # ---------------------------------------------------------------------------------------------- in later tasks

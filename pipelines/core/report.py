@@ -203,7 +203,7 @@ TORCH_NOTE = ("x torch is blank when the reference is an ONNX model (model.sourc
 
 
 # One timing truth (issue 37): a variant's latency and speed-up cells come from the promotion's paired rounds
-# (components/register/logic.py `compare_passing`: the passing variants, torch eager and the ONNX FP32 export timed
+# (components/register/promotion.py `compare_passing`: the passing variants, torch eager and the ONNX FP32 export timed
 # interleaved on the same batches); a figure marked TASK_MARK is the variant's own validate-task timing, a gate
 # input timed at another time, shown only where the variant was not in the rounds (it failed a gate, or no rounds
 # could be timed).

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 import numpy as np
 
 from tailguard.core.errors import InputError, MissingDependencyError, TailguardError
+from tailguard.core.hardware import gpu_unavailable_reason
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build task that reads no rows must not load it
     from tailguard.core.data import Dataset
@@ -238,13 +239,6 @@ def run_dataset(runner: Runner, ds: Dataset, input_specs: Sequence, *, batch_siz
 
 
 # ---------------------------------------------------------------------------------------------- GPU seam
-def gpu_unavailable_reason() -> str | None:
-    """None when an NVIDIA GPU is visible, else why not (no import of CUDA libraries)."""
-    if shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
-        return "no NVIDIA GPU on this node (no /dev/nvidia0, no nvidia-smi)"
-    return None
-
-
 def tensorrt_unavailable_reason() -> str | None:
     """None when TensorRT can build engines here, else the reason (GPU missing or package missing)."""
     reason = gpu_unavailable_reason()

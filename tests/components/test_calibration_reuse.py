@@ -1,9 +1,9 @@
 """Static INT8 calibration ranges are computed once per graph, method and calibration rows, and reused by every
 build that differs only in what ORT applies after calibration (excluded nodes, per_channel): a search's static
-trials calibrate once per calibration method (components/quantize/logic.py `calibration_key`).
+trials calibrate once per calibration method (components/quantize/calibration.py `calibration_key`).
 
-Real ONNX Runtime calibration and quantization throughout. The one seam: `logic.calibrate_ranges` is wrapped (it
-still runs) to count the calibrations.
+Real ONNX Runtime calibration and quantization throughout. The one seam: `calibration.calibrate_ranges` is wrapped
+(it still runs) to count the calibrations.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 
-from tailguard.components.quantize import logic
+from tailguard.components.quantize import calibration
 from tailguard.components.quantize.logic import build_variant
 from tailguard.components.search.logic import run_search
 from tailguard.components.validate.logic import validate_variant
@@ -34,15 +34,15 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def calibrations(monkeypatch):
     """A list that grows by one entry (the calibration method) per real calibration; the memo starts empty."""
-    monkeypatch.setattr(logic, "_RANGES", type(logic._RANGES)())
+    monkeypatch.setattr(calibration, "_RANGES", type(calibration._RANGES)())
     calls: list[str] = []
-    real = logic.calibrate_ranges
+    real = calibration.calibrate_ranges
 
     def counting(src, q, *args, **kwargs):
         calls.append(q.calibration_method)
         return real(src, q, *args, **kwargs)
 
-    monkeypatch.setattr(logic, "calibrate_ranges", counting)
+    monkeypatch.setattr(calibration, "calibrate_ranges", counting)
     return calls
 
 
@@ -89,7 +89,7 @@ def test_reused_ranges_give_the_same_scales_as_a_fresh_calibration_when_a_build_
     _build(tiny, tmp_path / "first", calibration_method="percentile", num_bins=256)
     reused = _build(tiny, tmp_path / "reused", calibration_method="percentile", num_bins=256,
                     exclude_nodes=["/l2/MatMul"])
-    logic._RANGES.clear()
+    calibration._RANGES.clear()
     fresh = _build(tiny, tmp_path / "fresh", calibration_method="percentile", num_bins=256,
                    exclude_nodes=["/l2/MatMul"])
     assert calibrations == ["percentile", "percentile"] and reused.details["calibration"]["ranges_reused"]
@@ -103,7 +103,7 @@ def test_minmax_ranges_match_onnxruntimes_own_calibration_when_tailguard_calibra
                                                                                       monkeypatch):
     ours = _build(tiny, tmp_path / "ours", calibration_method="minmax")
     # Narrow seam: the ORT version probe; False makes quantize_static calibrate itself from the reader.
-    monkeypatch.setattr(logic, "_calibration_cache_supported", lambda: False)
+    monkeypatch.setattr(calibration, "_calibration_cache_supported", lambda: False)
     theirs = _build(tiny, tmp_path / "theirs", calibration_method="minmax")
     assert calibrations == ["minmax"] and "ranges_reused" not in theirs.details["calibration"]
     a, b = _scales(ours.artifact), _scales(theirs.artifact)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tailguard.components.export.logic import export_onnx
-from tailguard.components.quantize.logic import attention_matmuls, build_variant
+from tailguard.components.quantize.logic import build_variant
+from tailguard.components.quantize.diagnostics import attention_matmuls
 from tailguard.core.contract import EXPORT_FACTS_FILE
 from tailguard.core.results import VariantResult
 from tailguard.core.spec.models import VariantSpec
@@ -110,7 +111,7 @@ def test_variant_result_keeps_build_warnings_and_reads_older_files_without_them(
 
 
 def test_print_summary_prints_a_warning_shared_by_variants_once_naming_them(tmp_path):
-    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.components.register.summary import RunSummary, VariantSummary
     from tailguard.terminal import console, print_summary
 
     shared = "export: TracerWarning at model.py:7: Converting a tensor to a Python boolean [x] might be wrong."

@@ -12,8 +12,9 @@ import pytest
 
 from tests.components.test_promotion import _chain, _row, _setup
 
-from tailguard.components.register.logic import (PromotionDecision, VariantSummary, apply_paired, compare_passing,
-                                                 decide_promotion, latency_gate_contradictions, paired_metrics)
+from tailguard.components.register.promotion import (apply_paired, compare_passing, decide_promotion,
+                                                     latency_gate_contradictions, paired_metrics, PromotionDecision)
+from tailguard.components.register.summary import VariantSummary
 
 ALLOW_SPINNING = "session.intra_op.allow_spinning"
 
@@ -167,7 +168,7 @@ def _comp(tied_ratio):
 
 
 def _summary(rows, comp):
-    from tailguard.components.register.logic import RunSummary
+    from tailguard.components.register.summary import RunSummary
 
     return RunSummary(parent_run_id="p", experiment_id="e", source_model="m", source_version="1",
                       optimized_model="m-optimized", alias="production", promotion_enabled=True, batch_size=1,

@@ -142,7 +142,7 @@ def _write_rows(root: Path, n: int = 12) -> None:
 def test_export_task_exits_2_naming_the_output_and_the_fix_when_a_torch_model_declares_the_wrong_width(
         tmp_path, monkeypatch):
     from tailguard.components.export import task as export_task
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
 
     from safetensors.torch import save_file
 

@@ -1,4 +1,4 @@
-"""Promotion decided with confidence (issue 25 item 5, components/register/logic.py `decide_promotion`,
+"""Promotion decided with confidence (issue 25 item 5, components/register/promotion.py `decide_promotion`,
 `compare_passing`): the fastest passing variant takes the alias only when its advantage over every other passing
 variant is confident by `promotion.margin`; otherwise the alias holder among the tied keeps it, else the most
 exact of them.
@@ -12,7 +12,8 @@ identical ones, timed interleaved with ONNX Runtime on Parquet rows. Nothing ass
 import numpy as np
 import pytest
 
-from tailguard.components.register.logic import (PromotionRule, VariantSummary, compare_passing, decide_promotion)
+from tailguard.components.register.promotion import compare_passing, decide_promotion, PromotionRule
+from tailguard.components.register.summary import VariantSummary
 from tailguard.core.results import VariantResult
 
 

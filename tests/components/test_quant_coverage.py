@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tailguard.components.quantize import logic
+from tailguard.components.quantize import calibration
+from tailguard.components.quantize import onnxruntime_builder
 from tailguard.components.quantize.logic import build_variant
 from tailguard.components.quantize.macs import DEFAULT_SEQUENCE, count_macs, quantization_coverage
 from tailguard.components.validate.gates import build_metrics, evaluate_gates
@@ -176,9 +177,9 @@ def test_quantization_coverage_shows_one_layer_of_three_when_extended_fusions_ru
     # knows; only the last Gemm (32 x 10 of 3392 MACs) was quantized while the build said ok.
     path, _, _ = mlp
     fused = tmp_path / "extended.onnx"
-    logic._ort_optimize(path, fused, "extended", "CPUExecutionProvider")
+    onnxruntime_builder._ort_optimize(path, fused, "extended", "CPUExecutionProvider")
     quantized = tmp_path / "q.onnx"
-    logic._quantize_dynamic(_int8("old", mode="dynamic").quantization, fused, quantized, [], {})
+    onnxruntime_builder._quantize_dynamic(_int8("old", mode="dynamic").quantization, fused, quantized, [], {})
     cov = quantization_coverage(fused, quantized)
     assert (cov["quantizable_nodes"], cov["quantized_mac_nodes"]) == (3, 1)
     assert cov["quantized_mac_fraction"] == pytest.approx(H2 * OUT / MLP_MACS, abs=1e-6)  # 0.094
@@ -321,7 +322,7 @@ def test_validation_logs_the_fraction_and_decides_its_gate_when_an_int8_mlp_is_v
 
 def test_summary_flags_an_int8_variant_when_it_quantized_under_half_its_macs():
     from tailguard.terminal import console, int8_macs_cell, print_summary
-    from tailguard.components.register.logic import RunSummary, VariantSummary, coverage_warnings
+    from tailguard.components.register.summary import RunSummary, VariantSummary, coverage_warnings
 
     assert coverage_warnings("int8", "onnxruntime", "ok", 0.094)[0].startswith(
         "INT8 variant computes only 9% of its MACs in INT8")
@@ -410,12 +411,12 @@ def test_quantization_coverage_gives_the_full_weights_result_when_mlp_and_cnn_ar
         q = _int8(f"int8-{mode}", mode=mode).quantization
         out = tmp_path / f"{mode}.onnx"
         if mode == "dynamic":
-            logic._quantize_dynamic(q, path, out, [], {})
+            onnxruntime_builder._quantize_dynamic(q, path, out, [], {})
         else:
-            logic._quantize_static(q, path, out, [], calib, spec, 8, tmp_path, {})
+            calibration._quantize_static(q, path, out, [], calib, spec, 8, tmp_path, {})
         pairs.append((path, out))
     cnn = _export_cnn(tmp_path / "cnn.onnx", channels=16)
-    logic._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx", [], {})
+    onnxruntime_builder._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx", [], {})
     pairs.append((cnn, tmp_path / "cnn-q.onnx"))
     for fp32, quantized in pairs:
         fast = quantization_coverage(fp32, quantized, sequence=7)

@@ -26,9 +26,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from tailguard.components.quantize import logic
-from tailguard.components.quantize.logic import DatasetCalibrationReader, build_variant
-from tailguard.core.presets import QUANTIZATION_PRESETS, quantization_preset
+from tailguard.components.quantize import calibration
+from tailguard.components.quantize import onnx_files
+from tailguard.components.quantize import onnxruntime_builder
+from tailguard.components.quantize import tensorrt_build
+from tailguard.components.quantize.logic import build_variant
+from tailguard.components.quantize.calibration import DatasetCalibrationReader
+from tailguard.core.presets import QUANTIZATION_PRESETS
+from tailguard.core.spec import quantization_preset
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.spec.models import VariantSpec
 from tailguard.components.quantize.registry import UnknownBuilderError, get_builder, registered_builders
@@ -262,7 +267,7 @@ def test_build_variant_pads_to_one_length_when_ort_cannot_take_precomputed_range
                                                                                  monkeypatch):
     # Mocked seam: the onnxruntime version probe. Older ORT builds lack quantize_static(calibration_cache_path);
     # then ORT's own percentile calibrator runs and needs every batch padded to one length and batch size.
-    monkeypatch.setattr(logic, "_calibration_cache_supported", lambda: False)
+    monkeypatch.setattr(calibration, "_calibration_cache_supported", lambda: False)
     res = _build(tiny, tmp_path, name="st-fallback", precision="int8",
                  quantization={"mode": "static", "calibration_method": "percentile", "op_types": MATMULS})
     assert res.status == "ok", res.reason
@@ -273,10 +278,10 @@ def test_build_variant_pads_to_one_length_when_ort_cannot_take_precomputed_range
 
 def _extended_graph(tiny, tmp_path):
     """The tiny encoder after ORT's extended level: its attention MatMul fused into FusedMatMul. INT8 builds
-    quantize before these fusions now (logic.optimization_levels), but graphs with contrib ops still reach
+    quantize before these fusions now (onnxruntime_builder.optimization_levels), but graphs with contrib ops still reach
     quant_pre_process (fusion: bert, users' own exports), so `_preprocess` is tested on this graph directly."""
     dst = tmp_path / "extended.onnx"
-    logic._ort_optimize(tiny[2], dst, "extended", "CPUExecutionProvider")
+    onnxruntime_builder._ort_optimize(tiny[2], dst, "extended", "CPUExecutionProvider")
     assert _op_counts(dst).get("FusedMatMul") == 1
     return dst
 
@@ -287,11 +292,11 @@ def test_preprocess_types_every_op_when_extended_fusions_defeat_plain_shape_infe
     # MiniLM). The retry guesses the output rank.
     _, spec, _, calib = tiny
     details: dict = {}
-    pre = logic._preprocess(_extended_graph(tiny, tmp_path), tmp_path / "pre.onnx", details)
+    pre = onnxruntime_builder._preprocess(_extended_graph(tiny, tmp_path), tmp_path / "pre.onnx", details)
     assert details["preprocess"]["ran"] and "first_try" in details["preprocess"]
     q = _variant(name="st-all", precision="int8", quantization={"mode": "static"}).quantization
-    logic._quantize_static(q, pre, tmp_path / "q.onnx", [], calib, spec, 8, tmp_path, details)
-    assert logic._summary(tmp_path / "q.onnx", [])["quantized_by_op"].get("Softmax") == 1
+    calibration._quantize_static(q, pre, tmp_path / "q.onnx", [], calib, spec, 8, tmp_path, details)
+    assert onnx_files._summary(tmp_path / "q.onnx", [])["quantized_by_op"].get("Softmax") == 1
 
 
 def test_preprocess_leaves_no_file_in_the_current_directory_when_shape_inference_fails_first(tiny, tmp_path,
@@ -304,7 +309,7 @@ def test_preprocess_leaves_no_file_in_the_current_directory_when_shape_inference
     monkeypatch.chdir(cwd)
     details: dict = {}
     (tmp_path / "out").mkdir()
-    logic._preprocess(ext, tmp_path / "out" / "pre.onnx", details)
+    onnxruntime_builder._preprocess(ext, tmp_path / "out" / "pre.onnx", details)
     assert "first_try" in details["preprocess"], details["preprocess"]
     assert list(cwd.iterdir()) == []
     assert not list((tmp_path / "out").glob("preprocess-*"))  # the scratch folder is removed
@@ -314,7 +319,7 @@ def test_build_variant_uses_qlinear_or_integer_ops_when_format_is_qoperator(tiny
     res = _build(tiny, tmp_path, name="st-qop", precision="int8",
                  quantization={"mode": "static", "format": "qoperator"})
     assert res.status == "ok", res.reason
-    assert any(op.startswith("QLinear") or op in logic.INTEGER_OP_TYPES for op in res.details["quantized_by_op"])
+    assert any(op.startswith("QLinear") or op in onnx_files.INTEGER_OP_TYPES for op in res.details["quantized_by_op"])
 
 
 def test_build_variant_raises_input_error_when_static_has_no_calibration_rows(tiny, tmp_path):
@@ -401,7 +406,7 @@ def test_build_variant_skips_tensorrt_with_a_reason_naming_gpu_or_tensorrt(tiny,
 def test_registered_steps_include_onnxruntime_and_tensorrt_when_loaded():
     names = registered_builders()
     assert {"quantize.onnxruntime", "compile.tensorrt"} <= set(names)
-    assert get_builder("compile.tensorrt") is logic.compile_tensorrt
+    assert get_builder("compile.tensorrt") is tensorrt_build.compile_tensorrt
 
 
 def test_get_step_raises_listing_known_names_when_the_name_is_unknown():

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tailguard.components.quantize import logic as quantize_logic
+from tailguard.components.quantize import onnxruntime_builder
 from tailguard.components.quantize import sensitivity
 from tailguard.components.quantize.sensitivity import (SENSITIVITY_COLUMNS, candidate_nodes, node_sensitivity,
                                                      output_errors)
@@ -79,7 +79,7 @@ def test_node_sensitivity_ranks_a_node_first_with_its_error_when_quantizing_it_a
 
         monkeypatch.setattr(sensitivity, "_quantize_dynamic_in_memory", flaky)
     else:
-        real = quantize_logic._quantize_dynamic
+        real = onnxruntime_builder._quantize_dynamic
 
         def flaky(q, src, dst, excluded, details):
             if "mm3" not in excluded:  # the single-node model of mm3
@@ -87,7 +87,7 @@ def test_node_sensitivity_ranks_a_node_first_with_its_error_when_quantizing_it_a
             return real(q, src, dst, excluded, details)
 
         monkeypatch.setattr(sensitivity, "_in_memory", lambda q, named: False)
-        monkeypatch.setattr(quantize_logic, "_quantize_dynamic", flaky)
+        monkeypatch.setattr(onnxruntime_builder, "_quantize_dynamic", flaky)
     monkeypatch.setattr(sensitivity, "MAX_WORKERS", 1)  # scored in this process, where the patch applies
     table = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=8, work_dir=tmp_path)
     first = table.iloc[0]
@@ -151,7 +151,7 @@ def test_quantize_dynamic_in_memory_gives_quantize_dynamics_bytes_when_one_node_
     assert cands
     for name, _ in cands:
         excluded = sensitivity._others_excluded(proto.graph, name)
-        quantize_logic._quantize_dynamic(q, src, tmp_path / "single.onnx", excluded, {})
+        onnxruntime_builder._quantize_dynamic(q, src, tmp_path / "single.onnx", excluded, {})
         got = sensitivity._quantize_dynamic_in_memory(base, excluded)
         assert got.SerializeToString() == (tmp_path / "single.onnx").read_bytes(), name
 

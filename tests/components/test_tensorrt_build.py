@@ -519,7 +519,7 @@ def test_validated_tensorrt_plan_is_registered_with_its_manifest_and_fingerprint
     # GPU build
     import mlflow
 
-    from tailguard.components.register.logic import backend_tags, register_artifact_folder
+    from tailguard.components.register.versions import backend_tags, register_artifact_folder
     from tailguard.components.validate.logic import ValidationResult
     from tailguard.components.validate.task import log_validated_model
 

@@ -132,7 +132,7 @@ def test_build_step_never_uses_the_cache_when_it_is_off(env, monkeypatch):
 
 
 def export(env, reference: Path, out: str) -> dict:
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
     from tailguard.components.export import task as export_task
 
     resolved = {"registered_name": "mlp", "version": "1", "run_id": None, "format": "onnx",
@@ -316,7 +316,7 @@ def sliced_spec(root: Path, *, gate_min: float) -> dict:
 
 
 def reference_pass(env, doc: dict, out: str) -> dict:
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
     from tailguard.components.reference import task as reference_task
 
     resolved = {"registered_name": "mlp", "version": "1", "run_id": None, "format": "onnx",
@@ -427,7 +427,7 @@ def test_local_rerun_with_one_gate_changed_serves_reference_pass_and_measurement
 def test_register_logs_the_reference_pass_baselines_and_coverage_on_the_parent_run_when_given_its_outputs(env):
     import mlflow
 
-    from tailguard.components.register.task import log_reference
+    from tailguard.components.register.finish import log_reference
 
     write_rows(env["root"] / "validation.parquet", 30, 0)
     write_rows(env["root"] / "calibration.parquet", 12, 1)

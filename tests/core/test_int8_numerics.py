@@ -229,8 +229,8 @@ def test_variant_result_carries_the_flag_when_validated_and_reads_older_results_
 
 def test_summary_notes_8_bit_weights_and_warns_when_a_variant_is_hardware_dependent():
     from tailguard.terminal import console, print_summary
-    from tailguard.components.register.logic import (EIGHT_BIT_WEIGHTS_NOTE, RunSummary, VariantSummary,
-                                                     numerics_warnings)
+    from tailguard.components.register.summary import (EIGHT_BIT_WEIGHTS_NOTE, numerics_warnings, RunSummary,
+                                                       VariantSummary)
 
     spec = _spec([VARIANTS["int8-8bit"], VARIANTS["int8-7bit"], VARIANTS["fp32"],
                   {"name": "preset", "backend": "onnxruntime", "precision": "int8",

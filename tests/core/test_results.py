@@ -149,7 +149,8 @@ def test_register_follows_variant_result_not_tags_when_tags_say_passed_but_the_f
     ort-fp32 gets the alias; ort-int8 logged its tags and model but died before its file: failed, unregistered."""
     import dataclasses
 
-    from tailguard.components.register.logic import read_variant_result, register_and_promote
+    from tailguard.components.register.logic import register_and_promote
+    from tailguard.components.register.summary import read_variant_result
 
     client, exp, parent = store
     run_ids = {name: _log_passing_variant(tmp_path, client, exp, parent, name, p50)
@@ -201,7 +202,8 @@ def test_validate_task_writes_a_variant_result_when_the_build_was_skipped_or_val
     them as skipped / failed rows with the task's reasons."""
     import mlflow
 
-    from tailguard.components.register.logic import read_variant_result, register_and_promote
+    from tailguard.components.register.logic import register_and_promote
+    from tailguard.components.register.summary import read_variant_result
     from tailguard.components.validate import task as validate_task
     from tailguard.core.errors import TailguardError
     from tailguard.core.spec import dump_spec

@@ -19,7 +19,8 @@ import torch
 
 from tailguard.components.check_data.logic import check_datasets
 from tailguard.components.export.logic import check_export, dummy_feeds, export_onnx
-from tailguard.components.quantize.logic import DatasetCalibrationReader, build_variant
+from tailguard.components.quantize.logic import build_variant
+from tailguard.components.quantize.calibration import DatasetCalibrationReader
 from tailguard.core.latency import benchmark
 from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.data import load_dataset, make_batch, read_parquet

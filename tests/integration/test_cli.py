@@ -59,7 +59,7 @@ def test_monitor_replay_exits_2_naming_the_option_when_a_model_file_is_missing(t
 
 def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys):
     from tailguard.terminal import print_summary
-    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.components.register.summary import RunSummary, VariantSummary
     from tailguard.components.validate.task import discovered_summary
     from tailguard.runner import summary_rows
 
@@ -77,7 +77,7 @@ def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys)
 
 
 def test_summary_rows_count_only_passed_gates_as_passed_when_some_are_undecided_or_insufficient():
-    from tailguard.components.register.logic import RunSummary, VariantSummary
+    from tailguard.components.register.summary import RunSummary, VariantSummary
     from tailguard.core.results import GateStatus
     from tailguard.runner import summary_rows
 

@@ -136,7 +136,7 @@ def test_next_run_marks_parent_failed_with_died_note_when_runner_was_killed(env)
 
 # ------------------------------------------------------------------------------------------- races
 def _promote_worker(uri, parent_run_id, version, barrier, results):
-    from tailguard.components.register.logic import promote
+    from tailguard.components.register.promotion import promote
     from tailguard.core.tracking import configure
 
     configure(uri)
@@ -206,7 +206,7 @@ def test_promote_leaves_alias_on_the_winner_with_truthful_tags_when_two_processe
 
 
 def test_promote_keeps_the_faster_holder_when_the_alias_moved_during_the_run(private_home):
-    from tailguard.components.register.logic import promote
+    from tailguard.components.register.promotion import promote
 
     uri, client, c = _candidates(private_home, [("slow", 5.0, 1), ("fast", 3.0, 1), ("faster", 1.0, 1)])
     kw = dict(model_name="m-optimized", alias="production", batch_size=1, tracking_uri=uri)
@@ -227,7 +227,7 @@ def test_promote_keeps_the_holder_when_its_variant_result_says_not_passed_althou
     """The re-decision reads the holder's variant_result.json, not the version's tailguard.gates tag: a holder
     whose file says not passed has no passing latency to compare, so it keeps the alias (it is never beaten on a
     tag)."""
-    from tailguard.components.register.logic import promote
+    from tailguard.components.register.promotion import promote
     from tailguard.core.contract import VARIANT_RESULT_FILE
     from tailguard.core.results import VariantResult
 

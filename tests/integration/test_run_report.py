@@ -20,7 +20,7 @@ from tests.conftest import MLFLOW_URI_VARS
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.components.register.logic import RunSummary, VariantSummary
+from tailguard.components.register.summary import RunSummary, VariantSummary
 from tailguard.components.register.report import decision_note, gate_statuses, run_report_html
 from tailguard.core.report import TORCH_NOTE, zoom_limits
 from tailguard.core.contract import gate_name_tag, gate_tag

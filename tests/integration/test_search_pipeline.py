@@ -248,7 +248,7 @@ def test_build_pipeline_adds_a_search_task_after_validate_and_before_register_wh
 
 
 def test_run_summary_from_dict_reads_searches_as_empty_when_the_json_predates_search():
-    from tailguard.components.register.logic import RunSummary
+    from tailguard.components.register.summary import RunSummary
 
     old = {"parent_run_id": "p", "experiment_id": "1", "source_model": "m", "source_version": "1",
            "optimized_model": "m-optimized", "alias": "production", "promotion_enabled": True, "batch_size": 1,

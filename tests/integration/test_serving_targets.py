@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from tailguard.builder import compile_pipeline
-from tailguard.components.register.logic import (VariantSummary, fastest_on_target, merge_gate_statuses,
-                                                 validated_on, validated_on_text)
+from tailguard.components.register.promotion import fastest_on_target, merge_gate_statuses
+from tailguard.components.register.summary import VariantSummary
+from tailguard.components.register.versions import validated_on, validated_on_text
 from tailguard.components.validate.task import target_check
 from tailguard.core.errors import SpecError
 from tailguard.core.hardware import cpu_facts, expect_mismatches, fact_differences, gpu_capabilities, kernel_facts
@@ -213,7 +214,7 @@ def test_validated_on_lists_each_targets_node_when_registered_and_fits_the_tag_l
 
 
 def test_summary_rows_name_each_targets_verdict_and_alias_when_a_variant_did_not_pass_everywhere():
-    from tailguard.components.register.logic import RunSummary
+    from tailguard.components.register.summary import RunSummary
 
     r = row("a", vnni=(True, 2.0), avx2=(False, 1.0))
     r.targets["avx2"]["status"] = "skipped"

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 import tailguard.terminal as terminal
-from tailguard.components.register.logic import RunSummary, VariantSummary
+from tailguard.components.register.summary import RunSummary, VariantSummary
 from tailguard.runner import GatesStatus, gate_ids, summary_document, summary_rows, worst_slice_cell
 
 OVERALL = "top1_agreement>=0.99@lb95"

@@ -19,7 +19,7 @@ import pytest
 from kfp import dsl
 
 from tailguard.components.images import CPU_IMAGE
-from tailguard.components.register.logic import RunSummary
+from tailguard.components.register.summary import RunSummary
 from tailguard.core.taskio import TIMING_MARKER, task_entry
 from tailguard.runner import task_timings, timings_line
 

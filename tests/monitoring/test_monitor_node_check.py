@@ -218,7 +218,7 @@ def _put_with_digest(uri, tmp_path, digest):
 
 
 def test_run_node_check_mismatches_on_sha256_when_the_candidate_file_is_not_that_versions_model(tmp_path, models):
-    from tailguard.core.cache import file_sha256
+    from tailguard.core.digests import file_sha256
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     _put_with_digest(uri, tmp_path, file_sha256(models["ref"]))  # the version holds the reference file

@@ -3,9 +3,10 @@
 This package's entry (`tailguard.core.spec`) reads, validates, dumps and describes a spec: `load_spec` /
 `parse_spec` / `validate_spec` report every problem with its field path in one pass (`SpecError`, the text
 `tailguard spec check` prints), `dump_spec` / `spec_from_yaml` carry a spec to the pipeline's tasks, and
-`json_schema` is what `tailguard spec schema` prints (docs/spec.schema.json holds a copy; a test keeps it in step).
+`json_schema` is what `tailguard spec schema` prints (docs/spec.schema.json holds a copy; a test keeps it in step),
+and `quantization_preset` builds a validated `QuantizationSpec` from a named preset (`tailguard.core.presets`).
 The models are the truth: `models.py` (the root `Spec` and its sections), `monitor.py` (the `monitoring` section),
-`base.py` (their common base).
+`base.py` (their common base), `reads.py` (what each pipeline step reads of a spec).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import yaml
 from pydantic import ValidationError
 
 from tailguard.core.errors import FieldError, SpecError
+from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.spec.models import (CROSS_FIELD_SEP, NO_PARITY_GATE, PARITY_GATE_EXAMPLE, SKIP_CROSS_FIELD,
-                                        Spec)
+                                        QuantizationSpec, Spec)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -247,3 +249,27 @@ def json_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = "https://tailguard.dev/schemas/tailguard-v1.json"
     return schema
+
+
+# --------------------------------------------------------------------------------------------- presets
+def quantization_preset(name: str, **overrides: Any):
+    """A validated `QuantizationSpec` from a named preset, with field overrides.
+
+    Args:
+        name: a key of QUANTIZATION_PRESETS.
+        **overrides: QuantizationSpec fields that replace the preset's.
+
+    Returns:
+        tailguard.core.spec.models.QuantizationSpec.
+
+    Raises:
+        SpecError: unknown preset name (listing the known ones) or an invalid override.
+    """
+    if name not in QUANTIZATION_PRESETS:
+        raise SpecError([FieldError("quantization.preset", f"unknown preset {name!r}; known: "
+                                                          f"{sorted(QUANTIZATION_PRESETS)}")])
+    try:
+        return QuantizationSpec.model_validate({"preset": name, **overrides})
+    except ValidationError as exc:
+        raise SpecError([FieldError(".".join(map(str, e["loc"])) or "quantization", e["msg"])
+                         for e in exc.errors(include_url=False)], source=f"preset {name}") from None
