@@ -7,7 +7,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages: wordnet-base (the demo's real text), prometheus (promtool for alert-rule tests).
 DEB_PACKAGES := wordnet-base prometheus
 
-.PHONY: demo test test-fast test-latest lock image-locks deb-deps tools benchmark schema golden manifests-spec clean \
+.PHONY: demo test lint test-fast test-latest lock image-locks deb-deps tools benchmark schema golden manifests-spec clean \
 	example-ocr
 
 # The lock: every package of tailguard[dev] (which includes [demo]) pinned with its sha256 hashes, for CPython 3.11
@@ -69,8 +69,12 @@ tools: $(VENV) deb-deps
 demo: $(VENV) deb-deps
 	$(BIN)/tailguard demo
 
-test: $(VENV) tools
+test: $(VENV) tools lint
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# ruff: lint and import order ([tool.ruff] in pyproject.toml); `$(BIN)/ruff check --fix .` repairs what it can.
+lint: $(VENV)
+	$(BIN)/ruff check .
 
 test-fast: $(VENV)
 	$(BIN)/pytest -q -m "not slow and not integration"

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import report_header  # noqa: E402
+from common import report_header
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def parity_table(spec: Any, ds: Any, ref: np.ndarray, name: str, model: Path, ju
                     per_gate[g]["differs"] += 1
                 at = (seq_rec.get(g) or {}).get("decided_at")
                 per_gate[g]["decided_at"].append(at if at is not None else None)
-        for g, rec in per_gate.items():
+        for rec in per_gate.values():
             ats = [a for a in rec["decided_at"] if a is not None]
             rec["decided_at_median"] = float(np.median(ats)) if ats else None
         table[stop] = {"gates": per_gate, "rows_used": used, "rows_used_median": float(np.median(used)),
@@ -170,7 +170,7 @@ def latency_table(spec: Any, ds: Any, fp32: Path, name: str, model: Path, judged
         spec_bs = spec.model_copy(update={"benchmark": bench})
         precise = []
 
-        def one() -> None:
+        def one(bench=bench, spec_bs=spec_bs, bs=bs, precise=precise) -> None:
             t0 = time.perf_counter()
             row = timed(bench, timing_rule(spec_bs, judged_as, baseline="onnx_fp32", target="variant"))[bs]
             precise.append({"ratio": row["speedup_vs_onnx_fp32"], "lower": row.get("speedup_vs_onnx_fp32.lb95"),
@@ -239,7 +239,8 @@ def main() -> None:
     covers = [p["covers"] for t in latency.values() for rec in t.values() for p in rec["precision"]]
     report = {
         **report_header("decisions", threads=0, packages=("onnxruntime", "numpy", "scipy")),
-        "home": str(home), "spec": str(found["spec"]), "variants": {n: str(m) for n, (m, _) in found["variants"].items()},
+        "home": str(home), "spec": str(found["spec"]),
+        "variants": {n: str(m) for n, (m, _) in found["variants"].items()},
         "shuffles": args.shuffles, "load_average_at_start": load_start,
         "method": ("parity: per variant, outputs over all rows computed once; all-rows = validate_variant with "
                    "analysis.sequential.enabled false; shuffle s = validate_variant with sequential.seed s on those "

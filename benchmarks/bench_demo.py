@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pipeline import median, snapshot_trees, tree_env  # noqa: E402
-from common import report_header  # noqa: E402
+from bench_pipeline import median, snapshot_trees, tree_env
+from common import report_header
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.60

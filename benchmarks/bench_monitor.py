@@ -60,6 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.detector import sprt_expected_samples
@@ -67,8 +68,6 @@ from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.service import MonitorService, build_app
-from tailguard.core.spec import parse_spec
-
 
 QUEUE = 100  # overload queue bound (small, so it fills within the run)
 OVERLOAD_RATE = 0.2  # 500 req/s x 0.2 = 100 sampled/s, >= 10x the slow reference's ~4-7 compares/s
@@ -524,7 +523,8 @@ def bench_flood(n, sample_rate=0.05):
             "admit_and_observe_ms": {"flood_p50": float(np.percentile(f, 50)), "flood_p99": float(np.percentile(f, 99)),
                                      "baseline_p50": float(np.percentile(b, 50)),
                                      "baseline_p99": float(np.percentile(b, 99)),
-                                     "p99_ratio_flood_over_baseline": float(np.percentile(f, 99) / np.percentile(b, 99))},
+                                     "p99_ratio_flood_over_baseline":
+                                         float(np.percentile(f, 99) / np.percentile(b, 99))},
             "note": "in-process MonitorEngine.admit (+ observe_values when sampled), timed per call; baseline: the "
                     "same calls with 100 repeating slice values, interleaved in rounds of 10k requests"}
 
@@ -834,7 +834,8 @@ def bench_shadow_throughput(d, duration, rounds=2):
             "no_queue_full_at_1000_rps": open_loop["batched"]["queue_full"] == 0,
             "note": "wrk (2 threads, 32 connections) and the monitor (uvicorn in a thread) share the 2 cores; the "
                     "worker has a backlog of 40,000 sampled requests during the load, so its rate is its capacity "
-                    "under that load. The open-loop load comes from 4 Python client processes (http.client keep-alive, paced)."}
+                    "under that load. The open-loop load comes from 4 Python client processes (http.client "
+                    "keep-alive, paced)."}
 
 
 # ------------------------------------------------------------ derived slices (issue 35)
@@ -986,7 +987,7 @@ def _detector_delays(rows, p_pre, p_post, h, runs, max_rows, burn=500, seed=0, l
         st = SliceStatistics("m", ["top1_agree"], bound, streams_per_request=1, alpha=0.01, horizon=1000,
                              min_support=1, max_request_rows=max_rows)
         st.h = h
-        for i in range(burn):
+        for _ in range(burn):
             if st.update(["s"], {"top1_agree": (rng.random(rows) < p_pre).astype(float)}, 1.0).fired:
                 early += 1
                 break
@@ -1055,8 +1056,8 @@ ROW_WEIGHTED_CASES = (  # (label, slice share, agreement before, after): issue 4
 def bench_row_weighted_delays(runs=200, linear_runs=2000, sizes=(1, 16, 64), default_m=64):
     """Detection delay of the row-weighted detector at 1, 16 and 64 rows per request (M declared = the rows per
     request, and the default M = 64 beside it), against the best valid linear bet (the best fixed lambda on the
-    request's row sum, found by simulation around the growth-optimal one: `_linear_bet_delays`) and Wald's row-level SPRT oracle (rows as
-    if independent) at the same h; every figure over all runs, with its 95% interval."""
+    request's row sum, found by simulation around the growth-optimal one: `_linear_bet_delays`) and Wald's row-level
+    SPRT oracle (rows as if independent) at the same h; every figure over all runs, with its 95% interval."""
     h = _engine_h()
     t0 = time.perf_counter()
     res = []
@@ -1385,7 +1386,8 @@ def _drops_at_rate(minilm_dir, n, rate, sample_rate):
     import subprocess
 
     spec = T.spec_dict({"sample_rate": sample_rate, "seed": 0}, slices=[], name="minilm")
-    spec["model"].update(task="embedding", inputs=[{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
+    spec["model"].update(task="embedding", inputs=[{"name": "input_ids", "dtype": "int64",
+                                                    "shape": ["batch", "sequence"]},
                                                    {"name": "attention_mask", "dtype": "int64",
                                                     "shape": ["batch", "sequence"]}],
                          outputs=[{"name": "embedding", "dtype": "float32", "shape": ["batch", 384]}])

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ratio, report_header  # noqa: E402
+from common import ratio, report_header
 
 REPO = Path(__file__).resolve().parents[1]
 N_FEATURES, HIDDEN, N_CLASSES = 65, 128, 10

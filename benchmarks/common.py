@@ -19,9 +19,9 @@ def prepare_minilm(home_dir: Path, **data_kwargs: Any) -> tuple[Path, dict[str, 
         (spec path, {"validation": path, "calibration": path, "traffic": path}).
     """
     os.environ["TAILGUARD_HOME"] = str(Path(home_dir).resolve())
+    from tailguard.core.home import home, quiet_environment
     from tailguard.demo.data import build_wordnet_datasets
     from tailguard.demo.run import write_demo_spec
-    from tailguard.core.home import home, quiet_environment
 
     quiet_environment()
     work = home() / "bench"
@@ -53,10 +53,10 @@ def run_minilm(spec_path: Path, doc: dict[str, Any]) -> tuple[Any, str, Any, Any
     import mlflow
     import yaml
 
-    from tailguard.demo.run import register_demo_model
-    from tailguard.runner import run_local
     from tailguard.core.spec import load_spec
     from tailguard.core.tracking import tracking_uri_for
+    from tailguard.demo.run import register_demo_model
+    from tailguard.runner import run_local
 
     spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     spec = load_spec(spec_path)

@@ -28,7 +28,7 @@ from tailguard.core.derive import default_derived_slices, derive_values, row_lab
 from tailguard.core.errors import FieldError, InputError, SpecError
 from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
 from tailguard.core.spec.models import SliceSpec, Spec, TensorSpec
-from tailguard.core.spec.monitor import MonitorThreshold, MonitoringSpec
+from tailguard.core.spec.monitor import MonitoringSpec, MonitorThreshold
 
 log = logging.getLogger("tailguard.monitoring")
 
@@ -160,7 +160,8 @@ def _label(value: Any) -> str:
 
 
 def clean_label(text: str) -> tuple[str, bool]:
-    """A slice value made safe for every exporter: valid UTF-8 (lone surrogates, which UTF-8 cannot encode, become "?") and at most MAX_LABEL_CHARS characters (longer ones are cut and end in "~").
+    """A slice value made safe for every exporter: valid UTF-8 (lone surrogates, which UTF-8 cannot encode, become
+    "?") and at most MAX_LABEL_CHARS characters (longer ones are cut and end in "~").
 
     Args:
         text: the group label.

@@ -675,9 +675,9 @@ class SliceStatistics:
         Args:
             keys: the request's slice keys (including "all").
             values: {metric: (rows,) float64 per-row values} for the tracked metrics (a float for a one-row
-                request); a metric left out, or NaN, marks rows without a value of that metric (a candidate failure leaves metrics other
-                than agreement and candidate_error_rate without one); rows whose reference was non-finite must be
-                dropped before.
+                request); a metric left out, or NaN, marks rows without a value of that metric (a candidate failure
+                leaves metrics other than agreement and candidate_error_rate without one); rows whose reference was
+                non-finite must be dropped before.
             weight: sampling weight w = 1/p of the request (each of its rows).
             ratios: per key, pi_slice / p in (0, 1] (sampler.Decision.ratios); None = all 1 (uniform sampling).
             request_index: sequence number recorded in alerts (and as change points).

@@ -52,8 +52,15 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from tailguard.core.errors import InputError
-from tailguard.monitoring.oip import (OIP_ITEMSIZE, SPEC_TO_OIP, OipError, _binary_shape, check_tensors,
-                                      decode_binary, utf8_text)
+from tailguard.monitoring.oip import (
+    OIP_ITEMSIZE,
+    SPEC_TO_OIP,
+    OipError,
+    _binary_shape,
+    check_tensors,
+    decode_binary,
+    utf8_text,
+)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name  # inference.GRPCInferenceService
 MAX_WORKERS = 16  # threads serving RPCs (ingest never waits for a model: a few are enough)

@@ -229,9 +229,9 @@ def run_node_check(ref: str | None, tracking_uri: str | None = None, *,
             if got != digest:
                 return NodeCheck(NodeCheckStatus.MISMATCH.value, here, version=version,
                                  differences={"sha256": {"node": got, "validated": digest}},
-                                 reason=(f"the candidate file {Path(candidate_file).name} (sha256 {got[:12]}...) is not "
-                                         f"the model of {version} (sha256 {digest[:12]}...): fetch that version, or "
-                                         "name the version the file came from"))
+                                 reason=(f"the candidate file {Path(candidate_file).name} (sha256 {got[:12]}...) "
+                                         f"is not the model of {version} (sha256 {digest[:12]}...): fetch that "
+                                         "version, or name the version the file came from"))
     except InputError as exc:
         return NodeCheck(NodeCheckStatus.UNKNOWN.value, here, reason=exc.message)
     except Exception as exc:  # noqa: BLE001 - an unreachable registry must not stop the monitor

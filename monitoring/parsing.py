@@ -24,8 +24,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tailguard.monitoring.oip import (InferRequest, OipError, attach_binary, check_tensors, load_json,
-                                      parse_request, parse_response_output, split_binary)
+from tailguard.monitoring.oip import (
+    InferRequest,
+    OipError,
+    attach_binary,
+    check_tensors,
+    load_json,
+    parse_request,
+    parse_response_output,
+    split_binary,
+)
 
 # Bodies of at least this many bytes are parsed in a worker process: the largest GIL hold of a parse is about
 # 70 ms per MiB on the test machine (an all-zeros JSON body, json.loads + numpy conversion), so a body under

@@ -125,7 +125,7 @@ class SliceCollector:
         tracked = GaugeMetricFamily(p + "slices_tracked", "Slice keys measured now.", labels=["model"])
         tracked.add_metric([snap.model], snap.tracked)
         evicted = CounterMetricFamily(p + "slices_evicted", "Slice keys evicted by the memory bound "
-                                                            "(max_tracked_slices), by table.", labels=["model", "table"])
+                                      "(max_tracked_slices), by table.", labels=["model", "table"])
         for table, n in snap.evicted.items():
             evicted.add_metric([snap.model, table], n)
         cut = CounterMetricFamily(p + "slice_values_cut", "Slice values changed to be exportable (invalid UTF-8 or "

@@ -24,15 +24,15 @@ from rich.text import Text
 from tailguard.core.data import Dataset, load_dataset
 from tailguard.core.derive import load_centroids
 from tailguard.core.errors import EXIT_ALERT, EXIT_OK, InputError, StepError, TailguardError
-from tailguard.monitoring.compare import compare_rows, reference_non_finite
-from tailguard.monitoring.config import MonitorConfig, resolve_config
-from tailguard.monitoring.drift import DriftSnapshots
-from tailguard.monitoring.engine import MonitorEngine
 from tailguard.core.pt2_archive import MONITOR_FIX
 from tailguard.core.runtime import Runner, run_dataset, runner_for_file
 from tailguard.core.spec import load_spec
 from tailguard.core.spec.models import Spec
 from tailguard.core.tokens import IGNORE, NON_FINITE, align, decode_settings, run_token_ids
+from tailguard.monitoring.compare import compare_rows, reference_non_finite
+from tailguard.monitoring.config import MonitorConfig, resolve_config
+from tailguard.monitoring.drift import DriftSnapshots
+from tailguard.monitoring.engine import MonitorEngine
 
 TIMESTAMP_COLUMN = "timestamp"
 # perturb(candidate_outputs (n_sampled, ...), row_indices (n_sampled,), frame) -> candidate_outputs

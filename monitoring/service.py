@@ -92,22 +92,43 @@ from prometheus_client import Counter, Gauge
 from tailguard.core.errors import InputError, TailguardError
 from tailguard.core.home import home
 from tailguard.core.pt2_archive import MONITOR_FIX, check_pt2_archive
-from tailguard.monitoring.combine import (INCOMPLETE_REASONS, WAIT_POLLS, Combiner, PeerError, PollLoop,
-                                          http_fetch, peers_from_dns)
-from tailguard.monitoring.config import (BearerAuth, MonitorConfig, NewValueLimiter, SliceRule, load_auth_token,
-                                         resolve_config)
-from tailguard.monitoring.compare import compare_rows
-from tailguard.monitoring.engine import MonitorEngine
-from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
-from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
-from tailguard.monitoring.oip import (BINARY_HEADER, SPEC_TO_OIP, InferRequest, OipError, check_batch, load_json,
-                                      parse_request, utf8_text)
-from tailguard.monitoring.parsing import BodyParser, ParseLimits, parse_body, parse_half
-from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
-from tailguard.monitoring.sampler import Decision
 from tailguard.core.runtime import Runner, runner_for_file
 from tailguard.core.spec import load_spec
 from tailguard.core.spec.models import Spec
+from tailguard.monitoring.combine import (
+    INCOMPLETE_REASONS,
+    WAIT_POLLS,
+    Combiner,
+    PeerError,
+    PollLoop,
+    http_fetch,
+    peers_from_dns,
+)
+from tailguard.monitoring.compare import compare_rows
+from tailguard.monitoring.config import (
+    BearerAuth,
+    MonitorConfig,
+    NewValueLimiter,
+    SliceRule,
+    load_auth_token,
+    resolve_config,
+)
+from tailguard.monitoring.engine import MonitorEngine
+from tailguard.monitoring.join import CE_TYPES, EntryTooLarge, JoinBuffer
+from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
+from tailguard.monitoring.oip import (
+    BINARY_HEADER,
+    SPEC_TO_OIP,
+    InferRequest,
+    OipError,
+    check_batch,
+    load_json,
+    parse_request,
+    utf8_text,
+)
+from tailguard.monitoring.parsing import BodyParser, ParseLimits, parse_body, parse_half
+from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
+from tailguard.monitoring.sampler import Decision
 
 log = logging.getLogger("tailguard.monitoring.service")
 HEALTH_WINDOW = 20  # /readyz answers 503 while each of a model's last 20 calls failed (error, timeout, bad output)
@@ -930,7 +951,7 @@ class MonitorService:
             refs = self._run_group("reference", group)
             judged = [(it, ref) for it, (ref, reason) in zip(group, refs) if ref is not None]
             failed = [(it, reason) for it, (ref, reason) in zip(group, refs) if ref is None]
-            for it, reason in failed:
+            for _it, reason in failed:
                 self._drop(reason or "reference_error")
             if self.cfg.mon.noise_floor:  # the reference against a second run of itself
                 seconds = self._run_group("reference", [it for it, _ in judged])
@@ -940,7 +961,7 @@ class MonitorService:
                 seconds = [(it.candidate, None) if it.candidate is not None else next(outs) for it, _ in judged]
             shared = self._compare_group(judged, seconds)
             with self._lock:
-                for it, reason in failed:
+                for it, _reason in failed:
                     self.engine.reference_failed(it.keys, it.rows)
                 for n, ((it, ref), (cand, reason)) in enumerate(zip(judged, seconds)):
                     if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):

@@ -39,8 +39,8 @@ from typing import Any, Callable, Collection, Sequence
 import numpy as np
 import pandas as pd
 
-from tailguard.monitoring.prometheus import MonitorMetrics
 from tailguard.core.spec.monitor import MonitorS3Spec
+from tailguard.monitoring.prometheus import MonitorMetrics
 
 log = logging.getLogger("tailguard.monitoring.sink")
 REDACTED = "<redacted>"

@@ -22,8 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tailguard.core.contract import (BACKEND_TAG, PRECISION_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG,
-                                     VARIANT_TAG)
+from tailguard.core.contract import BACKEND_TAG, PRECISION_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, VARIANT_TAG
 from tailguard.core.errors import InputError, StepError
 from tailguard.core.spec.models import Spec
 
@@ -71,7 +70,7 @@ def bench_model(ref: str, spec: Spec, *, tracking_uri: str | None = None, batch_
         StepError: the download or the timing failed (exit 1).
     """
     from tailguard.components.export.task import main as export_main
-    from tailguard.components.register.promotion import apply_paired, compare_passing, PromotionDecision
+    from tailguard.components.register.promotion import PromotionDecision, apply_paired, compare_passing
     from tailguard.components.register.summary import RunSummary, VariantSummary
     from tailguard.components.register.task import baseline_runners
     from tailguard.components.resolve.task import fetch_main

@@ -16,8 +16,7 @@ import typer
 from rich.table import Table
 
 from tailguard.core.contract import GATES_TAG, VARIANT_TAG
-from tailguard.core.errors import (EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, SpecError,
-                              TailguardError)
+from tailguard.core.errors import EXIT_NO_PASSING_VARIANT, EXIT_OK, EXIT_RUNTIME, SpecError, TailguardError
 from tailguard.core.results import PromotionStatus
 
 app = typer.Typer(help="tailguard: quantize/compile models, prove every variant against its FP32 reference per "
@@ -168,9 +167,8 @@ def run(spec: Path = typer.Argument(..., help="Spec YAML file."),
         from tailguard.runner import summary_document
 
         summary_json.write_text(json.dumps(summary_document(summary), indent=2))
-    from tailguard.core.tracking import tracking_uri_for
-
     from tailguard.core.redact import redact_uri
+    from tailguard.core.tracking import tracking_uri_for
 
     uri = redact_uri(tracking_uri_for(s))
     console.print(f"MLflow: {uri}  (parent run {summary.parent_run_id}; log {result.log_path})")

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tailguard.core.digests import artifact_files, file_sha256, files_sha256
 from tailguard.core.contract import FILES_SHA256_TAG, SHA256_TAG
+from tailguard.core.digests import artifact_files, file_sha256, files_sha256
 from tailguard.core.errors import InputError, StepError
+
 # MODEL@ALIAS or MODEL/VERSION, optionally as a models:/ URI. Registered model names may contain "/" and "@" is
 # not allowed in them by MLflow, so the alias form splits at the last "@" and the version form at the last "/".
 _VERSION = re.compile(r"^(?P<name>.+)/(?P<version>\d+)$")

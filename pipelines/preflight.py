@@ -198,9 +198,9 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
     import json
 
     from tailguard.components.export.signature import OutputSig, output_signature_errors
+    from tailguard.core.contract import OUTPUTS_TAG
     from tailguard.core.errors import InputError
     from tailguard.core.tracking import is_local_store, tracking_uri_for
-    from tailguard.core.contract import OUTPUTS_TAG
 
     uri = spec.mlflow.registry_uri or tracking_uri_for(spec)
     later = "the run's export step compares them with the model"

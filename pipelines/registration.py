@@ -23,15 +23,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from tailguard.core.digests import artifact_files_sha256
 from tailguard.core.contract import FILES_SHA256_TAG, FORMAT_TAG, OUTPUTS_TAG, ROLE_TAG, SHA256_TAG
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as _ONNX_INLINE_LIMIT_BYTES
+from tailguard.core.digests import artifact_files_sha256
 from tailguard.core.errors import InputError
 from tailguard.core.home import quiet_environment
 from tailguard.core.pt2_archive import REGISTER_FIX
-from tailguard.core.reference import (DESCRIPTOR_FILE, DESCRIPTOR_SCHEMA, EXPORTED_PROGRAM_FILE, REFERENCE_ARTIFACT,
-                                      STATE_DICT_FILE, import_module_class, load_exported_program, read_state_dict,
-                                      sha256_file)
+from tailguard.core.reference import (
+    DESCRIPTOR_FILE,
+    DESCRIPTOR_SCHEMA,
+    EXPORTED_PROGRAM_FILE,
+    REFERENCE_ARTIFACT,
+    STATE_DICT_FILE,
+    import_module_class,
+    load_exported_program,
+    read_state_dict,
+    sha256_file,
+)
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions
     import onnx

@@ -13,9 +13,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tailguard.core.contract import (BACKEND_TAG, FAILURE_MESSAGE_TAG, GATES_TAG, PARENT_TAG, PRECISION_TAG,
-                                     REASON_TAG, SOURCE_MODEL_TAG, SOURCE_VERSION_TAG, STATUS_TAG, TRIAL_TAG,
-                                     VARIANT_TAG, WORST_SLICE_TAG)
+from tailguard.core.contract import (
+    BACKEND_TAG,
+    FAILURE_MESSAGE_TAG,
+    GATES_TAG,
+    PARENT_TAG,
+    PRECISION_TAG,
+    REASON_TAG,
+    SOURCE_MODEL_TAG,
+    SOURCE_VERSION_TAG,
+    STATUS_TAG,
+    TRIAL_TAG,
+    VARIANT_TAG,
+    WORST_SLICE_TAG,
+)
 from tailguard.core.errors import InputError
 
 

@@ -24,18 +24,27 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
-from tailguard.core.contract import (PARENT_TAG, RUN_DIR_ENV, RUNNER_HOST_TAG, RUNNER_PID_TAG, RUNNER_STARTED_TAG,
-                                     SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, insufficient_reason)
-from tailguard.core.cache import ENV_CACHE
 from tailguard.components.register.summary import RunSummary
-from tailguard.core.reference import MODEL_PATH_ENV
-from tailguard.core.report import timing_cells
+from tailguard.core.cache import ENV_CACHE
+from tailguard.core.contract import (
+    PARENT_TAG,
+    RUN_DIR_ENV,
+    RUNNER_HOST_TAG,
+    RUNNER_PID_TAG,
+    RUNNER_STARTED_TAG,
+    SOURCE_MODEL_TAG,
+    SOURCE_SHA256_TAG,
+    insufficient_reason,
+)
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.core.home import ENV_HOME, home, quiet_environment
+from tailguard.core.reference import MODEL_PATH_ENV
+from tailguard.core.report import timing_cells
 from tailguard.core.results import BuildStatus, GateStatus
 from tailguard.core.spec import dump_spec, load_spec
 from tailguard.core.spec.models import Spec
-from tailguard.core.taskhost import PRELOAD as HOST_PRELOAD, task_host
+from tailguard.core.taskhost import PRELOAD as HOST_PRELOAD
+from tailguard.core.taskhost import task_host
 from tailguard.core.taskio import find_error_records
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
 from tailguard.rerun import earlier_run, write_record
@@ -613,11 +622,11 @@ def target_status(v: VariantSummary) -> str:
 
 def summary_rows(summary: RunSummary) -> list[dict[str, Any]]:
     """Rows of the end-of-run table: variant, status, speedups, p50/p99 ms (text, `core.report.timing_cells`: from
-    the promotion's paired rounds with bounds, else the task's figures marked "*"), agreement and accuracy (overall, from
-    the variant's result; None when not measured), worst slice (`worst_slice_cell`), discovered slices (the worst
+    the promotion's paired rounds with bounds, else the task's figures marked "*"), agreement and accuracy (overall,
+    from the variant's result; None when not measured), worst slice (`worst_slice_cell`), discovered slices (the worst
     significant ones), gates (failed ones by their `gate_ids` id), registered (the version registered, if any) and
-    promoted (only the version the alias, or a per-target alias `<alias>-<target>`, was moved to by this run; "tied" added
-    for a variant the paired rounds could not rank against the fastest). With
+    promoted (only the version the alias, or a per-target alias `<alias>-<target>`, was moved to by this run; "tied"
+    added for a variant the paired rounds could not rank against the fastest). With
     serving targets, the status of a variant that did not pass everywhere names each target's verdict
     (`target_status`)."""
     ids = gate_ids(summary)

@@ -359,8 +359,8 @@ class TriggerState:
         ts = headers.get(TIMESTAMP_HEADER.lower(), "")
         sig = headers.get(SIGNATURE_HEADER.lower(), "")
         if not (delivery and ts and sig):
-            return self.count("bad_signature", 401, "missing_headers", "missing X-MLflow-Delivery-Id/Timestamp/Signature header",
-                              delivery=delivery)
+            return self.count("bad_signature", 401, "missing_headers",
+                              "missing X-MLflow-Delivery-Id/Timestamp/Signature header", delivery=delivery)
         if not verify_signature(self._secret, delivery, ts, body, sig):
             return self.count("bad_signature", 401, "signature_mismatch", "signature does not match", delivery=delivery)
         try:
@@ -368,30 +368,34 @@ class TriggerState:
         except ValueError:
             return self.count("stale", 401, "timestamp_invalid", "timestamp is not Unix seconds", delivery=delivery)
         if skew > self.config.max_clock_skew_s:
-            return self.count("stale", 401, "timestamp_skew", f"timestamp off by {skew:.0f} s (max {self.config.max_clock_skew_s:g})",
+            return self.count("stale", 401, "timestamp_skew",
+                              f"timestamp off by {skew:.0f} s (max {self.config.max_clock_skew_s:g})",
                               delivery=delivery)
         with self._lock:
             if delivery in self.replays:
-                return self.count("replayed", 409, "delivery_replayed", "delivery id already accepted", delivery=delivery)
+                return self.count("replayed", 409, "delivery_replayed", "delivery id already accepted",
+                                  delivery=delivery)
             try:
                 msg = json.loads(body)
                 event = (msg["entity"], msg["action"])
                 data = msg["data"]
             except (ValueError, KeyError, TypeError):
-                return self.count("bad_payload", 400, "not_a_webhook", "body is not an MLflow webhook JSON object", delivery=delivery)
+                return self.count("bad_payload", 400, "not_a_webhook", "body is not an MLflow webhook JSON object",
+                                  delivery=delivery)
             if event != EVENT:
                 self.replays.add(delivery)
                 return self.count("ignored_event", 200, "event_ignored", f"event {'.'.join(map(str, event))} is not "
                                                         f"{'.'.join(EVENT)}", delivery=delivery)
             name, version = (data.get("name"), data.get("version")) if isinstance(data, dict) else (None, None)
             if not isinstance(name, str) or not isinstance(version, (str, int)) or not str(version).isdigit():
-                return self.count("bad_payload", 400, "name_or_version_invalid", "data.name / data.version missing or invalid",
-                                  delivery=delivery)
+                return self.count("bad_payload", 400, "name_or_version_invalid",
+                                  "data.name / data.version missing or invalid", delivery=delivery)
             version = str(version)
             if name not in self.config.models:
                 self.replays.add(delivery)
-                return self.count("unknown_model", 200, "model_not_configured", f"registered model {name!r} is not configured",
-                                  delivery=delivery, model=name, version=version)
+                return self.count("unknown_model", 200, "model_not_configured",
+                                  f"registered model {name!r} is not configured", delivery=delivery, model=name,
+                                  version=version)
             spec_path = self.config.models[name]
             try:
                 key = (name, version, spec_hash(spec_path))
@@ -401,9 +405,9 @@ class TriggerState:
                                   "see the trigger's log", delivery=delivery, model=name, version=version)
             if key in self.launched:
                 self.replays.add(delivery)
-                return self.count("accepted", 200, "already_launched", "already launched for this model version and spec",
-                                  delivery=delivery, model=name, version=version, run_id=self.launched[key],
-                                  started=False)
+                return self.count("accepted", 200, "already_launched",
+                                  "already launched for this model version and spec", delivery=delivery, model=name,
+                                  version=version, run_id=self.launched[key], started=False)
             try:
                 run_id = self.launch(spec_path, name, version)
             except Exception:  # noqa: BLE001 - any launcher failure is a 500 so MLflow retries
@@ -413,8 +417,8 @@ class TriggerState:
             self.launched[key] = str(run_id)
             self.replays.add(delivery)
             self.runs_started.inc()
-            return self.count("accepted", 202, "run_started", "run started", delivery=delivery, model=name, version=version,
-                              run_id=str(run_id), started=True)
+            return self.count("accepted", 202, "run_started", "run started", delivery=delivery, model=name,
+                              version=version, run_id=str(run_id), started=True)
 
 
 def create_app(config: TriggerConfig, *, launch: Launcher | None = None,

@@ -4,10 +4,11 @@
 Each image names what it installs in manifests/images/requirements-<image>.txt (top-level pins, `-r` followed).
 This script takes their dependency closure, as the installed distributions' metadata declares it (`Requires-Dist`,
 markers evaluated for the image's Python on linux x86_64, extras followed) plus tailguard's build backend
-(pyproject.toml [build-system]: the images install tailguard with --no-build-isolation), and copies every distribution's pin and
-sha256 hashes from the project's lock (requirements.lock, made by `make lock` with pip-compile --generate-hashes:
-every file of each pinned version). The Dockerfiles install the result with `pip install --require-hashes
---no-deps`, so a package whose file differs from the locked one is refused and nothing unlisted is installed.
+(pyproject.toml [build-system]: the images install tailguard with --no-build-isolation), and copies every
+distribution's pin and sha256 hashes from the project's lock (requirements.lock, made by `make lock` with
+pip-compile --generate-hashes: every file of each pinned version). The Dockerfiles install the result with
+`pip install --require-hashes --no-deps`, so a package whose file differs from the locked one is refused and
+nothing unlisted is installed.
 
 Run it with the project's virtualenv (installed from requirements.lock, so its metadata is the lock's):
 
@@ -99,7 +100,6 @@ def build_requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """Normalized names of pyproject.toml's [build-system] requires: the images install tailguard itself with
     --no-build-isolation, so its build backend comes from the hashed lock too."""
     import tomllib
-
     from packaging.requirements import Requirement
 
     return [norm(Requirement(r).name) for r in tomllib.loads(pyproject.read_text())["build-system"]["requires"]]

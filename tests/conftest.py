@@ -1,4 +1,5 @@
-"""Shared test setup: no telemetry, offline model hubs, MLflow URIs that do not leak, a private $TAILGUARD_HOME fixture."""
+"""Shared test setup: no telemetry, offline model hubs, MLflow URIs that do not leak, a private $TAILGUARD_HOME
+fixture."""
 
 import os
 
@@ -9,8 +10,8 @@ for _k, _v in {"MLFLOW_DISABLE_TELEMETRY": "true", "GX_ANALYTICS_ENABLED": "fals
 
 import pytest  # noqa: E402
 
+from tailguard.core.hardware import gpu_unavailable_reason  # noqa: E402
 from tailguard.core.runtime import tensorrt_unavailable_reason  # noqa: E402
-from tailguard.core.hardware import gpu_unavailable_reason
 
 
 def pytest_collection_modifyitems(config, items):

@@ -101,8 +101,9 @@ def _version(pkg: str) -> str | None:
 # --------------------------------------------------------------------------------------------- inputs
 def write_tiny_bundle(out: Path, *, rows: int = 240, seed: int = 0) -> Path:
     """A bundle with a 2-layer random-weight MeanPooledEncoder (vocab 120, width 32) and `rows` synthetic rows with
-    the demo's metadata columns, for the CPU dry run (tests/integration/test_gpu_bench.py), with the demo spec's parity gates (its latency gate
-    is dropped: a p99 on a loaded test machine would decide the dry run). Returns the folder."""
+    the demo's metadata columns, for the CPU dry run (tests/integration/test_gpu_bench.py), with the demo spec's
+    parity gates (its latency gate is dropped: a p99 on a loaded test machine would decide the dry run). Returns the
+    folder."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
@@ -184,8 +185,8 @@ def ort_fp32_runner(factory: Any, spec: Any, example: dict[str, np.ndarray], out
     whose workers never spin-wait (`OrtRunner(allow_spinning=False)`: spinning workers slow the torch runs timed in
     the same rounds; the validate step times torch variants beside the same kind of session)."""
     from tailguard.components.export.logic import export_onnx
-    from tailguard.core.runtime import OrtRunner
     from tailguard.components.quantize.registry import get_builder
+    from tailguard.core.runtime import OrtRunner
 
     variant = next(v for v in spec.variants if v.name == ORT)
     export_onnx(factory(), spec.model, example, out / "fp32" / "model.onnx")
@@ -306,8 +307,8 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
     import torch
 
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.core.digests import file_sha256
     from tailguard.core.data import load_dataset
+    from tailguard.core.digests import file_sha256
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset
     from tailguard.core.spec.models import BenchmarkSpec
@@ -468,11 +469,9 @@ def run_quick(bundle: Path, device: str, variants: list[BenchVariant], work: Pat
     Returns:
         The final report (also passed to `write`).
     """
-    import torch
-
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.core.digests import file_sha256
     from tailguard.core.data import load_dataset
+    from tailguard.core.digests import file_sha256
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset
     from tailguard.core.spec.models import BenchmarkSpec

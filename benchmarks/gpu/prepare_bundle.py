@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from tailguard.core.digests import file_sha256
     from tailguard.core.data import load_dataset
+    from tailguard.core.digests import file_sha256
     from tailguard.core.runtime import TorchRunner, run_dataset
+    from tailguard.core.spec import load_spec
     from tailguard.demo.data import build_wordnet_datasets
     from tailguard.demo.run import demo_spec_text
     from tailguard.models import MeanPooledEncoder, minilm_init_kwargs, minilm_state_dict
-    from tailguard.core.spec import load_spec
 
     with tempfile.TemporaryDirectory() as tmp:
         data = build_wordnet_datasets(Path(tmp) / "data", n_validation=args.rows, n_calibration=8, n_traffic=8)

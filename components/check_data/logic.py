@@ -39,7 +39,8 @@ from tailguard.core.home import quiet_environment
 if TYPE_CHECKING:
     from tailguard.core.spec.models import DatasetSpec, Spec
 
-from tailguard.core.contract import DATA_CHECK_FILE  # noqa: E402
+from tailguard.core.contract import DATA_CHECK_FILE
+
 DATASETS = ("calibration", "validation")
 _PARTIAL = 10  # unexpected values kept per expectation in the report
 _INDEX_KEY = "tailguard_index"

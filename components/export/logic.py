@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB
 from tailguard.core.errors import ExportMismatchError, InputError, StepError
 from tailguard.core.runtime import OrtRunner, Runner
-
-from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # noqa: E402  protobuf's 2 GiB limit
 
 if TYPE_CHECKING:
     from tailguard.core.spec.models import ModelSpec
@@ -208,7 +207,7 @@ def _export_dynamo(module: Any, args: tuple, spec: ModelSpec, axes: dict[str, di
 
     dims: dict[str, Any] = {}
     dynamic_shapes: dict[str, dict[int, Any]] = {}
-    for t, a in zip(spec.inputs, args):
+    for t, _ in zip(spec.inputs, args):
         per_axis = {}
         for i, name in axes.get(t.name, {}).items():
             per_axis[i] = dims.setdefault(name, torch.export.Dim(name, min=2))
@@ -301,8 +300,11 @@ def check_declared_outputs(onnx_path: str | Path, spec: ModelSpec, feeds: Mappin
         SpecError: every mismatch, e.g. "model.outputs.0.shape: logits is declared [batch, 16] but the ONNX graph
             gives [batch, 15]", with the fix ("declare logits: [batch, 15]") as hint (exit 2).
     """
-    from tailguard.components.export.signature import (array_output_signature, check_output_signature,
-                                                       onnx_output_signature)
+    from tailguard.components.export.signature import (
+        array_output_signature,
+        check_output_signature,
+        onnx_output_signature,
+    )
 
     graph = onnx_output_signature(onnx_path)
     check_output_signature(spec.outputs, graph, what="the ONNX graph", source=source)

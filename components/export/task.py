@@ -107,8 +107,8 @@ def _export(spec: Spec, resolved: ResolvedModel, out: Path) -> dict[str, Any]:
         facts["warnings"] = []
         write_json(out / EXPORT_FACTS_FILE, facts)
         return facts
-    from tailguard.core.reference import load_torch_reference
     from tailguard.core.data import load_validation
+    from tailguard.core.reference import load_torch_reference
     from tailguard.core.runtime import TorchRunner
 
     module = load_torch_reference(resolved, spec.model)

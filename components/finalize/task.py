@@ -25,8 +25,8 @@ def main(*, spec_yaml: str, tracking_uri: str, kfp_run: str, state: str, error_m
     """
     import mlflow
 
-    from tailguard.core.spec import spec_from_yaml
     from tailguard.core.contract import FAILURE_MESSAGE_TAG, KFP_RUN_TAG
+    from tailguard.core.spec import spec_from_yaml
     from tailguard.core.tracking import configure, experiment_name_for, fail_parent_run
 
     spec = spec_from_yaml(spec_yaml)

@@ -47,14 +47,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tailguard.components.quantize.calibration import _quantize_static, _write_calibration
-from tailguard.components.quantize.diagnostics import (FUSED_OP_TYPES, _coverage, attention_quantization_warnings,
-                                                       export_warnings, fusion_warnings)
-from tailguard.components.quantize.onnx_files import (_check_inputs, _graph, _has_contrib_ops, _jsonable, _large,
-                                                      _load_check, _op_counts, _quant_type, _save_proto,
-                                                      _save_self_contained, _summary)
+from tailguard.components.quantize.diagnostics import (
+    FUSED_OP_TYPES,
+    _coverage,
+    attention_quantization_warnings,
+    export_warnings,
+    fusion_warnings,
+)
+from tailguard.components.quantize.onnx_files import (
+    _check_inputs,
+    _graph,
+    _has_contrib_ops,
+    _jsonable,
+    _large,
+    _load_check,
+    _op_counts,
+    _quant_type,
+    _save_proto,
+    _save_self_contained,
+    _summary,
+)
 from tailguard.components.quantize.registry import register_builder
-from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # protobuf's 2 GiB limit
+from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.errors import InputError
 from tailguard.core.results import BuildResult
 
@@ -159,7 +174,8 @@ def _build_ort(variant: VariantSpec, fp32: Path, target: Path, calibration: Data
                 before = optimization_levels(variant)[0]
                 return (f"variant {variant.name}: quantization.exclude_nodes {bad} are not nodes of the graph "
                         f"being quantized (after graph optimization level {before!r} before quantization"
-                        f"{', quant_pre_process' if details.get('preprocess', {}).get('ran') else ''}); use node names of that graph "
+                        f"{', quant_pre_process' if details.get('preprocess', {}).get('ran') else ''}); "
+                        "use node names of that graph "
                         "or set graph_optimization.level: disabled")
             quantized = tmp / "quantized.onnx"
             if q.mode == "dynamic":

@@ -183,8 +183,12 @@ def _dynamic_base(q: QuantizationSpec, src: Path) -> tuple[Any, dict[str, Any]]:
     """
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization.onnx_model import ONNXModel
-    from onnxruntime.quantization.quant_utils import (QuantizationMode, load_model_with_shape_infer,
-                                                      save_and_reload_model_with_shape_infer, update_opset_version)
+    from onnxruntime.quantization.quant_utils import (
+        QuantizationMode,
+        load_model_with_shape_infer,
+        save_and_reload_model_with_shape_infer,
+        update_opset_version,
+    )
     from onnxruntime.quantization.registry import IntegerOpsRegistry
 
     from .onnxruntime_builder import _dynamic_options

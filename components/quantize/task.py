@@ -14,10 +14,9 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tailguard.core.contract import ONNX_FILE  # export's output file
 from tailguard.core.results import BuildStatus
 from tailguard.core.taskio import task_entry, write_json
-
-from tailguard.core.contract import ONNX_FILE  # export's output file
 
 if TYPE_CHECKING:
     from tailguard.core.reference import ResolvedModel
@@ -220,10 +219,10 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
     out.mkdir(parents=True, exist_ok=True)
 
     def build() -> dict[str, Any]:
+        from tailguard.components.quantize.registry import get_builder
         from tailguard.core.data import load_calibration
         from tailguard.core.hardware import node_facts
         from tailguard.core.reference import load_torch_reference
-        from tailguard.components.quantize.registry import get_builder
 
         result = get_builder("compile.torch")(variant, lambda: load_torch_reference(resolved, spec.model), out,
                                            calibration=load_calibration(spec), model=spec.model,
@@ -275,8 +274,7 @@ def _sensitivity(spec, variant, fp32_onnx: Path, out: Path, calibration) -> None
     Variants with a search get the same ranking from the search task instead."""
     import tempfile
 
-    from tailguard.components.quantize.sensitivity import write_sensitivity_artifacts
-    from tailguard.components.quantize.sensitivity import node_sensitivity
+    from tailguard.components.quantize.sensitivity import node_sensitivity, write_sensitivity_artifacts
     from tailguard.core.data import load_calibration
 
     rows = calibration if calibration is not None else load_calibration(spec)

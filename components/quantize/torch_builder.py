@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from tailguard.core.results import BuildResult
 from tailguard.components.quantize.registry import register_builder
+from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from tailguard.core.data import Dataset

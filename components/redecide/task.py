@@ -98,8 +98,13 @@ def log_decided(client: Any, exp_id: str, spec: Any, parent_run_id: str, d: Deci
 
     import mlflow
 
-    from tailguard.components.validate.task import (flat_params, log_coverage, log_validated_model,
-                                                    log_variant_result, variant_run_tags)
+    from tailguard.components.validate.task import (
+        flat_params,
+        log_coverage,
+        log_validated_model,
+        log_variant_result,
+        variant_run_tags,
+    )
     from tailguard.core.contract import ARTIFACT_FINGERPRINT_TAG, REASON_TAG
     from tailguard.core.results import BuildResult, VariantResult
     from tailguard.core.tracking import closing_run

@@ -6,14 +6,20 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tailguard.core.contract import (BASELINES_FILE, COVERAGE_CSV, COVERAGE_JSON, ONNX_FILE, REFERENCE_FILE,
-                                     baseline_metrics)
+from tailguard.core.contract import (
+    BASELINES_FILE,
+    COVERAGE_CSV,
+    COVERAGE_JSON,
+    ONNX_FILE,
+    REFERENCE_FILE,
+    baseline_metrics,
+)
 from tailguard.core.taskio import task_entry, write_json
 
 if TYPE_CHECKING:
+    from tailguard.core.data import Dataset
     from tailguard.core.reference import ResolvedModel
     from tailguard.core.spec.models import Spec
-    from tailguard.core.data import Dataset
 
 
 
@@ -129,8 +135,8 @@ def _write_coverage(spec: Spec, validation: Dataset, out: Path) -> None:
     """calibration_coverage.csv and .json per declared slice (nothing without slices)."""
     if not spec.slices:
         return
-    from tailguard.components.reference.logic import coverage_metrics
     from tailguard.components.reference.coverage import calibration_coverage
+    from tailguard.components.reference.logic import coverage_metrics
     from tailguard.core.data import load_calibration
 
     table = calibration_coverage(spec.slices, load_calibration(spec), validation)

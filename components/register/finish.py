@@ -10,8 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.components.register.logic import register_and_promote
-from tailguard.core.contract import (COVERAGE_CSV, COVERAGE_JSON, OUTCOME_TAG, PROMOTED_VARIANT_TAG,
-                                     PROMOTED_VERSION_TAG, baseline_metrics)
+from tailguard.core.contract import (
+    COVERAGE_CSV,
+    COVERAGE_JSON,
+    OUTCOME_TAG,
+    PROMOTED_VARIANT_TAG,
+    PROMOTED_VERSION_TAG,
+    baseline_metrics,
+)
 from tailguard.core.results import PromotionStatus, RunOutcome
 
 

@@ -29,18 +29,56 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
-from tailguard.components.register.promotion import (_holder_row, apply_paired, compare_passing, decide_promotion,
-                                                     fastest_on_target, latency_gate_contradictions, log_paired_metrics,
-                                                     merge_gate_statuses, promote)
-from tailguard.components.register.summary import (RunSummary, VariantSummary, _search_json, coverage_warnings,
-                                                   numerics_warnings, read_variant_result, target_entry)
-from tailguard.components.register.versions import (Registration, _record_nodes, backend_tags, register_artifact_folder,
-                                                    registration_policy, validated_on, validated_on_text,
-                                                    versions_by_sha256)
-from tailguard.core.contract import (ALIAS_AT_START_TAG, BACKEND_TAG, GATES_TAG, PRECISION_TAG, RUN_ID_TAG,
-                                     SEARCH_OF_TAG, SHA256_TAG, SOURCE_MODEL_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG,
-                                     SPEC_SHA256_TAG, TARGET_ALIASES_TAG, TARGET_TAG, TRIAL_RUN_TAG, VALIDATED_ON_TAG,
-                                     VARIANT_RESULT_FILE, VARIANT_TAG, searched_name)
+from tailguard.components.register.promotion import (
+    _holder_row,
+    apply_paired,
+    compare_passing,
+    decide_promotion,
+    fastest_on_target,
+    latency_gate_contradictions,
+    log_paired_metrics,
+    merge_gate_statuses,
+    promote,
+)
+from tailguard.components.register.summary import (
+    RunSummary,
+    VariantSummary,
+    _search_json,
+    coverage_warnings,
+    numerics_warnings,
+    read_variant_result,
+    target_entry,
+)
+from tailguard.components.register.versions import (
+    Registration,
+    _record_nodes,
+    backend_tags,
+    register_artifact_folder,
+    registration_policy,
+    validated_on,
+    validated_on_text,
+    versions_by_sha256,
+)
+from tailguard.core.contract import (
+    ALIAS_AT_START_TAG,
+    BACKEND_TAG,
+    GATES_TAG,
+    PRECISION_TAG,
+    RUN_ID_TAG,
+    SEARCH_OF_TAG,
+    SHA256_TAG,
+    SOURCE_MODEL_TAG,
+    SOURCE_SHA256_TAG,
+    SOURCE_VERSION_TAG,
+    SPEC_SHA256_TAG,
+    TARGET_ALIASES_TAG,
+    TARGET_TAG,
+    TRIAL_RUN_TAG,
+    VALIDATED_ON_TAG,
+    VARIANT_RESULT_FILE,
+    VARIANT_TAG,
+    searched_name,
+)
 from tailguard.core.reference import alias_version
 from tailguard.core.results import BuildStatus, GatesVerdict, PromotionStatus, VariantResult
 

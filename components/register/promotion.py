@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tailguard.components.register.summary import VariantSummary, read_variant_result
-from tailguard.core.contract import (ALIAS_VERSION_TAG, PROMOTION_REASON_TAG, PROMOTION_TAG, RUN_ID_TAG, SHA256_TAG,
-                                     SOURCE_VERSION_TAG, SUPERSEDED_BY_TAG)
+from tailguard.core.contract import (
+    ALIAS_VERSION_TAG,
+    PROMOTION_REASON_TAG,
+    PROMOTION_TAG,
+    RUN_ID_TAG,
+    SHA256_TAG,
+    SOURCE_VERSION_TAG,
+    SUPERSEDED_BY_TAG,
+)
 from tailguard.core.reference import alias_version
 from tailguard.core.results import BuildStatus, GateStatus, PromotionStatus, VariantResult
 
@@ -189,9 +196,9 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
     corrected for the looks (`latency.speed_ratio` at `look_confidence(0.95, looks)`, paired bootstrap); timing
     stops when every ratio's lower bound is above 1 + margin (confident) or its upper bound below it (within the
     margin), else at the budget (`benchmark.max_seconds`, but never before `latency.DECISION_MIN_ROUNDS` rounds:
-    torch eager in the rounds must not spend the budget before anything may be decided). With a single passing variant it stops once its speed-up over each baseline is
-    known within `benchmark.precision` (default 0.05; `latency.precision_reached`). The baselines never lead and
-    are never promoted.
+    torch eager in the rounds must not spend the budget before anything may be decided). With a single passing variant
+    it stops once its speed-up over each baseline is known within `benchmark.precision` (default 0.05;
+    `latency.precision_reached`). The baselines never lead and are never promoted.
 
     Args:
         spec: the spec (benchmark, model inputs, data.validation, analysis.bootstrap).
@@ -222,8 +229,7 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
     from tailguard.core.data import load_validation
     from tailguard.core.errors import TailguardError
     from tailguard.core.hardware import CpuPressure
-    from tailguard.core.latency import (DECISION_MIN_ROUNDS, interleaved_benchmark, precision_reached,
-                                        speed_ratio)
+    from tailguard.core.latency import DECISION_MIN_ROUNDS, interleaved_benchmark, precision_reached, speed_ratio
     from tailguard.core.runtime import TIMED_ORT_SESSION, runner_for_file, timed_ort_runner
     from tailguard.core.stats import look_confidence
 

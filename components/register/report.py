@@ -16,10 +16,24 @@ import pandas as pd
 
 from tailguard.core.contract import GATE_NAME_PREFIX, NOTE_TAG, REPORT_ERROR_TAG, RUN_REPORT_FILE
 from tailguard.core.metrics import higher_is_better
+from tailguard.core.report import (
+    CSS,
+    TASK_MARK,
+    TASK_NOTE,
+    TIMING_COLUMNS,
+    TORCH_NOTE,
+    html_table,
+    img_tag,
+    key_metric,
+    markdown_text,
+    no_mathtext,
+    png_base64,
+    rounds_line,
+    timing_cells,
+    value_text,
+    zoom_limits,
+)
 from tailguard.core.results import BuildStatus, GateStatus, PromotionStatus
-from tailguard.core.report import (CSS, TASK_MARK, TASK_NOTE, TIMING_COLUMNS, TORCH_NOTE, html_table, img_tag,
-                                   key_metric, markdown_text, no_mathtext, png_base64, rounds_line, timing_cells,
-                                   value_text, zoom_limits)
 
 MAX_HEAT_ROWS = 40  # slice groups in the heat map (the worst ones across variants)
 GATE_NAME_NOTE = ("Gate names are the spec's gate keys (metric, bound, @bs batch size, @lb95/@ub95 confidence "

@@ -11,8 +11,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tailguard.core.contract import (HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG, TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG,
-                                     VARIANT_RESULT_FILE)
+from tailguard.core.contract import (
+    HW_CPU_TAG,
+    HW_GPU_TAG,
+    HW_ISA_TAG,
+    TARGET_CHECK_TAG,
+    TARGET_PLACEMENT_TAG,
+    VARIANT_RESULT_FILE,
+)
 from tailguard.core.results import BuildStatus, PromotionStatus, ResultFormatError, VariantResult
 
 if TYPE_CHECKING:

@@ -10,8 +10,16 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from tailguard.components.register.summary import VariantSummary, node_of
-from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, COMPILE_TAG, CUDA_GRAPHS_TAG, DEVICE_TAG,
-                                     EXECUTION_PROVIDER_TAG, FILES_SHA256_TAG, SHA256_TAG, VALIDATED_ON_TAG)
+from tailguard.core.contract import (
+    ARTIFACT_FINGERPRINT_TAG,
+    COMPILE_TAG,
+    CUDA_GRAPHS_TAG,
+    DEVICE_TAG,
+    EXECUTION_PROVIDER_TAG,
+    FILES_SHA256_TAG,
+    SHA256_TAG,
+    VALIDATED_ON_TAG,
+)
 
 if TYPE_CHECKING:
     from tailguard.core.spec.models import VariantSpec

@@ -7,11 +7,22 @@ import hashlib
 import os
 from typing import Any
 
-from tailguard.core.contract import (ALIAS_AT_START_TAG, KFP_RUN_TAG, LABEL_TAG_PREFIX, PARENT_TAG, RUNNER_HOST_TAG,
-                                     RUNNER_PID_TAG, RUNNER_STARTED_TAG, SOURCE_FORMAT_TAG, SOURCE_MODEL_TAG,
-                                     SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SPEC_SHA256_TAG, SPEC_TAG)
+from tailguard.core.contract import (
+    ALIAS_AT_START_TAG,
+    KFP_RUN_TAG,
+    LABEL_TAG_PREFIX,
+    PARENT_TAG,
+    RUNNER_HOST_TAG,
+    RUNNER_PID_TAG,
+    RUNNER_STARTED_TAG,
+    SOURCE_FORMAT_TAG,
+    SOURCE_MODEL_TAG,
+    SOURCE_SHA256_TAG,
+    SOURCE_VERSION_TAG,
+    SPEC_SHA256_TAG,
+    SPEC_TAG,
+)
 from tailguard.core.reference import alias_version
-
 
 # Set by the local runner (tailguard.runner.run_local) in the environment its tasks inherit; recorded on the parent
 # run so that a later local run can tell a run whose runner died (kill -9) from one still going. Absent on a cluster.

@@ -60,15 +60,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pandas as pd
 
+from tailguard.components.quantize.sensitivity import TOP_SENSITIVITY, node_sensitivity, write_sensitivity_artifacts
 from tailguard.components.validate.logic import ValidationResult
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.results import BuildStatus, GateStatus, json_ready, number_or_none
 from tailguard.core.spec.models import NAME_RE, SearchSpec, Spec, VariantSpec
-
-from tailguard.components.quantize.sensitivity import (TOP_SENSITIVITY, node_sensitivity,
-                                                       write_sensitivity_artifacts)
 
 if TYPE_CHECKING:
     from tailguard.core.spec.models import QuantizationSpec
@@ -208,8 +206,8 @@ class SearchResult:
         trials = []
         for rec, t in zip(self.pareto().to_dict("records"), self.trials):
             rec = {k: json_ready(v, nan_as_none=True) for k, v in rec.items()}
-            rec.update(excluded_nodes=list(t.config.get("excluded_nodes", [])), config=json_ready(t.config, nan_as_none=True),
-                       model_path=t.model_path)
+            rec.update(excluded_nodes=list(t.config.get("excluded_nodes", [])),
+                       config=json_ready(t.config, nan_as_none=True), model_path=t.model_path)
             trials.append(rec)
         sens = [{k: json_ready(v, nan_as_none=True) for k, v in r.items()}
                 for r in self.sensitivity.head(TOP_SENSITIVITY).to_dict("records")]

@@ -28,17 +28,30 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tailguard.core.contract import (BACKEND_TAG, GATES_TAG, PRECISION_TAG, REASON_TAG, SEARCH_ARTIFACT_PATH,
-                                     SEARCH_OF_TAG, SEARCH_STOPPED_TAG, SEARCH_TAG, STATUS_TAG, TRIAL_NAME_TAG,
-                                     TRIAL_RUN_TAG, TRIAL_TAG, VARIANT_TAG, searched_name)
+from tailguard.core.contract import (
+    BACKEND_TAG,
+    GATES_TAG,
+    PRECISION_TAG,
+    REASON_TAG,
+    SEARCH_ARTIFACT_PATH,
+    SEARCH_OF_TAG,
+    SEARCH_STOPPED_TAG,
+    SEARCH_TAG,
+    STATUS_TAG,
+    TRIAL_NAME_TAG,
+    TRIAL_RUN_TAG,
+    TRIAL_TAG,
+    VARIANT_TAG,
+    searched_name,
+)
 from tailguard.core.results import BuildStatus, GatesVerdict
 from tailguard.core.taskio import task_entry, write_json
 from tailguard.core.tracking import closing_run
 
 if TYPE_CHECKING:
     from tailguard.components.search.logic import Trial
-    from tailguard.core.spec.models import Spec, VariantSpec
     from tailguard.core.data import Dataset
+    from tailguard.core.spec.models import Spec, VariantSpec
 
 
 class SearchStatus(StrEnum):
@@ -247,9 +260,9 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
     """
     import mlflow
 
-    from tailguard.core.contract import ONNX_FILE, REFERENCE_FILE
     from tailguard.components.search.logic import run_search, write_search_artifacts
     from tailguard.components.validate.task import load_reference_outputs, parse_baselines
+    from tailguard.core.contract import ONNX_FILE, REFERENCE_FILE
     from tailguard.core.data import load_calibration, load_validation
     from tailguard.core.errors import StepError
     from tailguard.core.spec import spec_from_yaml

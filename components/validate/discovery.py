@@ -79,10 +79,9 @@ import pandas as pd
 
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
-from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
-
 from tailguard.core.parity import row_source
 from tailguard.core.slices import NULL, slice_groups, value_label
+from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
 from tailguard.core.stats import benjamini_hochberg, fisher_exact_greater, mann_whitney_u_greater, rank_with_ties
 
 MAX_PAIR_CANDIDATES = 5000  # pair candidates tested at most (the largest by support); see the module docstring

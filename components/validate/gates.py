@@ -69,22 +69,21 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import numpy as np
 import pandas as pd
 
-from tailguard.core.errors import InputError
-from tailguard.core.metrics import higher_is_better, metric as catalogue_metric
-from tailguard.core.spec.models import BATCHED_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
-
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
-from tailguard.core.spec.models import BUILD_METRICS
-
+from tailguard.core.errors import InputError
+from tailguard.core.metrics import higher_is_better
+from tailguard.core.metrics import metric as catalogue_metric
+from tailguard.core.parity import aggregate
 from tailguard.core.results import GateStatus, number_or_none
+from tailguard.core.spec.models import BATCHED_METRICS, BUILD_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
 from tailguard.core.stats import Side, newcombe_paired_bound
 
 from .intervals import method_words, metric_bound
-from tailguard.core.parity import aggregate
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .discovery import DiscoveryResult
     from tailguard.core.slices import SliceGroup
+
+    from .discovery import DiscoveryResult
 
 @dataclass
 class GateResult:
@@ -475,7 +474,8 @@ def build_metrics(model_path: Any) -> dict[str, float]:
 
     Returns:
         {"quantized_mac_fraction": float in [0, 1]} from the model's metadata_props[QUANTIZATION_COVERAGE_KEY]
-        (written by components/quantize/onnxruntime_builder.py; MACs per sample, formulas in components/quantize/macs.py);
+        (written by components/quantize/onnxruntime_builder.py; MACs per sample, formulas in
+        components/quantize/macs.py);
         {} when the file has no such entry (fp32/fp16 variants, models built before it existed) or the value is
         not a number.
 

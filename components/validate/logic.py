@@ -73,20 +73,24 @@ import numpy as np
 import pandas as pd
 
 from tailguard.core.data import Dataset
+from tailguard.core.derive import (
+    CENTROIDS_FILE,
+    derive_dataset,
+    fit_centroids,
+    monitored_default_slices,
+    save_centroids,
+)
 from tailguard.core.errors import InputError
-from tailguard.core.runtime import Runner, run_dataset
-from tailguard.core.spec.models import Spec
-from tailguard.core.results import GateStatus
-from tailguard.core.taskio import json_default
-
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark, peak_rss_mb
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
-from tailguard.core.tokens import align, decode_settings, run_token_ids
 from tailguard.core.report import key_metric
-from tailguard.core.derive import (CENTROIDS_FILE, derive_dataset, fit_centroids, monitored_default_slices,
-                                   save_centroids)
+from tailguard.core.results import GateStatus
+from tailguard.core.runtime import Runner, run_dataset
 from tailguard.core.slices import per_slice_table, slice_groups
+from tailguard.core.spec.models import Spec
+from tailguard.core.taskio import json_default
+from tailguard.core.tokens import align, decode_settings, run_token_ids
 
 from .gates import GateResult, all_passed, build_metrics, evaluate_gates
 from .report import write_report

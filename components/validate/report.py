@@ -12,8 +12,17 @@ import numpy as np
 import pandas as pd
 
 from tailguard.core.metrics import higher_is_better
-from tailguard.core.report import (CSS, TORCH_NOTE, html_table, img_tag, key_metric, no_mathtext, png_base64,
-                                   value_text, zoom_limits)
+from tailguard.core.report import (
+    CSS,
+    TORCH_NOTE,
+    html_table,
+    img_tag,
+    key_metric,
+    no_mathtext,
+    png_base64,
+    value_text,
+    zoom_limits,
+)
 from tailguard.core.results import GateStatus
 
 if TYPE_CHECKING:

@@ -12,12 +12,30 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tailguard.core.contract import (ARTIFACT_FINGERPRINT_TAG, BACKEND_TAG, COVERAGE_TAG, DISCOVERED_TAG,
-                                     FILES_SHA256_TAG, GATES_TAG, MODEL_URI_TAG, NUMERICS_TAG, PRECISION_TAG,
-                                     REASON_TAG, SHA256_TAG, STATUS_TAG,
-                                     TARGET_CHECK_TAG, TARGET_PLACEMENT_TAG, TARGET_TAG, VALIDATION_RESULT_FILE,
-                                     VARIANT_RESULT_FILE, VARIANT_TAG, WORST_SLICE_TAG, gate_name_tag, gate_tag)
-from tailguard.core.results import BuildStatus, GatesVerdict, BuildResult, VariantResult
+from tailguard.core.contract import (
+    ARTIFACT_FINGERPRINT_TAG,
+    BACKEND_TAG,
+    COVERAGE_TAG,
+    DISCOVERED_TAG,
+    FILES_SHA256_TAG,
+    GATES_TAG,
+    MODEL_URI_TAG,
+    NUMERICS_TAG,
+    PRECISION_TAG,
+    REASON_TAG,
+    SHA256_TAG,
+    STATUS_TAG,
+    TARGET_CHECK_TAG,
+    TARGET_PLACEMENT_TAG,
+    TARGET_TAG,
+    VALIDATION_RESULT_FILE,
+    VARIANT_RESULT_FILE,
+    VARIANT_TAG,
+    WORST_SLICE_TAG,
+    gate_name_tag,
+    gate_tag,
+)
+from tailguard.core.results import BuildResult, BuildStatus, GatesVerdict, VariantResult
 from tailguard.core.spec.models import target_task_name
 from tailguard.core.taskio import task_entry, write_json
 
@@ -296,8 +314,8 @@ def measurement_parts(spec: Spec, variant: VariantSpec, model_file: Path,
         The parts, or None when the validation file cannot be hashed (a remote URI): then nothing is cached.
     """
     from tailguard.core.cache import dataset_parts
-    from tailguard.core.digests import dir_sha256, file_sha256
     from tailguard.core.contract import ONNX_FILE
+    from tailguard.core.digests import dir_sha256, file_sha256
     from tailguard.core.hardware import node_facts
 
     validation = dataset_parts(spec.data.validation)
@@ -497,8 +515,8 @@ def tensorrt_expected_fingerprint(build: dict[str, Any], reference_model_dir: st
         MissingDependencyError: no TensorRT / CUDA here.
     """
     from tailguard.core.artifacts import config_sha256
-    from tailguard.core.digests import file_sha256
     from tailguard.core.contract import ONNX_FILE
+    from tailguard.core.digests import file_sha256
     from tailguard.core.errors import InputError
     from tailguard.core.runtime import tensorrt_device_facts
 

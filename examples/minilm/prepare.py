@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tailguard.demo.data import build_wordnet_datasets
 from tailguard.core.errors import TailguardError
+from tailguard.demo.data import build_wordnet_datasets
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,9 +32,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # gloss_classifier, when run as a script from any folder
 
 from gloss_classifier import GlossClassifier, classes_for  # noqa: E402
-from tailguard.demo.data import (Gloss, rare_token_mask, read_wordnet_glosses, split_indices,  # noqa: E402
-                                 tokenize_glosses)
+
 from tailguard.core.errors import TailguardError  # noqa: E402
+from tailguard.demo.data import Gloss, rare_token_mask, read_wordnet_glosses, split_indices, tokenize_glosses  # noqa: E402
 from tailguard.models import minilm_state_dict, minilm_tokenizer  # noqa: E402
 
 STATE_DICT = "gloss_classifier.safetensors"

@@ -3,8 +3,8 @@ more than one unit reads or writes. One home so that no component imports anothe
 
 The values are the public names in MLflow and on disk (docs/spec.md, docs/architecture.md): changing one
 changes what users and dashboards see. Every `tailguard.*` MLflow tag name (runs and model versions) is defined
-here and used by name elsewhere; tests/integration/test_layout.py fails on a tag name spelled as a string literal outside this
-module.
+here and used by name elsewhere; tests/integration/test_layout.py fails on a tag name spelled as a string literal
+outside this module.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from tailguard.core.errors import InputError
-from tailguard.core.spec.models import SliceSpec
 from tailguard.core.slices import NULL, _fmt, value_label
+from tailguard.core.spec.models import SliceSpec
 
 # Slices the monitor adds by task when monitoring.slice_columns is not set (issue 35): the reference's top-1 class
 # (classification) and the nearest of DEFAULT_TOPIC_CENTROIDS topic centroids (embedding), which validation fits and

@@ -1,4 +1,5 @@
-"""One error family for tailguard, each error carrying its CLI exit code (0 ok, 1 runtime, 2 bad input, 3 no passing variant).
+"""One error family for tailguard, each error carrying its CLI exit code (0 ok, 1 runtime, 2 bad input, 3 no passing
+variant).
 
 Exit codes (a contract): 0 ok/promoted, 1 runtime error (includes a failed data check),
 2 bad spec / bad input / usage, 3 ran but no variant passed the gates, 4 monitor alert(s) fired.

@@ -256,8 +256,8 @@ def interleaved_benchmark(runners: Mapping[str, Runner], ds: Dataset, input_spec
     `clock()` before and after. Timing stops after the round in which the timed runs of all runners together
     reach `bench.max_seconds`, but never before `min_rounds` rounds (default MIN_SAMPLES; the promotion's rounds
     pass DECISION_MIN_ROUNDS, so a slow baseline beside the variants, torch eager on a loaded node, cannot spend
-    the budget before any interval may decide; `bench.iterations` still caps them). Sample j of every runner is from round j,
-    so `samples_ms` lists are paired by position (`speed_ratio` resamples whole rounds).
+    the budget before any interval may decide; `bench.iterations` still caps them). Sample j of every runner is from
+    round j, so `samples_ms` lists are paired by position (`speed_ratio` resamples whole rounds).
 
     With `decide` (measured to a precision, module docstring) the rounds are looked at after each of
     `timing_looks(bench)` rounds and at a `max_seconds` stop; `decide(bs, {name: ms so far}, look, n_looks)`

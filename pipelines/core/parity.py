@@ -66,8 +66,6 @@ reference's, paired Newcombe bound) asks whether the task the embedding serves s
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from tailguard.core.errors import InputError

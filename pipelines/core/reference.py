@@ -32,7 +32,6 @@ FIFO).
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib
 import json
 import os
@@ -51,7 +50,6 @@ from tailguard.core.home import quiet_environment
 from tailguard.core.pt2_archive import SPEC_FIX, check_pt2_archive
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions (KFP components import this module)
-    import onnx
     import torch
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
@@ -69,8 +67,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 # The local runner sets it for its tasks (the spec's folder and `tailguard run --model-path`); a cluster image
 # installs the package that defines the class instead.
 MODEL_PATH_ENV = "TAILGUARD_MODEL_PATH"
-# Protobuf cannot serialize a message over 2 GiB; bigger ONNX models keep their weights in external data files.
-from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as _ONNX_INLINE_LIMIT_BYTES  # noqa: E402
 _MAX_LISTED = 20
 
 

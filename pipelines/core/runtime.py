@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
@@ -54,7 +53,8 @@ class OrtRunner:
             another runtime (torch eager in the reference pass), which otherwise waits on those spinning workers
             (issue 26: torch 2.9x slower on a 2-core node; components/reference/logic.py). Default False: ORT's own
             behaviour, what a server running one session gets.
-        allow_spinning: False sets `session.intra_op.allow_spinning` = "0" (kOrtSessionOptionsConfigAllowIntraOpSpinning):
+        allow_spinning: False sets `session.intra_op.allow_spinning` = "0"
+            (kOrtSessionOptionsConfigAllowIntraOpSpinning):
             the intra-op workers never spin-wait. For a session timed in rounds beside a torch runner: measured on a
             2-core Xeon (2026-11-26, a 2-layer encoder, batch 1, 30 alternating runs, 3 repeats) torch took
             6.6-7.5 ms per run beside a session with `stop_spinning_after_run` and 2.2-2.4 ms beside one without
@@ -202,9 +202,8 @@ def runner_for_file(path: str | Path, input_specs: Sequence, *, intra_op_num_thr
     if p.suffix == ".onnx":
         return OrtRunner(p, intra_op_num_threads=intra_op_num_threads)
     if p.with_name(p.name + ".json").is_file():
-        from tailguard.core.torch_backend import runner_for_artifact
-
         from tailguard.core.pt2_archive import SPEC_FIX
+        from tailguard.core.torch_backend import runner_for_artifact
 
         return runner_for_artifact(p, input_specs, intra_op_num_threads=intra_op_num_threads, trusted=trusted,
                                    fix=fix or SPEC_FIX)
@@ -286,7 +285,8 @@ def require_active_provider(session: Any, providers: Sequence[Any]) -> None:
         raise ProviderFallbackError(
             f"ONNX Runtime did not activate {wanted} (active: {', '.join(active)}): it would have run on "
             f"{active[0] if active else 'nothing'} instead",
-            hint=f"{wanted} needs onnxruntime-gpu with matching CUDA/cuDNN{' and TensorRT' if 'Tensorrt' in wanted else ''} "
+            hint=f"{wanted} needs onnxruntime-gpu with matching CUDA/cuDNN"
+                 f"{' and TensorRT' if 'Tensorrt' in wanted else ''} "
                  "libraries on a GPU node (the GPU image: manifests/images/gpu.Dockerfile)")
 
 

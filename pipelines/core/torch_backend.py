@@ -17,8 +17,9 @@ What a torch variant is, per `compile` mode (the spec's `variants[].compile`):
 
 Every artefact gets a manifest (`tailguard.core.artifacts`, the seam TensorRT engines use too) whose fingerprint is
 the torch version, the device kind, for an AOTInductor package also the GPU's name, compute capability and CUDA
-version (CUDA) or the CPU's kernel ISA flags (CPU), and the sha256 of the build settings and of the source model. `TorchVariantRunner` checks it
-before loading: a package built for another GPU, CPU or torch version is refused with the fields that differ.
+version (CUDA) or the CPU's kernel ISA flags (CPU), and the sha256 of the build settings and of the source model.
+`TorchVariantRunner` checks it before loading: a package built for another GPU, CPU or torch version is refused
+with the fields that differ.
 
 Dynamic shapes: every named axis of the spec's `model.inputs` (e.g. [batch, sequence]) is exported as a dynamic
 dimension (`torch.export.Dim.AUTO`: export infers its range and which axes are equal); an axis the model's
@@ -53,6 +54,7 @@ from tailguard.core.pt2_archive import SPEC_FIX, check_pt2_archive
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
     from tailguard.core.spec.models import VariantSpec
 
 COMPILE_MODES = ("eager", "inductor", "aot_inductor")
@@ -372,7 +374,8 @@ def build_torch_variant(module: "torch.nn.Module", example: Mapping[str, np.ndar
                 torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
             except Exception as exc:
                 raise TorchBuildError(f"AOTInductor could not compile the model for {config.device}: "
-                                      f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ''}",
+                                      f"{type(exc).__name__}: "
+                                      f"{str(exc).strip().splitlines()[0][:400] if str(exc).strip() else ''}",
                                       hint="an op without a kernel for this device/precision, or a compiler error; "
                                            "try compile: inductor or eager") from None
             compile_s = time.perf_counter() - t0

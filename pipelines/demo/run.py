@@ -49,9 +49,9 @@ def register_demo_model(tracking_uri: str) -> str:
     Returns:
         The new version number (str).
     """
-    from tailguard.registration import register_reference
-    from tailguard.models import load_minilm, minilm_init_kwargs
     from tailguard.core.tracking import configure
+    from tailguard.models import load_minilm, minilm_init_kwargs
+    from tailguard.registration import register_reference
 
     configure(tracking_uri, "tailguard/model-registration")
     module = load_minilm()
@@ -65,10 +65,10 @@ def register_demo_model(tracking_uri: str) -> str:
 def run_demo(console: Any, *, skip_monitor: bool = False, n_validation: int = 2500, n_calibration: int = 256) -> int:
     """Run the demo; returns the exit code (0, or 3 when no variant passed)."""
     quiet_environment()
-    from tailguard.terminal import print_summary
-    from tailguard.demo.data import build_wordnet_datasets
     from tailguard.core.spec import load_spec
     from tailguard.core.tracking import tracking_uri_for
+    from tailguard.demo.data import build_wordnet_datasets
+    from tailguard.terminal import print_summary
 
     t0 = time.monotonic()
     root = home()

@@ -8,8 +8,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.check_data.logic import (CheckReport, add_derived_columns, check_datasets,
-                                                   expectation_classes, write_report)
+from tailguard.components.check_data.logic import (
+    CheckReport,
+    add_derived_columns,
+    check_datasets,
+    expectation_classes,
+    write_report,
+)
 from tailguard.core.contract import DATA_CHECK_FILE
 from tailguard.core.errors import DataCheckError, InputError, SpecError
 from tailguard.core.spec import parse_spec

@@ -24,9 +24,8 @@ import yaml
 
 from tailguard.builder import compile_pipeline, is_pure, step_spec_yaml
 from tailguard.core.spec import parse_spec, resolve_data_uris, spec_from_yaml
-
-from tests.integration.test_builder import _dag_tasks, load_ir
 from tests.core.test_spec import TINY
+from tests.integration.test_builder import _dag_tasks, load_ir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,7 +135,6 @@ def registry(tmp_path, monkeypatch):
     from tailguard.core.home import default_tracking_uri
     from tailguard.core.tracking import configure
     from tailguard.registration import register_reference
-
     from tests.core.test_cache import write_mlp
 
     monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))

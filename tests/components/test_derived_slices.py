@@ -4,11 +4,10 @@ the topic centroids; a live monitor fed the same rows in bare 16-row requests sh
 same rows in /v1/slices. Real parts: ONNX Runtime models, the validate step's logic, a MonitorService served by
 uvicorn, httpx."""
 
+import httpx
 import numpy as np
 import pandas as pd
 import pytest
-
-import httpx
 
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.data import Dataset

@@ -6,10 +6,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from tailguard.components.validate.discovery import (MAX_PAIR_CANDIDATES, TABLE_COLUMNS, DiscoveryResult,
-                                                     discover_slices)
-from tailguard.core.slices import slice_groups
+from tailguard.components.validate.discovery import MAX_PAIR_CANDIDATES, TABLE_COLUMNS, DiscoveryResult, discover_slices
 from tailguard.core.errors import InputError
+from tailguard.core.slices import slice_groups
 from tailguard.core.spec.models import DiscoverySpec, SliceSpec
 
 ALPHA = 0.05

@@ -13,8 +13,15 @@ import pytest
 from tailguard.components.export.logic import check_export, check_onnx_file, export_onnx
 from tailguard.core.errors import ExportMismatchError, InputError
 from tailguard.core.runtime import TorchRunner
-from tests.helpers.tiny_models import (HIDDEN, INPUT_NAMES, N_CLASSES, export_tiny, make_tiny_encoder,
-                                       tiny_feeds, tiny_model_spec)
+from tests.helpers.tiny_models import (
+    HIDDEN,
+    INPUT_NAMES,
+    N_CLASSES,
+    export_tiny,
+    make_tiny_encoder,
+    tiny_feeds,
+    tiny_model_spec,
+)
 
 
 @pytest.fixture(scope="module")

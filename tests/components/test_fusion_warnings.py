@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tailguard.components.export.logic import export_onnx
-from tailguard.components.quantize.logic import build_variant
 from tailguard.components.quantize.diagnostics import attention_matmuls
+from tailguard.components.quantize.logic import build_variant
 from tailguard.core.contract import EXPORT_FACTS_FILE
 from tailguard.core.results import VariantResult
 from tailguard.core.spec.models import VariantSpec

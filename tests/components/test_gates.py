@@ -126,9 +126,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tailguard.components.validate.discovery import DiscoveryResult  # noqa: E402
-from tailguard.core.stats import newcombe_paired_bound as paired_difference_bound, wilson_bound  # noqa: E402
 from tailguard.core.parity import aggregate  # noqa: E402
 from tailguard.core.slices import SliceGroup, per_slice_table  # noqa: E402
+from tailguard.core.stats import newcombe_paired_bound as paired_difference_bound  # noqa: E402
+from tailguard.core.stats import wilson_bound  # noqa: E402
 
 
 def _rows(small_agree=30, big_agree=396, ref_correct=None, correct=None):
@@ -314,8 +315,8 @@ def _tiny_onnx(path):
 
 
 def test_verdict_is_not_promoted_naming_the_gate_when_a_gate_had_insufficient_data():
-    from tailguard.components.validate.logic import ValidationResult
     from tailguard.components.validate.gates import verdict
+    from tailguard.components.validate.logic import ValidationResult
 
     spec = _spec([{"metric": "top1_agreement", "min": 0.9},
                   {"metric": "top1_agreement", "min": 0.9, "scope": "per_slice", "min_support": 1000}])

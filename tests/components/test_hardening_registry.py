@@ -17,13 +17,18 @@ from urllib.request import url2pathname
 import pytest
 import torch
 
-from tailguard.core.errors import InputError, UntrustedModelError
 from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
-from tailguard.core.reference import (RegistryDigestWarning, ResolvedModel, confined_file, load_torch_reference,
-                                      resolve_reference)
+from tailguard.core.errors import InputError, UntrustedModelError
+from tailguard.core.reference import (
+    RegistryDigestWarning,
+    ResolvedModel,
+    confined_file,
+    load_torch_reference,
+    resolve_reference,
+)
 from tailguard.registration import register_reference
-from tests.helpers.resolve_models import make_tiny
 from tests.components.test_resolve import CLASS_PATH, X, make_spec
+from tests.helpers.resolve_models import make_tiny
 
 ONNX_BYTES = b"not parsed by resolve: only hashed"
 

@@ -7,14 +7,18 @@ against a single 64x8 MatMul, ~100x the work), single-threaded sessions so a loa
 proportion to its length. Nothing asserts a duration: ratios are compared through their intervals.
 """
 
-import numpy as np
 import pytest
 
-from tests.components.test_promotion import _chain, _row, _setup
-
-from tailguard.components.register.promotion import (apply_paired, compare_passing, decide_promotion,
-                                                     latency_gate_contradictions, paired_metrics, PromotionDecision)
+from tailguard.components.register.promotion import (
+    PromotionDecision,
+    apply_paired,
+    compare_passing,
+    decide_promotion,
+    latency_gate_contradictions,
+    paired_metrics,
+)
 from tailguard.components.register.summary import VariantSummary
+from tests.components.test_promotion import _chain, _row, _setup
 
 ALLOW_SPINNING = "session.intra_op.allow_spinning"
 

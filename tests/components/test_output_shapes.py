@@ -94,7 +94,8 @@ def _onnx_with_symbolic_width(path: Path) -> Path:
 def test_check_declared_outputs_fails_on_the_real_output_when_the_graph_leaves_the_width_symbolic(tmp_path):
     path = _onnx_with_symbolic_width(tmp_path / "sym.onnx")
     spec = ModelSpec.model_validate({
-        "registered_name": "lin", "task": "classification", "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", N_IN]}],
+        "registered_name": "lin", "task": "classification",
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", N_IN]}],
         "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", 16]}]})
 
     with pytest.raises(SpecError) as info:
@@ -141,10 +142,10 @@ def _write_rows(root: Path, n: int = 12) -> None:
 
 def test_export_task_exits_2_naming_the_output_and_the_fix_when_a_torch_model_declares_the_wrong_width(
         tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
     from tailguard.components.export import task as export_task
     from tailguard.core.digests import file_sha256
-
-    from safetensors.torch import save_file
 
     monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))
     _write_rows(tmp_path)

@@ -12,7 +12,7 @@ identical ones, timed interleaved with ONNX Runtime on Parquet rows. Nothing ass
 import numpy as np
 import pytest
 
-from tailguard.components.register.promotion import compare_passing, decide_promotion, PromotionRule
+from tailguard.components.register.promotion import PromotionRule, compare_passing, decide_promotion
 from tailguard.components.register.summary import VariantSummary
 from tailguard.core.results import VariantResult
 

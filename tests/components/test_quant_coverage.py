@@ -17,14 +17,13 @@ import pandas as pd
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tailguard.components.quantize import calibration
-from tailguard.components.quantize import onnxruntime_builder
+from tailguard.components.quantize import calibration, onnxruntime_builder
 from tailguard.components.quantize.logic import build_variant
 from tailguard.components.quantize.macs import DEFAULT_SEQUENCE, count_macs, quantization_coverage
 from tailguard.components.validate.gates import build_metrics, evaluate_gates
 from tailguard.components.validate.task import coverage_line
-from tailguard.core.errors import SpecError
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
+from tailguard.core.errors import SpecError
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.models import ModelSpec, VariantSpec
 
@@ -321,8 +320,8 @@ def test_validation_logs_the_fraction_and_decides_its_gate_when_an_int8_mlp_is_v
 
 
 def test_summary_flags_an_int8_variant_when_it_quantized_under_half_its_macs():
-    from tailguard.terminal import console, int8_macs_cell, print_summary
     from tailguard.components.register.summary import RunSummary, VariantSummary, coverage_warnings
+    from tailguard.terminal import console, int8_macs_cell, print_summary
 
     assert coverage_warnings("int8", "onnxruntime", "ok", 0.094)[0].startswith(
         "INT8 variant computes only 9% of its MACs in INT8")
@@ -416,7 +415,8 @@ def test_quantization_coverage_gives_the_full_weights_result_when_mlp_and_cnn_ar
             calibration._quantize_static(q, path, out, [], calib, spec, 8, tmp_path, {})
         pairs.append((path, out))
     cnn = _export_cnn(tmp_path / "cnn.onnx", channels=16)
-    onnxruntime_builder._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx", [], {})
+    onnxruntime_builder._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx",
+                                          [], {})
     pairs.append((cnn, tmp_path / "cnn-q.onnx"))
     for fp32, quantized in pairs:
         fast = quantization_coverage(fp32, quantized, sequence=7)

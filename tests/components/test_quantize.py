@@ -26,17 +26,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from tailguard.components.quantize import calibration
-from tailguard.components.quantize import onnx_files
-from tailguard.components.quantize import onnxruntime_builder
-from tailguard.components.quantize import tensorrt_build
-from tailguard.components.quantize.logic import build_variant
+from tailguard.components.quantize import calibration, onnx_files, onnxruntime_builder, tensorrt_build
 from tailguard.components.quantize.calibration import DatasetCalibrationReader
+from tailguard.components.quantize.logic import build_variant
+from tailguard.components.quantize.registry import UnknownBuilderError, get_builder, registered_builders
+from tailguard.core.errors import InputError, SpecError
 from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.spec import quantization_preset
-from tailguard.core.errors import InputError, SpecError
 from tailguard.core.spec.models import VariantSpec
-from tailguard.components.quantize.registry import UnknownBuilderError, get_builder, registered_builders
 from tests.helpers.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
 

@@ -16,11 +16,16 @@ import pytest
 import torch
 
 from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
-from tailguard.core.reference import (DESCRIPTOR_FILE, ResolvedModel, load_torch_reference, resolve_reference,
-                                      resolve_version)
-from tailguard.registration import register_reference
 from tailguard.core.errors import InputError, UntrustedModelError
+from tailguard.core.reference import (
+    DESCRIPTOR_FILE,
+    ResolvedModel,
+    load_torch_reference,
+    resolve_reference,
+    resolve_version,
+)
 from tailguard.core.spec import parse_spec
+from tailguard.registration import register_reference
 from tests.helpers.resolve_models import N_IN, OtherClassifier, make_tiny
 
 CLASS_PATH = "tests.helpers.resolve_models:TinyClassifier"

@@ -17,8 +17,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.search.logic import (SearchResult, Trial, _families, _trial_name, choose_trial,
-                                               run_search, write_search_artifacts)
+from tailguard.components.search.logic import (
+    SearchResult,
+    Trial,
+    _families,
+    _trial_name,
+    choose_trial,
+    run_search,
+    write_search_artifacts,
+)
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import OrtRunner, run_dataset

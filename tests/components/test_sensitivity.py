@@ -16,14 +16,16 @@ import pandas as pd
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tailguard.components.quantize import onnxruntime_builder
-from tailguard.components.quantize import sensitivity
-from tailguard.components.quantize.sensitivity import (SENSITIVITY_COLUMNS, candidate_nodes, node_sensitivity,
-                                                     output_errors)
+from tailguard.components.quantize import onnxruntime_builder, sensitivity
+from tailguard.components.quantize.sensitivity import (
+    SENSITIVITY_COLUMNS,
+    candidate_nodes,
+    node_sensitivity,
+    output_errors,
+)
 from tailguard.core.errors import InputError
 from tailguard.core.spec.models import QuantizationSpec, VariantSpec
 from tests.helpers.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
-
 
 PLANTED_MARGIN = 5.0  # the planted node's output_rel_l2 over the next node's, on every CPU
 

@@ -7,7 +7,6 @@ The error-rate checks simulate many seeded row orders on synthetic 0/1 populatio
 (at the boundary: one row from the other outcome) with a tolerance from the binomial distribution; no timing.
 """
 
-import dataclasses
 
 import numpy as np
 import pandas as pd

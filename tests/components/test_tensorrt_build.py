@@ -448,7 +448,8 @@ def test_resolve_provider_paths_puts_the_caches_in_the_variant_folder_when_opene
 
 # ----------------------------------------------------- the build and validate tasks on this CPU node
 def _task_spec(tmp_path, variants) -> str:
-    """A spec for the 65 -> 10 MLP of tests/core/test_cache.py with validation rows written to tmp_path (absolute URIs)."""
+    """A spec for the 65 -> 10 MLP of tests/core/test_cache.py with validation rows written to tmp_path (absolute
+    URIs)."""
     import yaml
 
     rng = np.random.default_rng(0)
@@ -469,7 +470,8 @@ def _task_spec(tmp_path, variants) -> str:
 
 
 GPU_VARIANTS = [
-    {"name": "ort-cuda-fp16", "backend": "onnxruntime", "precision": "fp16", "execution_provider": "CUDAExecutionProvider"},
+    {"name": "ort-cuda-fp16", "backend": "onnxruntime", "precision": "fp16",
+     "execution_provider": "CUDAExecutionProvider"},
     {"name": "ort-trt-fp16", "backend": "onnxruntime", "precision": "fp16",
      "execution_provider": "TensorrtExecutionProvider", "tensorrt": {"max_batch_size": 64}},
     {"name": "trt-int8", "backend": "tensorrt", "precision": "int8"},

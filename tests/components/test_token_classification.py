@@ -7,13 +7,12 @@ declares a 3-D output under task classification is refused with the fix.
 Real parts: ONNX models built with onnx.helper run by ONNX Runtime, the validate step's logic, the reference pass's
 logic, a MonitorService served by uvicorn, httpx, the typer CLI. Nothing is mocked."""
 
+import httpx
 import numpy as np
 import pandas as pd
 import pytest
 import yaml
 from typer.testing import CliRunner
-
-import httpx
 
 from tailguard.cli import app
 from tailguard.components.reference.logic import reference_outputs

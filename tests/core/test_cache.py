@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tailguard.core import cache
 from tailguard.components.quantize import task as build_task
+from tailguard.core import cache
 
 
 def write_mlp(folder: Path) -> Path:
@@ -110,7 +110,6 @@ def test_build_step_rebuilds_when_the_variants_quantization_section_changes(env)
 def test_build_step_rebuilds_when_the_fp32_model_bytes_change(env):
     build(env, "run1")
     import onnx
-
     from onnx import numpy_helper
 
     model = onnx.load(str(env["onnx"] / "model.onnx"))
@@ -132,8 +131,8 @@ def test_build_step_never_uses_the_cache_when_it_is_off(env, monkeypatch):
 
 
 def export(env, reference: Path, out: str) -> dict:
-    from tailguard.core.digests import file_sha256
     from tailguard.components.export import task as export_task
+    from tailguard.core.digests import file_sha256
 
     resolved = {"registered_name": "mlp", "version": "1", "run_id": None, "format": "onnx",
                 "local_dir": str(reference), "source_uri": "models:/mlp/1", "model_file": "model.onnx",
@@ -246,7 +245,6 @@ def _caching(ir_path: Path) -> dict[str, bool]:
 def test_compiled_pipeline_caches_only_the_pure_tasks_when_compiled_for_the_cluster(tmp_path):
     from tailguard.builder import compile_pipeline
     from tailguard.core.spec import load_spec
-
     from tests.core.test_spec import TINY
 
     spec = load_spec(TINY)
@@ -316,8 +314,8 @@ def sliced_spec(root: Path, *, gate_min: float) -> dict:
 
 
 def reference_pass(env, doc: dict, out: str) -> dict:
-    from tailguard.core.digests import file_sha256
     from tailguard.components.reference import task as reference_task
+    from tailguard.core.digests import file_sha256
 
     resolved = {"registered_name": "mlp", "version": "1", "run_id": None, "format": "onnx",
                 "local_dir": str(env["onnx"]), "source_uri": "models:/mlp/1", "model_file": "model.onnx",

@@ -207,8 +207,8 @@ def test_paired_ratio_bootstrap_equals_scipy_paired_bootstrap_when_rounds_are_no
     base, var = 10 * noise * rng.lognormal(0, 0.05, 80), 5 * noise * rng.lognormal(0, 0.05, 80)
     ratio, lo, hi = S.paired_ratio_bootstrap(base, var, 0.95, samples=400, seed=3)
     res = st.bootstrap((base, var), lambda b, v, axis=-1: np.median(b, axis=axis) / np.median(v, axis=axis),
-                       paired=True, vectorized=True, n_resamples=400, confidence_level=2 * 0.95 - 1, method="percentile",
-                       rng=np.random.default_rng(3))
+                       paired=True, vectorized=True, n_resamples=400, confidence_level=2 * 0.95 - 1,
+                       method="percentile", rng=np.random.default_rng(3))
     assert ratio == np.median(base) / np.median(var)
     assert (lo, hi) == (res.confidence_interval.low, res.confidence_interval.high)
     assert lo < ratio < hi and 1.7 < lo and hi < 2.3

@@ -9,14 +9,20 @@ import yaml
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.core.derive import derive_dataset, derive_rows, derive_values, fit_centroids, nearest_centroid, row_labels
+from tailguard.core.derive import (
+    derive_dataset,
+    derive_rows,
+    derive_values,
+    fit_centroids,
+    nearest_centroid,
+    row_labels,
+)
 from tailguard.core.errors import SpecError
 from tailguard.core.slices import slice_groups
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.models import SliceSpec
 from tailguard.preflight import column_errors
 from tests.core.test_spec import TINY
-
 
 # `spec check` resolves model.registered_name in an existing local store: a private home per test (conftest)
 pytestmark = pytest.mark.usefixtures("private_home")

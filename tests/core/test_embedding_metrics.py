@@ -9,13 +9,13 @@ import pytest
 from tailguard.components.validate.gates import evaluate_gates
 from tailguard.components.validate.intervals import metric_bound
 from tailguard.components.validate.logic import validate_variant
-from tailguard.core.parity import aggregate, per_sample_metrics
-from tailguard.core.slices import per_slice_table, slice_groups
-from tailguard.core.stats import wilson_bound
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
+from tailguard.core.parity import aggregate, per_sample_metrics
+from tailguard.core.slices import per_slice_table, slice_groups
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, SliceSpec
+from tailguard.core.stats import wilson_bound
 
 DIM_PER_GROUP = 3
 
@@ -111,7 +111,7 @@ def _brute_recall(ref, cand, k):
     cn = cand / np.linalg.norm(cand, axis=1, keepdims=True)
     out = []
     for i in range(len(ref)):
-        def top(q):
+        def top(q, i=i):
             s = rn @ q
             s[i] = -np.inf
             return set(np.argsort(-s, kind="stable")[:k].tolist())

@@ -8,8 +8,13 @@ import json
 
 import pytest
 
-from tailguard.components.quantize.engine import (calibration_cache_key, fingerprint, probe_device, verify_engine,
-                                                  write_manifest)
+from tailguard.components.quantize.engine import (
+    calibration_cache_key,
+    fingerprint,
+    probe_device,
+    verify_engine,
+    write_manifest,
+)
 from tailguard.core.artifacts import ArtifactMismatchError
 from tailguard.core.errors import MissingDependencyError
 from tailguard.core.runtime import tensorrt_unavailable_reason

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from tailguard.core.contract import HW_CORES_TAG, HW_CPU_TAG, HW_GPU_TAG, HW_ISA_TAG
-from tailguard.core.hardware import cpu_facts, hardware_tags, isa_text, node_facts, ran_on_line
-from tailguard.core.hardware import gpu_unavailable_reason
+from tailguard.core.hardware import cpu_facts, gpu_unavailable_reason, hardware_tags, isa_text, node_facts, ran_on_line
 
 ROOT = Path(__file__).resolve().parents[2]
 EPYC = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\n"
@@ -129,8 +128,8 @@ def test_run_summary_carries_baseline_hardware_and_warnings_and_prints_ran_on_li
     from rich.console import Console
 
     from tailguard import terminal
-    from tailguard.components.register.summary import RunSummary
     from tailguard.components.register.finish import baseline_notes
+    from tailguard.components.register.summary import RunSummary
 
     facts = {"cpu": {"model": "AMD EPYC 7B13", "isa": ["avx2", "fma", "f16c"], "cores": 2}, "gpus": None}
     hardware, warnings = baseline_notes(json.dumps({"rows": 3, "hardware": facts,

@@ -4,8 +4,8 @@ integer accumulation (`session.x64quantprecision`), the `hardware_dependent` fla
 Real ONNX Runtime throughout: the tiny encoder (tests/helpers/tiny_models.py) is exported, quantized and validated with
 real sessions. This machine's CPU has avx512_vnni, whose u8 x s8 kernel accumulates in int32 exactly, so the
 native and exact passes give the same numbers here for real; on an x86 CPU without VNNI the 8-bit per-channel
-variant's native pass saturates int16 pair sums (tests/components/test_quantize.py, "MatMulInteger arithmetic"). The flag
-decision is therefore one function (`compare_numerics`) that takes the two passes: it is tested on the real
+variant's native pass saturates int16 pair sums (tests/components/test_quantize.py, "MatMulInteger arithmetic"). The
+flag decision is therefore one function (`compare_numerics`) that takes the two passes: it is tested on the real
 passes (no flag) and on a pair constructed from a real pass whose exact side moved (flag). Nothing is mocked.
 """
 
@@ -15,14 +15,19 @@ import json
 import platform
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 
 from tailguard.components.quantize.logic import build_variant
 from tailguard.components.validate.gates import GateResult
-from tailguard.components.validate.logic import (NUMERICS_TOLERANCE, NumericsStatus, ParityPass,
-                                                 compare_numerics, integer_kernel_nodes, validate_variant)
+from tailguard.components.validate.logic import (
+    NUMERICS_TOLERANCE,
+    NumericsStatus,
+    ParityPass,
+    compare_numerics,
+    integer_kernel_nodes,
+    validate_variant,
+)
 from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.results import VariantResult
 from tailguard.core.runtime import OrtRunner, run_dataset
@@ -228,9 +233,13 @@ def test_variant_result_carries_the_flag_when_validated_and_reads_older_results_
 
 
 def test_summary_notes_8_bit_weights_and_warns_when_a_variant_is_hardware_dependent():
+    from tailguard.components.register.summary import (
+        EIGHT_BIT_WEIGHTS_NOTE,
+        RunSummary,
+        VariantSummary,
+        numerics_warnings,
+    )
     from tailguard.terminal import console, print_summary
-    from tailguard.components.register.summary import (EIGHT_BIT_WEIGHTS_NOTE, numerics_warnings, RunSummary,
-                                                       VariantSummary)
 
     spec = _spec([VARIANTS["int8-8bit"], VARIANTS["int8-7bit"], VARIANTS["fp32"],
                   {"name": "preset", "backend": "onnxruntime", "precision": "int8",

@@ -11,9 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.core.latency import MIN_SAMPLES, benchmark, cost_per_1m, peak_rss_mb
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
+from tailguard.core.latency import MIN_SAMPLES, benchmark, cost_per_1m, peak_rss_mb
 from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", "sequence"])]

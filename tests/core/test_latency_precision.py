@@ -12,8 +12,15 @@ import pytest
 
 from tailguard.components.validate.logic import timing_rule
 from tailguard.core.data import Dataset
-from tailguard.core.latency import (DECISION_MIN_ROUNDS, add_speed_ratios, interleaved_benchmark, precision_reached,
-                                    replay_interleaved, speed_ratio, timing_looks)
+from tailguard.core.latency import (
+    DECISION_MIN_ROUNDS,
+    add_speed_ratios,
+    interleaved_benchmark,
+    precision_reached,
+    replay_interleaved,
+    speed_ratio,
+    timing_looks,
+)
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
 from tailguard.core.stats import look_confidence

@@ -11,11 +11,17 @@ import pandas as pd
 import pytest
 
 from tailguard.components.validate.gates import evaluate_gates
-from tailguard.core.latency import (MIN_SAMPLES, add_speed_ratios, interleaved_benchmark,
-                                                   ratio_key, round_order, speed_ratio)
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError, SpecError
+from tailguard.core.latency import (
+    MIN_SAMPLES,
+    add_speed_ratios,
+    interleaved_benchmark,
+    ratio_key,
+    round_order,
+    speed_ratio,
+)
 from tailguard.core.runtime import OrtRunner, run_dataset
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.models import BenchmarkSpec, TensorSpec

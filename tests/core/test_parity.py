@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tailguard.core import parity
-from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
 from tailguard.core.errors import InputError
+from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
 from tailguard.core.spec.models import TASK_METRICS
 
 

@@ -14,8 +14,13 @@ import pandas as pd
 import pytest
 
 from tailguard.core.contract import VARIANT_RESULT_FILE
-from tailguard.core.results import (BUILD_RESULT_SCHEMA, VARIANT_RESULT_SCHEMA, ResultFormatError, BuildResult,
-                                    VariantResult)
+from tailguard.core.results import (
+    BUILD_RESULT_SCHEMA,
+    VARIANT_RESULT_SCHEMA,
+    BuildResult,
+    ResultFormatError,
+    VariantResult,
+)
 from tailguard.core.spec import parse_spec
 from tests.components.test_gates import _tiny_onnx  # the identity ONNX model of the promotion tests
 
@@ -256,7 +261,7 @@ def test_number_or_none_drops_nan_and_keeps_infinities_when_given_metric_values(
 
 
 def test_status_enums_read_as_their_words_when_dumped_to_json_tags_and_csv():
-    from tailguard.core.results import BuildStatus, GatesVerdict, GateStatus, PromotionStatus, RunOutcome
+    from tailguard.core.results import BuildStatus, GateStatus, GatesVerdict, PromotionStatus, RunOutcome
 
     doc = {"status": BuildStatus.SKIPPED, "gates": {"g": GateStatus.INSUFFICIENT_DATA},
            "verdict": GatesVerdict.NOT_EVALUATED, "promotion": PromotionStatus.NOT_PROMOTED,

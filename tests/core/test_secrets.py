@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 from tailguard.cli import app
 from tailguard.core.redact import MASK, redact_spec_yaml, redact_text, redact_uri
+from tests.components.test_resolve import N_IN, X
 from tests.helpers.mlflow_server import mlflow_server
 from tests.helpers.resolve_models import make_tiny
-from tests.components.test_resolve import N_IN, X
 
 runner = CliRunner()
 PLANTED = "PLANTEDs3cr3t"  # every secret below contains it: grep for this one string

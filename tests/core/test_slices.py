@@ -4,9 +4,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tailguard.core.errors import InputError
 from tailguard.core.parity import per_sample_metrics
 from tailguard.core.slices import per_slice_table, slice_groups
-from tailguard.core.errors import InputError
 from tailguard.core.spec.models import TASK_METRICS, SliceSpec
 
 

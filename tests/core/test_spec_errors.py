@@ -9,11 +9,9 @@ from typer.testing import CliRunner
 
 from tailguard.cli import app
 from tailguard.core.errors import SpecError
-from tailguard.preflight import check_columns
 from tailguard.core.spec import load_spec, parse_spec
-
+from tailguard.preflight import check_columns
 from tests.core.test_spec import TINY
-
 
 # `spec check` resolves model.registered_name in an existing local store: a private home per test (conftest)
 pytestmark = pytest.mark.usefixtures("private_home")

@@ -13,23 +13,33 @@ import onnx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from tests.conftest import MLFLOW_URI_VARS
 import torch
 
 from tailguard.components.check_data.logic import check_datasets
 from tailguard.components.export.logic import check_export, dummy_feeds, export_onnx
-from tailguard.components.quantize.logic import build_variant
 from tailguard.components.quantize.calibration import DatasetCalibrationReader
-from tailguard.core.latency import benchmark
-from tailguard.core.parity import aggregate, per_sample_metrics
+from tailguard.components.quantize.logic import build_variant
 from tailguard.core.data import load_dataset, make_batch, read_parquet
 from tailguard.core.errors import DataCheckError, InputError, SpecError
+from tailguard.core.latency import benchmark
+from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.runtime import OrtRunner, TorchRunner, run_dataset
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.models import BenchmarkSpec, ModelSpec, VariantSpec
-from tests.helpers.user_models import (DIGITS_SHAPE, N_BANDS, digits_model_doc, digits_spec, frames_frame, frames_model_doc,
-                               frames_spec, train_digits_cnn, train_frame_classifier, write_digits, write_frames)
+from tests.conftest import MLFLOW_URI_VARS
+from tests.helpers.user_models import (
+    DIGITS_SHAPE,
+    N_BANDS,
+    digits_model_doc,
+    digits_spec,
+    frames_frame,
+    frames_model_doc,
+    frames_spec,
+    train_digits_cnn,
+    train_frame_classifier,
+    write_digits,
+    write_frames,
+)
 
 VARIANTS = {
     "fp32": {"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"},

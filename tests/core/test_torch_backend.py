@@ -17,8 +17,15 @@ import torch
 
 from tailguard.core.artifacts import ArtifactMismatchError, manifest_path
 from tailguard.core.errors import InputError
-from tailguard.core.torch_backend import (CudaGraphCache, EagerModuleRunner, TorchBuildConfig, TorchBuildError,
-                                          TorchVariantRunner, build_torch_variant, unavailable_reason)
+from tailguard.core.torch_backend import (
+    CudaGraphCache,
+    EagerModuleRunner,
+    TorchBuildConfig,
+    TorchBuildError,
+    TorchVariantRunner,
+    build_torch_variant,
+    unavailable_reason,
+)
 from tailguard.models import MeanPooledEncoder
 
 SPECS = [NS(name="input_ids", dtype="int64", shape=["batch", "sequence"]),

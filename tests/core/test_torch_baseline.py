@@ -17,8 +17,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.reference.logic import (TORCH_SEGMENTS, TORCH_SPREAD_MAX, onnx_baseline_runner,
-                                                  time_baselines, torch_stability)
+from tailguard.components.reference.logic import (
+    TORCH_SEGMENTS,
+    TORCH_SPREAD_MAX,
+    onnx_baseline_runner,
+    time_baselines,
+    torch_stability,
+)
 from tailguard.core.data import Dataset
 from tailguard.core.latency import benchmark
 from tailguard.core.runtime import TorchRunner

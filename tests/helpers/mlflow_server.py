@@ -1,8 +1,9 @@
 """A real `mlflow server` for integration tests (SQLite store, artifacts proxied by the server, webhooks on).
 
-Shared by tests/integration/test_trigger.py and tests/integration/test_trigger_e2e.py. The server runs with `--serve-artifacts` and an
-`--artifacts-destination` folder, so new experiments get `mlflow-artifacts:/` locations and every client (the test,
-the pipeline's task subprocesses) uploads and downloads artifacts over HTTP, as pods of a cluster would.
+Shared by tests/integration/test_trigger.py and tests/integration/test_trigger_e2e.py. The server runs with
+`--serve-artifacts` and an `--artifacts-destination` folder, so new experiments get `mlflow-artifacts:/` locations
+and every client (the test, the pipeline's task subprocesses) uploads and downloads artifacts over HTTP, as pods of a
+cluster would.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str
         folder: where the SQLite store (mlflow.db), the artifacts (artifacts/) and server.log go.
         startup_timeout_s: how long to wait for GET /health (s).
     """
-    from cryptography.fernet import Fernet
     import requests
+    from cryptography.fernet import Fernet
 
     port = free_port()
     env = {**os.environ, "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",

@@ -202,7 +202,7 @@ def frames_frame(n_rows: int, *, seed: int = 0, min_frames: int = 1, max_frames:
     [min_frames, max_frames]."""
     rng = np.random.default_rng(seed)
     rows = []
-    for i in range(n_rows):
+    for _ in range(n_rows):
         label = int(rng.integers(0, N_CLASSES_SEQ))
         n = int(rng.integers(min_frames, max_frames + 1))
         f = rng.normal(0.0, 1.0, size=(n, N_BANDS)).astype(np.float32)

@@ -10,9 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from tailguard.core.contract import (BACKEND_TAG, PRECISION_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, SHA256_TAG,
-                                     VARIANT_TAG)
-
+from tailguard.core.contract import (
+    BACKEND_TAG,
+    PRECISION_TAG,
+    SHA256_TAG,
+    SOURCE_SHA256_TAG,
+    SOURCE_VERSION_TAG,
+    VARIANT_TAG,
+)
 
 CLASS_PATH = "tests.helpers.resolve_models:TinyClassifier"
 

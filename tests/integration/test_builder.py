@@ -5,7 +5,6 @@ import yaml
 from tailguard.builder import build_pipeline, compile_pipeline
 from tailguard.core.spec import load_spec
 from tailguard.runner import task_count
-
 from tests.core.test_spec import TINY
 
 

@@ -1,4 +1,5 @@
-"""The CLI contract: exit codes and messages without tracebacks (README.md: 0 ok, 1 runtime, 2 bad input, 3 no passing variant)."""
+"""The CLI contract: exit codes and messages without tracebacks (README.md: 0 ok, 1 runtime, 2 bad input, 3 no
+passing variant)."""
 
 import json
 
@@ -6,7 +7,6 @@ import yaml
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-
 from tests.core.test_spec import TINY
 
 runner = CliRunner()
@@ -58,10 +58,10 @@ def test_monitor_replay_exits_2_naming_the_option_when_a_model_file_is_missing(t
 
 
 def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys):
-    from tailguard.terminal import print_summary
     from tailguard.components.register.summary import RunSummary, VariantSummary
     from tailguard.components.validate.task import discovered_summary
     from tailguard.runner import summary_rows
+    from tailguard.terminal import print_summary
 
     table = [{"slice": "pos&n_tokens", "value": "verb&[2,8)", "support": 40, "metric": "nn_top1_agreement",
               "value_in_slice": 0.8, "value_rest": 0.95, "q_value": 0.004, "significant": True, "drop": 0.15},

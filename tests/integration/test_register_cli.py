@@ -25,9 +25,14 @@ from typer.testing import CliRunner
 
 from tailguard.cli import app
 from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
-from tailguard.core.reference import (MODEL_PATH_ENV, add_model_path, import_module_class, load_torch_reference,
-                                      resolve_reference)
 from tailguard.core.errors import InputError, UntrustedModelError
+from tailguard.core.reference import (
+    MODEL_PATH_ENV,
+    add_model_path,
+    import_module_class,
+    load_torch_reference,
+    resolve_reference,
+)
 from tailguard.core.spec import parse_spec
 
 runner = CliRunner()

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import mlflow
 import pytest
@@ -29,10 +28,10 @@ def env(tmp_path_factory):
     make_rows(40, 1).to_parquet(root / "calibration.parquet")
     old = os.environ.get("TAILGUARD_HOME")
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.registration import register_reference
     from tailguard.core.home import default_tracking_uri
-    from tailguard.models import MeanPooledEncoder
     from tailguard.core.tracking import configure
+    from tailguard.models import MeanPooledEncoder
+    from tailguard.registration import register_reference
 
     uri = default_tracking_uri()
     configure(uri, "registration")
@@ -151,7 +150,6 @@ def _candidates(tmp_path, specs):
     """A store with one parent run + validation run + registered version per (label, p50 ms, source version)."""
     from tailguard.core.contract import VARIANT_RESULT_FILE
     from tailguard.core.results import VariantResult
-
     from tailguard.core.tracking import configure
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

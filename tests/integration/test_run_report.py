@@ -2,7 +2,8 @@
 `log_run_report`, pipelines/run_report.py and `tailguard report`).
 
 Unit tests build the HTML from a synthetic summary; the integration test runs one small local `tailguard run`
-(the tiny encoder of tests/integration/test_pipeline_local.py, kfp.local, SQLite MLflow store) and reads the parent run back.
+(the tiny encoder of tests/integration/test_pipeline_local.py, kfp.local, SQLite MLflow store) and reads the parent
+run back.
 """
 
 import base64
@@ -15,15 +16,14 @@ import sys
 import mlflow
 import pandas as pd
 import pytest
-
-from tests.conftest import MLFLOW_URI_VARS
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.components.register.summary import RunSummary, VariantSummary
 from tailguard.components.register.report import decision_note, gate_statuses, run_report_html
-from tailguard.core.report import TORCH_NOTE, zoom_limits
+from tailguard.components.register.summary import RunSummary, VariantSummary
 from tailguard.core.contract import gate_name_tag, gate_tag
+from tailguard.core.report import TORCH_NOTE, zoom_limits
+from tests.conftest import MLFLOW_URI_VARS
 
 GATE = "top1_agreement>=0.9@lb95@per_slice:digit"
 

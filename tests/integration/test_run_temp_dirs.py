@@ -11,7 +11,6 @@ import sys
 
 import mlflow
 import pytest
-import torch
 
 from tests.integration.test_pipeline_local import make_rows, register_tiny_encoder, write_spec
 

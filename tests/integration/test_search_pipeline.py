@@ -66,9 +66,9 @@ def env(tmp_path_factory):
     # restore all three afterwards, or later modules' subprocesses would use this module's store
     saved = {k: os.environ.get(k) for k in ("TAILGUARD_HOME", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     os.environ["TAILGUARD_HOME"] = str(home)
-    from tailguard.registration import register_reference
     from tailguard.core.home import default_tracking_uri
     from tailguard.core.tracking import configure
+    from tailguard.registration import register_reference
 
     uri = default_tracking_uri()
     configure(uri, "registration")

@@ -1,6 +1,7 @@
 """Serving targets (issue 23, item 3), without running a pipeline: the spec section and its checks, the node against
 a target's `expect`, the compiled IR (one validate task per (variant, target) on that target's pool), and the
-register step's per-target decisions. The kfp.local run with two local targets: tests/integration/test_serving_targets_local.py.
+register step's per-target decisions. The kfp.local run with two local targets:
+tests/integration/test_serving_targets_local.py.
 """
 
 import json
@@ -18,9 +19,9 @@ from tailguard.core.errors import SpecError
 from tailguard.core.hardware import cpu_facts, expect_mismatches, fact_differences, gpu_capabilities, kernel_facts
 from tailguard.core.spec import dump_spec, load_spec, parse_spec, spec_from_yaml
 from tailguard.runner import summary_rows, target_status, task_count
-from tests.integration.test_builder import k8s_config, load_ir
 from tests.core.test_hardware import EPYC, SAPPHIRE
 from tests.core.test_spec import TINY, locs, tiny
+from tests.integration.test_builder import k8s_config, load_ir
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ROOT / "tests" / "data" / "targets_spec.yaml"

@@ -16,9 +16,8 @@ from typer.testing import CliRunner
 
 from tailguard.cli import app
 from tailguard.core.errors import SpecError
-from tailguard.preflight import check_spec_file
 from tailguard.core.spec import validate_spec
-
+from tailguard.preflight import check_spec_file
 
 # `spec check` resolves model.registered_name in an existing local store: a private home per test (conftest)
 pytestmark = pytest.mark.usefixtures("private_home")

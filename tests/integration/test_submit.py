@@ -10,7 +10,6 @@ import yaml
 import tailguard.submit as submit_mod
 from tailguard.core.errors import InputError
 from tailguard.core.spec import load_spec
-
 from tests.core.test_spec import TINY
 
 

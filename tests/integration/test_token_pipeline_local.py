@@ -9,7 +9,6 @@ Real parts only; nothing is mocked."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import mlflow
 import numpy as np

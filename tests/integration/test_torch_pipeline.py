@@ -20,7 +20,6 @@ import yaml
 
 from tailguard.core.errors import SpecError
 from tailguard.core.spec import parse_spec
-
 from tests.integration.test_pipeline_local import make_rows, register_tiny_encoder, write_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

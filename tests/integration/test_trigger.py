@@ -20,10 +20,17 @@ import yaml
 from fastapi.testclient import TestClient
 
 from tailguard.core.errors import InputError, SpecError
-from tailguard.trigger import (DELIVERY_ID_HEADER, OUTCOMES, SIGNATURE_HEADER, TIMESTAMP_HEADER, TriggerConfig,
-                               create_app, sign)
-from tests.helpers.mlflow_server import uvicorn_in_thread
+from tailguard.trigger import (
+    DELIVERY_ID_HEADER,
+    OUTCOMES,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    TriggerConfig,
+    create_app,
+    sign,
+)
 from tests.helpers.mlflow_server import mlflow_server as start_mlflow_server
+from tests.helpers.mlflow_server import uvicorn_in_thread
 
 SECRET = "s3cr3t-for-tests"
 NOW = 1_750_000_000.0

@@ -99,9 +99,9 @@ def test_trigger_promotes_optimized_version_when_real_mlflow_server_registers_a_
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from tailguard.registration import register_reference
-    from tailguard.models import MeanPooledEncoder
     from tailguard.core.tracking import configure
+    from tailguard.models import MeanPooledEncoder
+    from tailguard.registration import register_reference
 
     app, url = receiver
     client = MlflowClient(tracking_uri=server, registry_uri=server)

@@ -114,7 +114,9 @@ def test_combiner_refuses_duplicate_epoch_when_one_replica_is_listed_under_two_s
 
 def test_combiner_refuses_its_own_epoch_when_its_own_url_is_a_peer():
     own, rep = _replica(30, seed=5), _replica(20, seed=6)
-    own_doc = lambda since: {**own.evidence(since), "epoch": "me", "role": "combiner", "settings": SETTINGS}
+    def own_doc(since):
+        return {**own.evidence(since), "epoch": "me", "role": "combiner", "settings": SETTINGS}
+
     docs = {"self": own_doc, "http://me": own_doc, "http://rep": lambda since: _doc(rep, since, "r")}
     combined = _stats(source="combined")
     comb = Combiner(combined, lambda name, since: docs[name](since), list(docs), settings=SETTINGS, local="self")
@@ -466,7 +468,7 @@ def test_combined_counts_equal_replica_totals_when_own_url_and_one_replica_under
                     r0, q0 = _feed(c, urls[0], 100 * phase, 13)
                     r1, q1 = _feed(c, urls[1], 100 * phase + 50, 8)
                     sent = (sent[0] + r0 + r1, sent[1] + q0 + q1)
-                    _wait(lambda: _totals(c, urls, "all") == sent, "the replicas compared every request")
+                    _wait(lambda sent=sent: _totals(c, urls, "all") == sent, "the replicas compared every request")
                     for _ in range(3):
                         comb.combine()
                     assert _counts(comb.engine.combined) == sent

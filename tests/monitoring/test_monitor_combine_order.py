@@ -43,7 +43,8 @@ NAME = "tiny-clf"
 
 
 def _stats(**kw: Any) -> SliceStatistics:
-    args = dict(streams_per_request=1, alpha=0.01, horizon=100_000, min_support=1, max_request_rows=1)  # one-row requests
+    # one-row requests
+    args = dict(streams_per_request=1, alpha=0.01, horizon=100_000, min_support=1, max_request_rows=1)
     return SliceStatistics("m", ["top1_agree"], TOP1, **{**args, **kw})
 
 

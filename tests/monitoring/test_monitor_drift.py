@@ -2,10 +2,10 @@
 
 import numpy as np
 
+from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.drift import DriftSnapshots
-from tailguard.core.spec import parse_spec
 
 
 def test_drift_writes_input_and_output_snapshots_per_window_when_workspace_set(tmp_path):
@@ -15,7 +15,7 @@ def test_drift_writes_input_and_output_snapshots_per_window_when_workspace_set(t
     snaps = DriftSnapshots(resolve_config(spec), background=False)
     rng = np.random.default_rng(1)
     w = T.weights()
-    for i in range(130):
+    for _ in range(130):
         x = rng.normal(loc=2.0, size=4).astype(np.float32)  # shifted inputs: input drift vs the calibration set
         ref = x @ w
         snaps.add({"inputs": {"x": x}, "meta": {"domain": "web"}, "reference": ref, "candidate": ref + 0.01})

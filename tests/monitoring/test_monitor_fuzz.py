@@ -13,15 +13,22 @@ import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
 
+from tailguard.core.spec import parse_spec  # noqa: E402
 from tailguard.monitoring import testing as T  # noqa: E402
 from tailguard.monitoring.config import MAX_LABEL_CHARS, clean_label, resolve_config  # noqa: E402
-from tailguard.monitoring.oip import (MAX_BATCH_ROWS, MAX_JSON_DEPTH, MAX_PARAMETERS, OIP_ITEMSIZE,  # noqa: E402
-                                      OIP_TO_NUMPY, OipError, parse_request)
+from tailguard.monitoring.oip import (  # noqa: E402
+    MAX_BATCH_ROWS,
+    MAX_JSON_DEPTH,
+    MAX_PARAMETERS,
+    OIP_ITEMSIZE,
+    OIP_TO_NUMPY,
+    OipError,
+    parse_request,
+)
 from tailguard.monitoring.service import REDACTED, _redacted_config, redact_params  # noqa: E402
-from tailguard.core.spec import parse_spec  # noqa: E402
 
 set_hypothesis_home_dir(tempfile.mkdtemp(prefix="tg-hypothesis-"))  # its caches stay out of the work tree
 

@@ -21,8 +21,16 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tailguard.monitoring import testing as T  # noqa: E402
 from tests.helpers.mlflow_server import free_port  # noqa: E402
-from tests.monitoring.test_monitor_binary import (BATCH, N, NAME, assert_all_compared, domain, features,  # noqa: E402
-                                       live_monitor, value)
+from tests.monitoring.test_monitor_binary import (  # noqa: E402
+    BATCH,
+    NAME,
+    N,
+    assert_all_compared,
+    domain,
+    features,
+    live_monitor,
+    value,
+)
 
 LIMIT = 65536  # monitoring.max_body_bytes in these tests
 
@@ -149,7 +157,8 @@ def test_monitor_serve_accepts_grpc_beside_http_when_grpc_port_given(models, tmp
     proc = subprocess.Popen([sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve",
                              "--spec", str(spec), "--reference", str(models["ref"]), "--candidate",
                              str(models["cand"]), "--host", "127.0.0.1", "--port", str(port), "--grpc-port",
-                             str(gport), "--probe-port", str(free_port())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                             str(gport), "--probe-port", str(free_port())], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
     try:
         client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{gport}")
         deadline = time.monotonic() + 90  # a bound on a hung process, not a timing assumption

@@ -6,10 +6,10 @@ import pytest
 import yaml
 
 from tailguard.core.errors import InputError, SpecError
+from tailguard.core.spec import parse_spec
 from tailguard.demo.planted_drift import replay_with_drift
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.replay import replay, replay_cli
-from tailguard.core.spec import parse_spec
 
 MON = {"sample_rate": 0.1, "window_size": 400, "min_support": 30, "horizon": 10_000}
 

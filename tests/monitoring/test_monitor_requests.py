@@ -264,8 +264,8 @@ def test_worker_gives_the_same_statistics_when_requests_are_micro_batched_or_com
     for batch_rows in (1, 1024):
         ref = CountingRunner(models["ref"])
         ref.gate.clear()  # everything queues first, so the batched worker really batches
-        svc, client = _service(ref, noisy, shadow_batch_rows=batch_rows, shadow_batch_wait_ms=0, shadow_batch_adapt=False,
-                               window_size=10**9)
+        svc, client = _service(ref, noisy, shadow_batch_rows=batch_rows, shadow_batch_wait_ms=0,
+                               shadow_batch_adapt=False, window_size=10**9)
         with client:
             for i in range(60):
                 client.post(f"/v2/models/{NAME}/infer", json=_body(i, "web" if i % 3 else "legal", batch=1 + i % 4))

@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
+from tailguard.core.spec import parse_spec
+from tailguard.core.spec.monitor import MonitorS3Spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.service import MonitorService, build_app
 from tailguard.monitoring.sink import REDACTED, PairSink
-from tailguard.core.spec import parse_spec
-from tailguard.core.spec.monitor import MonitorS3Spec
 
 pytestmark = pytest.mark.integration
 BUCKET = "tg-pairs"

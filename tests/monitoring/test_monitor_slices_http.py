@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.service import MonitorService, build_app
-from tailguard.core.spec import parse_spec
 
 NAME = "tiny-clf"
 

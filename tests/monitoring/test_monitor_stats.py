@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from tailguard.core.errors import SpecError
+from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import Bound, clean_label, resolve_config
 from tailguard.monitoring.detector import SliceStatistics, alarm_threshold, bettings, sprt_expected_samples
 from tailguard.monitoring.sampler import LongTailSampler
-from tailguard.core.spec import parse_spec
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
 
@@ -185,7 +185,7 @@ def test_detector_tests_traffic_mean_when_rare_slice_rows_are_oversampled():
     # Unweighted, `all` would see 0.92 (the oversampled mean) and alarm; weighted by pi/p it must not.
     st, rng = _stats(horizon=100_000), np.random.default_rng(6)
     fired = []
-    for i in range(40_000):
+    for _ in range(40_000):
         rare = rng.random() < 0.01 * 20 / (0.01 * 20 + 0.99)  # share of sampled rows from the rare slice
         key = "dom=rare" if rare else "dom=web"
         agree = float(rng.random() < (0.5 if rare else 1.0))
@@ -234,7 +234,7 @@ def test_sampler_evicts_least_recent_keys_and_counts_them_when_key_bound_reached
 
 def test_sampler_ratios_are_own_rate_over_request_rate_when_request_is_sampled():
     s = LongTailSampler(0.1, rare_slice_frequency=0.05, max_oversample=20, seed=0)
-    for i in range(1000):
+    for _ in range(1000):
         s.decide(["all", "d=common"])
     d = next(d for d in (s.decide(["all", "d=common", "x=rare"]) for _ in range(200)) if d.sampled)
     assert d.probability > 0.1 and d.ratios[2] == pytest.approx(1.0)

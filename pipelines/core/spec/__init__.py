@@ -21,8 +21,14 @@ from pydantic import ValidationError
 
 from tailguard.core.errors import FieldError, SpecError
 from tailguard.core.presets import QUANTIZATION_PRESETS
-from tailguard.core.spec.models import (CROSS_FIELD_SEP, NO_PARITY_GATE, PARITY_GATE_EXAMPLE, SKIP_CROSS_FIELD,
-                                        QuantizationSpec, Spec)
+from tailguard.core.spec.models import (
+    CROSS_FIELD_SEP,
+    NO_PARITY_GATE,
+    PARITY_GATE_EXAMPLE,
+    SKIP_CROSS_FIELD,
+    QuantizationSpec,
+    Spec,
+)
 
 
 # --------------------------------------------------------------------------------------------- loading

@@ -334,7 +334,8 @@ class Expectation(SpecModel):
     """A Great Expectations expectation, by its snake_case type and keyword arguments."""
 
     type: str = Field(description="e.g. expect_column_values_to_be_between", pattern=r"^expect_[a-z0-9_]+$")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Arguments, e.g. {column: n_tokens, min_value: 1}.")
+    kwargs: dict[str, Any] = Field(default_factory=dict,
+                                   description="Arguments, e.g. {column: n_tokens, min_value: 1}.")
     datasets: list[Literal["calibration", "validation"]] = Field(
         default_factory=lambda: ["calibration", "validation"], description="Datasets the expectation applies to.")
 
@@ -393,7 +394,8 @@ class DeriveSpec(SpecModel):
     reduce: DeriveReduce = Field(description=(
         "Per row over the non-batch axes: sum, mean, max, min, count_nonzero, argmax (index of the largest "
         "element: the reference's top-1 class), norm (L2), length (positions of the last axis up to the last "
-        "non-zero element: the tokens of an attention mask), nearest_centroid (index of the nearest of `centroids` k-means centroids "
+        "non-zero element: the tokens of an attention mask), nearest_centroid (index of the nearest of `centroids` "
+        "k-means centroids "
         "fitted on the validation set's reference outputs)."))
     centroids: int | None = Field(None, ge=2, le=MAX_CENTROIDS, description=(
         "nearest_centroid only: number of k-means centroids (seeded; fitted by the pipeline)."))

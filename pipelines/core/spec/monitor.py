@@ -11,7 +11,6 @@ from tailguard.core import metrics as _metrics
 from tailguard.core.errors import FieldError
 from tailguard.core.spec.base import SpecModel
 
-
 # Per-row parity metrics (tailguard.core.parity) the shadow monitor can track and alert on (metric catalogue).
 MONITOR_METRICS: tuple[str, ...] = tuple(r.key for r in _metrics.ROW_METRICS if r.monitored)
 
@@ -117,7 +116,8 @@ class MonitorS3Spec(SpecModel):
     """Where sampled (request, reference, candidate) pairs go: Parquet batches in S3 (boto3)."""
 
     bucket: str = Field(description="S3 bucket.", min_length=3)
-    prefix: str = Field("tailguard/monitor", description="Key prefix; objects are <prefix>/<model>/<date>/<id>.parquet.")
+    prefix: str = Field("tailguard/monitor",
+                        description="Key prefix; objects are <prefix>/<model>/<date>/<id>.parquet.")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto); default AWS.")
     region: str | None = Field(None, description="AWS region (default: the boto3 configuration).")
     batch_rows: int = Field(500, ge=1, description="Sampled pairs per Parquet object.")
