@@ -43,8 +43,10 @@ def _summary_cells(r: dict[str, Any], v: VariantSummary | None) -> dict[str, Any
     """A summary row's cells (str, or Text where the content must not be read as markup), by column name."""
     from rich.text import Text
 
-    num = lambda x: "" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))  # noqa: E731
-    frac = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    def num(x):
+        return "" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))
+    def frac(x):
+        return "-" if x is None else f"{x:.4f}"
     style = "green" if r["status"] == "passed" else ("yellow" if r["status"] == "skipped" else "red")
     timed = r["status"] in ("passed", "failed gates")
     return {"variant": Text(r["variant"]), "status": Text(r["status"], style=style),
@@ -208,7 +210,8 @@ def print_search(search: dict) -> None:
     table = Table(title=search_title(search), show_lines=False)
     for col in cols:
         table.add_column(col, overflow="fold")
-    fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    def fmt(v):
+        return "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
     for r in rows:
         style = "green" if r["chosen"] else ("" if r["passed"] == "yes" else "red")
         table.add_row(*[Text(fmt(r[c]), style=style) for c in cols])  # Text: node names are never read as markup

@@ -267,7 +267,8 @@ def compare_numerics(spec: Spec, native: ParityPass, exact: ParityPass, *,
     if differ:
         parts.append("gate outcomes differ: " + ", ".join(f"{d['gate']} {d['native']} (native) vs {d['exact']} "
                                                           f"(exact)" for d in differ))
-    fmt = lambda v: "n/a" if v is None else f"{float(v):.4g}"  # noqa: E731
+    def fmt(v):
+        return "n/a" if v is None else f"{float(v):.4g}"
     parts.append(f"{where} {metric}: {fmt(a)} native vs {fmt(b)} exact "
                  f"({'beyond' if worst_moved else 'within'} tolerance {tolerance:g})")
     return {"status": (NumericsStatus.HARDWARE_DEPENDENT if dependent else NumericsStatus.CONSISTENT).value,

@@ -77,7 +77,8 @@ def _sha256(path: Path) -> str:
 def parse_baselines(baselines_json: str) -> dict[str, Any]:
     """Baselines JSON with batch-size keys turned back into ints."""
     raw = json.loads(baselines_json) if baselines_json else {}
-    fix = lambda d: {int(k): v for k, v in d.items()} if d else None  # noqa: E731
+    def fix(d):
+        return {int(k): v for k, v in d.items()} if d else None
     return {"torch": fix(raw.get("torch")), "onnx_fp32": fix(raw.get("onnx_fp32")), "rows": raw.get("rows")}
 
 

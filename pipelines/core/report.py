@@ -227,7 +227,8 @@ def timing_cells(paired: dict | None, *, p50_ms: float | None, p99_ms: float | N
         paired: {"p50_ms", "p99_ms", "speedup_vs_torch": {"ratio", "lower", "upper"}, ...} or None.
         p50_ms, p99_ms, speedup_vs_torch, speedup_vs_onnx_fp32: the validate task's figures (ms; ratios), or None.
     """
-    task = lambda x: None if x is None else f"{x:.2f}{TASK_MARK}"  # noqa: E731
+    def task(x):
+        return None if x is None else f"{x:.2f}{TASK_MARK}"
     if not paired:
         return {"x torch": task(speedup_vs_torch), "x onnx fp32": task(speedup_vs_onnx_fp32), "p50 ms": task(p50_ms),
                 "p99 ms": task(p99_ms)}
@@ -238,7 +239,8 @@ def timing_cells(paired: dict | None, *, p50_ms: float | None, p99_ms: float | N
             return task(fallback)
         return f"{r['ratio']:.2f} [{r['lower']:.2f},{r['upper']:.2f}]"  # a narrow column wraps before the bounds
 
-    fmt = lambda x: None if x is None else f"{x:.2f}"  # noqa: E731
+    def fmt(x):
+        return None if x is None else f"{x:.2f}"
     return {"x torch": ratio("speedup_vs_torch", speedup_vs_torch),
             "x onnx fp32": ratio("speedup_vs_onnx_fp32", speedup_vs_onnx_fp32),
             "p50 ms": fmt(paired.get("p50_ms")), "p99 ms": fmt(paired.get("p99_ms"))}

@@ -154,7 +154,9 @@ def test_sequential_validation_gives_the_all_rows_outcome_when_it_uses_every_row
     full = validate_variant(_spec(gates, enabled=False), "v", _Logits(), [ref], ds, tmp_path / "b")
     assert seq.rows_used == full.rows_used == 2000
     assert [g.to_dict() for g in seq.gates] == [g.to_dict() for g in full.gates]
-    parity = lambda r: {k: v for k, v in r.overall.items() if k != "peak_rss_mb"}  # noqa: E731 (the process')
+    def parity(r):  # everything but the process's peak RSS
+        return {k: v for k, v in r.overall.items() if k != "peak_rss_mb"}
+
     assert parity(seq) == pytest.approx(parity(full))
     assert full.sequential is None and seq.sequential["rows_used"] == 2000
 

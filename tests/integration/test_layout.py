@@ -291,7 +291,8 @@ def test_layout_unit_cycles_counts_lazy_imports_when_given_synthetic_modules(tmp
              + imports_of("tailguard.components.x.c", c, known) + imports_of("tailguard.components.x.d", d, known))
     assert unit_cycles(edges) == [["tailguard.components.x.c", "tailguard.components.x.d"],
                                   ["tailguard.core.a", "tailguard.core.b"]]
-    mk = lambda s, t: Import(s, ROOT / "x.py", 1, t, "x")  # noqa: E731
+    def mk(s, t):
+        return Import(s, ROOT / "x.py", 1, t, "x")
     assert unit_cycles([mk("tailguard.components.x.c", "tailguard.components.y.d"),
                         mk("tailguard.components.y.d", "tailguard.components.x.c"),
                         mk("tailguard.cli", "tailguard.demo"), mk("tailguard.demo", "tailguard.cli")]) == []
@@ -333,7 +334,8 @@ def test_layout_kernel_modules_have_two_importing_units_when_scanning_every_modu
 
 
 def test_layout_kernel_users_counts_units_through_kernel_importers_when_given_synthetic_edges():
-    mk = lambda s, d: Import(s, ROOT / "x.py", 1, d, "x")  # noqa: E731
+    def mk(s, d):
+        return Import(s, ROOT / "x.py", 1, d, "x")
     edges = [mk("tailguard.components.quantize.logic", "tailguard.core.artifacts"),
              mk("tailguard.components.quantize.task", "tailguard.core.artifacts"),
              mk("tailguard.core.spec", "tailguard.core.presets"),
@@ -384,14 +386,16 @@ def test_layout_violation_flags_upward_imports_when_given_synthetic_edges(src, d
 
 
 def test_layout_component_cycles_finds_a_cycle_when_two_components_import_each_other():
-    mk = lambda s, d: Import(s, ROOT / "x.py", 1, d, "x")  # noqa: E731
+    def mk(s, d):
+        return Import(s, ROOT / "x.py", 1, d, "x")
     edges = [mk("tailguard.components.export.logic", "tailguard.components.quantize.logic"),
              mk("tailguard.components.quantize.logic", "tailguard.components.export.task")]
     assert component_cycles(edges) == [["components.export", "components.quantize"]]
 
 
 def test_layout_application_cycles_finds_a_cycle_when_cli_and_demo_import_each_other():
-    mk = lambda s, d: Import(s, ROOT / "x.py", 1, d, "x")  # noqa: E731
+    def mk(s, d):
+        return Import(s, ROOT / "x.py", 1, d, "x")
     edges = [mk("tailguard.cli", "tailguard.demo"), mk("tailguard.demo", "tailguard.cli"),
              mk("tailguard.demo", "tailguard.terminal")]
     assert application_cycles(edges) == [["tailguard.cli", "tailguard.demo"]]

@@ -125,7 +125,8 @@ def test_combiner_counts_coarse_backlog_when_cursor_is_older_than_peers_oldest_c
     for _ in range(10):
         rep.update(["all"], {"top1_agree": 1.0}, 1.0)
         log_.tick()
-    doc = lambda since: {**rep.evidence(since), "epoch": "e", "role": "replica", "settings": SETTINGS,  # noqa: E731
+    def doc(since):
+        return {**rep.evidence(since), "epoch": "e", "role": "replica", "settings": SETTINGS,
                          "as_of": 2.0, "checkpoints": log_.after(since), "checkpoint_floor": log_.floor}
     combined = _stats(source="combined")
     comb = Combiner(combined, lambda name, since: doc(since), ["r"], settings=SETTINGS)

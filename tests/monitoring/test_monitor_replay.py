@@ -140,7 +140,8 @@ def test_replay_cli_writes_the_same_alerts_json_when_it_prints(files, tmp_path):
     out, err = _consoles()
     loud = replay_cli(files / "spec.yaml", files / "ref.onnx", files / "bad.onnx", files / "data.parquet",
                       tmp_path / "b", console=out, err_console=err)
-    strip = lambda p: [{k: v for k, v in a.items() if k != "fired_at"} for a in _load(p)[0]]  # noqa: E731
+    def strip(p):
+        return [{k: v for k, v in a.items() if k != "fired_at"} for a in _load(p)[0]]
     assert quiet == loud == 4 and strip(tmp_path / "a") == strip(tmp_path / "b")
 
 
