@@ -232,6 +232,7 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
     from tailguard.core.latency import DECISION_MIN_ROUNDS, interleaved_benchmark, precision_reached, speed_ratio
     from tailguard.core.runtime import TIMED_ORT_SESSION, runner_for_file, timed_ort_runner
     from tailguard.core.stats import look_confidence
+    from tailguard.core.torch_backend import loads_trusted
 
     def timeable(v: VariantSpec) -> bool:  # the register task runs on a CPU node: CPU variants only
         return v.backend == "onnxruntime" and v.execution_provider == "CPUExecutionProvider" or (
@@ -284,9 +285,9 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
                 if not files:
                     return None
                 if v.backend == "torch":  # the artefact's manifest is checked on this node first
-                    runners[r.variant] = runner_for_file(files[0], spec.model.inputs,  # a registry .pt2: vetted
+                    runners[r.variant] = runner_for_file(files[0], spec.model.inputs,
                                                          intra_op_num_threads=spec.benchmark.intra_op_num_threads,
-                                                         trusted=spec.model.source.trusted)
+                                                         trusted=loads_trusted(v, spec.model.source.trusted))
                     continue
                 runners[r.variant] = timed_ort_runner(files[0], providers=[v.execution_provider],
                                                       intra_op_num_threads=spec.benchmark.intra_op_num_threads)

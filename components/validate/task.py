@@ -278,13 +278,11 @@ def torch_runner(spec: Spec, variant: VariantSpec, model_file: Path, build: dict
     from tailguard.core.artifacts import ArtifactMismatchError
     from tailguard.core.data import make_batch
     from tailguard.core.errors import UntrustedModelError
-    from tailguard.core.torch_backend import TorchVariantRunner, config_of, probe_load
+    from tailguard.core.torch_backend import TorchVariantRunner, config_of, loads_trusted, probe_load
 
     config = config_of(variant)
     source = (build.get("details") or {}).get("source_sha256", "")
-    # an AOTInductor package this run's build step compiled is native code we made; a program.pt2 is still read
-    # for code first (tailguard.core.pt2_archive) unless the spec trusts the model's source
-    trusted = config.compile == "aot_inductor" or spec.model.source.trusted
+    trusted = loads_trusted(variant, spec.model.source.trusted)
     try:
         if config.compile == "aot_inductor":
             feeds = make_batch(ds, np.arange(min(2, ds.n_rows)), spec.model.inputs, pad_values=spec.model.pad_values)

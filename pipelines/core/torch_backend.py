@@ -129,6 +129,15 @@ def config_of(variant: VariantSpec) -> TorchBuildConfig:
                             cuda_graphs=variant.cuda_graphs)
 
 
+def loads_trusted(variant: VariantSpec, source_trusted: bool) -> bool:
+    """Whether a torch variant's artefact built by this run's build step loads without the archive's code check
+    (tailguard.core.pt2_archive): an AOTInductor package holds native code tailguard compiled itself (its manifest
+    fingerprint and source digest are still checked); a program.pt2 is read for code first unless the spec trusts
+    the model's source (`model.source.trusted`). The validate step and the promotion's paired rounds both ask
+    here, so a variant that validated is timed too."""
+    return config_of(variant).compile == "aot_inductor" or source_trusted
+
+
 @dataclass
 class TorchBuild:
     """A built torch variant.

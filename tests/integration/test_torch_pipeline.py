@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 VARIANTS = [
     {"name": "ort-fp32", "backend": "onnxruntime", "precision": "fp32"},
     {"name": "torch-eager-fp32", "backend": "torch", "precision": "fp32", "device": "cpu"},
+    {"name": "torch-aoti-fp32", "backend": "torch", "precision": "fp32", "compile": "aot_inductor", "device": "cpu"},
     {"name": "torch-aoti-fp16", "backend": "torch", "precision": "fp16", "compile": "aot_inductor",
      "cuda_graphs": True},
 ]
@@ -36,6 +37,8 @@ def _write(root: Path) -> Path:
     return write_spec(root, variants=VARIANTS, slices=[{"name": "group", "column": "group"}],
                       gates=[{"metric": "nn_top1_agreement", "min": 0.5}],
                       promotion={"alias": "production", "register_variants": "all"},
+                      # enough rounds for the promotion's paired comparison (DECISION_MIN_ROUNDS)
+                      benchmark={"batch_sizes": [1], "warmup": 2, "iterations": 40, "max_seconds": 20},
                       monitoring={"slice_columns": ["group"], "sample_rate": 1.0})
 
 
@@ -66,7 +69,8 @@ def test_torch_variants_are_built_validated_and_registered_with_their_fingerprin
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     client = mlflow.MlflowClient(run["uri"])
     versions = {v.tags["tailguard.variant"]: v for v in client.search_model_versions("name='tiny-encoder-optimized'")}
-    assert set(versions) == {"ort-fp32", "torch-eager-fp32"}  # the CUDA variant was skipped, so not registered
+    # the CUDA variant was skipped, so not registered
+    assert set(versions) == {"ort-fp32", "torch-eager-fp32", "torch-aoti-fp32"}
     eager = versions["torch-eager-fp32"]
     assert (eager.tags["tailguard.backend"], eager.tags["tailguard.compile"], eager.tags["tailguard.device"]) == \
         ("torch", "eager", "cpu")
@@ -78,6 +82,20 @@ def test_torch_variants_are_built_validated_and_registered_with_their_fingerprin
     skipped = runs["torch-aoti-fp16"].data.tags
     assert skipped["tailguard.status"] == "skipped" and "no CUDA device on this node" in skipped["tailguard.reason"]
     assert runs["torch-eager-fp32"].data.metrics["nn_top1_agreement"] == 1.0
+
+
+def test_promotion_times_an_aot_inductor_variant_this_run_built_when_it_passed_its_gates(run):
+    """The promotion's paired rounds load every passing variant from this run's artefacts: an AOTInductor package
+    (native code the build step compiled) is trusted as the validate step trusts it, not refused as untrusted code
+    (issue 37: on a quiet machine the demo's CPU AOTInductor variant passed, was refused, and the promotion fell
+    back to the most exact variant without timing any)."""
+    proc = run["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = max((run["root"] / "home" / "runs").glob("*/summary.json"), key=lambda p: p.stat().st_mtime)
+    log = (summary.parent / "pipeline.log").read_text(errors="replace")
+    assert "no paired promotion comparison" not in log, log[log.find("no paired promotion"):][:600]
+    compared = json.loads(summary.read_text()).get("promotion_comparison") or {}
+    assert "torch-aoti-fp32" in (compared.get("p50_ms") or {}), compared
 
 
 def test_fetched_torch_variant_runs_as_the_monitors_candidate_when_replayed(run):
@@ -116,7 +134,7 @@ def test_spec_refuses_torch_fields_naming_the_variant_when_they_cannot_apply(var
 def test_torch_variant_needs_the_gpu_pool_only_when_its_device_is_cuda(tmp_path):
     spec = parse_spec(_spec_doc(tmp_path))
     needs = {v.name: v.needs_gpu for v in spec.variants}
-    assert needs == {"ort-fp32": False, "torch-eager-fp32": False, "torch-aoti-fp16": True}
+    assert needs == {"ort-fp32": False, "torch-eager-fp32": False, "torch-aoti-fp32": False, "torch-aoti-fp16": True}
 
 
 def test_torch_builder_is_skipped_with_the_reason_when_the_reference_is_onnx(tmp_path):
