@@ -66,7 +66,8 @@ def test_run_gates_promotes_and_reports_per_slice_cer_when_task_is_token_classif
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
 
-    client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri, registry_uri=uri)  # not the process-wide registry URI an earlier test set
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
             if "cer" in r.data.metrics]
     assert len(runs) == 1
