@@ -392,6 +392,18 @@ def _add_walk(walk: list[float], bet: Betting, u: float, r: float) -> None:
         walk[j] += inc
 
 
+def _add_sums(acc: list[float], r: float, n: int, total: float) -> None:
+    """Add one evidence unit (n rows, excess sum `total`, weight ratio r) to a stream's window sums (ACC_FIELDS)."""
+    rn, rs = r * n, r * total
+    acc[0] += 1.0
+    acc[1] += n
+    acc[2] += rn
+    acc[3] += rs
+    acc[4] += rs * rs
+    acc[5] += rn * rs
+    acc[6] += rn * rn
+
+
 class Cusum:
     """N_BETS one-sided CUSUMs of one (slice, metric) stream (formula: module docstring).
 
@@ -761,18 +773,8 @@ class SliceStatistics:
                     # the common case, inlined (_step and Cusum.update give the same): one unit on the good side
                     # of an idle CUSUM moves only its walk and the window sums
                     rows_k, total = au[0]
-                    if total < 0.0:
-                        alarm.walk = [w + inc for w, inc in
-                                      zip(alarm.walk, log_factors(self.bets[m][0].lambdas, r * total * scale))]
-                    acc = stream.acc
-                    rn, rs = r * rows_k, r * total
-                    acc[0] += 1.0
-                    acc[1] += rows_k
-                    acc[2] += rn
-                    acc[3] += rs
-                    acc[4] += rs * rs
-                    acc[5] += rn * rs
-                    acc[6] += rn * rn
+                    alarm.update(self.bets[m][0], total * scale, r, base + 1, request_index)  # its idle path
+                    _add_sums(stream.acc, r, rows_k, total)
                     continue
                 self._step(k, m, s, stream, au, ru, r, base, request_index, now, ev)
             for st in streams.values():
@@ -899,14 +901,7 @@ class SliceStatistics:
             if stream.rec_walk is not None and ry is not None:
                 _add_walk(stream.rec_walk, rec_bet, ry, r)  # type: ignore[arg-type]
             stream.alarm.update(alarm_bet, u, r, sample, request_index, acc)  # active: keeps the walk current
-            rn, rs = r * n, r * total
-            acc[0] += 1.0
-            acc[1] += n
-            acc[2] += rn
-            acc[3] += rs
-            acc[4] += rs * rs
-            acc[5] += rn * rs
-            acc[6] += rn * rn
+            _add_sums(acc, r, n, total)
             if stream.active:
                 if stream.recovery is not None and ry is not None:
                     stream.recovery.update(rec_bet, ry, r, sample, request_index)  # type: ignore[arg-type]
