@@ -13,8 +13,8 @@ by <v>'s gates as the search judges it).
 Parity decisions. Per variant, its first output over all validation rows is computed once (ONNX Runtime, the spec's
 batch size) and the FP32 reference's once (the exported ONNX model). The all-rows decision is `validate_variant`
 with `analysis.sequential.enabled: false`; the sequential decision of shuffle s is `validate_variant` with
-`analysis.sequential.seed: s` and those outputs handed in as stored measurements (`logic.Measurements`, every row in
-the seeded order), so the gates are decided exactly as the validate step decides them, block by block with the same
+`analysis.sequential.seed: s` and those outputs handed in as stored measurements (`measurements.Measurements`, every
+row in the seeded order), so the gates are decided exactly as the validate step decides them, block by block with the same
 stopping rule, on the same per-row values (the batch-composition effect of running rows in blocks, a few rows for a
 dynamic-INT8 variant, is left out here on purpose: the table measures the decision rule). Per gate and shuffle:
 the sequential status, the all-rows status, the rows at which it was decided; per variant: rows scored. Both stopping
@@ -83,7 +83,8 @@ def artefacts(home: Path) -> dict[str, Any]:
 def parity_table(spec: Any, ds: Any, ref: np.ndarray, name: str, model: Path, judged_as: str, shuffles: int,
                  work: Path) -> dict[str, Any]:
     """All-rows and sequential gate outcomes of one variant over `shuffles` seeded orders (module docstring)."""
-    from tailguard.components.validate.logic import Measurements, validate_variant
+    from tailguard.components.validate.logic import validate_variant
+    from tailguard.components.validate.measurements import Measurements
     from tailguard.core.runtime import OrtRunner, run_dataset
     from tailguard.core.spec.models import PERF_METRICS
 
@@ -148,7 +149,7 @@ def latency_table(spec: Any, ds: Any, fp32: Path, name: str, model: Path, judged
                   repeats: int) -> dict[str, Any]:
     """Precision-stopped timings vs one full-budget timing of the variant against the FP32 reference (module
     docstring)."""
-    from tailguard.components.validate.logic import timing_rule
+    from tailguard.components.validate.timing import timing_rule
     from tailguard.core.latency import add_speed_ratios, interleaved_benchmark
     from tailguard.core.runtime import OrtRunner
 
@@ -244,7 +245,7 @@ def main() -> None:
         "shuffles": args.shuffles, "load_average_at_start": load_start,
         "method": ("parity: per variant, outputs over all rows computed once; all-rows = validate_variant with "
                    "analysis.sequential.enabled false; shuffle s = validate_variant with sequential.seed s on those "
-                   "outputs (logic.Measurements), the validate step's stopping rule and decisions; latency: "
+                   "outputs (measurements.Measurements), the validate step's stopping rule and decisions; latency: "
                    "precision-stopped interleaved timings vs one full-budget timing, per batch size"),
         "parity": parity, "latency": latency,
         "summary": {"gates_with_19_of_20_same_or_undecided_never_differing": gates_ok,

@@ -4,7 +4,7 @@
 $TAILGUARD_HOME/runs/<run>/rerun.json (`write_record`): the spec without `gates` and `promotion` (canonical JSON),
 the reference version and SHA-256 it ran on, the data files' content hashes, tailguard's code hash, the node's facts,
 the batch sizes a speed gate reads the reference pass's baselines at, and the tracking URI; beside it,
-`validations/<variant>.json` holds what each validate task read (components/validate/task.py
+`validations/<variant>.json` holds what each validate task read (components/validate/run_log.py
 `write_validation_record`). A new run of a spec that differs from such a run's only
 in `gates` and/or `promotion`, on the same reference version, data bytes, code and node (`earlier_run`), is decided
 in one task on the earlier run's stored measurements (components/redecide); anything else, or any doubt, runs the

@@ -35,7 +35,7 @@ def decide_variant(spec: Any, variant: Any, record: dict[str, Any], work: Path) 
 
     Args:
         spec: the new Spec. variant: its VariantSpec. record: the earlier validation's record
-            (validate.task.write_validation_record). work: an empty folder for the variant's artifacts.
+            (validate.run_log.write_validation_record). work: an empty folder for the variant's artifacts.
 
     Returns:
         Decided (result None for a variant whose build was not ok: it is carried over as it was).
@@ -47,7 +47,8 @@ def decide_variant(spec: Any, variant: Any, record: dict[str, Any], work: Path) 
     """
     from tailguard.components.redecide.logic import NotDecidable, StoredOnly
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.components.validate.task import load_measurements, load_reference_outputs, parse_baselines
+    from tailguard.components.validate.measurements import load_measurements
+    from tailguard.components.validate.runners import load_reference_outputs, parse_baselines
     from tailguard.core.contract import REFERENCE_FILE
     from tailguard.core.data import load_validation
     from tailguard.core.results import BuildStatus
@@ -92,13 +93,13 @@ def log_decided(client: Any, exp_id: str, spec: Any, parent_run_id: str, d: Deci
     peak_rss_mb is the earlier validation's (this process ran no model).
 
     Returns:
-        The validation record of this run (`validate.task.write_validation_record`).
+        The validation record of this run (`validate.run_log.write_validation_record`).
     """
     import dataclasses
 
     import mlflow
 
-    from tailguard.components.validate.task import (
+    from tailguard.components.validate.run_log import (
         flat_params,
         log_coverage,
         log_validated_model,
@@ -163,7 +164,7 @@ def main(*, spec_yaml: str, tracking_uri: str, model_version: str, pipeline_run:
     from tailguard.components.redecide.logic import NotDecidable, spec_reasons
     from tailguard.components.register.finish import finish_run
     from tailguard.components.resolve.parent_run import open_parent_run
-    from tailguard.components.validate.task import write_validation_record
+    from tailguard.components.validate.run_log import write_validation_record
     from tailguard.core.contract import REDECIDED_FROM_TAG
     from tailguard.core.hardware import hardware_tags, node_facts
     from tailguard.core.reference import resolve_reference

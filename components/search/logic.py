@@ -61,7 +61,7 @@ import numpy as np
 import pandas as pd
 
 from tailguard.components.quantize.sensitivity import TOP_SENSITIVITY, node_sensitivity, write_sensitivity_artifacts
-from tailguard.components.validate.logic import ValidationResult
+from tailguard.components.validate.result import ValidationResult
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better

@@ -104,7 +104,7 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Var
     """
     import mlflow
 
-    from tailguard.components.validate.task import log_validation
+    from tailguard.components.validate.run_log import log_validation
 
     tags = {"mlflow.parentRunId": variant_run_id, SEARCH_OF_TAG: variant.name, TRIAL_TAG: str(trial.index),
             TRIAL_NAME_TAG: trial.name, BACKEND_TAG: variant.backend,
@@ -124,7 +124,7 @@ def log_trial(client: Any, experiment_id: str, variant_run_id: str, variant: Var
 def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, variant: VariantSpec, trial: Trial,
                            trial_run_id: str, work_dir: Path) -> str:
     """Log the chosen trial as candidate '<V>-searched', a direct child of the parent run, exactly as the
-    validate step logs a variant (components/validate/task.py `log_validated_model`), variant_result.json
+    validate step logs a variant (components/validate/run_log.py `log_validated_model`), variant_result.json
     included (search_of = V, trial_run_id = `trial_run_id`: what the register step reads). Returns the run id.
 
     Raises:
@@ -132,7 +132,7 @@ def log_searched_candidate(client: Any, experiment_id: str, parent_run_id: str, 
     """
     import mlflow
 
-    from tailguard.components.validate.task import flat_params, log_validated_model
+    from tailguard.components.validate.run_log import flat_params, log_validated_model
     from tailguard.core.errors import StepError
     from tailguard.core.results import VariantResult
 
@@ -199,7 +199,8 @@ def make_evaluate(spec: Spec, variant: VariantSpec, *, reference_outputs: list, 
     """
     from tailguard.components.validate.gates import verdict
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.components.validate.task import load_measurements, reference_runners
+    from tailguard.components.validate.measurements import load_measurements
+    from tailguard.components.validate.runners import reference_runners
     from tailguard.core.runtime import timed_ort_runner
 
     dirs: dict[str, Path] = {}
@@ -261,7 +262,7 @@ def main(*, spec_yaml: str, variant_name: str, validation_json: str, baselines_j
     import mlflow
 
     from tailguard.components.search.logic import run_search, write_search_artifacts
-    from tailguard.components.validate.task import load_reference_outputs, parse_baselines
+    from tailguard.components.validate.runners import load_reference_outputs, parse_baselines
     from tailguard.core.contract import ONNX_FILE, REFERENCE_FILE
     from tailguard.core.data import load_calibration, load_validation
     from tailguard.core.errors import StepError

@@ -609,8 +609,8 @@ def all_passed(results: list[GateResult]) -> bool:
 
 
 class Judged(Protocol):
-    """What `verdict` reads of a validated variant: `logic.ValidationResult` has these fields. A protocol, not an
-    import of logic.py, so gates.py stays below the module that evaluates the gates (no import cycle)."""
+    """What `verdict` reads of a validated variant: `result.ValidationResult` has these fields. A protocol, not an
+    import of result.py, so gates.py stays below the module that evaluates the gates (no import cycle)."""
 
     non_finite_rows: int
     gates: list[GateResult]
@@ -625,7 +625,7 @@ def verdict(result: Judged) -> tuple[bool, str]:
     back (an insufficient-data gate was not judged, so it never counts as passed: `all_passed`).
 
     Args:
-        result: the variant's ValidationResult (components/validate/logic.py), or anything with its `Judged`
+        result: the variant's ValidationResult (components/validate/result.py), or anything with its `Judged`
             fields.
 
     Returns:

@@ -138,8 +138,8 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
         passed: the variant's verdict (default: no gate failed or had insufficient data).
         discovered: the worst-slice discovery table (`discovery.DiscoveryResult.table`), or None when
             discovery did not run.
-        worst_samples: `logic.worst_samples` output (the first MAX_WORST_SAMPLES rows are shown), or None.
-        numerics: the numerics check (components/validate/logic.py `compare_numerics` / `not_checked`): a
+        worst_samples: `scoring.worst_samples` output (the first MAX_WORST_SAMPLES rows are shown), or None.
+        numerics: the numerics check (components/validate/numerics.py `compare_numerics` / `not_checked`): a
             warning banner when `hardware_dependent`, else one line; None: nothing shown.
 
     Returns:

@@ -30,21 +30,33 @@ Performance and build gates do not depend on the rows.
 Row order: a permutation of the validation rows seeded by `analysis.sequential.seed`; blocks of `block_rows`; no
 gate is decided before `min_rows` rows (all rows when the set is smaller). Rows of any group arrive in a uniformly
 random order too, so each group's sequence is valid on its own rows.
+
+The scoring loop is here too: `score_sequentially` runs the variant over the permutation (several blocks per runner
+call, `_score_chunk`; stored outputs first, `measurements.Measurements`), scores each block (`scoring._per_row`)
+and updates the plans (`plan_gates`) until `should_stop`; `_replay` decides the exact-accumulation pass's plans on
+the same blocks (numerics.py); `_early_gates` puts the plans' decisions in place of the gates evaluated on the rows
+scored; with `stop: verdict` a gate that needs no timing and already failed skips the timing
+(`_failed_before_timing`) and leaves the timed gates undecided (`_not_timed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
+from tailguard.core.data import Dataset
 from tailguard.core.results import GateStatus
-from tailguard.core.spec.models import BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec, Spec
+from tailguard.core.runtime import Runner
+from tailguard.core.spec.models import BATCHED_METRICS, BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec, Spec
 from tailguard.core.stats import wilson_bound, wor_confidence_sequence, wor_log_evidence
 
-from .gates import gate_op, static_threshold
+from .gates import GateResult, evaluate_gates, gate_op, static_threshold
+from .measurements import Measurements
+from .scoring import _concat, _per_row, _run_first_output
 
 METHOD = ("prior-posterior-ratio confidence sequence for the all-rows count, rows drawn without replacement in a "
           "seeded shuffled order (Waudby-Smith & Ramdas 2020)")
@@ -328,8 +340,6 @@ def early_result(plan: GatePlan, base: Any, rows_used: int, rows: int, spec: Spe
         rows_used, rows: rows scored and all rows.
         spec: the spec (analysis.sequential).
     """
-    import dataclasses
-
     words = (f"decided after {rows_used} of {rows} rows on the {METHOD}; the chance that it differs from the "
              f"decision on all rows is at most {spec.analysis.sequential.alpha:g}")
     seq = {"rows_used": int(rows_used), "rows": int(rows), "decided_at": plan.decided_at,
@@ -363,3 +373,159 @@ def early_result(plan: GatePlan, base: Any, rows_used: int, rows: int, spec: Spe
                                detail={"sequential": seq, **judged,
                                        **({"insufficient": base.detail.get("insufficient", [])}
                                           if plan.gate.scope == "per_slice" else {})})
+
+
+@dataclass
+class SequentialScoring:
+    """What `score_sequentially` scored: the rows in scoring order, their outputs, the blocks and the gate plans."""
+
+    order: np.ndarray            # int64 (rows_used,), global row indices in the order scored
+    outputs: np.ndarray          # the variant's first output for `order`, (rows_used, ...)
+    blocks: list[np.ndarray]     # the blocks of `order`
+    plans: list[Any]             # sequential.GatePlan per gate
+
+    @property
+    def rows_used(self) -> int:
+        return int(self.order.size)
+
+
+CHUNK_ROWS = 400  # rows the runner is asked for at once past min_rows (`_score_chunk`)
+
+
+def _score_chunk(runner: Runner, validation: Dataset, spec: Spec, variant_name: str, perm: np.ndarray,
+                 scored: int, blocks_so_far: int, floor: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The next blocks of `perm` from row `scored` on, scored in ONE length-sorted `run_dataset` call and split
+    back into blocks of `analysis.sequential.block_rows`: enough blocks to reach `floor` (min_rows) first, then as
+    many as were scored so far, up to CHUNK_ROWS (400) rows. Why: a 100-row block sorted by length pads its
+    batches more than a longer run does. MiniLM, the demo's 2,500 validation rows at batch 32 on its ORT FP32
+    variant (one-off timing of run_dataset, min of 2, 2-core Intel Xeon, load ~2): 5.15 s in runs of 100 rows,
+    4.19 s of 200, 3.88 s of 400, 3.77 s of 800, 3.4 s at once. The looks are unchanged (after every block, in
+    the same order); at most the rest of one chunk (< 400 rows) is scored past the stopping look and not used.
+    A model whose row outputs depend on their batch mates (dynamic INT8: one activation scale per batch tensor)
+    gives slightly different outputs than block by block, so its stopping look can move (the demo's
+    ort-int8-dynamic: 1,000 rows instead of 800, the same failure).
+
+    Returns:
+        [(block rows (global indices, int64), the variant's first output for them (block, ...))] in scoring order.
+    """
+    size = spec.analysis.sequential.block_rows
+    n_blocks = max(-(-(floor - scored) // size), min(blocks_so_far, max(1, CHUNK_ROWS // size)), 1)
+    rows = perm[scored:scored + n_blocks * size]
+    out = _run_first_output(runner, validation.subset(rows), spec, variant_name)
+    return [(rows[i:i + size], out[i:i + size]) for i in range(0, rows.size, size)]
+
+
+def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.ndarray, validation: Dataset,
+                       labels: np.ndarray | None, groups: list, *,
+                       discovery_candidates: list | None = None,
+                       measurements: Measurements | None = None) -> SequentialScoring:
+    """Score the validation rows in a seeded shuffled order, `analysis.sequential.block_rows` at a time, until the
+    gates are decided (`sequential.should_stop`; never before `min_rows` rows) or the rows run out. The runner is
+    asked for several blocks at once (`_score_chunk`: the first chunk reaches `min_rows`, then up to CHUNK_ROWS rows);
+    the gates still look after every block (the block-by-block looks; `_score_chunk` on models whose outputs
+    depend on the batch).
+
+    Args:
+        spec: the validated spec (analysis.sequential, gates, data.validation.batch_size).
+        variant_name: the variant (gate `variants`).
+        runner: the variant's runner.
+        ref: the FP32 reference's first output over every row, (rows, ...).
+        validation: the validation set.
+        labels: per-row labels (classification / embedding accuracy) or None.
+        groups: `slice_groups` over every row.
+        discovery_candidates: `discovery.candidate_slices` over every row (None: computed when needed).
+        measurements: stored outputs of earlier scored blocks (`Measurements`): they are used block by block
+            before the runner is asked for more; blocks scored beyond them are added to it (`changed`).
+
+    Returns:
+        SequentialScoring (rows in scoring order, their outputs, blocks, decided plans).
+    """
+    seq = spec.analysis.sequential
+    n = validation.n_rows
+    perm = np.random.default_rng(seq.seed).permutation(n).astype(np.int64)
+    plans = plan_gates(spec, variant_name, validation.frame, groups, discovery_candidates=discovery_candidates)
+    floor = min(seq.min_rows, n)
+    stored_blocks, stored_outs = [], []
+    m = measurements
+    if m is not None and m.order is not None and m.outputs is not None and \
+            np.array_equal(m.order, perm[:m.order.size]):
+        stored_blocks = m.blocks()
+        stored_outs = list(np.split(m.outputs, np.cumsum(m.block_sizes)[:-1])) if m.block_sizes else []
+    blocks: list[np.ndarray] = []
+    outs: list[np.ndarray] = []
+    ahead: list[tuple[np.ndarray, np.ndarray]] = []  # blocks scored in the current chunk, not yet looked at
+    scored = 0
+    while scored < n:
+        k = len(blocks)
+        if k < len(stored_blocks):
+            block, out = stored_blocks[k], stored_outs[k]
+        else:
+            if not ahead:
+                ahead = _score_chunk(runner, validation, spec, variant_name, perm, scored, k, floor)
+            block, out = ahead.pop(0)
+        per_row = _per_row(spec, ref, out, labels, block)
+        blocks.append(block)
+        outs.append(out)
+        scored += block.size
+        for p in plans:
+            p.update(per_row, block, scored, scored >= floor)
+        if scored >= floor and should_stop(plans, seq.stop):
+            break
+    result = SequentialScoring(perm[:scored], _concat(spec, outs), blocks, plans)
+    if m is not None and len(blocks) > len(stored_blocks):  # scored past the stored rows: they grow
+        m.order, m.outputs = result.order, result.outputs
+        m.block_sizes = [int(b.size) for b in blocks]
+        m.changed = True
+    return result
+
+
+def _replay(spec: Spec, variant_name: str, validation: Dataset, labels: np.ndarray | None, groups_all: list,
+            ref: np.ndarray, blocks: list[np.ndarray], outputs: np.ndarray) -> list[Any]:
+    """The gate plans decided on `outputs` (rows of `blocks`, concatenated) block by block, as
+    `score_sequentially` decides them (the exact-accumulation pass of the numerics check)."""
+    plans = plan_gates(spec, variant_name, validation.frame, groups_all)
+    floor = min(spec.analysis.sequential.min_rows, validation.n_rows)
+    scored = 0
+    for block in blocks:
+        per_row = _per_row(spec, ref, outputs[scored:scored + block.size], labels, block)
+        scored += block.size
+        for p in plans:
+            p.update(per_row, block, scored, scored >= floor)
+    return plans
+
+
+def _early_gates(plans: list[Any], gates: list[GateResult], rows_used: int, n_rows: int,
+                 spec: Spec) -> list[GateResult]:
+    """The gate results of a validation that stopped before the last row: each parity gate's sequential decision
+    (`sequential.early_result`) in place of its evaluation on the rows scored."""
+    return [early_result(p, g, rows_used, n_rows, spec) for p, g in zip(plans, gates)]
+
+
+def _failed_before_timing(spec: Spec, variant_name: str, overall: dict[str, Any], table: Any,
+                          per_sample: dict[str, np.ndarray], groups: list[Any], discovery: Any, scoring: Any,
+                          idx: np.ndarray | None, n_rows: int) -> str | None:
+    """With `analysis.sequential.stop: verdict` (the default), the key of a gate that is not timed (a parity,
+    build or per-node gate) and already failed on the rows scored, whose failure decides the verdict before any
+    timing: the benchmark is then skipped (issue 25: a variant that fails clearly stops early; its search starts
+    early). None when timing is needed (every such gate passed or is undecided, `stop: all_gates`, sequential
+    validation off)."""
+    seq = spec.analysis.sequential
+    if not seq.enabled or seq.stop != "verdict":
+        return None
+    pre = evaluate_gates(spec, variant_name, overall, table, {}, per_sample=per_sample, groups=groups,
+                         discovered=discovery)
+    if idx is not None and scoring is not None:
+        pre = _early_gates(scoring.plans, pre, scoring.rows_used, n_rows, spec)
+    for g in pre:
+        if g.metric not in BATCHED_METRICS and g.status == GateStatus.FAILED:
+            return g.gate
+    return None
+
+
+def _not_timed(gates: list[GateResult], failed: str) -> list[GateResult]:
+    """The timed gates of a variant whose verdict a parity gate decided first (`_failed_before_timing`):
+    undecided, with the reason, as sequential validation reports the gates it did not need."""
+    why = f"not timed: the verdict was already failed by {failed} (analysis.sequential.stop: verdict)"
+    return [dataclasses.replace(g, status=GateStatus.UNDECIDED, passed=None, observed=None, method=why,
+                                detail={**(g.detail or {}), "reason": why})
+            if g.metric in BATCHED_METRICS else g for g in gates]

@@ -14,7 +14,7 @@ Two tables:
 - `ROW_METRICS`: the per-row values `tailguard.core.parity.per_sample_metrics` returns (`top1_agree`,
   `cosine_similarity`, ...): what parity metrics aggregate and what the shadow monitor tracks.
 
-Metric keys as logged (components/validate/logic.py, components/export/task.py) wrap a catalogue name; `parse_key`
+Metric keys as logged (components/validate/result.py, components/export/task.py) wrap a catalogue name; `parse_key`
 and every helper below accept them:
 
     <metric>                          e.g. top1_agreement, cosine_similarity.p01, latency_ms.p99

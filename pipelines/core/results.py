@@ -228,7 +228,7 @@ class VariantResult:
         warnings: what the build flagged although no gate asked (its BuildResult details["warnings"]: fusion that
             did not happen, INT8 attention MatMuls without fused attention, the torch exporter's warnings);
             [] when none. Optional field: results written before it existed read with [].
-        hardware_dependent: the validate step's numerics check (components/validate/logic.py
+        hardware_dependent: the validate step's numerics check (components/validate/numerics.py
             `compare_numerics`): True when a gate outcome or the worst slice's value differs beyond its
             tolerance between the node's INT8 kernels and exact integer accumulation, so the verdict may not hold
             on a CPU with another INT8 kernel; False when they agree; None when the check did not run (an FP32/

@@ -66,7 +66,7 @@ class OrtRunner:
             8-bit products in int16 with saturation; with the option ORT uses its slower u8 x u8 kernels, whose
             int32 accumulation is exact. Where the node's kernel is exact already (VNNI, ARM) it changes
             nothing. Default False: the node's own kernels, what a server gets. Used by the validate step's
-            numerics check (components/validate/logic.py `numerics_check`).
+            numerics check (components/validate/numerics.py `numerics_check`).
 
     Raises:
         InputError: the file is missing or not a loadable ONNX model (names the file).

@@ -316,7 +316,7 @@ def _tiny_onnx(path):
 
 def test_verdict_is_not_promoted_naming_the_gate_when_a_gate_had_insufficient_data():
     from tailguard.components.validate.gates import verdict
-    from tailguard.components.validate.logic import ValidationResult
+    from tailguard.components.validate.result import ValidationResult
 
     spec = _spec([{"metric": "top1_agreement", "min": 0.9},
                   {"metric": "top1_agreement", "min": 0.9, "scope": "per_slice", "min_support": 1000}])
@@ -331,8 +331,8 @@ def test_register_and_promote_skips_the_variant_when_a_gate_had_insufficient_dat
     import mlflow
 
     from tailguard.components.register.logic import register_and_promote
-    from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import log_validated_model
+    from tailguard.components.validate.result import ValidationResult
+    from tailguard.components.validate.run_log import log_validated_model
     from tailguard.core.contract import GATES_TAG, STATUS_TAG, VARIANT_TAG, gate_tag
 
     spec = _spec([{"metric": "top1_agreement", "min": 0.9},

@@ -11,8 +11,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 
-from tailguard.components.validate.logic import Measurements
-from tailguard.components.validate.task import MEASUREMENTS_NPZ, load_measurements
+from tailguard.components.validate.measurements import MEASUREMENTS_NPZ, Measurements, load_measurements
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 

@@ -66,7 +66,7 @@ def test_timed_sessions_never_spin_when_built_by_validate_reference_pass_promoti
     # the validate step built its variant and ONNX FP32 sessions with ORT's default (spinning) while the promotion
     # set force_spinning_stop: the same two models came out 1.7x apart between the two (issue 37)
     from tailguard.components.reference.logic import onnx_baseline_runner
-    from tailguard.components.validate.task import reference_runners, variant_runner
+    from tailguard.components.validate.runners import reference_runners, variant_runner
 
     spec, _, _, variants = _setup(tmp_path, [("ort-fp32", "fp32", 1)])
     model_dir = tmp_path / "ort-fp32"
@@ -83,8 +83,8 @@ def test_timed_sessions_never_spin_when_built_by_validate_reference_pass_promoti
 
 
 def test_validate_and_promotion_speed_ratio_agree_within_intervals_when_one_model_does_far_less_work(tmp_path):
-    from tailguard.components.validate.logic import _timed
-    from tailguard.components.validate.task import reference_runners, variant_runner
+    from tailguard.components.validate.runners import reference_runners, variant_runner
+    from tailguard.components.validate.timing import _timed
     from tailguard.core.data import load_validation
     from tailguard.core.latency import add_speed_ratios
 

@@ -21,7 +21,7 @@ from tailguard.components.quantize import calibration, onnxruntime_builder
 from tailguard.components.quantize.logic import build_variant
 from tailguard.components.quantize.macs import DEFAULT_SEQUENCE, count_macs, quantization_coverage
 from tailguard.components.validate.gates import build_metrics, evaluate_gates
-from tailguard.components.validate.task import coverage_line
+from tailguard.components.validate.run_log import coverage_line
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.errors import SpecError
 from tailguard.core.spec import parse_spec
@@ -299,7 +299,7 @@ def test_validation_logs_the_fraction_and_decides_its_gate_when_an_int8_mlp_is_v
     import mlflow
 
     from tailguard.components.validate.logic import validate_variant
-    from tailguard.components.validate.task import log_coverage, log_validation
+    from tailguard.components.validate.run_log import log_coverage, log_validation
     from tailguard.core.runtime import OrtRunner, run_dataset
 
     path, model, calib = mlp

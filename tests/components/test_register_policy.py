@@ -34,8 +34,8 @@ def _log_variant(tmp_path, client, exp, parent, spec, name, *, p50, agreement, o
     """One variant run as the validate step logs it: top1_agreement `agreement` against the spec's gate
     (min 0.9), latency `p50` ms at batch 1, model = the one-node `op` ONNX file."""
     from tailguard.components.validate.gates import all_passed, evaluate_gates
-    from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import log_validated_model
+    from tailguard.components.validate.result import ValidationResult
+    from tailguard.components.validate.run_log import log_validated_model
     from tailguard.core.contract import STATUS_TAG, VARIANT_TAG
 
     overall = {"top1_agreement": agreement}
@@ -157,8 +157,8 @@ def test_log_validated_model_links_the_metrics_to_the_logged_model_without_a_his
     store's get_metric_history only counts: the real method runs."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-    from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import log_validated_model
+    from tailguard.components.validate.result import ValidationResult
+    from tailguard.components.validate.run_log import log_validated_model
 
     client, exp, _ = store
     queried = []

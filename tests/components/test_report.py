@@ -11,8 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tailguard.components.validate.gates import GateResult
-from tailguard.components.validate.logic import ValidationResult, sanitize_key_part, validate_variant
+from tailguard.components.validate.logic import validate_variant
 from tailguard.components.validate.report import write_report
+from tailguard.components.validate.result import ValidationResult, sanitize_key_part
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import OrtRunner, run_dataset
@@ -210,7 +211,7 @@ def test_validate_variant_skips_discovery_when_disabled(e2e):
 
 
 def test_worst_samples_ranks_lowest_cosine_first_and_renames_clashing_metadata_when_task_is_embedding():
-    from tailguard.components.validate.logic import worst_samples
+    from tailguard.components.validate.scoring import worst_samples
 
     ps = {"cosine_similarity": np.array([0.9, 0.5, 0.99, 0.5]), "abs_error": np.array([0.1, 0.4, 0.0, 0.3]),
           "non_finite": np.zeros(4, bool)}

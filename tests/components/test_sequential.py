@@ -14,7 +14,8 @@ import pytest
 from scipy import stats as st
 
 from tailguard.components.validate import sequential as S
-from tailguard.components.validate.logic import CHUNK_ROWS, validate_variant
+from tailguard.components.validate.logic import validate_variant
+from tailguard.components.validate.sequential import CHUNK_ROWS
 from tailguard.core.data import Dataset
 from tailguard.core.results import GateStatus
 from tailguard.core.spec import parse_spec
@@ -127,15 +128,13 @@ def test_sequential_validation_stops_at_the_block_by_block_look_when_rows_are_sc
         tmp_path, monkeypatch, bad_group, group_rate):
     ref, ds, _ = _data(bad_rate=0.0 if bad_group != 5 else 0.01, bad_group=bad_group, group_rate=group_rate)
     gates = [OVERALL, PER_SLICE, DISCOVERED]
-    import tailguard.components.validate.logic as L
-
     runs = []  # rows per run_dataset call of the variant (each call is length-sorted on its own)
-    real = L._run_first_output
-    monkeypatch.setattr(L, "_run_first_output", lambda r, v, *a: runs.append(v.n_rows) or real(r, v, *a))
+    real = S._run_first_output
+    monkeypatch.setattr(S, "_run_first_output", lambda r, v, *a: runs.append(v.n_rows) or real(r, v, *a))
     chunked, one = _Logits(), _Logits()
     res = validate_variant(_spec(gates), "v", chunked, [ref], ds, tmp_path / "chunks")
     chunk_runs, runs[:] = list(runs), []
-    monkeypatch.setattr(L, "CHUNK_ROWS", 100)  # one 100-row block per call past min_rows
+    monkeypatch.setattr(S, "CHUNK_ROWS", 100)  # one 100-row block per call past min_rows
     ref_res = validate_variant(_spec(gates), "v", one, [ref], ds, tmp_path / "blocks")
     assert res.rows_used == ref_res.rows_used and _statuses(res) == _statuses(ref_res)
     assert [g.detail.get("sequential") for g in res.gates] == [g.detail.get("sequential") for g in ref_res.gates]

@@ -522,8 +522,8 @@ def test_validated_tensorrt_plan_is_registered_with_its_manifest_and_fingerprint
     import mlflow
 
     from tailguard.components.register.versions import backend_tags, register_artifact_folder
-    from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import log_validated_model
+    from tailguard.components.validate.result import ValidationResult
+    from tailguard.components.validate.run_log import log_validated_model
 
     monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))
     res = tb.build_tensorrt_engine(variant(), onnx_file, tmp_path / "out", None, Model, profile=_profile(),
@@ -546,7 +546,7 @@ def test_validated_tensorrt_plan_is_registered_with_its_manifest_and_fingerprint
 
 
 def test_validate_expects_the_recorded_build_on_this_node_when_it_opens_a_plan(onnx_file, tmp_path, monkeypatch):
-    from tailguard.components.validate.task import tensorrt_expected_fingerprint, variant_runner
+    from tailguard.components.validate.runners import tensorrt_expected_fingerprint, variant_runner
     from tailguard.core.spec import spec_from_yaml
 
     monkeypatch.setenv("TAILGUARD_HOME", str(tmp_path / "home"))

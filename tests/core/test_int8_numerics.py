@@ -20,13 +20,13 @@ import pytest
 
 from tailguard.components.quantize.logic import build_variant
 from tailguard.components.validate.gates import GateResult
-from tailguard.components.validate.logic import (
+from tailguard.components.validate.logic import validate_variant
+from tailguard.components.validate.numerics import (
     NUMERICS_TOLERANCE,
     NumericsStatus,
     ParityPass,
     compare_numerics,
     integer_kernel_nodes,
-    validate_variant,
 )
 from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.results import VariantResult
@@ -217,7 +217,7 @@ def test_compare_numerics_flags_hardware_dependent_when_a_gate_outcome_differs()
 
 # ----------------------------------------------------------------------------------- results, summary, presets
 def test_variant_result_carries_the_flag_when_validated_and_reads_older_results_without_it(tiny, tmp_path):
-    from tailguard.components.validate.task import variant_result
+    from tailguard.components.validate.run_log import variant_result
 
     result = _validate(tiny, "int8-7bit", tmp_path)
     identity = VariantResult(variant="int8-7bit", backend="onnxruntime", precision="int8", status="ok")
@@ -275,7 +275,7 @@ def test_cpu_presets_use_7_bit_weights_when_int8_on_x86():
 def test_log_validation_sets_the_numerics_tag_and_metrics_when_the_check_ran(tiny, tmp_path):
     import mlflow
 
-    from tailguard.components.validate.task import log_validation
+    from tailguard.components.validate.run_log import log_validation
     from tailguard.core.contract import NUMERICS_TAG
 
     result = _validate(tiny, "int8-7bit", tmp_path)

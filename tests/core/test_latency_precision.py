@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.validate.logic import timing_rule
+from tailguard.components.validate.timing import timing_rule
 from tailguard.core.data import Dataset
 from tailguard.core.latency import (
     DECISION_MIN_ROUNDS,

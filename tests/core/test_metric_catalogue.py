@@ -16,7 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tailguard.cli import app
-from tailguard.components.validate.logic import PERF_KEYS, ValidationResult
+from tailguard.components.validate.result import PERF_KEYS, ValidationResult
 from tailguard.core import metrics as M
 from tailguard.core import parity  # the old path of tailguard.core.parity (the brief's "parity.py")
 from tailguard.core import report as R

@@ -282,7 +282,7 @@ def test_monitor_refuses_a_pt2_candidate_that_holds_code_and_never_runs_it_unles
 
 
 def test_validate_torch_runner_fails_the_variant_naming_trusted_when_its_program_holds_code(tmp_path):
-    from tailguard.components.validate.task import VariantUnusable, torch_runner
+    from tailguard.components.validate.runners import VariantUnusable, torch_runner
 
     marker = tmp_path / "ran"
     program = _with_manifest(plant("pickled_weight", tmp_path / "m", marker))

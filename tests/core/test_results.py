@@ -126,8 +126,8 @@ def store(tmp_path):
 def _log_passing_variant(tmp_path, client, exp, parent, name, p50):
     """A variant run logged as the validate step logs one that passed its gates (tags say passed)."""
     from tailguard.components.validate.gates import all_passed, evaluate_gates
-    from tailguard.components.validate.logic import ValidationResult
-    from tailguard.components.validate.task import log_validated_model
+    from tailguard.components.validate.result import ValidationResult
+    from tailguard.components.validate.run_log import log_validated_model
     from tailguard.core.contract import GATES_TAG, STATUS_TAG, VARIANT_TAG
 
     spec = _spec()

@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from tailguard.components.validate.logic import ValidationResult
+from tailguard.components.validate.result import ValidationResult
 from tailguard.core import metrics as M
 
 LONG = "a legal clause quoted in full: " + "x" * 300  # 331 characters, e.g. a free-text metadata column
@@ -31,7 +31,7 @@ def test_mlflow_metrics_keep_every_slice_key_within_mlflow_limit_when_a_value_is
 
 
 def test_slice_key_prefix_hashes_the_raw_value_stably_when_it_would_pass_the_limit():
-    from tailguard.components.validate.logic import SLICE_KEY_PREFIX_MAX, slice_key_prefix
+    from tailguard.components.validate.result import SLICE_KEY_PREFIX_MAX, slice_key_prefix
 
     prefix = slice_key_prefix("clause", LONG)
     digest = hashlib.sha256(LONG.encode()).hexdigest()[:16]
@@ -51,7 +51,7 @@ def test_slice_key_prefix_hashes_the_raw_value_stably_when_it_would_pass_the_lim
 def test_log_validation_logs_every_metric_to_mlflow_when_slice_values_are_long(tmp_path):
     import mlflow
 
-    from tailguard.components.validate.task import log_validation
+    from tailguard.components.validate.run_log import log_validation
 
     result = _result([LONG, LONG + " (2)", "short"])
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # a real store of this test's own

@@ -184,7 +184,7 @@ def test_torch_probe_load_reports_the_childs_exit_when_the_package_cannot_load(t
 
 def test_validate_torch_runner_fails_the_variant_naming_the_field_when_built_for_another_node(eager_build,
                                                                                              tmp_path):
-    from tailguard.components.validate.task import VariantUnusable, torch_runner
+    from tailguard.components.validate.runners import VariantUnusable, torch_runner
 
     _, build = eager_build
     copy = tmp_path / build.path.name

@@ -59,7 +59,7 @@ def test_monitor_replay_exits_2_naming_the_option_when_a_model_file_is_missing(t
 
 def test_print_summary_lists_discovered_slices_when_discovery_found_some(capsys):
     from tailguard.components.register.summary import RunSummary, VariantSummary
-    from tailguard.components.validate.task import discovered_summary
+    from tailguard.components.validate.run_log import discovered_summary
     from tailguard.runner import summary_rows
     from tailguard.terminal import print_summary
 

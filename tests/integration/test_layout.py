@@ -11,8 +11,7 @@ Rules:
   imports counts the units of its kernel importers): single-user code lives beside its user;
 - a component imports core, `components.images` and nothing of another component, except the orchestrators: search,
   which may import the public names (no leading underscore) of quantize and validate, and redecide, of resolve,
-  validate and register, but not their task modules (`SIDEWAYS_TASK_IMPORTS` lists the exception left); no cycle
-  among components;
+  validate and register, but not their task modules (a component's KFP glue); no cycle among components;
 - monitoring imports core only;
 - the application may import everything, with no import cycle between its modules;
 - no import cycle between the modules of one unit either: inside the kernel, inside each component, inside
@@ -40,12 +39,7 @@ SHARED_COMPONENT_MODULES = {"tailguard.components", "tailguard.components.images
 # (a gate-only re-run: resolve's parent run, validate's replay and logging, register's registration and promotion)
 ORCHESTRATORS = {"search": {"quantize", "validate"}, "redecide": {"resolve", "validate", "register"}}
 # A component's task.py is its KFP glue, not its public API: an orchestrator imports another component's logic
-# modules (register/finish.py, resolve/parent_run.py), never its task module. The one exception left, with its
-# reason (issue 40 item 2; remove it when the functions move):
-_VALIDATE_TASK_WHY = ("validate/task.py's measurement loading and MLflow logging (load_measurements, "
-                      "log_validated_model, write_validation_record, ...) still live in validate's task module, "
-                      "which another helper was editing when issue 40 moved register's and resolve's")
-SIDEWAYS_TASK_IMPORTS = {("redecide", "validate"): _VALIDATE_TASK_WHY, ("search", "validate"): _VALIDATE_TASK_WHY}
+# modules (register/finish.py, resolve/parent_run.py, validate/run_log.py), never its task module (no exception).
 
 
 def package_dirs() -> dict[str, Path]:
@@ -154,8 +148,7 @@ def violation(imp: Import) -> str | None:
     if src.startswith("components.") and dst == "components.images":
         return None
     if dst.split(".")[1] in ORCHESTRATORS.get(src.split(".")[1], ()):
-        if (imp.target.split(".")[3:4] == ["task"]
-                and (src.split(".")[1], dst.split(".")[1]) not in SIDEWAYS_TASK_IMPORTS):
+        if imp.target.split(".")[3:4] == ["task"]:
             return f"{src} imports the task module of {dst}"
         return None
     return f"{src} imports {dst}"
@@ -380,6 +373,12 @@ def test_layout_packages_list_equals_the_package_folders():
      "components.redecide imports the task module of components.resolve"),
     ("tailguard.components.redecide.task", "tailguard.components.register.finish", "finish_run", None),
     ("tailguard.components.search.task", "tailguard.components.validate.gates", "verdict", None),
+    ("tailguard.components.search.task", "tailguard.components.validate.task", "log_validation",
+     "components.search imports the task module of components.validate"),
+    ("tailguard.components.redecide.task", "tailguard.components.validate.task", "write_validation_record",
+     "components.redecide imports the task module of components.validate"),
+    ("tailguard.components.redecide.task", "tailguard.components.validate.run_log", "write_validation_record", None),
+    ("tailguard.components.search.task", "tailguard.components.validate.measurements", "load_measurements", None),
 ])
 def test_layout_violation_flags_upward_imports_when_given_synthetic_edges(src, dst, name, expected):
     assert violation(Import(src, ROOT / "x.py", 1, dst, name)) == expected

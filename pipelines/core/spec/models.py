@@ -27,7 +27,7 @@ NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # DNS-1123 label: usable as a
 MAX_VARIANTS = 32
 MAX_SLICES = 32
 MAX_SLICE_GROUPS = 1000  # slices[].max_groups
-MAX_SLICE_NAME = 64  # characters; with it every slice metric key fits MLflow's 250 (validate.logic.slice_key_prefix)
+MAX_SLICE_NAME = 64  # characters; with it every slice metric key fits MLflow's 250 (validate.result.slice_key_prefix)
 MAX_GATES = 128
 
 Task = Literal["classification", "embedding", "regression", "generic", "token_classification"]
