@@ -11,12 +11,12 @@ built (build-<v>/variant_model/<v>.onnx) and the search's chosen model (search-<
 by <v>'s gates as the search judges it).
 
 Parity decisions. Per variant, its first output over all validation rows is computed once (ONNX Runtime, the spec's
-batch size) and the FP32 reference's once (the exported ONNX model). The all-rows decision is `validate_variant`
-with `analysis.sequential.enabled: false`; the sequential decision of shuffle s is `validate_variant` with
+batch size) and the FP32 reference's once (the exported ONNX model). The all-rows decision is `validate_variant` with
+`analysis.sequential.enabled: false`; the sequential decision of shuffle s is `validate_variant` with
 `analysis.sequential.seed: s` and those outputs handed in as stored measurements (`measurements.Measurements`, every
-row in the seeded order), so the gates are decided exactly as the validate step decides them, block by block with the same
-stopping rule, on the same per-row values (the batch-composition effect of running rows in blocks, a few rows for a
-dynamic-INT8 variant, is left out here on purpose: the table measures the decision rule). Per gate and shuffle:
+row in the seeded order), so the gates are decided exactly as the validate step decides them, block by block with the
+same stopping rule, on the same per-row values (the batch-composition effect of running rows in blocks, a few rows
+for a dynamic-INT8 variant, is left out here on purpose: the table measures the decision rule). Per gate and shuffle:
 the sequential status, the all-rows status, the rows at which it was decided; per variant: rows scored. Both stopping
 rules are reported: `verdict` (the default: stop once the verdict is known; gates still open are `undecided`) and
 `all_gates` (stop once every gate is decided). The latency gate is not a parity gate and is left out of the table.

@@ -1,11 +1,11 @@
 """What a re-decide may and may not do: decide the new gates on stored measurements only, never measure.
 
 The validate step's `validate_variant` replays its stopping rules on a variant's stored outputs and timing rounds
-(`validate.measurements.Measurements`) and asks its runners for more only when the gates need rows or rounds
-beyond them. The re-decide task hands it runners that refuse every call (`StoredOnly`): a new gate that the stored rows or
+(`validate.measurements.Measurements`) and asks its runners for more only when the gates need rows or rounds beyond
+them. The re-decide task hands it runners that refuse every call (`StoredOnly`): a new gate that the stored rows or
 rounds cannot decide raises `NotDecidable` instead of being guessed, and the local runner then runs the whole
-pipeline (tailguard.rerun). So a re-decided verdict is the one the validate step computes on the same
-measurements, or there is none.
+pipeline (tailguard.rerun). So a re-decided verdict is the one the validate step computes on the same measurements,
+or there is none.
 """
 
 from __future__ import annotations
