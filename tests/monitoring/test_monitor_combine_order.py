@@ -30,11 +30,12 @@ import yaml
 
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.combine import CheckpointLog, Combiner, settings_hash
 from tailguard.monitoring.config import Bound, resolve_config
 from tailguard.monitoring.detector import SliceStatistics
 from tailguard.monitoring.oip import request_json, tensor_json
-from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.service import MonitorService
 from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
 from tests.helpers.tcp_proxy import TcpRoundRobin
 
