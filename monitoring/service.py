@@ -37,15 +37,7 @@ from tailguard.core.runtime import Runner, runner_for_file
 from tailguard.core.spec import load_spec
 from tailguard.core.spec.models import Spec
 from tailguard.monitoring.body_budget import BodyBudget
-from tailguard.monitoring.combine import (
-    INCOMPLETE_REASONS,
-    WAIT_POLLS,
-    Combiner,
-    PeerError,
-    PollLoop,
-    http_fetch,
-    peers_from_dns,
-)
+from tailguard.monitoring.combine import INCOMPLETE_REASONS, WAIT_POLLS, Combiner, PeerError
 from tailguard.monitoring.config import (
     BearerAuth,
     MonitorConfig,
@@ -58,6 +50,7 @@ from tailguard.monitoring.ingest import PARSE_WORKERS, REDACTED, IngestMixin, re
 from tailguard.monitoring.join import JoinBuffer
 from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
 from tailguard.monitoring.parsing import BodyParser, ParseLimits
+from tailguard.monitoring.peers import PollLoop, http_fetch, peers_from_dns
 from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
 from tailguard.monitoring.readiness import DROP_WINDOW_S, HEALTH_WINDOW, DropWindow, ReadinessMixin
 from tailguard.monitoring.worker import BatchSizer, SampledRequest, ShadowWorkerMixin
@@ -86,7 +79,7 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
         expect_replicas: replica processes the deployment runs (`--expect-replicas`): while fewer live ones
             answer, /readyz is not ready (`incomplete`; monitoring/combine.py Combiner.incomplete). None: unchecked.
         peer_dns: `NAME:PORT` of headless Services whose DNS records list the replicas (`--peer-dns`): looked up
-            at every poll, one peer per address (combine.peers_from_dns); with `peers` or alone.
+            at every poll, one peer per address (peers.peers_from_dns); with `peers` or alone.
         resolver: the DNS lookup, `socket.getaddrinfo` (tests pass one with its signature: the seam that stands
             in for a DNS server).
         peer_wait_polls: polls the combiner waits for a replica it cannot read before merging the others' newer
@@ -357,7 +350,7 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
 
 
 def _discover(targets: list[str], resolver: Callable[..., Any]) -> list[str]:
-    """Every peer URL the `--peer-dns` targets resolve to (combine.peers_from_dns), in target order."""
+    """Every peer URL the `--peer-dns` targets resolve to (peers.peers_from_dns), in target order."""
     return [url for t in targets for url in peers_from_dns(t, resolver)]
 
 

@@ -227,7 +227,7 @@ def test_combiner_polls_discovered_peers_and_forgets_those_the_lookup_dropped():
 
 
 def test_peers_from_dns_gives_one_url_per_address_when_name_resolves_to_several():
-    from tailguard.monitoring.combine import peers_from_dns
+    from tailguard.monitoring.peers import peers_from_dns
 
     def resolver(name: str, port: int, family: int = 0, type: int = 0) -> list[tuple]:  # noqa: A002
         assert name == "replicas.test"
