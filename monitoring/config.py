@@ -287,6 +287,18 @@ class BearerAuth:
         return {"Authorization": "Bearer " + self._token.decode("utf-8")}
 
 
+def route_needs_auth(path: str, mon: MonitoringSpec) -> bool:
+    """Whether a route requires the bearer token: every one but /healthz and /v2/health/live; /readyz,
+    /v2/health/ready and /metrics as configured (monitoring.auth_readyz, auth_metrics)."""
+    if path in ("/healthz", "/v2/health/live"):
+        return False
+    if path in ("/readyz", "/v2/health/ready"):
+        return bool(mon.auth_readyz)
+    if path == "/metrics":
+        return bool(mon.auth_metrics)
+    return True
+
+
 class RowKeys(list):
     """A request's slice keys (a list of str, as `MonitorConfig.slice_keys` gives: every key some row carries,
     the keys the sampler decides on) plus the per-row layout the engine needs to group the rows.

@@ -512,7 +512,7 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
-    from tailguard.monitoring.service import serve
+    from tailguard.monitoring.serve import serve
 
     if reference is not None and (warning := same_file_warning(reference, candidate)) is not None:
         from rich.text import Text
