@@ -20,6 +20,7 @@ import numpy as np
 
 from tailguard.core.errors import InputError
 from tailguard.monitoring.compare import compare_rows
+from tailguard.monitoring.engine import Observation
 from tailguard.monitoring.sampler import Decision
 
 # the monitor service's logger: one name for its records, whichever of the service's modules writes them
@@ -228,6 +229,7 @@ class ShadowWorkerMixin:
             with self._lock:
                 for it, _reason in failed:
                     self.engine.reference_failed(it.keys, it.rows)
+                batch: list[Observation] = []
                 for n, ((it, ref), (cand, reason)) in enumerate(zip(judged, seconds)):
                     if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):
                         self._drop(reason or "reference_error")
@@ -237,15 +239,16 @@ class ShadowWorkerMixin:
                     if source is not None:
                         self.sources[source] += 1
                         self.metrics.candidate_source.labels(self.cfg.model_name, source).inc()
-                    self.engine.observe(it.keys, it.decision, ref, cand, request_index=it.index,
-                                        request_id=it.request_id, meta=it.meta, feeds=it.feeds, failure=reason,
-                                        values=shared.get(n), candidate_source=source)
+                    batch.append(Observation(it.keys, it.decision, ref, cand, request_index=it.index,
+                                             request_id=it.request_id, meta=it.meta, feeds=it.feeds,
+                                             failure=reason, values=shared.get(n), candidate_source=source))
+                self.engine.observe_batch(batch)  # in arrival order, the group's numpy work done once
 
     def _compare_group(self, judged: list[tuple[SampledRequest, np.ndarray]],
                        seconds: list[tuple[np.ndarray | None, str | None]]) -> dict[int, dict[str, np.ndarray]]:
         """Per-row parity of every answered request of a group in one `compare_rows` call (its numpy work is
         per call, not per row), split back per request: {position in `judged`: {metric: (rows,) values}}. Requests
-        the candidate failed on, or answered in another shape, are left to `MonitorEngine.observe`."""
+        the candidate failed on, or answered in another shape, are left to `MonitorEngine.observe_batch`."""
         ok = [n for n, ((_, ref), (cand, reason)) in enumerate(zip(judged, seconds))
               if reason is None and cand is not None and cand.shape == ref.shape]
         if len(ok) < 2 or len({judged[n][1].shape[1:] for n in ok}) > 1:
