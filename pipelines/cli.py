@@ -357,8 +357,8 @@ def compile_(spec: Path = typer.Argument(..., help="Spec YAML file."),
              ) -> None:
     """Compile SPEC to KFP IR YAML (GPU node-pool settings, images and secrets from the kubeflow section; KFP
     caching on for the pure tasks)."""
-    from tailguard.builder import compile_pipeline
     from tailguard.core.spec import load_spec
+    from tailguard.pipeline import compile_pipeline
 
     s = load_spec(spec)
     compile_pipeline(s, str(output), cache=not no_cache)
