@@ -62,12 +62,13 @@ import numpy as np
 
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.detector import sprt_expected_samples
 from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay
-from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.service import MonitorService
 
 QUEUE = 100  # overload queue bound (small, so it fills within the run)
 OVERLOAD_RATE = 0.2  # 500 req/s x 0.2 = 100 sampled/s, >= 10x the slow reference's ~4-7 compares/s
@@ -1265,8 +1266,9 @@ def bench_liveness(d, duration):
 
     import uvicorn
 
+    from tailguard.monitoring.app import CONNECTION_HEADROOM, uvicorn_config
     from tailguard.monitoring.grpc_ingest import start_grpc
-    from tailguard.monitoring.service import CONNECTION_HEADROOM, ProbeServer, uvicorn_config
+    from tailguard.monitoring.probe import ProbeServer
 
     ref = T.linear_classifier(d / "ref.onnx")
     cand = T.linear_classifier(d / "cand.onnx", T.weights(noise=0.02))

@@ -360,7 +360,7 @@ def main() -> None:
     summary = summarize(runs)
     cur, base = summary.get("current", {}), summary.get("baseline", {})
     reruns = [r for r in runs if r["tree"] == "current" and r["kind"] == "rerun"]
-    rebuilt = [t["task"] for r in reruns for t in r.get("tasks") or []  # the pure tasks (builder.is_pure)
+    rebuilt = [t["task"] for r in reruns for t in r.get("tasks") or []  # the pure tasks (pipeline.is_pure)
                if (t["task"] in ("export", "reference-pass") or t["task"].startswith("build-"))
                and t.get("cached") is not True]
     report = {

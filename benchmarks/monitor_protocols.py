@@ -83,10 +83,11 @@ def bench_protocols(duration_s: float) -> dict[str, Any]:
 
     from tailguard.core.spec import parse_spec
     from tailguard.monitoring import testing as T
+    from tailguard.monitoring.app import build_app
     from tailguard.monitoring.config import resolve_config
     from tailguard.monitoring.grpc_ingest import start_grpc
     from tailguard.monitoring.oip import request_json
-    from tailguard.monitoring.service import MonitorService, build_app
+    from tailguard.monitoring.service import MonitorService
 
     tmp = Path(tempfile.mkdtemp(prefix="tg-protocols-"))
     ref = T.linear_classifier(tmp / "ref.onnx")

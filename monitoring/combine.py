@@ -30,8 +30,8 @@ Peers' documents are checked whole before any of it is merged: types, counts (no
 requests <= rows), one walk entry per bet, finite values, and each increment within what the bets allow for the
 new sampled requests (`Betting`: n log1p(-lambda_j span) <= increment_j <= n log1p(lambda_j cap)). A failure is
 counted per (peer, reason) (`PeerError`; the service exports `tailguard_monitor_peer_errors_total`), shown in
-/readyz, and that peer's document is not merged; the other peers are unaffected. The HTTP fetch caps the body size
-and the total read time.
+/readyz, and that peer's document is not merged; the other peers are unaffected. The HTTP fetch
+(monitoring/peers.py) caps the body size and the total read time.
 
 **Incomplete views.** A Service URL does not reach every pod: HTTP keep-alive pins a client to one pod, and a new
 connection reaches a random one. The combiner opens a new connection per fetch, so such a URL shows its pods'
@@ -40,7 +40,7 @@ epochs in turn, and an epoch flip (back to an epoch it showed before; a restart 
 live replica epochs than N (a URL pinned to one pod, a pod down or not listed) is `replicas_missing`. Either makes
 `incomplete()` non-empty: /readyz answers 503 with the reasons, and `tailguard_monitor_incomplete_polls_total`
 counts the polls. Supported layouts: one `--peer` URL per pod, or `--peer-dns NAME:PORT` of a headless Service
-(every address of the name is one peer, looked up at every poll: `peers_from_dns`).
+(every address of the name is one peer, looked up at every poll: monitoring/peers.py `peers_from_dns`).
 
 **Ordering.** A replica (and the combiner's own evidence) keeps a `CheckpointLog`: every CHECKPOINT_EVERY sampled
 requests, the cumulative entries of the slices updated since the last checkpoint, with the version and its wall
@@ -76,8 +76,6 @@ import itertools
 import json
 import logging
 import math
-import socket
-import threading
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
@@ -94,9 +92,6 @@ Fetch = Callable[[str, int], Mapping[str, Any]]  # (peer, since) -> evidence doc
 OnError = Callable[[str, str], None]  # (source, PeerError value) -> None
 INCOMPLETE_REASONS = ("several_processes", "replicas_missing")  # Combiner.incomplete, per poll
 
-MAX_EVIDENCE_BYTES = 128 * 2**20  # a body past this is refused (about 250k (slice, metric) walks)
-FETCH_TIMEOUT_S = 5.0  # connect / per-read timeout of one poll
-FETCH_DEADLINE_S = 60.0  # total time to read one body (a slow drip ends here, give or take one read timeout)
 RETIRE_AFTER_POLLS = 20  # an epoch its source has not shown for this many accepted documents is retired
 MAX_RETIRED_EPOCHS = 100_000  # retired epoch ids remembered (about 10 MB); the oldest are forgotten past it
 MAX_EPOCH_CHARS = 128
@@ -113,8 +108,8 @@ class PeerError(StrEnum):
     `tailguard_monitor_peer_errors_total` and the keys of /readyz `peers[source].errors_by_reason`."""
 
     FETCH_FAILED = "fetch_failed"  # connection refused, timeout, HTTP status >= 400
-    BODY_TOO_LARGE = "body_too_large"  # body over MAX_EVIDENCE_BYTES (or the declared Content-Length)
-    READ_TIMEOUT = "read_timeout"  # body not read within FETCH_DEADLINE_S (slow drip)
+    BODY_TOO_LARGE = "body_too_large"  # body over peers.MAX_EVIDENCE_BYTES (or the declared Content-Length)
+    READ_TIMEOUT = "read_timeout"  # body not read within peers.FETCH_DEADLINE_S (slow drip)
     INVALID_JSON = "invalid_json"
     BAD_DOCUMENT = "bad_document"  # wrong types, missing fields, walks of the wrong length, unknown metrics
     BAD_EPOCH = "bad_epoch"  # epoch missing, not a string, empty or too long
@@ -277,7 +272,7 @@ class Combiner:
         on_incomplete: called once per poll and INCOMPLETE_REASONS reason while the combined view is incomplete
             (the service's `tailguard_monitor_incomplete_polls_total`).
         discover: called at the start of every poll for the current peer URLs found by name (`--peer-dns`:
-            `peers_from_dns`); sources it stops returning are no longer polled and, RETIRE_AFTER_POLLS polls
+            `peers.peers_from_dns`); sources it stops returning are no longer polled and, RETIRE_AFTER_POLLS polls
             later, forgotten (their epochs retired). A lookup that raises keeps the last list (counted in
             `discovery`). None: the static `sources` only.
     """
@@ -780,106 +775,3 @@ class CheckpointLog:
     def after(self, since: int) -> list[dict[str, Any]]:
         """The checkpoints with a version above `since`, oldest first: [{"version", "time", "slices"}]."""
         return [{"version": v, "time": t, "slices": sl} for v, t, sl in self.items if v > since]
-
-
-def peers_from_dns(target: str, resolver: Callable[..., Any] = socket.getaddrinfo) -> list[str]:
-    """The peers behind a headless Service: `NAME:PORT` -> one base URL per address its DNS name resolves to
-    (A and AAAA records; `http://ADDR:PORT`, IPv6 bracketed), sorted. A headless Service (`clusterIP: None`)
-    answers with every ready pod's address, so each pod is one source, polled on its own connection.
-
-    Args:
-        target: `NAME:PORT` (e.g. `tailguard-monitor-replicas.ns.svc.cluster.local:8080`).
-        resolver: `socket.getaddrinfo` (the stdlib resolver); tests pass a function with its signature, the one
-            seam that stands in for a DNS server.
-
-    Returns:
-        The peer URLs ([] when the name has no address).
-
-    Raises:
-        ValueError: `target` is not NAME:PORT with a port in 1..65535.
-        OSError: the lookup failed (socket.gaierror; the combiner keeps the last list).
-    """
-    name, sep, port = target.rpartition(":")
-    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--peer-dns {target!r}: expected NAME:PORT, e.g. tailguard-monitor-replicas:8080")
-    infos = resolver(name, int(port), 0, socket.SOCK_STREAM)
-    addrs = sorted({info[4][0] for info in infos})
-    return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addrs]
-
-
-def http_fetch(timeout_s: float = FETCH_TIMEOUT_S, *, max_bytes: int = MAX_EVIDENCE_BYTES,
-               deadline_s: float = FETCH_DEADLINE_S, headers: Mapping[str, str] | None = None,
-               reader: str = "") -> Fetch:
-    """A Fetch over HTTP: GET {peer}/v1/evidence?since=N&reader=ID (httpx, streamed), with bounded size and time.
-
-    Every fetch opens a new connection (no keep-alive): a URL that load-balances per connection (a Kubernetes
-    Service) is then answered by its pods in turn, so the combiner sees their epochs flip and reports the URL
-    incomplete (Combiner.incomplete), instead of reading one pinned pod forever as if it were the whole URL.
-
-    Args:
-        timeout_s: connect and per-read timeout (s).
-        max_bytes: largest body read (bytes, after content decoding); past it: body_too_large.
-        deadline_s: total time to read one body (s); past it: read_timeout. Checked between reads, so a stalled
-            peer ends within deadline_s + timeout_s.
-        headers: sent with every fetch: the monitor's `Authorization: Bearer <token>` when it has one
-            (monitoring.auth_token_env / auth_token_file; replicas and combiner share the token), else none.
-        reader: the combiner's id, sent as `reader` (the replica reports the previous one: Restart).
-
-    Returns:
-        fetch(peer, since) -> the parsed document; raises PeerDocumentError (body_too_large, read_timeout,
-        invalid_json) or httpx errors (counted as fetch_failed).
-    """
-    import httpx
-
-    client = httpx.Client(timeout=timeout_s, headers=dict(headers or {}),
-                          limits=httpx.Limits(max_keepalive_connections=0))
-
-    def fetch(peer: str, since: int) -> Mapping[str, Any]:
-        end = time.monotonic() + deadline_s
-        params = {"since": since, "reader": reader}
-        with client.stream("GET", peer.rstrip("/") + "/v1/evidence", params=params) as r:
-            r.raise_for_status()
-            declared = r.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > max_bytes:
-                raise PeerDocumentError(PeerError.BODY_TOO_LARGE, f"Content-Length {declared} over {max_bytes} bytes")
-            body = bytearray()
-            for chunk in r.iter_bytes():
-                body += chunk
-                if len(body) > max_bytes:
-                    raise PeerDocumentError(PeerError.BODY_TOO_LARGE, f"body over {max_bytes} bytes")
-                if time.monotonic() > end:
-                    raise PeerDocumentError(PeerError.READ_TIMEOUT, f"body not read within {deadline_s} s "
-                                            f"({len(body)} bytes so far)")
-        try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise PeerDocumentError(PeerError.INVALID_JSON, f"not JSON: {str(exc)[:120]}") from None
-
-    return fetch
-
-
-class PollLoop:
-    """Calls `poll()` every `interval_s` seconds in a daemon thread until stopped."""
-
-    def __init__(self, poll: Callable[[], Any], interval_s: float) -> None:
-        self.poll = poll
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tg-combine", daemon=True)
-
-    def start(self) -> None:
-        """Start polling."""
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop polling (returns after the current poll)."""
-        self._stop.set()
-        if self._thread.ident is not None:  # started
-            self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.poll()
-            except Exception:  # never let one bad document end the loop
-                log.exception("combining evidence failed")

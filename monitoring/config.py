@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -287,6 +287,18 @@ class BearerAuth:
         return {"Authorization": "Bearer " + self._token.decode("utf-8")}
 
 
+def route_needs_auth(path: str, mon: MonitoringSpec) -> bool:
+    """Whether a route requires the bearer token: every one but /healthz and /v2/health/live; /readyz,
+    /v2/health/ready and /metrics as configured (monitoring.auth_readyz, auth_metrics)."""
+    if path in ("/healthz", "/v2/health/live"):
+        return False
+    if path in ("/readyz", "/v2/health/ready"):
+        return bool(mon.auth_readyz)
+    if path == "/metrics":
+        return bool(mon.auth_metrics)
+    return True
+
+
 class RowKeys(list):
     """A request's slice keys (a list of str, as `MonitorConfig.slice_keys` gives: every key some row carries,
     the keys the sampler decides on) plus the per-row layout the engine needs to group the rows.
@@ -441,22 +453,26 @@ class MonitorConfig:
         """
         return rule.derived_labels({}, reference, self.centroids.get(rule.name))
 
-    def row_groups(self, keys: RowKeys, reference: np.ndarray, keep: np.ndarray
-                   ) -> list[tuple[list[str], np.ndarray | None]]:
+    def row_groups(self, keys: RowKeys, reference: np.ndarray, keep: np.ndarray,
+                   outputs: Sequence[list[str] | None] | None = None) -> list[tuple[list[str], list[int] | None]]:
         """The request's rows grouped by slice key: [(keys whose rows are the same, row indices into the kept
-        rows or None for all of them)], ``all`` first. Each (request, slice group) with at least one row is one
-        unit of evidence for that group (docs/monitor.md, Per-row slices).
+        rows, ascending, or None for all of them)], ``all`` first. Each (request, slice group) with at least one
+        row is one unit of evidence for that group (docs/monitor.md, Per-row slices).
 
         Args:
             keys: the request's RowKeys (`row_keys`).
             reference: (kept rows, ...) the reference's output of the rows kept (finite).
             keep: (rows,) bool, the rows kept.
+            outputs: per rule, the output-derived rule's labels of the kept rows when already computed (the
+                engine labels a micro-batch at once), else None (computed here from `reference`).
         """
         kept = np.flatnonzero(keep)
         n = kept.size
         per_rule: list[str | list[str]] = []
-        for r, lab in zip(self.rules, keys.labels):
-            if lab is None:
+        for n_rule, (r, lab) in enumerate(zip(self.rules, keys.labels)):
+            if lab is None and outputs is not None and outputs[n_rule] is not None:
+                lab = outputs[n_rule]
+            elif lab is None:
                 try:
                     lab = self.output_labels(r, reference)
                 except InputError:
@@ -491,7 +507,7 @@ class MonitorConfig:
                 whole.append(key)
             else:
                 by_rows.setdefault(tuple(idx), []).append(key)
-        return [(whole, None), *((ks, np.asarray(idx, dtype=np.int64)) for idx, ks in by_rows.items())]
+        return [(whole, None), *((ks, list(idx)) for idx, ks in by_rows.items())]
 
     def slice_keys(self, meta: Mapping[str, Any]) -> tuple[list[str], int]:
         """Slice keys of one request from its metadata alone: ``all``, ``<rule name>=<group>`` per rule, then

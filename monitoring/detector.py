@@ -297,12 +297,33 @@ def _logmeanexp(xs: Sequence[float]) -> float:
     return m + math.log(sum(math.exp(x - m) for x in xs) / len(xs))
 
 
-Prepared = tuple[int, float, list[tuple[str, float, float, float]],
+Prepared = tuple[int, float, float, list[float], list[float], list[float] | None,
                  list[tuple[str, list[tuple[int, float]], list[tuple[int, float]] | None]]]
-"""One request's (or one slice group's) rows reduced for the statistics (`SliceStatistics._prepare`): (rows, the
-sum of the rows' decay weights, [(metric, decay weight sum over rows with a value, decayed sum of finite values,
-decayed count of infinite values)] in `metrics` order, [(bounded metric, alarm units, recovery units or None)],
-units from `request_units`)."""
+"""One request's (or one slice group's) rows reduced for the statistics, its sampling weight w applied
+(`SliceStatistics._prepare`, `prepare_batch`): (rows, w x the sum of the rows' decay weights, w^2 x that sum,
+per metric in `metrics` order: w x the decay weight sum over rows with a value, w x the decayed sum of finite
+values, the decayed count of infinite values (None: all 0), then [(bounded metric, alarm units, recovery units or
+None)], units from `request_units`)."""
+
+
+@dataclass(frozen=True)
+class GroupedRequest:
+    """One sampled request as its slice groups (`SliceStatistics.update_batch`).
+
+    Attributes:
+        groups: [(keys whose rows are the same, row indices (ints) into the values, or None for
+            every row)] (monitoring/config.py `MonitorConfig.row_groups`; request-level slices: [(keys, None)]).
+        values: {metric: (rows,) float64 per-row values} of the whole request (as `SliceStatistics.update`).
+        weight: sampling weight w = 1/p of the request.
+        ratios: per group, its keys' ratios pi_slice / p, or None (all 1).
+        request_index: sequence number recorded in alerts.
+    """
+
+    groups: Sequence[tuple[Sequence[str], Sequence[int] | None]]
+    values: Mapping[str, Any]
+    weight: float
+    ratios: Sequence[Sequence[float] | None] | None = None
+    request_index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -699,24 +720,21 @@ class SliceStatistics:
             The alerts fired and cleared by this update.
         """
         ev = Evaluation()
-        prepared = self._prepare(values)
+        prepared = self._prepare(values, weight)
         if prepared[0]:
-            self._apply(keys, prepared, weight, ratios, request_index, now, ev)
+            self._apply(keys, prepared, ratios, request_index, now, ev)
         return ev
 
-    def update_groups(self, groups: Sequence[tuple[Sequence[str], np.ndarray | None]], values: Mapping[str, Any],
+    def update_groups(self, groups: Sequence[tuple[Sequence[str], Sequence[int] | None]], values: Mapping[str, Any],
                       weight: float, ratios: Sequence[Sequence[float] | None] | None = None,
                       request_index: int | None = None, now: datetime | None = None) -> Evaluation:
         """Add one sampled request whose rows fall into several slice groups (per-row slices): each group is one
-        `update` with its rows only, the groups' sums computed for all of them at once.
-
-        The same evidence as calling `update` once per group (the sums may differ in the last bits: one matrix
-        product instead of a sum per group); a request whose values hold a NaN or infinity, or with a group of
-        more than max_request_rows rows, takes the per-group path.
+        `update` with its rows only, the groups' sums computed for all of them at once (`update_batch` of one
+        request).
 
         Args:
-            groups: [(keys whose rows are the same, (group rows,) int64 row indices into the values, or None for
-                every row)] (monitoring/config.py `MonitorConfig.row_groups`).
+            groups: [(keys whose rows are the same, row indices (ints) into the values, ascending,
+                or None for every row)] (monitoring/config.py `MonitorConfig.row_groups`).
             values: {metric: (rows,) float64 per-row values} of the whole request (as `update`).
             weight: sampling weight w = 1/p of the request.
             ratios: per group, its keys' ratios pi_slice / p (as `update`'s), or None (all 1).
@@ -726,24 +744,50 @@ class SliceStatistics:
         Returns:
             The alerts fired and cleared by this update.
         """
+        return self.update_batch([GroupedRequest(groups, values, weight, ratios, request_index)], now)[0]
+
+    def update_batch(self, requests: Sequence[GroupedRequest], now: datetime | None = None) -> list[Evaluation]:
+        """Add several sampled requests (a shadow worker's micro-batch), in order, each as `update_groups` would:
+        every (request, slice group) is one `update` with that group's rows. The groups' sums of every request
+        are computed at once (`prepare_batch`: a handful of numpy calls for the whole batch instead of a handful
+        per request); then each request's groups update their slices in request order, so the statistics, CUSUMs
+        and alerts are those of one `update` per group in that order (the sums may differ in the last bits: a
+        matrix product instead of a sum per group).
+
+        Args:
+            requests: the requests in arrival order (GroupedRequest; a request with request-level slices is one
+                group [(keys, None)]).
+            now: time stamp for fired/cleared records.
+
+        Returns:
+            One Evaluation per request (the alerts its update fired and cleared).
+        """
+        return [self.apply_groups(req, prepared, now) for req, prepared in zip(requests, self.prepare_batch(requests))]
+
+    def apply_groups(self, req: GroupedRequest, prepared: Sequence[Prepared], now: datetime | None = None
+                     ) -> Evaluation:
+        """Add one request's groups, prepared by `prepare_batch`, to their slices' statistics and detectors (the
+        second half of `update_batch`, for a caller that does more per request in between, in order).
+
+        Returns:
+            The alerts this request fired and cleared.
+        """
         ev = Evaluation()
-        for (keys, _), prepared, r in zip(groups, self._prepare_groups(values, [idx for _, idx in groups]),
-                                          ratios if ratios is not None else [None] * len(groups)):
-            if prepared[0]:
-                self._apply(keys, prepared, weight, r, request_index, now, ev)
+        ratios = req.ratios if req.ratios is not None else [None] * len(req.groups)
+        for (keys, _), p, r in zip(req.groups, prepared, ratios):
+            if p[0]:
+                self._apply(keys, p, r, req.request_index, now, ev)
         return ev
 
-    def _apply(self, keys: Sequence[str], prepared: Prepared, weight: float, ratios: Sequence[float] | None,
+    def _apply(self, keys: Sequence[str], prepared: Prepared, ratios: Sequence[float] | None,
                request_index: int | None, now: datetime | None, ev: Evaluation) -> None:
         """Add one prepared request (`_prepare`) to each of its slices' counts, display sums and detectors."""
-        n, g_all, display, excess = prepared
+        n, sw_add, sww_add, gm, gx, ginf, excess = prepared
+        metrics = self.metrics
         dn = self.decay ** n
         units = -(-n // self.max_request_rows)
         self.version += 1
         version = self.version
-        sw_add, sww_add = weight * g_all, weight * weight * g_all
-        scale = 1.0 / self.max_request_rows
-        weighted = [(m, weight * gm, weight * gx, ginf) for m, gm, gx, ginf in display]
         for i, k in enumerate(keys):
             s = self.state(k)
             s.version = version
@@ -756,32 +800,39 @@ class SliceStatistics:
             s.sw = dn * s.sw + sw_add
             s.sww = dn * s.sww + sww_add
             swm, swx, ninf = s.swm, s.swx, s.ninf
-            for m, wgm, wgx, ginf in weighted:
-                swm[m] = dn * swm[m] + wgm
-                swx[m] = dn * swx[m] + wgx
-                ninf[m] = dn * ninf[m] + ginf
+            for m, a, b in zip(metrics, gm, gx):
+                swm[m] = dn * swm[m] + a
+                swx[m] = dn * swx[m] + b
+            if ginf is not None:
+                for m, c in zip(metrics, ginf):
+                    ninf[m] = dn * ninf[m] + c
+            else:
+                for m in metrics:
+                    if ninf[m]:
+                        ninf[m] *= dn
             r = ratios[i] if ratios is not None else 1.0
             streams = s.streams
-            peak = 0.0
+            moved = False
             for m, au, ru in excess:
                 stream = streams.get(m)
                 if stream is None:
                     continue
-                alarm = stream.alarm
-                if units == 1 and au[0][1] <= 0.0 and not stream.active and stream.rec_walk is None \
-                        and not any(alarm.s):
-                    # the common case, inlined (_step and Cusum.update give the same): one unit on the good side
-                    # of an idle CUSUM moves only its walk and the window sums
-                    rows_k, total = au[0]
-                    alarm.update(self.bets[m][0], total * scale, r, base + 1, request_index)  # its idle path
-                    _add_sums(stream.acc, r, rows_k, total)
+                if units == 1 and au[0][1] <= 0.0 and stream.rec_walk is None and not stream.active \
+                        and not any(stream.alarm.s):
+                    # the common case, inlined: one unit on the good side of an idle CUSUM leaves every CUSUM at
+                    # zero (Cusum.update) and moves only the window sums (and the unclipped walk, which is kept
+                    # for export: with export_walks, rec_walk is set and this path is not taken)
+                    _add_sums(stream.acc, r, au[0][0], au[0][1])
                     continue
+                moved = True
                 self._step(k, m, s, stream, au, ru, r, base, request_index, now, ev)
-            for st in streams.values():
-                top = max(st.alarm.s)
-                if top > peak:
-                    peak = top
-            s.peak = peak
+            if moved:  # the fast path leaves every CUSUM where it was, and so the peak
+                peak = 0.0
+                for st in streams.values():
+                    top = max(st.alarm.s)
+                    if top > peak:
+                        peak = top
+                s.peak = peak
 
     def _decay_weights(self, n: int) -> tuple[np.ndarray, float]:
         """(decay ** (n-1 .. 0), their sum) for an n-row update of the display estimate, memoized per n (a
@@ -794,8 +845,8 @@ class SliceStatistics:
                 self._geo[n] = got
         return got
 
-    def _prepare(self, values: Mapping[str, Any]) -> Prepared:
-        """One request's rows reduced once for all its slices (`Prepared`)."""
+    def _prepare(self, values: Mapping[str, Any], weight: float) -> Prepared:
+        """One request's rows (sampling weight `weight`) reduced once for all its slices (`Prepared`)."""
         arrays = {m: np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics if m in values}
         n0 = max((a.shape[0] for a in arrays.values()), default=0)
         for m in self.metrics:  # a metric the caller did not give has no value on these rows
@@ -803,7 +854,7 @@ class SliceStatistics:
                 arrays[m] = np.full(n0, np.nan)
         n = max((a.shape[0] for a in arrays.values()), default=0)
         if n == 0:
-            return 0, 0.0, [], []
+            return 0, 0.0, 0.0, [], [], None, []
         geo, geo_sum = self._decay_weights(n)
         display: list[tuple[str, float, float, float]] = []
         excess: list[tuple[str, list[tuple[int, float]], list[tuple[int, float]] | None]] = []
@@ -836,34 +887,100 @@ class SliceStatistics:
             mr = self.max_request_rows
             excess.append((m, request_units(alarm_bet, y, mr),
                            request_units(rec_bet, y, mr) if rec_bet is not None else None))
-        return n, geo_sum, display, excess
+        w = weight
+        return (n, w * geo_sum, w * w * geo_sum, [w * d[1] for d in display], [w * d[2] for d in display],
+                [d[3] for d in display], excess)
 
-    def _prepare_groups(self, values: Mapping[str, Any], groups: Sequence[np.ndarray | None]) -> list[Prepared]:
-        """`_prepare` of each group's rows of one request (groups: (group rows,) row indices, or None for every
-        row), the groups' sums computed at once: with B the (groups, rows) 0/1 membership matrix, the display sums
-        are W @ x (W = B times the decay weight of each row's place in its group, the last row weighing 1, as
-        `_decay_weights`) and the clipped excess sums B @ y. Values with a NaN or infinity, a metric left out, or
-        a group of more than max_request_rows rows take `_prepare` per group."""
-        arrays = [np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics if m in values]
-        n = arrays[0].shape[0] if arrays else 0
-        sizes = [n if idx is None else len(idx) for idx in groups]
-        if (n == 0 or len(arrays) < len(self.metrics) or max(sizes) > self.max_request_rows
-                or any(a.shape[0] != n for a in arrays) or not np.isfinite(np.stack(arrays)).all()):
-            return [self._prepare(values if idx is None else {m: np.atleast_1d(np.asarray(values[m]))[idx]
-                                                              for m in self.metrics if m in values})
-                    for idx in groups]
-        stacked = np.stack(arrays, axis=1)  # (rows, metrics)
-        member = np.zeros((len(groups), n))
-        for g, idx in enumerate(groups):
-            if idx is None:
-                member[g] = 1.0
-            else:
-                member[g, idx] = 1.0
-        count = np.asarray(sizes, dtype=np.float64)
-        w = member * self.decay ** (count[:, None] - np.cumsum(member, axis=1))
-        geo_sum = w.sum(axis=1).tolist()
-        disp = (w @ stacked).tolist()  # (groups, metrics)
-        cols, slots = [], []
+    def prepare_batch(self, requests: Sequence[GroupedRequest]) -> list[list[Prepared]]:
+        """Each request's groups reduced for the statistics (`Prepared`, as `_prepare` of each group's rows; no
+        state is read or changed), the sums of every group of every request computed at once: the requests' rows
+        are stacked into one (rows, metrics) matrix X; with each group's rows weighted by the decay weight of their
+        place in the group (the group's last row weighing 1, as `_decay_weights`) in a (groups, rows) matrix W and
+        their 0/1 membership in B, the display sums are W @ X and the clipped excess sums B @ Y. A request whose
+        values hold a NaN or infinity, lack a metric, disagree in length, or with a group of more than
+        max_request_rows rows takes `_prepare` per group (the rare path).
+
+        Returns:
+            Per request, per group, its `Prepared` (for `apply_groups`).
+        """
+        out: list[list[Prepared] | None] = [None] * len(requests)
+        metrics, mr = self.metrics, self.max_request_rows
+        fast: list[int] = []
+        cols: list[list[np.ndarray]] = [[] for _ in metrics]
+        for i, req in enumerate(requests):
+            vals = req.values
+            if all(m in vals for m in metrics):
+                arrays = [np.atleast_1d(np.asarray(vals[m], dtype=np.float64)) for m in metrics]
+                n = arrays[0].shape[0]
+                if n and all(a.ndim == 1 and a.shape[0] == n for a in arrays) and all(
+                        (n if idx is None else len(idx)) <= mr for _, idx in req.groups):
+                    fast.append(i)
+                    for c, a in zip(cols, arrays):
+                        c.append(a)
+                    continue
+            out[i] = self._prepare_each(req)
+        if fast:
+            sizes = [c.shape[0] for c in cols[0]]
+            stacked = np.stack([np.concatenate(c) for c in cols], axis=1)  # (rows, metrics)
+            bad = ~np.isfinite(stacked).all(axis=1)
+            if bad.any():  # requests holding a NaN or infinity take the per-group path
+                ends = np.cumsum(sizes)
+                hit = set(np.searchsorted(ends, np.flatnonzero(bad), side="right").tolist())
+                for j in sorted(hit):
+                    out[fast[j]] = self._prepare_each(requests[fast[j]])
+                keep = [j for j in range(len(fast)) if j not in hit]
+                if keep:
+                    starts = ends - np.asarray(sizes)
+                    stacked = stacked[np.concatenate([np.arange(starts[j], ends[j]) for j in keep])]
+                fast, sizes = [fast[j] for j in keep], [sizes[j] for j in keep]
+            if fast:
+                for i, prepared in zip(fast, self._prepare_stacked([requests[i] for i in fast], sizes, stacked)):
+                    out[i] = prepared
+        return out  # type: ignore[return-value]
+
+    def _prepare_each(self, req: GroupedRequest) -> list[Prepared]:
+        """`_prepare` of each group of one request on its own (the rare path of `prepare_batch`)."""
+        vals = req.values
+        return [self._prepare(vals if idx is None else {m: np.atleast_1d(np.asarray(vals[m]))[idx]
+                                                        for m in self.metrics if m in vals}, req.weight)
+                for _, idx in req.groups]
+
+    def _prepare_stacked(self, requests: Sequence[GroupedRequest], sizes: Sequence[int],
+                         stacked: np.ndarray) -> list[list[Prepared]]:
+        """`prepare_batch`'s common path: requests whose (rows_i, metrics) values are stacked in `stacked`
+        ((sum rows_i, metrics) float64, finite), every group of at most max_request_rows rows."""
+        flat_rows: list[int] = []  # every group's rows, group after group, as rows of `stacked`
+        counts: list[int] = []
+        offset = 0
+        for req, n in zip(requests, sizes):
+            for _, idx in req.groups:
+                if idx is None:
+                    flat_rows.extend(range(offset, offset + n))
+                    counts.append(n)
+                else:
+                    idx = idx.tolist() if isinstance(idx, np.ndarray) else idx
+                    flat_rows.extend([i + offset for i in idx])
+                    counts.append(len(idx))
+            offset += n
+        n_groups = len(counts)
+        cnt = np.asarray(counts, dtype=np.int64)
+        rows = np.asarray(flat_rows, dtype=np.int64)
+        gid = np.repeat(np.arange(n_groups), cnt)
+        order = np.lexsort((rows, gid))  # each group's rows ascending: a row's place in its group is its rank
+        rows = rows[order]
+        first = np.cumsum(cnt) - cnt
+        rank = np.arange(rows.shape[0]) - np.repeat(first, cnt)
+        weights = self.decay ** (np.repeat(cnt, cnt) - 1 - rank)
+        w = np.zeros((n_groups, stacked.shape[0]))
+        w[gid, rows] = weights
+        member = np.zeros((n_groups, stacked.shape[0]))
+        member[gid, rows] = 1.0
+        gw = np.repeat(np.asarray([req.weight for req in requests], dtype=np.float64),
+                       [len(req.groups) for req in requests])  # (groups,) the sampling weight of each group's request
+        geo = w.sum(axis=1)
+        sw_add, sww_add = (gw * geo).tolist(), (gw * gw * geo).tolist()
+        disp = (gw[:, None] * (w @ stacked)).tolist()  # (groups, metrics)
+        ycols, slots = [], []
         for j, m in enumerate(self.metrics):
             b = self.bounds.get(m)
             if b is None:
@@ -874,17 +991,22 @@ class SliceStatistics:
             else:
                 y = (np.minimum(a, b.truncate_at) if b.truncate_at is not None else a) - b.value
             alarm_bet, rec_bet = self.bets[m]
-            slots.append((m, len(cols), len(cols) + 1 if rec_bet is not None else None))
-            cols.append(np.clip(alarm_bet.sign * y, -alarm_bet.span, alarm_bet.cap))
+            slots.append((m, len(ycols), len(ycols) + 1 if rec_bet is not None else None))
+            ycols.append(np.clip(alarm_bet.sign * y, -alarm_bet.span, alarm_bet.cap))
             if rec_bet is not None:
-                cols.append(np.clip(rec_bet.sign * y, -rec_bet.span, rec_bet.cap))
-        sums = (member @ np.stack(cols, axis=1)).tolist() if cols else [[] for _ in groups]
-        metrics = self.metrics
-        out: list[Prepared] = []
-        for size, gs, row_disp, row in zip(sizes, geo_sum, disp, sums):
-            out.append((size, gs, [(m, gs, x, 0.0) for m, x in zip(metrics, row_disp)],
-                        [(m, [(size, row[ja])], [(size, row[jr])] if jr is not None else None)
-                         for m, ja, jr in slots]))
+                ycols.append(np.clip(rec_bet.sign * y, -rec_bet.span, rec_bet.cap))
+        sums = (member @ np.stack(ycols, axis=1)).tolist() if ycols else [[] for _ in counts]
+        k = len(self.metrics)
+        flat: list[Prepared] = []
+        for size, gs, gss, row_disp, row in zip(counts, sw_add, sww_add, disp, sums):
+            flat.append((size, gs, gss, [gs] * k, row_disp, None,
+                         [(m, [(size, row[ja])], [(size, row[jr])] if jr is not None else None)
+                          for m, ja, jr in slots]))
+        out, g = [], 0
+        for req in requests:
+            k = len(req.groups)
+            out.append(flat[g:g + k])
+            g += k
         return out
 
     def _step(self, key: str, metric: str, s: SliceState, stream: Stream, au: list[tuple[int, float]],

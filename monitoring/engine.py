@@ -11,8 +11,9 @@ import logging
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -20,11 +21,53 @@ from tailguard.core.errors import InputError
 from tailguard.monitoring.combine import CheckpointLog, settings_hash
 from tailguard.monitoring.compare import compare_rows, failure_rows, reference_non_finite
 from tailguard.monitoring.config import ALL_SLICE, MonitorConfig, RowKeys
-from tailguard.monitoring.detector import Evaluation, SliceStatistics
+from tailguard.monitoring.detector import Evaluation, GroupedRequest, SliceStatistics
 from tailguard.monitoring.prometheus import MonitorMetrics, SliceExport, SliceRow
 from tailguard.monitoring.sampler import Decision, LongTailSampler
 
 log = logging.getLogger("tailguard.monitoring")
+
+
+@dataclass
+class Observation:
+    """One sampled request's outputs (`MonitorEngine.observe`'s arguments; `observe_batch` takes a list).
+
+    Attributes:
+        keys: the request's slice keys (`MonitorEngine.admit`).
+        decision: its sampling decision.
+        reference: (batch, ...) reference output.
+        candidate: (batch, ...) candidate output, or None when the candidate failed.
+        request_index: sequence number for alert records.
+        request_id: OIP request id (sampled-pair records).
+        meta: slice metadata (sampled-pair records).
+        feeds: model inputs (sampled-pair records; token_classification's mask).
+        failure: the candidate's failure reason, or None.
+        values: this request's rows of `compare_rows` computed for several requests at once, or None.
+        candidate_source: where the candidate output came from (live | recomputed | recomputed_other_node).
+    """
+
+    keys: list[str]
+    decision: Decision
+    reference: np.ndarray
+    candidate: np.ndarray | None
+    request_index: int | None = None
+    request_id: str = ""
+    meta: Mapping[str, Any] | None = None
+    feeds: Mapping[str, np.ndarray] | None = None
+    failure: str | None = None
+    values: Mapping[str, np.ndarray] | None = None
+    candidate_source: str | None = None
+
+
+class _Judged(NamedTuple):
+    """`MonitorEngine._judge`'s result: reference (batch, ...) array, keep (batch,) bool (finite reference),
+    failure, values {metric: (batch,)} (and "non_finite"), rows {metric: (kept,)} or None when no row is kept."""
+
+    reference: np.ndarray
+    keep: np.ndarray
+    failure: str | None
+    values: Mapping[str, np.ndarray]
+    rows: dict[str, np.ndarray] | None
 
 
 class MonitorEngine:
@@ -144,47 +187,120 @@ class MonitorEngine:
         Returns:
             The alerts fired/cleared.
         """
-        ref = np.asarray(reference)
+        return self.observe_batch([Observation(keys, decision, reference, candidate, request_index, request_id, meta,
+                                               feeds, failure, values, candidate_source)], now=now)[0]
+
+    def observe_batch(self, items: Sequence[Observation], *, now: datetime | None = None) -> list[Evaluation]:
+        """`observe` of several sampled requests (the shadow worker's micro-batch), in order: the same statistics,
+        alerts, counters and sampled-pair records as one `observe` per request, with the per-request numpy work
+        done once for the batch (the reference's output-derived labels of every row: one `output_labels` call per
+        rule; the slice groups' sums: `SliceStatistics.prepare_batch`).
+
+        Args:
+            items: the requests in arrival order (Observation: `observe`'s arguments).
+            now: time stamp of fired alerts (default now).
+
+        Returns:
+            One Evaluation per item (the alerts its update fired and cleared).
+        """
+        judged = [self._judge(it) for it in items]
+        per_row = [j.rows is not None and isinstance(it.keys, RowKeys) and it.keys.per_row
+                   for it, j in zip(items, judged)]
+        labels = iter(self._output_labels([j.reference[j.keep] for j, p in zip(judged, per_row) if p]))
+        requests: list[GroupedRequest | None] = []
+        for it, j, p in zip(items, judged, per_row):
+            if j.rows is None:
+                requests.append(None)
+                continue
+            ratios = dict(zip(it.keys, it.decision.ratios)) if it.decision.ratios else {}
+            if p:
+                base = ratios.get(ALL_SLICE, 1.0)
+                groups = self.cfg.row_groups(it.keys, j.reference[j.keep], j.keep,  # type: ignore[arg-type]
+                                             outputs=next(labels))
+                r = [[ratios.get(k, base) for k in group_keys] for group_keys, _ in groups] if ratios else None
+            else:
+                groups = [(list(it.keys), None)]
+                r = [list(it.decision.ratios)] if it.decision.ratios else None
+            requests.append(GroupedRequest(groups, j.rows, it.decision.weight, r, it.request_index))
+        prepared = iter(self.stats.prepare_batch([r for r in requests if r is not None]))
+        return [self._add(it, j, req, next(prepared) if req is not None else None, now)
+                for it, j, req in zip(items, judged, requests)]
+
+    def _judge(self, it: Observation) -> _Judged:
+        """One request's per-row values (no state changed): the candidate's failure, if any, decided as `observe`
+        documents; rows with a non-finite reference output left out."""
+        ref = np.asarray(it.reference)
         rows = int(ref.shape[0]) if ref.ndim else 1
+        failure, values, candidate = it.failure, it.values, it.candidate
         if failure is None and (candidate is None or np.shape(candidate) != ref.shape):
             failure = "candidate_error" if candidate is None else "candidate_shape"
         if failure is None and values is None:
             try:
                 values = compare_rows(self.cfg.task, ref, candidate, self.cfg.metrics,  # type: ignore[arg-type]
                                       probabilities=self.cfg.output.kind == "probabilities",
-                                      decode=self.cfg.spec.model.decode, feeds=feeds)
+                                      decode=self.cfg.spec.model.decode, feeds=it.feeds)
             except InputError:  # an output the task cannot score (e.g. not 2-D logits): the candidate's fault
                 failure = "candidate_shape"
-        bad_ref = reference_non_finite(ref)
-        n_bad = int(bad_ref.sum())
+        if failure is not None:
+            values = failure_rows(rows, self.cfg.metrics, self.cfg.bounds)
+            values["non_finite"] = np.zeros(rows, dtype=bool)
+        keep = ~reference_non_finite(ref)
+        kept = {m: values[m][keep] for m in self.cfg.metrics} if keep.any() else None  # type: ignore[index]
+        return _Judged(ref, keep, failure, values, kept)  # type: ignore[arg-type]
+
+    def _output_labels(self, refs: list[np.ndarray]) -> list[list[list[str] | None] | None]:
+        """Per request (its kept rows' reference output `refs[i]`), per rule, the labels of the output-derived
+        rules (None for other rules, and for a rule whose labels the request computes on its own): one
+        `output_labels` call per rule for every request of the batch whose outputs share a shape (the labels are
+        per row)."""
+        rules = [(i, r) for i, r in enumerate(self.cfg.rules) if r.source == "output"]
+        if not rules or len(refs) < 2 or len({r.shape[1:] for r in refs}) > 1:
+            return [None] * len(refs)
+        joined = np.concatenate(refs)
+        ends = np.cumsum([r.shape[0] for r in refs]).tolist()
+        out: list[list[list[str] | None] | None] = [[None] * len(self.cfg.rules) for _ in refs]
+        for i, rule in rules:
+            try:
+                labs = self.cfg.output_labels(rule, joined)
+            except InputError:  # each request finds out on its own (its rule's group: `missing`)
+                continue
+            start = 0
+            for n, end in enumerate(ends):
+                out[n][i] = labs[start:end]  # type: ignore[index]
+                start = end
+        return out
+
+    def _add(self, it: Observation, j: _Judged, req: GroupedRequest | None, prepared: Any,
+             now: datetime | None) -> Evaluation:
+        """The state changes of one judged request, in arrival order: counters, reference failures, the slices'
+        statistics and detectors (`SliceStatistics.apply_groups`), checkpoints, alert logs, sampled-pair
+        records."""
+        n_bad = int(j.keep.size - np.count_nonzero(j.keep))
         if n_bad:
             if self.metrics is not None:
                 self.metrics.dropped.labels("non_finite").inc(n_bad)
-            self.stats.reference_failed(keys, n_bad)
-        if failure is not None:
-            if self.metrics is not None:
-                self.metrics.candidate_failures.labels(failure).inc()
-            values = failure_rows(rows, self.cfg.metrics, self.cfg.bounds)
-            values["non_finite"] = np.zeros(rows, dtype=bool)
-        keep = ~bad_ref
-        if not keep.any():
+            self.stats.reference_failed(it.keys, n_bad)
+        if j.failure is not None and self.metrics is not None:
+            self.metrics.candidate_failures.labels(j.failure).inc()
+        if req is None:
             return Evaluation()
-        row_values = {m: values[m][keep] for m in self.cfg.metrics}
-        if isinstance(keys, RowKeys) and keys.per_row:
-            ev = self.observe_groups(keys, decision, row_values, ref[keep], keep, request_index=request_index,
-                                     now=now)
-        else:
-            ev = self.observe_values(keys, decision, row_values, request_index=request_index, now=now)
+        ev = self.stats.apply_groups(req, prepared, now)
+        if self.checkpoints is not None:
+            self.checkpoints.tick()
+        self.compared_rows += int(np.count_nonzero(j.keep))
+        self.compared_requests += 1
+        self.report(ev)
         if self.on_sample is not None:
-            for i in np.flatnonzero(keep):
-                rec = {"request_id": request_id, "row": int(i), "request_index": request_index,
-                       "weight": decision.weight, "slices": list(keys), "meta": dict(meta or {}),
-                       "inputs": {k: np.asarray(v)[i] for k, v in (feeds or {}).items()},
+            values, ref, candidate = j.values, j.reference, it.candidate
+            for i in np.flatnonzero(j.keep):
+                rec = {"request_id": it.request_id, "row": int(i), "request_index": it.request_index,
+                       "weight": it.decision.weight, "slices": list(it.keys), "meta": dict(it.meta or {}),
+                       "inputs": {k: np.asarray(v)[i] for k, v in (it.feeds or {}).items()},
                        "reference": np.asarray(ref[i]),
-                       "candidate": np.asarray(candidate[i]) if failure is None else None,  # type: ignore[index]
+                       "candidate": np.asarray(candidate[i]) if j.failure is None else None,  # type: ignore[index]
                        "metrics": {m: float(values[m][i]) for m in self.cfg.metrics},
-                       "non_finite_candidate": bool(values["non_finite"][i]), "candidate_failure": failure,
-                       "candidate_source": candidate_source}
+                       "non_finite_candidate": bool(values["non_finite"][i]), "candidate_failure": j.failure,
+                       "candidate_source": it.candidate_source}
                 self.on_sample(rec)
         return ev
 
@@ -206,36 +322,6 @@ class MonitorEngine:
         """
         ev = self.stats.update(keys, row, decision.weight, decision.ratios or None, request_index=request_index,
                                now=now)
-        if self.checkpoints is not None:
-            self.checkpoints.tick()
-        first = next(iter(row.values()), 0.0)
-        self.compared_rows += int(np.size(first))
-        self.compared_requests += 1
-        self.report(ev)
-        return ev
-
-    def observe_groups(self, keys: RowKeys, decision: Decision, row: Mapping[str, np.ndarray],
-                       reference: np.ndarray, keep: np.ndarray, *, request_index: int | None = None,
-                       now: datetime | None = None) -> Evaluation:
-        """Add one sampled request whose rows fall into several groups of a slice (per-row slices): each (request,
-        slice group) with at least one row is one update of that group's statistics with that group's rows only
-        (`MonitorConfig.row_groups`); keys with the same rows share one update.
-
-        Args:
-            keys: the request's RowKeys (`admit`).
-            decision: its sampling decision; a key the sampler did not decide on (an output-derived one) takes
-                the ratio of `all` (its rows were sampled at the request's rate, not for their rarity).
-            row: {metric: (kept rows,) values}.
-            reference: (kept rows, ...) the reference's output of the kept rows (output-derived labels).
-            keep: (rows,) bool, the rows kept (finite reference).
-            request_index: sequence number for alert records.
-            now: time stamp for alert records.
-        """
-        ratios = dict(zip(keys, decision.ratios)) if decision.ratios else {}
-        base = ratios.get(ALL_SLICE, 1.0)
-        groups = self.cfg.row_groups(keys, reference, keep)
-        r = [[ratios.get(k, base) for k in group_keys] for group_keys, _ in groups] if ratios else None
-        ev = self.stats.update_groups(groups, row, decision.weight, r, request_index=request_index, now=now)
         if self.checkpoints is not None:
             self.checkpoints.tick()
         first = next(iter(row.values()), 0.0)

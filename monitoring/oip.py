@@ -72,7 +72,7 @@ INVALID_REASONS = ("invalid_json", "not_an_object", "missing_inputs", "missing_i
                    "body_too_large", "missing_ce_id", "unknown_ce_type", "structured_mode", "too_deep",
                    "batch_too_large", "non_finite_input", "unknown_model", "bad_header_length",
                    "binary_size_mismatch", "truncated_binary", "trailing_binary", "bad_bytes_prefix",
-                   # refusals before or beside parsing (monitoring/service.py, grpc_ingest.py)
+                   # refusals before or beside parsing (monitoring/ingest.py, app.py, grpc_ingest.py)
                    "join_entry_too_large", "too_many_requests", "body_budget_exceeded", "client_disconnected",
                    "unauthenticated", "body_read_timeout")
 # Defaults of monitoring.max_body_bytes / monitoring.max_batch_rows (pipelines/core/spec/monitor.py MonitoringSpec).

@@ -1,6 +1,6 @@
 """tailguard: quantize/compile models, prove each variant against its FP32 reference per slice, promote in MLflow.
 
-The import package `tailguard` is the repository's pipelines/ folder (spec, builder, CLI);
+The import package `tailguard` is the repository's pipelines/ folder (spec, pipeline, CLI);
 `tailguard.components` (components/) holds the pipeline steps and `tailguard.monitoring` (monitoring/)
 the shadow-traffic monitor.
 """

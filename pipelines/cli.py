@@ -357,8 +357,8 @@ def compile_(spec: Path = typer.Argument(..., help="Spec YAML file."),
              ) -> None:
     """Compile SPEC to KFP IR YAML (GPU node-pool settings, images and secrets from the kubeflow section; KFP
     caching on for the pure tasks)."""
-    from tailguard.builder import compile_pipeline
     from tailguard.core.spec import load_spec
+    from tailguard.pipeline import compile_pipeline
 
     s = load_spec(spec)
     compile_pipeline(s, str(output), cache=not no_cache)
@@ -512,7 +512,7 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
     """The shadow monitor HTTP service: OIP ingest (JSON or binary tensor data extension; gRPC with --grpc-port),
     /metrics, /healthz, /readyz, /v1/slices, /v1/evidence."""
     from tailguard.monitoring.replay import same_file_warning
-    from tailguard.monitoring.service import serve
+    from tailguard.monitoring.serve import serve
 
     if reference is not None and (warning := same_file_warning(reference, candidate)) is not None:
         from rich.text import Text

@@ -149,7 +149,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
 
     A gate-only re-run (with `cache`): when an earlier finished run in this home differs from this one only in
     `gates` and/or `promotion` (`tailguard.rerun.earlier_run`: same reference version and SHA-256, data bytes, code,
-    node), a one-task pipeline (`builder.build_redecide_pipeline`, components/redecide) decides it on that run's
+    node), a one-task pipeline (`pipeline.build_redecide_pipeline`, components/redecide) decides it on that run's
     stored measurements; when it cannot (it logged nothing), one line on stderr says why and the whole pipeline
     runs, in the same run folder and log. The summary's `tasks["redecide"]` says which: {"used": bool, "from_run":
     the earlier pipeline run (when one matched), "reason": why not ("" when used)}. Each finished run keeps its
@@ -206,8 +206,8 @@ def run_local(spec: Spec, *, model_version: str | None = None,
 
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(home() / "kfp"),
                    workspace_root=str(tmp_dir / "kfp-workspace"), raise_on_error=True)
-        from tailguard.builder import build_pipeline, build_redecide_pipeline
         from tailguard.components.redecide.task import FALLBACK_KEY
+        from tailguard.pipeline import build_pipeline, build_redecide_pipeline
 
         output = None
         if earlier is not None:
@@ -285,7 +285,7 @@ def _source_sha256(uri: str, parent_run_id: str) -> str | None:
 
 # The task modules the task host imports after its libraries (tailguard.core.taskhost.PRELOAD), in pipeline order
 TASK_MODULES = tuple(f"tailguard.components.{c}.task" for c in (
-    "check_data", "resolve", "export", "quantize", "reference", "validate", "search", "register", "finalize"))
+    "check_data", "resolve", "export", "build", "reference", "validate", "search", "register", "finalize"))
 
 
 # ---------------------------------------------------------------------------------- per-task timings
@@ -311,7 +311,7 @@ def task_timings(log_text: str) -> dict[str, Any]:
     interpreter and kfp executor start-up, the component module's imports, the executor's input/output files;
     `cached`: true / false for the steps served by the local cache (export, reference-pass, builds), None for
     the others; `hosted`: the body ran in a child of the run's task host (tailguard.core.taskhost), None without a
-    timing line. `task` is the pipeline's task name (build-<variant>, as in the compiled IR: builder.named).
+    timing line. `task` is the pipeline's task name (build-<variant>, as in the compiled IR: pipeline.named).
 
     Returns:
         {"tasks": [{task, variant, status, cached, hosted, wall_s, body_s, imports_s, overhead_s}, ...] in run order
@@ -375,7 +375,7 @@ def task_timings(log_text: str) -> dict[str, Any]:
 def timings_line(timings: dict[str, Any] | None) -> str:
     """One line on a run's tasks (from `task_timings`), for the end of `tailguard run`'s summary, e.g.
     "tasks 42.7 s, start-up + imports 70%: check-data 0.9 s, export 0.5 s cached, build-ort-fp32 0.3 s cached, ...".
-    Task names are the pipeline's (builder.named: build-<variant>, the same as in the compiled IR).
+    Task names are the pipeline's (pipeline.named: build-<variant>, the same as in the compiled IR).
     Empty when there are no timings."""
     if not timings or not timings.get("tasks"):
         return ""

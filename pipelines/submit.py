@@ -94,7 +94,7 @@ def submit(spec: Spec, *, host: str, model_version: str | None = None, experimen
         InputError: no MLflow tracking URI a cluster could reach (the embedded SQLite store is local only), or
             `latest` / `@alias` that does not resolve in the registry (`concrete_version`).
     """
-    from tailguard.builder import compile_pipeline
+    from tailguard.pipeline import compile_pipeline
 
     version = model_version or spec.model.version
     uri = tracking_uri or spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")

@@ -181,16 +181,16 @@ def _example(validation: Any, input_specs: Any, pad_values: Any) -> dict[str, np
 
 def ort_fp32_runner(factory: Any, spec: Any, example: dict[str, np.ndarray], out: Path) -> Any:
     """The spec's `ort-fp32` variant as the pipeline builds it: the export step's ONNX export (checked against torch
-    elsewhere; here only written), then the `quantize.onnxruntime` step (BERT fusion), in an ONNX Runtime session
+    elsewhere; here only written), then the `onnxruntime` builder (BERT fusion), in an ONNX Runtime session
     whose workers never spin-wait (`OrtRunner(allow_spinning=False)`: spinning workers slow the torch runs timed in
     the same rounds; the validate step times torch variants beside the same kind of session)."""
+    from tailguard.components.build.registry import get_builder
     from tailguard.components.export.logic import export_onnx
-    from tailguard.components.quantize.registry import get_builder
     from tailguard.core.runtime import OrtRunner
 
     variant = next(v for v in spec.variants if v.name == ORT)
     export_onnx(factory(), spec.model, example, out / "fp32" / "model.onnx")
-    built = get_builder("quantize.onnxruntime")(variant, out / "fp32" / "model.onnx", out / "built", calibration=None,
+    built = get_builder("onnxruntime").build(variant, out / "fp32" / "model.onnx", out / "built", calibration=None,
                                              model=spec.model)
     if built.status != "ok":
         raise RuntimeError(f"{ORT} build {built.status}: {built.reason}")

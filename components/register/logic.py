@@ -168,7 +168,7 @@ def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, 
             quantized_mac_fraction=r.quantized_mac_fraction, overall=dict(r.overall),
             hardware_dependent=r.hardware_dependent, numerics=r.numerics, rows=r.rows, rows_used=r.rows_used)
         row.warnings = coverage_warnings(v.precision, v.backend, row.status, row.quantized_mac_fraction) + list(
-            r.warnings)  # + the build's (components/quantize: fusion, attention MatMuls, exporter warnings)
+            r.warnings)  # + the build's (components/build: fusion, attention MatMuls, exporter warnings)
         if row.status == BuildStatus.OK:  # INT8 numerics: 8-bit weights on x86, the numerics check's flag
             row.warnings += numerics_warnings(v, r.hardware_dependent, r.numerics)
         return row

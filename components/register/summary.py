@@ -47,7 +47,7 @@ class VariantSummary:
             metric, value_in_slice, value_rest, q_value); [] when none was significant or discovery was off.
         gates: {gate key: status}.
         quantized_mac_fraction: INT8 variants: share of the MACs computed in INT8 (from the variant's
-            variant_result.json; components/quantize/macs.py), else None.
+            variant_result.json; components/build/macs.py), else None.
         warnings: what the summary must flag although no gate asked (`coverage_warnings`: an INT8 variant that
             quantized under LOW_QUANTIZED_MAC_FRACTION of its MACs, or whose coverage was not recorded).
         registration: a `Registration` value (registered | reused | not_registered), "" when there was no

@@ -33,7 +33,7 @@
 4. Budget: before each trial the search stops when `max_trials` trials were run ("max_trials") or when
    `max_minutes` have passed since run_search started, sensitivity included ("max_minutes"); a running trial is
    always finished. When every family's frontier is known it stops with "space_exhausted".
-5. Each trial builds with `tailguard.components.quantize.logic.build_variant` into out_dir/trials/<name>/ and
+5. Each trial builds with `tailguard.components.build.logic.build_variant` into out_dir/trials/<name>/ and
    is judged by the caller's `evaluate(trial_variant, model_path)`; a failed or skipped build and an exception
    in evaluate give a failed trial (status "failed" and the reason) and the search goes on.
 6. The chosen trial is the passing trial with the lowest latency p50 at the promotion batch size
@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pandas as pd
 
-from tailguard.components.quantize.sensitivity import TOP_SENSITIVITY, node_sensitivity, write_sensitivity_artifacts
+from tailguard.components.build.sensitivity import TOP_SENSITIVITY, node_sensitivity, write_sensitivity_artifacts
 from tailguard.components.validate.result import ValidationResult
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
@@ -539,7 +539,7 @@ def _run_trial(spec: Spec, variant: VariantSpec, fp32_onnx: str | Path, out: Pat
                evaluate: Callable[[VariantSpec, Path], ValidationResult], index: int, fam: _Family, k: int,
                nodes: list[str]) -> Trial:
     """Build and evaluate one configuration; every failure becomes a failed trial."""
-    from tailguard.components.quantize.logic import build_variant
+    from tailguard.components.build.logic import build_variant
 
     name = _trial_name(variant.name, index)
     config = {"exclude_most_sensitive": k, "excluded_nodes": list(nodes), "per_channel": fam.per_channel,

@@ -474,8 +474,8 @@ def build_metrics(model_path: Any) -> dict[str, float]:
 
     Returns:
         {"quantized_mac_fraction": float in [0, 1]} from the model's metadata_props[QUANTIZATION_COVERAGE_KEY]
-        (written by components/quantize/onnxruntime_builder.py; MACs per sample, formulas in
-        components/quantize/macs.py);
+        (written by components/build/builders/onnxruntime.py; MACs per sample, formulas in
+        components/build/macs.py);
         {} when the file has no such entry (fp32/fp16 variants, models built before it existed) or the value is
         not a number.
 
@@ -515,7 +515,7 @@ def _build_gate(gate: GateSpec, base: dict[str, Any], spec: Spec, variant_name: 
                           method=f"{gate.metric} is a fact of INT8 onnxruntime builds; variant {variant_name} is "
                                  f"{v.precision} on {v.backend}")
     return _single(gate, base, overall.get(gate.metric),
-                   "counted on the built graph: MACs per sample in INT8 / all MACs (components/quantize/macs.py)",
+                   "counted on the built graph: MACs per sample in INT8 / all MACs (components/build/macs.py)",
                    f"{gate.metric} was not measured: the model file holds no quantization coverage "
                    f"(metadata {QUANTIZATION_COVERAGE_KEY!r}); rebuild the variant with this tailguard version")
 

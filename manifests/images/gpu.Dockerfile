@@ -23,7 +23,7 @@ WORKDIR /opt/tailguard
 # build), onnxruntime-gpu and the nvidia-* wheels they pull are not in requirements.lock, which is resolved on CPU
 # (docs/deploy.md, "Images"). pip check fails the build if the second step moved anything the first pinned.
 # The last check fails the build when what tailguard's GPU steps need is not there: TensorRT 10.x from the base
-# (components/quantize/tensorrt_build.py builds with the FP16/INT8 flags and the entropy calibrator TensorRT 11
+# (components/build/builders/tensorrt.py builds with the FP16/INT8 flags and the entropy calibrator TensorRT 11
 # removed) and onnxruntime-gpu's CUDA and TensorRT execution providers. Whether those providers load with this
 # base's CUDA/cuDNN/TensorRT is only known on a GPU node: the runner refuses a session without them
 # (tailguard.core.runtime.require_active_provider).

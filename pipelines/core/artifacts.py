@@ -11,7 +11,7 @@ the artefact is bound to (library version, device, compute capability or CPU ISA
 settings). `verify_artifact` checks both before any load: a changed file, or a fingerprint that differs from the
 loading node's, is refused with every field that differs.
 
-The fingerprint's fields are the caller's (components/quantize/engine.py for TensorRT plans,
+The fingerprint's fields are the caller's (components/build/engine.py for TensorRT plans,
 tailguard.core.torch_backend for torch packages); this module only writes, reads and compares them.
 """
 

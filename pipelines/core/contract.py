@@ -14,7 +14,7 @@ from typing import Any
 
 # ------------------------------------------------------------------------------------------------ files
 ONNX_FILE = "model.onnx"                   # export's FP32 reference model, read by quantize, validate, search
-EXPORT_FACTS_FILE = "export.json"          # export's facts beside ONNX_FILE (output check, warnings); read by quantize
+EXPORT_FACTS_FILE = "export.json"          # export's facts beside ONNX_FILE (output check, warnings); read by build
 REFERENCE_FILE = "reference_outputs.npz"   # export's FP32 outputs on the validation rows, read by validate, search
 DATA_CHECK_FILE = "data_check.json"        # check_data's report
 RUN_REPORT_FILE = "report.html"            # the parent run's report artifact (register, `tailguard report`)

@@ -14,7 +14,7 @@ cannot be read (macOS, a sandbox), the model is `platform.processor()` or `platf
 unknown (`isa` None, `isa_source` "unknown"), never guessed.
 
 Nothing here imports torch or initialises CUDA unless a GPU is visible (/dev/nvidia0 or nvidia-smi) and torch is
-installed: a build task on a CPU node stays free of the torch import (components/quantize/task.py).
+installed: a build task on a CPU node stays free of the torch import (components/build/task.py).
 """
 
 from __future__ import annotations

@@ -310,7 +310,7 @@ METRICS: tuple[Metric, ...] = (
     _perf("peak_rss_mb", "lower", "max", "MiB",
           "peak resident set size of the validate process (ru_maxrss; in a local run an upper bound)", batched=False),
     _perf("model_size_mb", "lower", "fact", "MiB", "size of the variant's model file(s)", batched=False),
-    # ---- build: counted once on the graph of INT8 onnxruntime variants (components/quantize/macs.py)
+    # ---- build: counted once on the graph of INT8 onnxruntime variants (components/build/macs.py)
     Metric("quantized_mac_fraction", "build", "higher", "fact", "fraction", TASKS,
            "MACs computed in INT8 / all MACs of the graph, per sample (INT8 onnxruntime variants only)",
            value_range=_F01),

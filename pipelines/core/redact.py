@@ -6,7 +6,7 @@ redacted form keeps the rest (scheme, host, path, the other query parameters) so
 password, a lone userinfo token and the values of credential-like query parameters become `***`.
 
 Where it applies: the spec artifact and the params of the parent MLflow run (components/resolve/task.py), the
-compiled KFP IR (`tailguard compile`, `tailguard.builder.compile_pipeline`) and the console lines that print a
+compiled KFP IR (`tailguard compile`, `tailguard.pipeline.compile_pipeline`) and the console lines that print a
 tracking URI. Runs get credentials from their environment instead (MLFLOW_TRACKING_USERNAME / _PASSWORD /
 _TOKEN, AWS_* or workload identity; docs/deploy.md, Trust model).
 """

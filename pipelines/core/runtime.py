@@ -330,7 +330,7 @@ TENSORRT_ENGINE_KIND = "TensorRT engine"  # the manifest's `kind` (tailguard.cor
 
 def tensorrt_device_facts() -> dict[str, str]:
     """This node's TensorRT version, GPU name, compute capability and CUDA version: the device half of a TensorRT
-    engine's fingerprint (components/quantize/engine.py `EngineFingerprint`).
+    engine's fingerprint (components/build/engine.py `EngineFingerprint`).
 
     Raises:
         MissingDependencyError: TensorRT or a CUDA-enabled torch is not importable (a CPU node).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tailguard.components.quantize.task import cache_parts
+from tailguard.components.build.task import cache_parts
 from tailguard.core import cache, hardware
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T

@@ -1,6 +1,6 @@
 """Static INT8 calibration ranges are computed once per graph, method and calibration rows, and reused by every
 build that differs only in what ORT applies after calibration (excluded nodes, per_channel): a search's static
-trials calibrate once per calibration method (components/quantize/calibration.py `calibration_key`).
+trials calibrate once per calibration method (components/build/calibration.py `calibration_key`).
 
 Real ONNX Runtime calibration and quantization throughout. The one seam: `calibration.calibrate_ranges` is wrapped
 (it still runs) to count the calibrations.
@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 import pytest
 
-from tailguard.components.quantize import calibration
-from tailguard.components.quantize.logic import build_variant
+from tailguard.components.build import calibration
+from tailguard.components.build.logic import build_variant
 from tailguard.components.search.logic import run_search
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.runtime import OrtRunner, run_dataset

@@ -9,8 +9,8 @@ taskOutputParameter / taskOutputArtifact: a producer task's output) and its comp
 compare exactly that view of each pure task between two compiled specs; and since an input artifact is only
 reused when its producer is itself served from the cache, every producer of a pure task's artifacts must be pure.
 
-Real parts: the real builder and KFP compiler; the fetch-reference task body against a real MLflow store
-(SQLite under tmp_path) holding a tiny ONNX MLP. No seams.
+Real parts: the real pipeline definition (tailguard.pipeline) and KFP compiler; the fetch-reference task body
+against a real MLflow store (SQLite under tmp_path) holding a tiny ONNX MLP. No seams.
 """
 
 import json
@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tailguard.builder import compile_pipeline, is_pure, step_spec_yaml
 from tailguard.core.spec import parse_spec, resolve_data_uris, spec_from_yaml
+from tailguard.pipeline import compile_pipeline, is_pure, step_spec_yaml
 from tests.core.test_spec import TINY
-from tests.integration.test_builder import _dag_tasks, load_ir
+from tests.integration.test_pipeline import _dag_tasks, load_ir
 
 ROOT = Path(__file__).resolve().parents[2]
 

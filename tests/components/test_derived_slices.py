@@ -15,8 +15,9 @@ from tailguard.core.derive import CENTROIDS_FILE, load_centroids
 from tailguard.core.runtime import OrtRunner, run_dataset
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.config import resolve_config
-from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.service import MonitorService
 from tests.helpers import derive_models as D
 from tests.helpers.mlflow_server import uvicorn_in_thread
 

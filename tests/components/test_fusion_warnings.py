@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
+from tailguard.components.build.diagnostics import attention_matmuls
+from tailguard.components.build.logic import build_variant
 from tailguard.components.export.logic import export_onnx
-from tailguard.components.quantize.diagnostics import attention_matmuls
-from tailguard.components.quantize.logic import build_variant
 from tailguard.core.contract import EXPORT_FACTS_FILE
 from tailguard.core.results import VariantResult
 from tailguard.core.spec.models import VariantSpec

@@ -1,5 +1,5 @@
 """The prepared graph (graph optimization, then quant_pre_process) is made once per run and copied by the other
-builds of the run (components/quantize/onnxruntime_builder.py `_prepared`, issue 25: time to a decision).
+builds of the run (components/build/builders/onnxruntime.py `_prepared`, issue 25: time to a decision).
 
 Real parts: the tiny attention-like encoder of tests/helpers/tiny_models.py, ONNX Runtime's optimizer, quantizer
 and quant_pre_process through `build_variant`, the local cache under a temporary $TAILGUARD_HOME. Nothing is
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tailguard.components.quantize.logic import build_variant
-from tailguard.components.quantize.onnxruntime_builder import PREPARED_STEP
+from tailguard.components.build.builders.onnxruntime import PREPARED_STEP
+from tailguard.components.build.logic import build_variant
 from tailguard.core import cache
 from tailguard.core.spec.models import VariantSpec
 from tests.helpers.tiny_models import export_tiny, tiny_dataset
@@ -70,7 +70,7 @@ def test_build_variant_parses_each_graph_file_once_and_keeps_none_when_it_ends(t
 
     import onnx
 
-    from tailguard.components.quantize import onnx_files
+    from tailguard.components.build import onnx_files
 
     monkeypatch.delenv(cache.ENV_CACHE, raising=False)  # off the cache: the build prepares its own graph
     parses = collections.Counter()

@@ -1,6 +1,6 @@
 """Quantization coverage as a fact and a gate (issue 13, item 3).
 
-MAC counting (components/quantize/macs.py) on hand-made ONNX graphs whose MACs are known by hand; the build's
+MAC counting (components/build/macs.py) on hand-made ONNX graphs whose MACs are known by hand; the build's
 coverage on a real Linear-ReLU-Linear-ReLU-Linear MLP and a small CNN exported from torch, quantized by ONNX
 Runtime (dynamic and static) with the DEFAULT spec (graph_optimization.level: extended); the gate
 `quantized_mac_fraction` through spec check, gate evaluation, the validate step's metrics and a real MLflow file
@@ -17,9 +17,10 @@ import pandas as pd
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tailguard.components.quantize import calibration, onnxruntime_builder
-from tailguard.components.quantize.logic import build_variant
-from tailguard.components.quantize.macs import DEFAULT_SEQUENCE, count_macs, quantization_coverage
+from tailguard.components.build import calibration
+from tailguard.components.build.builders import onnxruntime as ort_builder
+from tailguard.components.build.logic import build_variant
+from tailguard.components.build.macs import DEFAULT_SEQUENCE, count_macs, quantization_coverage
 from tailguard.components.validate.gates import build_metrics, evaluate_gates
 from tailguard.components.validate.run_log import coverage_line
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
@@ -176,9 +177,9 @@ def test_quantization_coverage_shows_one_layer_of_three_when_extended_fusions_ru
     # knows; only the last Gemm (32 x 10 of 3392 MACs) was quantized while the build said ok.
     path, _, _ = mlp
     fused = tmp_path / "extended.onnx"
-    onnxruntime_builder._ort_optimize(path, fused, "extended", "CPUExecutionProvider")
+    ort_builder._ort_optimize(path, fused, "extended", "CPUExecutionProvider")
     quantized = tmp_path / "q.onnx"
-    onnxruntime_builder._quantize_dynamic(_int8("old", mode="dynamic").quantization, fused, quantized, [], {})
+    ort_builder._quantize_dynamic(_int8("old", mode="dynamic").quantization, fused, quantized, [], {})
     cov = quantization_coverage(fused, quantized)
     assert (cov["quantizable_nodes"], cov["quantized_mac_nodes"]) == (3, 1)
     assert cov["quantized_mac_fraction"] == pytest.approx(H2 * OUT / MLP_MACS, abs=1e-6)  # 0.094
@@ -345,7 +346,7 @@ def test_summary_flags_an_int8_variant_when_it_quantized_under_half_its_macs():
 
 def test_infer_shapes_evaluates_every_symbolic_input_axis_that_concrete_dims_names_when_named_and_unnamed():
     # the symbolic-axis walk is one function for concrete_dims and the shape inference: both see the same axes
-    from tailguard.components.quantize.macs import concrete_dims, infer_shapes
+    from tailguard.components.build.macs import concrete_dims, infer_shapes
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])
     mask = helper.make_tensor_value_info("mask", TensorProto.FLOAT, [None, None])  # unnamed symbolic axes
@@ -391,7 +392,7 @@ SKELETON_GRAPHS = {"matmul_gemm": _matmul_gemm_graph, "conv": _conv_graph, "atte
 def test_count_macs_gives_the_full_weights_result_when_inferring_on_the_skeleton(graph, keep_values_numel,
                                                                                  monkeypatch):
     # 0: every float/8-bit weight of rank >= 2 loses its data, so the skeleton path is exercised on each graph
-    from tailguard.components.quantize import macs
+    from tailguard.components.build import macs
 
     monkeypatch.setattr(macs, "KEEP_VALUES_NUMEL", keep_values_numel)
     model = SKELETON_GRAPHS[graph]()
@@ -410,12 +411,12 @@ def test_quantization_coverage_gives_the_full_weights_result_when_mlp_and_cnn_ar
         q = _int8(f"int8-{mode}", mode=mode).quantization
         out = tmp_path / f"{mode}.onnx"
         if mode == "dynamic":
-            onnxruntime_builder._quantize_dynamic(q, path, out, [], {})
+            ort_builder._quantize_dynamic(q, path, out, [], {})
         else:
             calibration._quantize_static(q, path, out, [], calib, spec, 8, tmp_path, {})
         pairs.append((path, out))
     cnn = _export_cnn(tmp_path / "cnn.onnx", channels=16)
-    onnxruntime_builder._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx",
+    ort_builder._quantize_dynamic(_int8("cnn", mode="dynamic").quantization, cnn, tmp_path / "cnn-q.onnx",
                                           [], {})
     pairs.append((cnn, tmp_path / "cnn-q.onnx"))
     for fp32, quantized in pairs:
@@ -445,7 +446,7 @@ def _big_weight_graph(use):
 @pytest.mark.parametrize("use,skeleton", [("matmul", True), ("reshape", False), ("if", False), ("output", False)])
 def test_count_macs_infers_with_the_weights_data_only_when_a_large_weight_has_a_use_that_may_read_values(use,
                                                                                                         skeleton):
-    from tailguard.components.quantize.macs import _with_concrete_inputs
+    from tailguard.components.build.macs import _with_concrete_inputs
 
     model = _big_weight_graph(use)
     concrete = _with_concrete_inputs(model, {"batch": 1})

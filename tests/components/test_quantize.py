@@ -1,5 +1,5 @@
-"""Quantize/compile step: every ONNX Runtime variant built for real on the tiny encoder, the TensorRT skip, the
-builder registry.
+"""The build step: every ONNX Runtime variant built for real on the tiny encoder, the TensorRT skip (the builder
+registry itself: tests/components/test_builders.py).
 
 Real ONNX Runtime quantization and sessions throughout. Mocked (narrow seams, said where): the onnxruntime
 version probe `_calibration_cache_supported` (to exercise the fixed-length fallback for older ORT builds).
@@ -26,10 +26,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from tailguard.components.quantize import calibration, onnx_files, onnxruntime_builder, tensorrt_build
-from tailguard.components.quantize.calibration import DatasetCalibrationReader
-from tailguard.components.quantize.logic import build_variant
-from tailguard.components.quantize.registry import UnknownBuilderError, get_builder, registered_builders
+from tailguard.components.build import calibration, onnx_files
+from tailguard.components.build.builders import onnxruntime as ort_builder
+from tailguard.components.build.calibration import DatasetCalibrationReader
+from tailguard.components.build.logic import build_variant
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.spec import quantization_preset
@@ -275,10 +275,10 @@ def test_build_variant_pads_to_one_length_when_ort_cannot_take_precomputed_range
 
 def _extended_graph(tiny, tmp_path):
     """The tiny encoder after ORT's extended level: its attention MatMul fused into FusedMatMul. INT8 builds
-    quantize before these fusions now (onnxruntime_builder.optimization_levels), but graphs with contrib ops still reach
+    quantize before these fusions now (ort_builder.optimization_levels), but graphs with contrib ops still reach
     quant_pre_process (fusion: bert, users' own exports), so `_preprocess` is tested on this graph directly."""
     dst = tmp_path / "extended.onnx"
-    onnxruntime_builder._ort_optimize(tiny[2], dst, "extended", "CPUExecutionProvider")
+    ort_builder._ort_optimize(tiny[2], dst, "extended", "CPUExecutionProvider")
     assert _op_counts(dst).get("FusedMatMul") == 1
     return dst
 
@@ -289,7 +289,7 @@ def test_preprocess_types_every_op_when_extended_fusions_defeat_plain_shape_infe
     # MiniLM). The retry guesses the output rank.
     _, spec, _, calib = tiny
     details: dict = {}
-    pre = onnxruntime_builder._preprocess(_extended_graph(tiny, tmp_path), tmp_path / "pre.onnx", details)
+    pre = ort_builder._preprocess(_extended_graph(tiny, tmp_path), tmp_path / "pre.onnx", details)
     assert details["preprocess"]["ran"] and "first_try" in details["preprocess"]
     q = _variant(name="st-all", precision="int8", quantization={"mode": "static"}).quantization
     calibration._quantize_static(q, pre, tmp_path / "q.onnx", [], calib, spec, 8, tmp_path, details)
@@ -306,7 +306,7 @@ def test_preprocess_leaves_no_file_in_the_current_directory_when_shape_inference
     monkeypatch.chdir(cwd)
     details: dict = {}
     (tmp_path / "out").mkdir()
-    onnxruntime_builder._preprocess(ext, tmp_path / "out" / "pre.onnx", details)
+    ort_builder._preprocess(ext, tmp_path / "out" / "pre.onnx", details)
     assert "first_try" in details["preprocess"], details["preprocess"]
     assert list(cwd.iterdir()) == []
     assert not list((tmp_path / "out").glob("preprocess-*"))  # the scratch folder is removed
@@ -397,18 +397,6 @@ def test_build_variant_skips_tensorrt_with_a_reason_naming_gpu_or_tensorrt(tiny,
     assert res.status == "skipped"
     assert "GPU" in res.reason or "TensorRT" in res.reason
     assert "tensorrt" not in sys.modules  # never imported at module level or for a skip
-
-
-# ------------------------------------------------------------------------------------------------ registry
-def test_registered_steps_include_onnxruntime_and_tensorrt_when_loaded():
-    names = registered_builders()
-    assert {"quantize.onnxruntime", "compile.tensorrt"} <= set(names)
-    assert get_builder("compile.tensorrt") is tensorrt_build.compile_tensorrt
-
-
-def test_get_step_raises_listing_known_names_when_the_name_is_unknown():
-    with pytest.raises(UnknownBuilderError, match="quantize.onnxruntime"):
-        get_builder("quantize.nothing")
 
 
 # ---------------------------------------------------------------------------------------- reproduce / presets

@@ -1,4 +1,4 @@
-"""Per-node quantization sensitivity (components/quantize/sensitivity.py) on a tiny MLP with one planted
+"""Per-node quantization sensitivity (components/build/sensitivity.py) on a tiny MLP with one planted
 sensitive MatMul (tests/helpers/search_models.py), with real ONNX Runtime quantization and sessions.
 
 Mocked (narrow seam, said where): the single-node quantization (`_quantize_dynamic_in_memory`, or
@@ -16,8 +16,9 @@ import pandas as pd
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tailguard.components.quantize import onnxruntime_builder, sensitivity
-from tailguard.components.quantize.sensitivity import (
+from tailguard.components.build import sensitivity
+from tailguard.components.build.builders import onnxruntime as ort_builder
+from tailguard.components.build.sensitivity import (
     SENSITIVITY_COLUMNS,
     candidate_nodes,
     node_sensitivity,
@@ -81,7 +82,7 @@ def test_node_sensitivity_ranks_a_node_first_with_its_error_when_quantizing_it_a
 
         monkeypatch.setattr(sensitivity, "_quantize_dynamic_in_memory", flaky)
     else:
-        real = onnxruntime_builder._quantize_dynamic
+        real = ort_builder._quantize_dynamic
 
         def flaky(q, src, dst, excluded, details):
             if "mm3" not in excluded:  # the single-node model of mm3
@@ -89,7 +90,7 @@ def test_node_sensitivity_ranks_a_node_first_with_its_error_when_quantizing_it_a
             return real(q, src, dst, excluded, details)
 
         monkeypatch.setattr(sensitivity, "_in_memory", lambda q, named: False)
-        monkeypatch.setattr(onnxruntime_builder, "_quantize_dynamic", flaky)
+        monkeypatch.setattr(ort_builder, "_quantize_dynamic", flaky)
     monkeypatch.setattr(sensitivity, "MAX_WORKERS", 1)  # scored in this process, where the patch applies
     table = node_sensitivity(mlp_variant(), fp32, rows, mlp_model_spec(), samples=8, work_dir=tmp_path)
     first = table.iloc[0]
@@ -153,7 +154,7 @@ def test_quantize_dynamic_in_memory_gives_quantize_dynamics_bytes_when_one_node_
     assert cands
     for name, _ in cands:
         excluded = sensitivity._others_excluded(proto.graph, name)
-        onnxruntime_builder._quantize_dynamic(q, src, tmp_path / "single.onnx", excluded, {})
+        ort_builder._quantize_dynamic(q, src, tmp_path / "single.onnx", excluded, {})
         got = sensitivity._quantize_dynamic_in_memory(base, excluded)
         assert got.SerializeToString() == (tmp_path / "single.onnx").read_bytes(), name
 

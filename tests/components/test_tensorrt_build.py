@@ -1,4 +1,4 @@
-"""TensorRT engines and ONNX Runtime's GPU execution providers (components/quantize/tensorrt_build.py), on CPU.
+"""TensorRT engines and ONNX Runtime's GPU execution providers (components/build/builders/tensorrt.py), on CPU.
 
 This machine has no GPU and no TensorRT (neither has the GPU machine the project is lent now and then), so what is
 tested here is everything around the GPU call, by the arguments it would be given (STYLE.md item 13):
@@ -24,8 +24,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tailguard.components.quantize import tensorrt_build as tb
-from tailguard.components.quantize.engine import calibration_cache_key, fingerprint, verify_engine
+from tailguard.components.build import profiles
+from tailguard.components.build.builders import tensorrt as tb
+from tailguard.components.build.engine import calibration_cache_key, fingerprint, verify_engine
 from tailguard.core.artifacts import ArtifactMismatchError, manifest_path
 from tailguard.core.data import Dataset, make_batch
 from tailguard.core.errors import InputError, MissingDependencyError
@@ -59,7 +60,7 @@ def variant(**kw) -> VariantSpec:
 
 # --------------------------------------------------------------------------------------------- profile
 def test_optimization_profile_spans_the_batches_and_the_longest_row_when_the_spec_sets_no_bounds():
-    p = tb.optimization_profile(INPUTS, batch_sizes=[1, 32, 16], opt_batch=1, validation=rows([3, 5, 9, 12]))
+    p = profiles.optimization_profile(INPUTS, batch_sizes=[1, 32, 16], opt_batch=1, validation=rows([3, 5, 9, 12]))
     assert p["input_ids"] == {"min": [1, 1], "opt": [1, 7], "max": [32, 12]}  # median of 3,5,9,12 = 7
     assert p["attention_mask"] == p["input_ids"]  # one named axis shared by both inputs
 
@@ -68,7 +69,7 @@ def test_optimization_profile_keeps_fixed_axes_and_takes_the_spec_bounds_when_se
     specs = [TensorSpec(name="frames", dtype="float32", shape=["batch", "time", 80])]
     ds = Dataset({"frames": [np.zeros((n, 80), np.float32) for n in (4, 10)]}, pd.DataFrame({"n": [4, 10]}),
                  np.asarray([4, 10]), "memory://frames")
-    p = tb.optimization_profile(specs, batch_sizes=[1, 8], opt_batch=8, validation=ds, max_batch_size=64,
+    p = profiles.optimization_profile(specs, batch_sizes=[1, 8], opt_batch=8, validation=ds, max_batch_size=64,
                                 max_lengths={"time": 100})
     assert p["frames"] == {"min": [1, 1, 80], "opt": [8, 7, 80], "max": [64, 100, 80]}
 
@@ -80,12 +81,12 @@ def test_optimization_profile_keeps_fixed_axes_and_takes_the_spec_bounds_when_se
 ])
 def test_optimization_profile_names_the_field_when_the_spec_bound_is_too_small_or_unknown(kw, match):
     with pytest.raises(InputError, match=match):
-        tb.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([3, 12]), **kw)
+        profiles.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([3, 12]), **kw)
 
 
 def test_profile_strings_follow_the_tensorrt_ep_format_when_given_a_profile():
-    p = tb.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
-    assert tb.profile_strings(p) == {"trt_profile_min_shapes": "input_ids:1x1,attention_mask:1x1",
+    p = profiles.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
+    assert profiles.profile_strings(p) == {"trt_profile_min_shapes": "input_ids:1x1,attention_mask:1x1",
                                      "trt_profile_opt_shapes": "input_ids:1x8,attention_mask:1x8",
                                      "trt_profile_max_shapes": "input_ids:32x12,attention_mask:32x12"}
 
@@ -95,8 +96,8 @@ def test_ort_providers_enable_fp16_caches_and_the_profile_when_on_the_tensorrt_e
     v = VariantSpec.model_validate({"name": "ort-trt", "backend": "onnxruntime", "precision": "fp16",
                                     "execution_provider": "TensorrtExecutionProvider",
                                     "tensorrt": {"workspace_mib": 2048, "builder_optimization_level": 5}})
-    profile = tb.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
-    (trt_name, trt), (cuda_name, cuda) = tb.ort_providers(v, profile)
+    profile = profiles.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
+    (trt_name, trt), (cuda_name, cuda) = profiles.ort_providers(v, profile)
     assert (trt_name, cuda_name, cuda) == ("TensorrtExecutionProvider", "CUDAExecutionProvider", {"device_id": 0})
     assert trt["trt_fp16_enable"] is True and trt["trt_int8_enable"] is False
     assert trt["trt_engine_cache_enable"] is True and trt["trt_engine_cache_path"] == "trt_cache/engines"
@@ -115,7 +116,7 @@ def test_ort_providers_match_the_execution_provider_when_built(ep, precision, ex
     q = {"quantization": {"mode": "static"}} if precision == "int8" else {}
     v = VariantSpec.model_validate({"name": "v", "backend": "onnxruntime", "precision": precision,
                                     "execution_provider": ep, **q})
-    got = tb.ort_providers(v, None)
+    got = profiles.ort_providers(v, None)
     if expected is None:
         assert got == [[ep, {"device_id": 0} if ep == "CUDAExecutionProvider" else {}]]
     else:
@@ -131,7 +132,7 @@ def test_variant_spec_refuses_the_tensorrt_section_when_the_variant_runs_on_the_
 
 # ------------------------------------------------------------------------------------------ build config
 def test_engine_build_config_sets_fp16_and_the_profile_when_precision_is_fp16():
-    profile = tb.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
+    profile = profiles.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
     cfg = tb.engine_build_config(variant(tensorrt={"workspace_mib": 512}), profile, tensorrt_version="10.8.0",
                                  onnx_sha256="ab" * 32)
     assert cfg["builder_flags"] == ["FP16"] and cfg["network_flags"] == []
@@ -141,7 +142,7 @@ def test_engine_build_config_sets_fp16_and_the_profile_when_precision_is_fp16():
 
 def test_engine_build_config_keys_the_calibration_cache_by_rows_and_shapes_when_precision_is_int8():
     calib = rows([3, 5, 9, 12, 4])
-    profile = tb.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=calib)
+    profile = profiles.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=calib)
     cfg = tb.engine_build_config(variant(precision="int8"), profile, tensorrt_version="10.8.0",
                                  onnx_sha256="ab" * 32, calibration=calib, model=Model, calibration_batch_size=2)
     c = cfg["calibration"]
@@ -158,7 +159,7 @@ def test_engine_build_config_keys_the_calibration_cache_by_rows_and_shapes_when_
 
 
 def test_engine_build_config_refuses_int8_when_there_are_no_calibration_rows():
-    profile = tb.optimization_profile(INPUTS, batch_sizes=[1], opt_batch=1, validation=rows([4]))
+    profile = profiles.optimization_profile(INPUTS, batch_sizes=[1], opt_batch=1, validation=rows([4]))
     with pytest.raises(InputError, match="INT8 on backend tensorrt calibrates on data.calibration"):
         tb.engine_build_config(variant(precision="int8"), profile, tensorrt_version="10.8.0", onnx_sha256="ab")
 
@@ -276,7 +277,7 @@ def test_make_calibrator_ends_calibration_and_keeps_the_error_when_feeding_fails
 def test_configure_builder_applies_flags_pool_profiles_calibration_and_timing_cache_when_int8():
     # stand-in tensorrt module (FakeTRT): records the IBuilderConfig / IOptimizationProfile calls; no TensorRT here
     calib = rows([3, 5, 12])
-    profile = tb.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=calib)
+    profile = profiles.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=calib)
     cfg = tb.engine_build_config(variant(precision="int8", tensorrt={"workspace_mib": 64,
                                                                       "builder_optimization_level": 4}),
                                  profile, tensorrt_version="10.8.0", onnx_sha256="ab", calibration=calib,
@@ -302,7 +303,7 @@ def test_configure_builder_applies_flags_pool_profiles_calibration_and_timing_ca
 
 def test_configure_builder_sets_no_precision_flag_when_fp32():
     trt = FakeTRT()
-    profile = tb.optimization_profile(INPUTS, batch_sizes=[1], opt_batch=1, validation=rows([4]))
+    profile = profiles.optimization_profile(INPUTS, batch_sizes=[1], opt_batch=1, validation=rows([4]))
     tb.configure_builder(trt, trt.builder(), None, tb.engine_build_config(
         variant(precision="fp32"), profile, tensorrt_version="10.8.0", onnx_sha256="ab"))
     names = [c[0] for c in trt.calls]
@@ -319,7 +320,7 @@ def onnx_file(tmp_path):
 
 
 def _profile():
-    return tb.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
+    return profiles.optimization_profile(INPUTS, batch_sizes=[1, 32], opt_batch=1, validation=rows([4, 12]))
 
 
 def test_build_tensorrt_engine_writes_the_plan_then_its_manifest_when_the_gpu_build_succeeds(
@@ -439,7 +440,7 @@ def test_resolve_provider_paths_puts_the_caches_in_the_variant_folder_when_opene
 
     v = VariantSpec.model_validate({"name": "v", "backend": "onnxruntime", "precision": "fp16",
                                     "execution_provider": "TensorrtExecutionProvider"})
-    resolved = resolve_provider_paths(tb.ort_providers(v, None), tmp_path / "variant")
+    resolved = resolve_provider_paths(profiles.ort_providers(v, None), tmp_path / "variant")
     name, opts = resolved[0]
     assert name == "TensorrtExecutionProvider"
     assert opts["trt_engine_cache_path"] == str(tmp_path / "variant" / "trt_cache" / "engines")
@@ -483,7 +484,7 @@ GPU_VARIANTS = [
                                        ("trt-int8", "needs a GPU with TensorRT")])
 def test_build_task_result_says_skipped_with_the_reason_when_the_node_lacks_the_gpu_runtime(tmp_path, monkeypatch,
                                                                                           name, says):
-    from tailguard.components.quantize import task as build_task
+    from tailguard.components.build import task as build_task
     from tailguard.core.runtime import ort_providers_unavailable_reason, tensorrt_unavailable_reason
     from tests.core.test_cache import write_mlp
 
@@ -498,7 +499,7 @@ def test_build_task_result_says_skipped_with_the_reason_when_the_node_lacks_the_
 
 
 def test_build_task_profile_comes_from_the_spec_and_enters_the_cache_key_when_the_variant_uses_tensorrt(tmp_path):
-    from tailguard.components.quantize import task as build_task
+    from tailguard.components.build import task as build_task
     from tailguard.core.spec import spec_from_yaml
     from tests.core.test_cache import write_mlp
 

@@ -22,9 +22,10 @@ from tailguard.core.errors import SpecError
 from tailguard.core.runtime import OrtRunner
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.compare import compare_rows
 from tailguard.monitoring.config import resolve_config
-from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.service import MonitorService
 from tests.helpers import ctc_models as C
 from tests.helpers.mlflow_server import uvicorn_in_thread
 

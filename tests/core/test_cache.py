@@ -3,7 +3,7 @@
 Real parts: a tiny ONNX MLP (the digits shape, 65 -> 128 -> 10, built with onnx.helper), the real build-variant
 task body (ONNX Runtime dynamic INT8 quantization), a cache under tmp_path.
 
-Seams (named): `tailguard.components.quantize.task._build` is wrapped by a counter that calls the real build, to
+Seams (named): `tailguard.components.build.task._build` is wrapped by a counter that calls the real build, to
 count builds; `tailguard.core.cache._copy_file` is replaced by one that fails on the second file, to interrupt a store.
 The reference-pass tests run the real task (ONNX Runtime, real timings) and, once, two real `tailguard run`s
 (kfp.local, a SQLite MLflow store under tmp_path).
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tailguard.components.quantize import task as build_task
+from tailguard.components.build import task as build_task
 from tailguard.core import cache
 
 
@@ -243,8 +243,8 @@ def _caching(ir_path: Path) -> dict[str, bool]:
 
 
 def test_compiled_pipeline_caches_only_the_pure_tasks_when_compiled_for_the_cluster(tmp_path):
-    from tailguard.builder import compile_pipeline
     from tailguard.core.spec import load_spec
+    from tailguard.pipeline import compile_pipeline
     from tests.core.test_spec import TINY
 
     spec = load_spec(TINY)
@@ -262,7 +262,7 @@ def test_int8_build_task_never_imports_torch_or_mlflow_when_run_in_its_own_proce
     onnx_dir = write_mlp(tmp_path / "fp32")
     code = (
         "import json, sys\n"
-        "from tailguard.components.quantize.task import main\n"
+        "from tailguard.components.build.task import main\n"
         f"r = json.loads(main(spec_yaml={spec_yaml()!r}, variant_name='ort-int8', onnx_dir={str(onnx_dir)!r}, "
         f"out_dir={str(tmp_path / 'out')!r}))\n"
         "print(json.dumps({'status': r['status'], 'heavy': [m for m in ('torch', 'mlflow') if m in sys.modules]}))\n")

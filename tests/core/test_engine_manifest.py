@@ -1,4 +1,4 @@
-"""TensorRT engine manifests and calibration-cache keys (components/quantize/engine.py), on CPU.
+"""TensorRT engine manifests and calibration-cache keys (components/build/engine.py), on CPU.
 
 The node's facts (TensorRT version, GPU, CUDA) come through one seam, `probe`, replaced here by a plain function:
 this machine has no GPU. The plan file is arbitrary bytes: nothing here deserializes it.
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tailguard.components.quantize.engine import (
+from tailguard.components.build.engine import (
     calibration_cache_key,
     fingerprint,
     probe_device,

@@ -85,7 +85,7 @@ def test_benchmark_report_header_records_this_nodes_cpu_and_isa_flags():
 
 
 def test_build_task_writes_the_build_nodes_hardware_facts_to_build_json(tmp_path, monkeypatch):
-    from tailguard.components.quantize import task as build_task
+    from tailguard.components.build import task as build_task
     from tests.core.test_cache import spec_yaml, write_mlp
 
     monkeypatch.setenv("TAILGUARD_CACHE", "0")

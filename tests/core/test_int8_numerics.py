@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tailguard.components.quantize.logic import build_variant
+from tailguard.components.build.logic import build_variant
 from tailguard.components.validate.gates import GateResult
 from tailguard.components.validate.logic import validate_variant
 from tailguard.components.validate.numerics import (

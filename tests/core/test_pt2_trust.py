@@ -260,7 +260,8 @@ def test_monitor_refuses_a_pt2_candidate_that_holds_code_and_never_runs_it_unles
     from tailguard.core.spec import parse_spec
     from tailguard.monitoring import testing as T
     from tailguard.monitoring.config import resolve_config
-    from tailguard.monitoring.service import MonitorService, serve
+    from tailguard.monitoring.serve import serve
+    from tailguard.monitoring.service import MonitorService
 
     marker = tmp_path / "ran"
     program = _with_manifest(plant("pickled_weight", tmp_path / "m", marker))

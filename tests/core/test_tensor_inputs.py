@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tailguard.components.build.calibration import DatasetCalibrationReader
+from tailguard.components.build.logic import build_variant
 from tailguard.components.check_data.logic import check_datasets
 from tailguard.components.export.logic import check_export, dummy_feeds, export_onnx
-from tailguard.components.quantize.calibration import DatasetCalibrationReader
-from tailguard.components.quantize.logic import build_variant
 from tailguard.core.data import load_dataset, make_batch, read_parquet
 from tailguard.core.errors import DataCheckError, InputError, SpecError
 from tailguard.core.latency import benchmark

@@ -13,9 +13,9 @@ import mlflow
 import pytest
 import yaml
 
-from tailguard.builder import build_pipeline
 from tailguard.core.contract import FAILURE_MESSAGE_TAG, KFP_RUN_TAG, NOTE_TAG
 from tailguard.core.spec import load_spec
+from tailguard.pipeline import build_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SPEC = ROOT / "tests" / "data" / "tiny_spec.yaml"

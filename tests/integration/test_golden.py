@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tailguard.builder import compile_pipeline
 from tailguard.core.spec import load_spec
+from tailguard.pipeline import compile_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"

@@ -2,7 +2,7 @@
 
 Units: core (`tailguard.core.*`), each component
 (`tailguard.components.<name>`; `tailguard.components.images` is shared), monitoring (`tailguard.monitoring.*`) and
-the application (every other `tailguard.*` module: builder, runner, cli, demo, ...). Every import statement counts,
+the application (every other `tailguard.*` module: pipeline, runner, cli, demo, ...). Every import statement counts,
 at module level and inside functions, `import x` and `from x import y`, relative ones resolved. Imports by string
 (`importlib.import_module(...)`, the builder registry's module names) are not import statements and do not count.
 
@@ -10,7 +10,7 @@ Rules:
 - core imports no other unit, and each of its modules is imported by two or more units (a module only the kernel
   imports counts the units of its kernel importers): single-user code lives beside its user;
 - a component imports core, `components.images` and nothing of another component, except the orchestrators: search,
-  which may import the public names (no leading underscore) of quantize and validate, and redecide, of resolve,
+  which may import the public names (no leading underscore) of build and validate, and redecide, of resolve,
   validate and register, but not their task modules (a component's KFP glue); no cycle among components;
 - monitoring imports core only;
 - the application may import everything, with no import cycle between its modules;
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED_COMPONENT_MODULES = {"tailguard.components", "tailguard.components.images"}
 # components that may import the public names of others: search (trials are builds and validations) and redecide
 # (a gate-only re-run: resolve's parent run, validate's replay and logging, register's registration and promotion)
-ORCHESTRATORS = {"search": {"quantize", "validate"}, "redecide": {"resolve", "validate", "register"}}
+ORCHESTRATORS = {"search": {"build", "validate"}, "redecide": {"resolve", "validate", "register"}}
 # A component's task.py is its KFP glue, not its public API: an orchestrator imports another component's logic
 # modules (register/finish.py, resolve/parent_run.py, validate/run_log.py), never its task module (no exception).
 
@@ -329,12 +329,12 @@ def test_layout_kernel_modules_have_two_importing_units_when_scanning_every_modu
 def test_layout_kernel_users_counts_units_through_kernel_importers_when_given_synthetic_edges():
     def mk(s, d):
         return Import(s, ROOT / "x.py", 1, d, "x")
-    edges = [mk("tailguard.components.quantize.logic", "tailguard.core.artifacts"),
-             mk("tailguard.components.quantize.task", "tailguard.core.artifacts"),
+    edges = [mk("tailguard.components.build.logic", "tailguard.core.artifacts"),
+             mk("tailguard.components.build.task", "tailguard.core.artifacts"),
              mk("tailguard.core.spec", "tailguard.core.presets"),
              mk("tailguard.cli", "tailguard.core.spec"), mk("tailguard.monitoring.config", "tailguard.core.spec")]
     users = kernel_users(edges)
-    assert users["tailguard.core.artifacts"] == {"components.quantize"}
+    assert users["tailguard.core.artifacts"] == {"components.build"}
     assert users["tailguard.core.presets"] == {"application", "monitoring"}
     assert users["tailguard.core.stats"] == set()
 
@@ -353,20 +353,20 @@ def test_layout_packages_list_equals_the_package_folders():
     ("tailguard.monitoring.config", "tailguard.runner", None, "monitoring imports application"),
     ("tailguard.components.register.logic", "tailguard.components.search.logic", "TAG",
      "components.register imports components.search"),
-    ("tailguard.components.search.sensitivity", "tailguard.components.quantize.logic", "_private",
-     "components.search imports the private name _private of components.quantize"),
+    ("tailguard.components.search.sensitivity", "tailguard.components.build.logic", "_private",
+     "components.search imports the private name _private of components.build"),
     ("tailguard.components.search.logic", "tailguard.components.validate.logic", "evaluate", None),
     ("tailguard.components.export.task", "tailguard.components.images", "CPU_IMAGE", None),
     ("tailguard.cli", "tailguard.components.search.logic", "x", None),
-    ("tailguard.cli", "tailguard.components.quantize.logic", "_excluded_nodes",
-     "application imports the private name _excluded_nodes of components.quantize"),
+    ("tailguard.cli", "tailguard.components.build.logic", "_excluded_nodes",
+     "application imports the private name _excluded_nodes of components.build"),
     ("tailguard.components.validate.discovery", "tailguard.core.parity", "_source",
      "components.validate imports the private name _source of core"),
     ("tailguard.monitoring.compare", "tailguard.components._private", None,
      "monitoring imports the private module _private of components._private"),
-    ("tailguard.components.quantize.sensitivity", "tailguard.components.quantize.logic", "_excluded_nodes", None),
+    ("tailguard.components.build.sensitivity", "tailguard.components.build.logic", "_excluded_nodes", None),
     ("tailguard.core.spec", "tailguard.core.presets", "_x", None),
-    ("tailguard.builder", "tailguard.core.spec", "x", None),
+    ("tailguard.pipeline", "tailguard.core.spec", "x", None),
     ("tailguard.components.redecide.task", "tailguard.components.register.task", "finish_run",
      "components.redecide imports the task module of components.register"),
     ("tailguard.components.redecide.task", "tailguard.components.resolve.task", None,
@@ -387,9 +387,9 @@ def test_layout_violation_flags_upward_imports_when_given_synthetic_edges(src, d
 def test_layout_component_cycles_finds_a_cycle_when_two_components_import_each_other():
     def mk(s, d):
         return Import(s, ROOT / "x.py", 1, d, "x")
-    edges = [mk("tailguard.components.export.logic", "tailguard.components.quantize.logic"),
-             mk("tailguard.components.quantize.logic", "tailguard.components.export.task")]
-    assert component_cycles(edges) == [["components.export", "components.quantize"]]
+    edges = [mk("tailguard.components.export.logic", "tailguard.components.build.logic"),
+             mk("tailguard.components.build.logic", "tailguard.components.export.task")]
+    assert component_cycles(edges) == [["components.build", "components.export"]]
 
 
 def test_layout_application_cycles_finds_a_cycle_when_cli_and_demo_import_each_other():

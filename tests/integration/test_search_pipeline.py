@@ -235,7 +235,7 @@ def test_search_trials_keep_the_spec_when_every_batch_size_is_read(tmp_path):
 def test_build_pipeline_adds_a_search_task_after_validate_and_before_register_when_a_variant_searches(tmp_path):
     from kfp import compiler
 
-    from tailguard.builder import build_pipeline
+    from tailguard.pipeline import build_pipeline
 
     out = tmp_path / "p.yaml"
     compiler.Compiler().compile(build_pipeline(_spec_obj(tmp_path), cluster=False), package_path=str(out))

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tailguard.builder import compile_pipeline
 from tailguard.components.register.promotion import fastest_on_target, merge_gate_statuses
 from tailguard.components.register.summary import VariantSummary
 from tailguard.components.register.versions import validated_on, validated_on_text
@@ -18,10 +17,11 @@ from tailguard.components.validate.task import target_check
 from tailguard.core.errors import SpecError
 from tailguard.core.hardware import cpu_facts, expect_mismatches, fact_differences, gpu_capabilities, kernel_facts
 from tailguard.core.spec import dump_spec, load_spec, parse_spec, spec_from_yaml
+from tailguard.pipeline import compile_pipeline
 from tailguard.runner import summary_rows, target_status, task_count
 from tests.core.test_hardware import EPYC, SAPPHIRE
 from tests.core.test_spec import TINY, locs, tiny
-from tests.integration.test_builder import k8s_config, load_ir
+from tests.integration.test_pipeline import k8s_config, load_ir
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ROOT / "tests" / "data" / "targets_spec.yaml"
@@ -168,7 +168,7 @@ def test_compiled_ir_has_one_validate_task_per_variant_and_target_on_that_target
 def test_pure_tasks_step_specs_stay_the_same_when_serving_targets_are_added():
     # the build / export / reference-pass inputs (KFP cache keys) do not read the targets: adding them
     # invalidates no cached build
-    from tailguard.builder import step_spec_yaml
+    from tailguard.pipeline import step_spec_yaml
 
     plain, targeted = parse_spec(tiny()), parse_spec(with_targets(VNNI, AVX2, L4))
     for variant in [None] + [v.name for v in plain.variants]:

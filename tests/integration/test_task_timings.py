@@ -105,9 +105,9 @@ def timed_task(step: str, cached: bool) -> str:
 
 @dsl.pipeline(name="timings-test")
 def two_tasks() -> None:
-    from tailguard.builder import named
+    from tailguard.pipeline import named
 
-    # one component, two tasks: named (as the builder does) keeps KFP from calling the second timed-task-2
+    # one component, two tasks: named (as tailguard.pipeline does) keeps KFP from calling the second timed-task-2
     first = named(timed_task, "export")(step="export", cached=True)
     named(timed_task, "build-int8")(step="build", cached=False).after(first)
 
@@ -200,7 +200,7 @@ def test_build_task_imports_no_pandas_mlflow_or_torch_when_the_variant_is_int8_d
             "gates": [{"metric": "top1_agreement", "min": 0.9}]}
     code = textwrap.dedent(f"""
         import json, sys
-        from tailguard.components.quantize.task import main
+        from tailguard.components.build.task import main
         out = json.loads(main(spec_yaml=json.dumps({spec!r}), variant_name="ort-int8-dynamic",
                               onnx_dir={str(onnx_dir)!r}, out_dir={str(tmp_path / 'out')!r}))
         print(json.dumps({{"status": out["status"], "loaded": [m for m in ("pandas", "mlflow", "torch",

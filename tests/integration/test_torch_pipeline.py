@@ -138,13 +138,13 @@ def test_torch_variant_needs_the_gpu_pool_only_when_its_device_is_cuda(tmp_path)
 
 
 def test_torch_builder_is_skipped_with_the_reason_when_the_reference_is_onnx(tmp_path):
-    from tailguard.components.quantize.registry import get_builder
+    from tailguard.components.build.registry import get_builder
 
     spec = parse_spec(_spec_doc(tmp_path))
     variant = next(v for v in spec.variants if v.name == "torch-eager-fp32")
-    result = get_builder("compile.torch")(variant, lambda: pytest.fail("nothing may be loaded"), tmp_path,
-                                       calibration=None, model=spec.model, source_sha256="0" * 64,
-                                       reference_format="onnx")
+    result = get_builder("torch").build(variant, lambda: pytest.fail("nothing may be loaded"), tmp_path,
+                                        calibration=None, model=spec.model, source_sha256="0" * 64,
+                                        reference_format="onnx")
     assert result.status == "skipped" and "reference is an ONNX model" in result.reason
 
 

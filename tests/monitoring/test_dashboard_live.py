@@ -1,6 +1,6 @@
 """The dashboard and the PrometheusRule against the live /metrics of a running monitor (not its collector list).
 
-A real monitor service (tailguard.monitoring.service.build_app, tiny ONNX models of tailguard.monitoring.testing,
+A real monitor service (tailguard.monitoring.app.build_app, tiny ONNX models of tailguard.monitoring.testing,
 in-process through Starlette's TestClient) gets OIP /infer requests, a malformed body, and /pairs whose live answers
 disagree on one slice until a slice alert fires; then every metric named by a dashboard panel or variable, and every
 `tailguard_monitor_*` metric of a PrometheusRule expression, must be a series of the scraped exposition (parsed by

@@ -21,10 +21,11 @@ from tritonclient.utils import serialize_bf16_tensor, serialize_byte_tensor  # n
 
 from tailguard.core.spec import parse_spec  # noqa: E402
 from tailguard.monitoring import testing as T  # noqa: E402
+from tailguard.monitoring.app import build_app  # noqa: E402
 from tailguard.monitoring.config import resolve_config  # noqa: E402
 from tailguard.monitoring.join import CE_REQUEST, CE_RESPONSE  # noqa: E402
 from tailguard.monitoring.oip import OIP_ITEMSIZE, OipError, decode_binary, parse_request  # noqa: E402
-from tailguard.monitoring.service import MonitorService, build_app  # noqa: E402
+from tailguard.monitoring.service import MonitorService  # noqa: E402
 from tests.helpers.mlflow_server import uvicorn_in_thread  # noqa: E402
 
 NAME = "tiny-clf"

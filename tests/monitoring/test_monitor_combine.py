@@ -23,11 +23,13 @@ import pytest
 
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
-from tailguard.monitoring.combine import RETIRE_AFTER_POLLS, Combiner, PeerError, http_fetch, settings_hash
+from tailguard.monitoring.app import build_app
+from tailguard.monitoring.combine import RETIRE_AFTER_POLLS, Combiner, PeerError, settings_hash
 from tailguard.monitoring.config import Bound, resolve_config
 from tailguard.monitoring.oip import request_json, tensor_json
+from tailguard.monitoring.peers import http_fetch
 from tailguard.monitoring.prometheus import MonitorMetrics
-from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.service import MonitorService
 from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}

@@ -30,11 +30,12 @@ import yaml
 
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.combine import CheckpointLog, Combiner, settings_hash
 from tailguard.monitoring.config import Bound, resolve_config
 from tailguard.monitoring.detector import SliceStatistics
 from tailguard.monitoring.oip import request_json, tensor_json
-from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.service import MonitorService
 from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
 from tests.helpers.tcp_proxy import TcpRoundRobin
 
@@ -226,7 +227,7 @@ def test_combiner_polls_discovered_peers_and_forgets_those_the_lookup_dropped():
 
 
 def test_peers_from_dns_gives_one_url_per_address_when_name_resolves_to_several():
-    from tailguard.monitoring.combine import peers_from_dns
+    from tailguard.monitoring.peers import peers_from_dns
 
     def resolver(name: str, port: int, family: int = 0, type: int = 0) -> list[tuple]:  # noqa: A002
         assert name == "replicas.test"

@@ -22,8 +22,9 @@ pytest.importorskip("tritonclient.http")
 
 from tailguard.core.spec import parse_spec  # noqa: E402
 from tailguard.monitoring import testing as T  # noqa: E402
+from tailguard.monitoring.app import build_app  # noqa: E402
 from tailguard.monitoring.config import resolve_config  # noqa: E402
-from tailguard.monitoring.service import MonitorService, build_app  # noqa: E402
+from tailguard.monitoring.service import MonitorService  # noqa: E402
 from tests.helpers import derive_models as D  # noqa: E402
 from tests.helpers.mlflow_server import uvicorn_in_thread  # noqa: E402
 

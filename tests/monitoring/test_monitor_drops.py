@@ -24,8 +24,11 @@ import pytest
 
 from tailguard.core.runtime import runner_for_file
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.oip import request_json
-from tailguard.monitoring.service import ADAPT_START_ROWS, DROP_MIN_SAMPLED, BatchSizer, MonitorService, build_app
+from tailguard.monitoring.readiness import DROP_MIN_SAMPLED
+from tailguard.monitoring.service import MonitorService
+from tailguard.monitoring.worker import ADAPT_START_ROWS, BatchSizer
 from tests.helpers.mlflow_server import uvicorn_in_thread
 from tests.monitoring.test_monitor_hardening import NAME, _cfg, _value
 

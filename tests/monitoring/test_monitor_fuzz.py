@@ -19,6 +19,7 @@ from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
 from tailguard.core.spec import parse_spec  # noqa: E402
 from tailguard.monitoring import testing as T  # noqa: E402
 from tailguard.monitoring.config import MAX_LABEL_CHARS, clean_label, resolve_config  # noqa: E402
+from tailguard.monitoring.ingest import REDACTED, redact_params, redacted_config  # noqa: E402
 from tailguard.monitoring.oip import (  # noqa: E402
     MAX_BATCH_ROWS,
     MAX_JSON_DEPTH,
@@ -28,7 +29,6 @@ from tailguard.monitoring.oip import (  # noqa: E402
     OipError,
     parse_request,
 )
-from tailguard.monitoring.service import REDACTED, _redacted_config, redact_params  # noqa: E402
 
 set_hypothesis_home_dir(tempfile.mkdtemp(prefix="tg-hypothesis-"))  # its caches stay out of the work tree
 
@@ -173,7 +173,7 @@ SLICES = [{"name": "domain", "column": "domain"}, {"name": "len", "column": "n_t
 CFG = resolve_config(parse_spec(T.spec_dict({"sample_rate": 0.5, "slice_pairs": True,  # metadata slices only
                                              "slice_columns": ["domain", "len", "tier"]}, slices=SLICES)
                                 | {"promotion": {"enabled": False}}))
-REDACTED_CFG = _redacted_config(CFG, {"domain", "n_tokens"})
+REDACTED_CFG = redacted_config(CFG, {"domain", "n_tokens"})
 PART_MAX = max(len(r.name) for r in CFG.rules) + 1 + MAX_LABEL_CHARS
 
 

@@ -124,3 +124,54 @@ def test_engine_replica_takes_checkpoints_when_its_slices_are_per_row():
         ref = rng.normal(size=(8, T.N_CLASSES)).astype(np.float32)
         engine.observe(keys, decision, ref, ref.copy(), request_index=i)
     assert engine.checkpoints.after(0)
+
+
+def _engine_pair(**mon):
+    from tailguard.core.spec import parse_spec
+    from tailguard.monitoring import testing as T
+    from tailguard.monitoring.config import resolve_config
+    from tailguard.monitoring.engine import MonitorEngine
+
+    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "max_request_rows": 8, **mon})))
+    return MonitorEngine(cfg, clock=lambda: 0.0), MonitorEngine(cfg, clock=lambda: 0.0), T
+
+
+@pytest.mark.parametrize("slice_columns", [None, ["domain"]])
+def test_engine_observe_batch_matches_one_observe_per_request_when_requests_are_mixed(slice_columns):
+    """A micro-batch through `observe_batch` leaves the statistics, alerts and counters one `observe` per request
+    leaves, with per-row (default `predicted`) or request-level slices, requests of 1 to 12 rows (over M = 8: the
+    per-group path), NaN reference rows, candidate failures and a drifted class."""
+    from tailguard.monitoring.engine import Observation
+
+    batched, single, T = _engine_pair(**({"slice_columns": slice_columns} if slice_columns else {}))
+    rng = np.random.default_rng(11)
+    fired_b, fired_s = [], []
+    for b in range(60):
+        items = []
+        for k in range(int(rng.integers(1, 9))):
+            rows = int(rng.integers(1, 13))
+            x = {"x": rng.normal(size=(rows, T.N_FEATURES)).astype(np.float32)}
+            meta = {"domain": str(rng.choice(["news", "web", "legal"]))}
+            keys_b, dec_b = batched.admit(meta, x)
+            keys_s, dec_s = single.admit(meta, x)
+            assert list(keys_b) == list(keys_s) and dec_b == dec_s
+            ref = rng.normal(size=(rows, T.N_CLASSES)).astype(np.float32)
+            if rng.random() < 0.1:
+                ref[0] = np.nan
+            cand = ref + rng.normal(scale=0.05, size=ref.shape).astype(np.float32)
+            if b > 20:  # class 1's rows drift
+                drift = np.argmax(np.nan_to_num(ref), axis=1) == 1
+                cand[drift] = -ref[drift]
+            failure = "candidate_timeout" if rng.random() < 0.05 else None
+            items.append((keys_b, dec_b, keys_s, dec_s, ref, None if failure else cand, failure, b * 100 + k))
+        evs = batched.observe_batch([Observation(kb, db, ref, cand, idx, failure=f)
+                                     for kb, db, _, _, ref, cand, f, idx in items])
+        fired_b += [(a.slice, a.metric, a.request_index) for ev in evs for a in ev.fired]
+        for _, _, ks, ds, ref, cand, f, idx in items:
+            fired_s += [(a.slice, a.metric, a.request_index)
+                        for a in single.observe(ks, ds, ref, cand, request_index=idx, failure=f).fired]
+    _assert_same(batched.stats, single.stats)
+    assert fired_b == fired_s
+    assert (batched.compared_rows, batched.compared_requests) == (single.compared_rows, single.compared_requests)
+    assert any(s.reference_failures for s in batched.stats.slices.values())
+    assert fired_b, "the drifted class must alert"

@@ -27,13 +27,14 @@ import yaml
 from tailguard.core.errors import InputError
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
-from tailguard.monitoring.combine import http_fetch
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.config import NEW_VALUE, Bound, load_auth_token, resolve_config
 from tailguard.monitoring.detector import PROTECT_FRACTION, SliceStatistics
 from tailguard.monitoring.join import CE_REQUEST, CE_RESPONSE, EntryTooLarge, JoinBuffer
 from tailguard.monitoring.oip import request_json, tensor_json
+from tailguard.monitoring.peers import http_fetch
 from tailguard.monitoring.sampler import Decision
-from tailguard.monitoring.service import READ_CHUNK, MonitorService, build_app
+from tailguard.monitoring.service import READ_CHUNK, MonitorService
 from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
 
 NAME = "tiny-clf"

@@ -3,7 +3,7 @@
 ~1,100 sockets with unfinished HTTP headers filled uvicorn's limit_concurrency on the ingest port (it counts every
 open connection), so /healthz and /metrics answered 503 for 31 s and a kubelet would have restarted a healthy pod.
 The probe port (`monitoring.probe_port`, `monitor serve --probe-port`) serves /healthz, /readyz and /metrics from
-a server of its own (service.ProbeServer); the tests saturate the ingest port with more unfinished-header sockets
+a server of its own (probe.ProbeServer); the tests saturate the ingest port with more unfinished-header sockets
 than its limit and probe the other port.
 
 Real parts: a MonitorService with real tiny ONNX models, the ingest app served by uvicorn with the config `serve`
@@ -29,7 +29,9 @@ import yaml
 
 from tailguard.core.errors import InputError
 from tailguard.monitoring import testing as T
-from tailguard.monitoring.service import MonitorService, ProbeServer, uvicorn_config
+from tailguard.monitoring.app import uvicorn_config
+from tailguard.monitoring.probe import ProbeServer
+from tailguard.monitoring.service import MonitorService
 from tests.helpers.mlflow_server import free_port
 from tests.monitoring.test_monitor_hardening import _cfg, _value, _wait
 

@@ -19,8 +19,9 @@ from fastapi.testclient import TestClient
 from tailguard.core.hardware import KERNEL_ISA_FLAGS, kernel_facts, node_facts
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.node_check import NodeCheckStatus, check_node, read_validated_on, run_node_check
-from tailguard.monitoring.service import build_app, create_service
+from tailguard.monitoring.service import create_service
 from tailguard.monitoring.sink import redact_row
 from tests.monitoring.test_monitor_service import NAME, _body, _pair
 

@@ -10,10 +10,11 @@ from fastapi.testclient import TestClient
 
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
+from tailguard.monitoring.app import build_app
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.prometheus import METRIC_NAMES
-from tailguard.monitoring.service import MonitorService, build_app
+from tailguard.monitoring.service import MonitorService
 
 NAME = "tiny-clf"
 

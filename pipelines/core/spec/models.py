@@ -54,7 +54,7 @@ LOWER_IS_BETTER_PREFIXES: tuple[str, ...] = tuple(dict.fromkeys(
 
 # Build metrics: facts of how a variant was built, counted once on its graph (no sampling noise, so no confidence
 # bound), overall scope only, INT8 onnxruntime variants only. quantized_mac_fraction = MACs computed in INT8 / all
-# MACs of the graph, per sample (formulas: components/quantize/macs.py). The build stores them in the model file's
+# MACs of the graph, per sample (formulas: components/build/macs.py). The build stores them in the model file's
 # metadata_props[tailguard.core.contract.QUANTIZATION_COVERAGE_KEY] (JSON) and in build.json; validate logs them as
 # metrics of the variant.
 BUILD_METRICS: tuple[str, ...] = _metrics.metrics_of("build")
@@ -610,7 +610,7 @@ class SearchSpec(SpecModel):
 
 class TensorRTSpec(SpecModel):
     """TensorRT build settings of a variant on backend tensorrt or on ONNX Runtime's TensorrtExecutionProvider
-    (components/quantize/tensorrt_build.py). The optimization profile's shapes come from the spec and the data
+    (components/build/builders/tensorrt.py). The optimization profile's shapes come from the spec and the data
     unless set here: batch 1 .. the largest of benchmark.batch_sizes and data.validation.batch_size (optimized for
     promotion.batch_size, default the first benchmark batch size); every named axis after batch 1 .. the longest
     validation row (optimized for the median one). An input outside the profile fails at run time (TensorRT refuses

@@ -285,7 +285,7 @@ class MonitoringSpec(SpecModel):
         "ingest port too."))
     max_drop_rate: float = Field(0.05, ge=0, le=1, description=(
         "/readyz answers 503 `degraded` while more than this share of the sampled requests of the last "
-        "DROP_WINDOW_S seconds (at least DROP_MIN_SAMPLED of them; monitoring/service.py) were dropped "
+        "DROP_WINDOW_S seconds (at least DROP_MIN_SAMPLED of them; monitoring/readiness.py) were dropped "
         "uncompared (queue_full, reference_timeout, reference_error, internal_error): the evidence is then no "
         "longer the sample the false-alarm guarantee assumes (docs/monitor.md, Drops). 1 never degrades."))
     auth_readyz: bool = Field(False, description=(

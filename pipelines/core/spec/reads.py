@@ -1,7 +1,7 @@
 """What each pipeline step reads of the spec, declared in one place (issue 40 item 2).
 
 Every KFP task receives a `spec_yaml`, but no step reads all of it. What a step reads decides three things that
-used to be spelled out separately: the spec a pure task is given (`tailguard.builder.step_spec_yaml`: what it does
+used to be spelled out separately: the spec a pure task is given (`tailguard.pipeline.step_spec_yaml`: what it does
 not read gets its default, so a change there leaves KFP's and the local cache's keys alone), what reference-pass's
 cache key takes of `gates` (`components/reference/logic.py` `timing_gates_key`), and what a gate-only re-run may
 change and when it may not run at all (`tailguard.rerun.REDECIDED_SECTIONS`, `components/redecide/logic.py`

@@ -3,7 +3,7 @@
 Method ("one at a time" sensitivity):
 
 1. The graph is prepared exactly as the variant's build prepares it before quantizing
-   (`tailguard.components.quantize.onnxruntime_builder`): `_optimize_graph` with the variant's
+   (`tailguard.components.build.builders.onnxruntime`): `_optimize_graph` with the variant's
    `graph_optimization`, then `_preprocess` (quant_pre_process) when `quantization.preprocess` is set. Node
    names therefore are the names `quantization.exclude_nodes` must use (`_excluded_nodes` checks them against
    this very graph).
@@ -172,7 +172,7 @@ def _dynamic_base(q: QuantizationSpec, src: Path) -> tuple[Any, dict[str, Any]]:
     (`update_opset_version`) and builds an `ONNXQuantizer`, whose __init__ in dynamic mode rewrites EVERY Gemm as
     MatMul (+ Add) (`ONNXModel.replace_gemm_with_matmul`, excluded or not) and shape-infers the result again
     (`save_and_reload_model_with_shape_infer`). This function does exactly those steps, in that order, with the
-    build's options (`onnxruntime_builder._dynamic_options`).
+    build's options (`builders.onnxruntime._dynamic_options`).
 
     Args:
         q: the variant's quantization (mode dynamic).
@@ -191,7 +191,7 @@ def _dynamic_base(q: QuantizationSpec, src: Path) -> tuple[Any, dict[str, Any]]:
     )
     from onnxruntime.quantization.registry import IntegerOpsRegistry
 
-    from .onnxruntime_builder import _dynamic_options
+    from .builders.onnxruntime import _dynamic_options
 
     options = _dynamic_options(q, src)
     extra = dict(options["extra_options"])
@@ -311,8 +311,8 @@ def _score_node(name: str, op_type: str) -> dict[str, Any]:
     rec: dict[str, Any] = {"node": name, "op_type": op_type, "error": ""}
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from .builders.onnxruntime import _quantize_dynamic
             from .calibration import _quantize_static
-            from .onnxruntime_builder import _quantize_dynamic
 
             excluded = _others_excluded(ctx["graph"], name)
             if ctx.get("base_error") is not None:
@@ -402,7 +402,7 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
     """
     import onnx
 
-    from .onnxruntime_builder import _excluded_nodes, _optimize_graph, _preprocess
+    from .builders.onnxruntime import _excluded_nodes, _optimize_graph, _preprocess
 
     q = variant.quantization
     if variant.precision != "int8" or variant.backend != "onnxruntime" or q is None:

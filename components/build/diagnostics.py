@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tailguard.components.quantize.onnx_files import _graph, _op_counts, _quantized_node_names
+from tailguard.components.build.onnx_files import _graph, _op_counts, _quantized_node_names
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
@@ -136,7 +136,7 @@ def _coverage(source: Path, quantized: Path, calibration: Dataset | None,
               details: dict[str, Any]) -> dict[str, Any]:
     """Quantization coverage of the quantizer's output vs its input (`macs.quantization_coverage`), with symbolic
     axes at the calibration rows' median length when there are rows; top-level facts copied into `details`."""
-    from tailguard.components.quantize.macs import quantization_coverage
+    from tailguard.components.build.macs import quantization_coverage
 
     sequence = None
     if calibration is not None and calibration.n_rows:

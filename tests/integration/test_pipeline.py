@@ -1,9 +1,10 @@
-"""The pipeline builder: one DAG for local runs and the cluster; GPU settings only on GPU variants' tasks."""
+"""The pipeline definition (tailguard.pipeline): one DAG for local runs and the cluster; GPU settings only on GPU
+variants' tasks."""
 
 import yaml
 
-from tailguard.builder import build_pipeline, compile_pipeline
 from tailguard.core.spec import load_spec
+from tailguard.pipeline import build_pipeline, compile_pipeline
 from tailguard.runner import task_count
 from tests.core.test_spec import TINY
 
@@ -122,8 +123,8 @@ def test_task_names_are_the_same_locally_and_compiled_when_one_component_serves_
 def test_named_refuses_a_task_name_kfp_would_rename_when_it_is_not_a_dns_label():
     import pytest
 
-    from tailguard.builder import named
     from tailguard.components.check_data.component import check_data
+    from tailguard.pipeline import named
 
     assert named(check_data, "check-data-2").component_spec.name == "check-data-2"
     assert check_data.component_spec.name == "check-data"  # the original is untouched

@@ -14,7 +14,7 @@ def build_variant(spec_yaml: str, variant_name: str, onnx_model: Input[Model], v
     Returns:
         JSON BuildResult: status ok | failed | skipped, reason, artifact file name, build details.
     """
-    from tailguard.components.quantize.task import main
+    from tailguard.components.build.task import main
 
     return main(spec_yaml=spec_yaml, variant_name=variant_name, onnx_dir=onnx_model.path,
                 out_dir=variant_model.path)
@@ -29,7 +29,7 @@ def build_torch_variant(spec_yaml: str, variant_name: str, resolved: str, refere
         JSON BuildResult: status ok | failed | skipped, reason, artifact file name (program.pt2 or package.pt2),
         build details (export and compile seconds, fingerprint).
     """
-    from tailguard.components.quantize.task import torch_main
+    from tailguard.components.build.task import torch_main
 
     return torch_main(spec_yaml=spec_yaml, variant_name=variant_name, resolved_json=resolved,
                       reference_dir=reference.path, out_dir=variant_model.path)

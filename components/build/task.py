@@ -129,7 +129,7 @@ def _needs_calibration(variant: VariantSpec) -> bool:
 
 def tensorrt_profile(spec: Spec, variant: VariantSpec) -> dict | None:
     """The optimization profile of a variant on backend tensorrt or on TensorrtExecutionProvider
-    (`tensorrt_build.spec_profile`, from the spec and the validation rows); None for every other variant (no rows
+    (`profiles.spec_profile`, from the spec and the validation rows); None for every other variant (no rows
     are read then).
 
     Raises:
@@ -137,7 +137,7 @@ def tensorrt_profile(spec: Spec, variant: VariantSpec) -> dict | None:
     """
     if not variant.uses_tensorrt:
         return None
-    from tailguard.components.quantize.tensorrt_build import spec_profile
+    from tailguard.components.build.profiles import spec_profile
     from tailguard.core.data import load_validation
 
     return spec_profile(spec, variant, load_validation(spec))
@@ -203,7 +203,7 @@ def torch_cache_parts(spec: Spec, variant: VariantSpec, resolved: ResolvedModel)
 @task_entry("build-variant")
 def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, reference_dir: str, out_dir: str) -> str:
     """Build torch variant `variant_name` from the registered torch reference into `out_dir` (the
-    `compile.torch` builder; components/quantize/torch_builder.py). Served from the local cache like `main`.
+    `torch` builder, components/build/builders/torch.py). Served from the local cache like `main`.
 
     Returns:
         JSON BuildResult plus "variant" and "cached"; `artifact` is the artefact's file name relative to `out_dir`.
@@ -219,14 +219,18 @@ def torch_main(*, spec_yaml: str, variant_name: str, resolved_json: str, referen
     out.mkdir(parents=True, exist_ok=True)
 
     def build() -> dict[str, Any]:
-        from tailguard.components.quantize.registry import get_builder
+        from tailguard.components.build.registry import get_builder
         from tailguard.core.data import load_calibration
         from tailguard.core.hardware import node_facts
         from tailguard.core.reference import load_torch_reference
 
-        result = get_builder("compile.torch")(variant, lambda: load_torch_reference(resolved, spec.model), out,
-                                           calibration=load_calibration(spec), model=spec.model,
-                                           source_sha256=resolved.sha256 or "", reference_format=resolved.format)
+        builder = get_builder(variant.backend)
+        if builder.source != "torch":
+            raise ValueError(f"variant {variant.name}: the {variant.backend} builder builds from the "
+                             f"{builder.source} export, not from the torch reference; build it with `main`")
+        result = builder.build(variant, lambda: load_torch_reference(resolved, spec.model), out,
+                               calibration=load_calibration(spec), model=spec.model,
+                               source_sha256=resolved.sha256 or "", reference_format=resolved.format)
         if result.artifact:
             result.artifact = str(Path(result.artifact).resolve().relative_to(out.resolve()))
         d = result.to_dict()
@@ -245,7 +249,7 @@ def _build(spec: Spec, variant: VariantSpec, onnx_dir: Path, out: Path, profile:
     """Build the variant into `out` (build.json included); returns the BuildResult dict plus "variant" and
     "hardware" (`tailguard.core.hardware.node_facts()` of this node: CPU model, ISA flags, cores, GPUs, versions)."""
     skip_torch_in_ort_tools()
-    from tailguard.components.quantize.logic import build_variant
+    from tailguard.components.build.logic import build_variant
 
     calibration = None
     if _needs_calibration(variant):  # tailguard.core.data imports pandas: only a build that reads rows loads it
@@ -269,12 +273,12 @@ def _build(spec: Spec, variant: VariantSpec, onnx_dir: Path, out: Path, profile:
 
 
 def _sensitivity(spec, variant, fp32_onnx: Path, out: Path, calibration) -> None:
-    """analysis.sensitivity: rank the variant's quantizable nodes (components/quantize/sensitivity.py) into
+    """analysis.sensitivity: rank the variant's quantizable nodes (components/build/sensitivity.py) into
     out/sensitivity/ (sensitivity.csv, sensitivity.png); the validate task logs that folder to the variant's run.
     Variants with a search get the same ranking from the search task instead."""
     import tempfile
 
-    from tailguard.components.quantize.sensitivity import node_sensitivity, write_sensitivity_artifacts
+    from tailguard.components.build.sensitivity import node_sensitivity, write_sensitivity_artifacts
     from tailguard.core.data import load_calibration
 
     rows = calibration if calibration is not None else load_calibration(spec)

@@ -1,11 +1,11 @@
 """Build one inference variant from the FP32 ONNX reference: the dispatch to its backend's builder.
 
-One entry point, `build_variant`, dispatches through the builder registry (`registry.py`) on the variant's
-backend: `quantize.onnxruntime` (`onnxruntime_builder.py`) builds every ONNX Runtime variant, `compile.tensorrt`
-(`tensorrt_build.py`) builds TensorRT engines (skipped, with the reason, where no GPU / TensorRT is present) and
-`compile.torch` (`torch_builder.py`) the torch variants. Each builder returns a `BuildResult` with a status (ok /
-failed / skipped, with the reason). Within one `build_variant` call each ONNX graph file is parsed once
-(`onnx_files.graph_scope`).
+One entry point, `build_variant`, dispatches through the entry the builder registry (`registry.py`) holds for the
+variant's backend: `builders/onnxruntime.py` builds every ONNX Runtime variant, `builders/tensorrt.py` TensorRT
+engines (skipped, with the reason, where no GPU / TensorRT is present). Both build from the ONNX export; the
+`torch` builder (`builders/torch.py`) builds from the registered torch reference and is called by the task's
+`torch_main` instead. Each builder returns a `BuildResult` with a status (ok / failed / skipped, with the reason).
+Within one `build_variant` call each ONNX graph file is parsed once (`onnx_files._graph_scope`).
 """
 
 from __future__ import annotations
@@ -13,21 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tailguard.components.quantize.onnx_files import _graph_scope
-from tailguard.components.quantize.registry import get_builder
+from tailguard.components.build.onnx_files import _graph_scope
+from tailguard.components.build.registry import get_builder
 from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
     from tailguard.core.spec.models import ModelSpec, VariantSpec
-
-
-BUILDER_FOR_BACKEND = {"onnxruntime": "quantize.onnxruntime", "tensorrt": "compile.tensorrt", "torch": "compile.torch"}
-
-
-def builder_name_for(variant: VariantSpec) -> str:
-    """Registered builder name that builds `variant` (by its backend), e.g. "quantize.onnxruntime"."""
-    return BUILDER_FOR_BACKEND[variant.backend]
 
 
 def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None,
@@ -43,7 +35,7 @@ def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Pa
         calibration: calibration rows (needed by static INT8 only; `tailguard.core.data.load_dataset`).
         model: `tailguard.core.spec.models.ModelSpec` (inputs, pad_values).
         calibration_batch_size: rows per calibration batch (`spec.data.calibration.batch_size`).
-        profile: the TensorRT optimization profile (`tensorrt_build.spec_profile`) of a variant on backend tensorrt
+        profile: the TensorRT optimization profile (`profiles.spec_profile`) of a variant on backend tensorrt
             or on TensorrtExecutionProvider; None for the others.
 
     Returns:
@@ -53,8 +45,14 @@ def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Pa
     Raises:
         InputError: `fp32_onnx` is missing or not an ONNX file, or a static INT8 variant gets no calibration rows.
         UnknownBuilderError: no builder is registered for the variant's backend.
+        ValueError: the backend's builder builds from the torch reference (backend torch: the task's
+            `torch_main`), not from the ONNX export.
     """
+    builder = get_builder(variant.backend)
+    if builder.source != "onnx":
+        raise ValueError(f"variant {variant.name}: the {variant.backend} builder builds from the "
+                         f"{builder.source} reference, not from an ONNX file; build it with the build-<variant> "
+                         "task's torch_main (components/build/task.py)")
     with _graph_scope():  # each graph file parsed once by this build (`_graph`)
-        return get_builder(builder_name_for(variant))(variant, fp32_onnx, out_dir, calibration=calibration,
-                                                      model=model, calibration_batch_size=calibration_batch_size,
-                                                      profile=profile)
+        return builder.build(variant, fp32_onnx, out_dir, calibration=calibration, model=model,
+                             calibration_batch_size=calibration_batch_size, profile=profile)

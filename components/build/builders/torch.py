@@ -1,4 +1,4 @@
-"""The `compile.torch` builder: a torch variant built from the registered FP32 torch reference (not from the ONNX
+"""The `torch` builder: a torch variant built from the registered FP32 torch reference (not from the ONNX
 export), through the kernel's torch backend (tailguard.core.torch_backend).
 
 Outcomes, as every builder's (BuildResult):
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from tailguard.components.quantize.registry import register_builder
+from tailguard.components.build.registry import register_builder
 from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,7 +50,7 @@ def example_batch(rows: "Dataset", model: "ModelSpec") -> dict[str, np.ndarray]:
     return make_batch(rows, idx, model.inputs, pad_values=model.pad_values)
 
 
-@register_builder("compile.torch")
+@register_builder("torch", source="torch")
 def compile_torch(variant: "VariantSpec", load_module: Callable[[], Any], out_dir: str | Path, *,
                   calibration: "Dataset", model: "ModelSpec", source_sha256: str,
                   reference_format: str = "state_dict") -> BuildResult:

@@ -15,7 +15,7 @@ after all of them, so a changed input never reuses stale scales.
 Nothing here imports TensorRT or CUDA. The node's facts come through one seam, `probe_device`
 (`tailguard.core.runtime.tensorrt_device_facts`, which imports tensorrt and torch.cuda lazily; the validate step's
 `TensorRTRunner` uses the same facts) and which tests replace with a plain dict. The GPU build itself:
-components/quantize/tensorrt_build.py.
+components/build/builders/tensorrt.py.
 """
 
 from __future__ import annotations

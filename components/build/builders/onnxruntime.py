@@ -1,4 +1,4 @@
-"""The ONNX Runtime builder (`quantize.onnxruntime`): graph optimization, FP16 conversion and INT8 dynamic / static
+"""The `onnxruntime` builder: graph optimization, FP16 conversion and INT8 dynamic / static
 quantization of the FP32 ONNX reference, one variant per call.
 
 It returns a `BuildResult`: ok with the artifact and the facts of the build, failed with the reason when ONNX
@@ -46,15 +46,15 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tailguard.components.quantize.calibration import _quantize_static, _write_calibration
-from tailguard.components.quantize.diagnostics import (
+from tailguard.components.build.calibration import _quantize_static, _write_calibration
+from tailguard.components.build.diagnostics import (
     FUSED_OP_TYPES,
     _coverage,
     attention_quantization_warnings,
     export_warnings,
     fusion_warnings,
 )
-from tailguard.components.quantize.onnx_files import (
+from tailguard.components.build.onnx_files import (
     _check_inputs,
     _graph,
     _has_contrib_ops,
@@ -67,7 +67,7 @@ from tailguard.components.quantize.onnx_files import (
     _save_self_contained,
     _summary,
 )
-from tailguard.components.quantize.registry import register_builder
+from tailguard.components.build.registry import register_builder
 from tailguard.core.contract import ONNX_INLINE_LIMIT_BYTES as TWO_GB  # protobuf's 2 GiB limit
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.errors import InputError
@@ -84,7 +84,7 @@ _OPT_LEVELS = {"disabled": 0, "basic": 1, "extended": 2, "all": 99}
 
 
 # ----------------------------------------------------------------------------------------- ONNX Runtime
-@register_builder("quantize.onnxruntime")
+@register_builder("onnxruntime", source="onnx")
 def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *,
                          calibration: Dataset | None = None, model: ModelSpec | None = None,
                          calibration_batch_size: int = 8, profile: dict | None = None) -> BuildResult:
@@ -105,7 +105,7 @@ def quantize_onnxruntime(variant: VariantSpec, fp32_onnx: str | Path, out_dir: s
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{variant.name}.onnx"
-    from tailguard.components.quantize.tensorrt_build import ort_providers
+    from tailguard.components.build.profiles import ort_providers
 
     details: dict[str, Any] = {"backend": "onnxruntime", "precision": variant.precision,
                                "execution_provider": variant.execution_provider,
@@ -475,7 +475,7 @@ def _write_reproduce(variant: VariantSpec, fp32: Path, out: Path, model: ModelSp
         "import json, sys\n"
         "from tailguard.core.spec.models import ModelSpec, VariantSpec\n"
         "from tailguard.core.data import load_dataset\n"
-        "from tailguard.components.quantize.logic import build_variant\n"
+        "from tailguard.components.build.logic import build_variant\n"
         "d = sys.argv[3]\n"
         'v = VariantSpec.model_validate(json.load(open(d + "/variant.json")))\n'
         'm = ModelSpec.model_validate(json.load(open(d + "/model.json")))\n'

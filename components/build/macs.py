@@ -2,7 +2,7 @@
 
 Why: a node count hides what matters. ORT's extended graph optimization fused Gemm+Relu into FusedGemm, which no
 quantizer knows, so an "INT8" MLP quantized 1 of its 3 layers (9% of its MACs) and still read "passed". The build
-step (`onnxruntime_builder.quantize_onnxruntime`) counts MACs on the FP32 graph it gives the quantizer and on the
+step (`builders.onnxruntime.quantize_onnxruntime`) counts MACs on the FP32 graph it gives the quantizer and on the
 quantized graph, and reports `quantized_mac_fraction` = MACs in INT8 / all MACs; a spec may gate on it.
 
 Shapes: ONNX shape inference (`onnx.shape_inference.infer_shapes`, data propagation on) after every symbolic
@@ -627,7 +627,7 @@ def quantization_coverage(fp32: Any, quantized: Any, *, sequence: int | None = N
         "assumption": (f"batch axes at {BATCH}, other symbolic axes at {seq} "
                        + ("(median calibration row length)" if sequence else
                           "(DEFAULT_SEQUENCE: no calibration rows given)")),
-        "method": "MACs per sample from ONNX shape inference (components/quantize/macs.py); INT8 = integer "
+        "method": "MACs per sample from ONNX shape inference (components/build/macs.py); INT8 = integer "
                   "ops or QDQ nodes whose every MAC operand is dequantized from 8 bits",
     }
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from tailguard.components.quantize.onnx_files import _graph, _has_contrib_ops, _jsonable, _large, _quant_type
+from tailguard.components.build.onnx_files import _graph, _has_contrib_ops, _jsonable, _large, _quant_type
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset

@@ -1,4 +1,4 @@
-"""Turn a spec into a KFP v2 pipeline: the one builder used by local runs and by `tailguard compile`.
+"""Turn a spec into a KFP v2 pipeline: the one definition used by local runs and by `tailguard compile`.
 
 DAG (variants unrolled from the spec, so each gets its own task names and, for GPU backends, its own
 node-pool settings):
@@ -184,10 +184,11 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
     """
     from kfp import dsl
 
+    from tailguard.components.build.component import build_torch_variant, build_variant
+    from tailguard.components.build.registry import get_builder
     from tailguard.components.check_data.component import check_data
     from tailguard.components.export.component import export
     from tailguard.components.finalize.component import finalize_run
-    from tailguard.components.quantize.component import build_torch_variant, build_variant
     from tailguard.components.reference.component import reference_pass
     from tailguard.components.register.component import register_and_promote
     from tailguard.components.resolve.component import fetch_reference, resolve
@@ -223,7 +224,7 @@ def build_pipeline(spec: Spec, *, cluster: bool = False, exit_handler: "bool | N
                    reference=fetch.outputs["reference"], onnx_model=exp.outputs["onnx_model"])
         validations, searches = [], []
         for v in variants:
-            if v.backend == "torch":  # built from the torch reference itself, not from the ONNX export
+            if get_builder(v.backend).source == "torch":  # built from the torch reference, not the ONNX export
                 build = task(build_torch_variant, f"build-{v.name}", v.needs_gpu,
                              spec_yaml=step_spec_yaml(spec, v.name), variant_name=v.name,
                              resolved=fetch.outputs["resolved"], reference=fetch.outputs["reference"])

@@ -1,6 +1,6 @@
 """The ONNX graph files of a build: parsed once per build, checked, saved self-contained, counted.
 
-The builders (`onnxruntime_builder.py`, `tensorrt_build.py`), calibration (`calibration.py`), the diagnostics
+The builders (`builders/onnxruntime.py`, `builders/tensorrt.py`), calibration (`calibration.py`), the diagnostics
 (`diagnostics.py`) and the sensitivity analysis (`sensitivity.py`) read and write graphs through these helpers:
 `_graph` (the per-build parse memo, `_graph_scope`), `_check_inputs` (the FP32 file and the calibration rows a
 variant needs), `_save_self_contained` (one file, external data only above 2 GB), `_op_counts` / `_summary` (what

@@ -1,0 +1,142 @@
+"""`tailguard monitor serve`: one monitor process, from its start to its shutdown.
+
+`serve` checks the model files and the ports, builds the MonitorService (monitoring/service.py `create_service`),
+and serves its HTTP app (monitoring/app.py) with uvicorn, the OIP over gRPC (monitoring/grpc_ingest.py) when
+asked, and the probe port (monitoring/probe.py) once the ingest port listens; it stops them all when uvicorn
+returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tailguard.core.errors import InputError
+from tailguard.core.pt2_archive import MONITOR_FIX, check_pt2_archive
+from tailguard.core.spec import load_spec
+from tailguard.monitoring.app import uvicorn_config
+from tailguard.monitoring.combine import WAIT_POLLS
+from tailguard.monitoring.probe import ProbeServer
+from tailguard.monitoring.service import create_service
+
+# the monitor service's logger: one name for its records, whichever of the service's modules writes them
+log = logging.getLogger("tailguard.monitoring.service")
+
+
+def _start_probe_when_listening(server: Any, probe: ProbeServer, host: str) -> None:
+    """Start answering on the probe port once uvicorn listens on the ingest port, so the probe port never says
+    ready while mirrored traffic would be refused (a kubelet probe meanwhile waits in the socket's backlog)."""
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if server.started:
+        probe.start()
+        log.warning("probe port (/healthz, /readyz, /metrics) on %s:%d", host, probe.port)
+
+
+def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | Path | None,
+          host: str = "0.0.0.0", port: int = 8080, *, evidence_only: bool = False, peers: list[str] | None = None,
+          poll_interval_s: float = 5.0, grpc_port: int | None = None, expect_replicas: int | None = None,
+          peer_dns: list[str] | None = None, peer_wait_polls: int = WAIT_POLLS,
+          auth_token_file: str | Path | None = None, candidate_version: str | None = None,
+          tracking_uri: str | None = None, centroids: str | Path | None = None, trusted: bool = False,
+          probe_port: int | None = None) -> None:
+    """`tailguard monitor serve`: run the monitor until interrupted.
+
+    A missing model file does not stop the service: live traffic is still accepted and counted, /readyz
+    answers 503 naming the missing model (`dropped_total{reason="reference_missing"}` counts the sampled
+    requests that could not be compared).
+
+    Args:
+        spec_path: spec YAML (its monitoring section is required).
+        reference: FP32 reference .onnx.
+        candidate: candidate .onnx (None: pairs-only monitor).
+        host: bind address (HTTP and gRPC).
+        port: TCP port of the HTTP service.
+        evidence_only: run as a replica (export evidence, never alert).
+        peers: replica base URLs to combine (run as the combiner).
+        poll_interval_s: seconds between reads of the peers' evidence.
+        expect_replicas: replica processes the deployment runs (combiner only; /readyz not ready while fewer
+            answer).
+        peer_dns: headless Services (`NAME:PORT`) whose addresses are the replicas (run as the combiner).
+        peer_wait_polls: polls the combiner waits for an unreadable replica (evidence ordering).
+        grpc_port: also serve the OIP over gRPC on this port (monitoring/grpc_ingest.py), feeding the same
+            admission; None: HTTP only.
+        auth_token_file: file holding the bearer token every endpoint but /healthz requires (overrides
+            monitoring.auth_token_file / auth_token_env); None: the spec's source, or no authentication.
+        candidate_version: the candidate's registry version (NAME@ALIAS, NAME/VERSION or models:/...), whose
+            `tailguard.validated_on` tag the node check compares this node with; None: not checked.
+        tracking_uri: the MLflow registry holding it (None: the store every command uses: the spec's
+            mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else the one under $TAILGUARD_HOME).
+        centroids: the centroids.npz of the nearest_centroid slices (None: from candidate_version's run).
+        trusted: `--trusted`: load a .pt2 model file without first refusing an archive that holds code.
+        probe_port: serve /healthz, /readyz and /metrics also on this port, from a server the ingest port's
+            connections cannot starve (`ProbeServer`); None: monitoring.probe_port (default 8082); 0: off.
+
+    Raises:
+        SpecError: bad spec (exit 2).
+        InputError: the gRPC or probe port cannot be bound (or is the HTTP port); the token cannot be read
+            (exit 2).
+        UntrustedModelError: (exit 2, before anything is served) a .pt2 reference or candidate whose loading would
+            run code from it (a pickled weight or constant, a custom object, an AOTInductor package), without
+            `trusted` (tailguard.core.pt2_archive).
+    """
+    import uvicorn
+
+    for model_file in (reference, candidate):
+        if model_file is not None and Path(model_file).suffix == ".pt2" and Path(model_file).is_file():
+            check_pt2_archive(model_file, trusted=trusted, fix=MONITOR_FIX)
+
+    # the probe port is checked and bound before the service starts any thread (a refusal then exits cleanly)
+    if probe_port is None:
+        mon = load_spec(spec_path).monitoring  # None: create_service refuses the spec below
+        probe_port = mon.probe_port if mon is not None else 0
+    probe = None
+    if probe_port:
+        if probe_port in (port, grpc_port):
+            raise InputError(f"the probe port {probe_port} is also the {'HTTP' if probe_port == port else 'gRPC'} "
+                             "port", hint="give --probe-port (monitoring.probe_port) a port of its own, or 0 to "
+                                          "turn it off")
+        probe = ProbeServer(None, host, probe_port)  # answers once the ingest port listens
+    try:
+        service = create_service(spec_path, reference, candidate, evidence_only=evidence_only, peers=peers,
+                                 poll_interval_s=poll_interval_s, auth_token_file=auth_token_file,
+                                 expect_replicas=expect_replicas, peer_dns=peer_dns, peer_wait_polls=peer_wait_polls,
+                                 candidate_version=candidate_version, tracking_uri=tracking_uri, centroids=centroids,
+                                 trusted=trusted)
+    except BaseException:
+        if probe is not None:
+            probe.stop()
+        raise
+    if probe is not None:
+        probe.attach(service)
+    if service.auth is None:
+        log.warning("no bearer token configured (monitoring.auth_token_env / auth_token_file): every endpoint is "
+                    "open to whoever reaches the port; restrict it with a NetworkPolicy (docs/deploy.md)")
+    grpc_server = None
+    if grpc_port is not None:
+        from tailguard.monitoring.grpc_ingest import start_grpc
+
+        try:
+            grpc_server, bound = start_grpc(service, host, grpc_port)
+        except InputError:
+            if probe is not None:
+                probe.stop()
+            service.stop()
+            raise
+        log.warning("OIP gRPC ingest on %s:%d", host, bound)
+    try:
+        # the app answers 503 past max_concurrent_requests ingest requests (counted); uvicorn's own limit bounds
+        # the connections and tasks beyond that (its plain 503, not counted)
+        server = uvicorn.Server(uvicorn_config(service, host, port))
+        if probe is not None:
+            threading.Thread(target=_start_probe_when_listening, args=(server, probe, host), name="tg-probe-start",
+                             daemon=True).start()
+        server.run()
+    finally:
+        if grpc_server is not None:
+            grpc_server.stop(1.0)
+        if probe is not None:
+            probe.stop()
