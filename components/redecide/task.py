@@ -132,7 +132,7 @@ def log_decided(client: Any, exp_id: str, spec: Any, parent_run_id: str, d: Deci
             client.set_tag(run_id, ARTIFACT_FINGERPRINT_TAG, earlier.tags[ARTIFACT_FINGERPRINT_TAG])
         out = log_validated_model(client, run_id, d.result, work_dir=d.work, model_file=d.model_file,
                                   execution_provider=v.execution_provider,
-                                  identity=dataclasses.replace(identity), onnx=v.backend == "onnxruntime",
+                                  identity=dataclasses.replace(identity), onnx=v.artifact == "onnx",
                                   model_uri=d.record["model_uri"])
     return {**d.record, "run_id": run_id, "model_uri": out["model_uri"]}
 

@@ -294,7 +294,7 @@ def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, 
                     SHA256_TAG: r.sha256 or "",
                     SPEC_SHA256_TAG: spec_sha, RUN_ID_TAG: run_id,
                     VALIDATED_ON_TAG: validated_on_text(nodes.get(row.variant, [])), **extra}
-            if v.backend in ("torch", "tensorrt"):  # a node-bound artefact folder, not an MLflow model: by source
+            if v.artifact != "onnx":  # a node-bound folder (.pt2, TensorRT plan), not an MLflow model: by source
                 mv = register_artifact_folder(client, spec.optimized_model_name, r.model_uri, run_id, tags)
             else:
                 mv = mlflow.register_model(r.model_uri, spec.optimized_model_name, tags=tags)

@@ -211,7 +211,7 @@ def _validate(spec: Spec, variant: VariantSpec, build: dict, baselines: dict, va
         out = log_validated_model(client, run_id, result, work_dir=work, model_file=model_file,
                                   execution_provider=variant.execution_provider, metrics=metrics,
                                   report_path=report_path, identity=identity,
-                                  onnx=variant.backend == "onnxruntime")  # torch, TensorRT: the file + manifest
+                                  onnx=variant.artifact == "onnx")  # torch, TensorRT: the file + manifest
         if measurements is not None:  # the local cache: true when nothing was measured again (a gate-only change)
             out["cached"] = reused and not measurements.changed
         return out

@@ -25,7 +25,7 @@ from tailguard.components.build.registry import (
     register_builder,
     registered_builders,
 )
-from tailguard.core.spec.models import ModelSpec, VariantSpec
+from tailguard.core.spec.models import BACKEND_ARTIFACTS, ModelSpec, VariantSpec
 
 
 def spec_backends() -> list[str]:
@@ -43,6 +43,16 @@ def test_registry_has_one_builder_per_spec_backend_literal_when_every_module_is_
     assert not orphans, (f"builders without a spec backend literal: {orphans}; add the literal to "
                          "tailguard.core.spec.models.VariantSpec.backend (docs/builders.md)")
     assert builder_modules() == literals  # one module per builder, named after its backend, nothing else there
+
+
+def test_every_spec_backend_declares_its_artifact_when_the_steps_after_the_build_log_it():
+    """Validate, redecide and register log and register a variant by what its artefact is (`VariantSpec.artifact`:
+    an ONNX file is an MLflow ONNX model, a .pt2 or a TensorRT plan a folder), never by the backend's name, so a
+    new backend needs its literal, its builder module and one BACKEND_ARTIFACTS entry."""
+    assert sorted(BACKEND_ARTIFACTS) == spec_backends()
+    assert set(BACKEND_ARTIFACTS.values()) <= {"onnx", "pt2", "engine"}
+    assert VariantSpec(name="v", backend="onnxruntime", precision="fp32").artifact == "onnx"
+    assert VariantSpec(name="t", backend="torch", precision="fp32", device="cpu").artifact == "pt2"
 
 
 def test_registry_entry_lives_in_its_backends_module_when_looked_up():

@@ -637,6 +637,14 @@ class TensorRTSpec(SpecModel):
         return v
 
 
+# What each build backend's artefact is, which decides how the steps after the build log and register it
+# (docs/builders.md). "onnx": a portable ONNX file, logged and registered as an MLflow ONNX model; "pt2" (an
+# AOTInductor package or exported program with its manifest) and "engine" (a TensorRT plan): node-bound folders,
+# registered by source. A new backend adds its literal to `VariantSpec.backend` and its entry here
+# (tests/components/test_builders.py checks both).
+BACKEND_ARTIFACTS: dict[str, str] = {"onnxruntime": "onnx", "tensorrt": "engine", "torch": "pt2"}
+
+
 class VariantSpec(SpecModel):
     """One inference variant to build and validate: backend x precision x calibration."""
 
@@ -676,6 +684,12 @@ class VariantSpec(SpecModel):
             raise ValueError("tensorrt applies to backend tensorrt or to execution_provider TensorrtExecutionProvider "
                              f"(this variant: backend {self.backend}, execution_provider {self.execution_provider})")
         return self
+
+    @property
+    def artifact(self) -> str:
+        """What the build step makes (BACKEND_ARTIFACTS): "onnx" (a portable ONNX file, an MLflow ONNX model),
+        "pt2" or "engine" (a node-bound artefact folder, registered by source)."""
+        return BACKEND_ARTIFACTS[self.backend]
 
     @property
     def uses_tensorrt(self) -> bool:
