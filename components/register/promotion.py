@@ -6,6 +6,7 @@ the current holder does not win (`promote`). A failed gate never moves an alias;
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -178,8 +179,8 @@ def decide_promotion(candidates: list[VariantSummary], *, margin: float | None, 
 
 
 def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, VariantResult], variants: dict[str, Any],
-                    *, margin: float, batch_size: int, baselines: Callable[[], dict[str, Any]] | None = None
-                    ) -> dict[str, Any] | None:
+                    *, margin: float, batch_size: int, baselines: Callable[[], dict[str, Any]] | None = None,
+                    clock: Callable[[], int] = time.perf_counter_ns) -> dict[str, Any] | None:
     """Time the passing variants, and the FP32 references beside them, interleaved in this process: paired rounds
     at the promotion batch size, until the fastest's advantage over every other is decided against 1 + margin or
     the budget ends. These rounds are the one timing the summary table, the report and the parent run's
@@ -210,6 +211,8 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
         baselines: callable() -> {"torch": torch eager runner, "onnx_fp32": ONNX FP32 export runner} (either may be
             missing: an ONNX reference has no torch eager), or None: the rounds hold the variants only. A baseline
             that does not load leaves the comparison without baselines (printed), not without a comparison.
+        clock: the rounds' clock (ns; `interleaved_benchmark`), time.perf_counter_ns; tests pass a seeded one where
+            the claim under test is about the statistics, not the machine.
 
     Returns:
         {"leader": name, "ratios": {name: {"name", "ratio", "lower", "upper"}} for every other row, "rounds",
@@ -296,7 +299,7 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
             with pressure:  # how short of CPU the node was while the rounds were timed
                 timed = interleaved_benchmark(runners, ds, spec.model.inputs, bench,
                                               pad_values=spec.model.pad_values, decide=decide,
-                                              min_rounds=DECISION_MIN_ROUNDS)
+                                              min_rounds=DECISION_MIN_ROUNDS, clock=clock)
         except (TailguardError, OSError, mlflow.exceptions.MlflowException) as exc:
             print(f"tailguard register: no paired promotion comparison: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
