@@ -64,7 +64,7 @@ from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.app import build_app
 from tailguard.monitoring.config import resolve_config
-from tailguard.monitoring.detector import sprt_expected_samples
+from tailguard.monitoring.cusum import sprt_expected_samples
 from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay

@@ -84,7 +84,8 @@ from enum import StrEnum
 from typing import Any, Callable, Mapping, Sequence
 
 from tailguard.monitoring.config import ALL_SLICE
-from tailguard.monitoring.detector import ACC_FIELDS, DETECTOR, N_BETS, Betting, Evaluation, SliceStatistics
+from tailguard.monitoring.cusum import ACC_FIELDS, N_BETS, Betting
+from tailguard.monitoring.detector import DETECTOR, Evaluation, SliceStatistics
 
 log = logging.getLogger("tailguard.monitoring.combine")
 

@@ -14,7 +14,8 @@ from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.app import build_app
 from tailguard.monitoring.config import Bound, resolve_config
-from tailguard.monitoring.detector import SliceStatistics, bettings
+from tailguard.monitoring.cusum import bettings
+from tailguard.monitoring.detector import SliceStatistics
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.service import MonitorService
 

@@ -9,14 +9,8 @@ import numpy as np
 import pytest
 
 from tailguard.monitoring.config import Bound
-from tailguard.monitoring.detector import (
-    ACC_FIELDS,
-    BET_FRACTIONS,
-    SliceStatistics,
-    bettings,
-    request_units,
-    window_estimate,
-)
+from tailguard.monitoring.cusum import ACC_FIELDS, BET_FRACTIONS, bettings, request_units, window_estimate
+from tailguard.monitoring.detector import SliceStatistics
 
 AGREE = Bound("top1_agree", 0.97, True, "min")
 # rows per request -> (share of requests, per-row agreement); issue 41's scenario (benchmarks/bench_monitor.py)

@@ -9,7 +9,8 @@ from tailguard.core.errors import SpecError
 from tailguard.core.spec import parse_spec
 from tailguard.monitoring import testing as T
 from tailguard.monitoring.config import Bound, clean_label, resolve_config
-from tailguard.monitoring.detector import SliceStatistics, alarm_threshold, bettings, sprt_expected_samples
+from tailguard.monitoring.cusum import alarm_threshold, bettings, sprt_expected_samples
+from tailguard.monitoring.detector import SliceStatistics
 from tailguard.monitoring.sampler import LongTailSampler
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
