@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tailguard.core.taskio import json_default
+
 if TYPE_CHECKING:
     from tailguard.core.spec.models import Spec, VariantSpec
 
@@ -166,7 +168,7 @@ def save_fn(key: str, variant: VariantSpec) -> Any:
                 arrays["exact_outputs"] = meas.exact_outputs
             np.savez(Path(tmp) / MEASUREMENTS_NPZ, **arrays)
             timing = {n: {str(bs): row for bs, row in rows.items()} for n, rows in (meas.timing or {}).items()}
-            Path(tmp, TIMING_JSON).write_text(json.dumps(timing, default=json_default_safe))
+            Path(tmp, TIMING_JSON).write_text(json.dumps(timing, default=json_default))
             try:
                 cache.store(key, tmp, {MEASUREMENTS_DIGEST: measurements_digest(Path(tmp)),
                                        "rows_scored": int(meas.order.size),
@@ -178,12 +180,3 @@ def save_fn(key: str, variant: VariantSpec) -> Any:
                 pass
 
     return save
-
-
-def json_default_safe(o: Any) -> Any:
-    """json default for numpy scalars and arrays in stored timing rows."""
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
