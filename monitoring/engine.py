@@ -206,17 +206,17 @@ class MonitorEngine:
         judged = [self._judge(it) for it in items]
         per_row = [j.rows is not None and isinstance(it.keys, RowKeys) and it.keys.per_row
                    for it, j in zip(items, judged)]
-        labels = iter(self._output_labels([j.reference[j.keep] for j, p in zip(judged, per_row) if p]))
+        kept = [j.reference[j.keep] if p else None for j, p in zip(judged, per_row)]  # per-row requests' outputs
+        labels = iter(self._output_labels([ref for ref in kept if ref is not None]))
         requests: list[GroupedRequest | None] = []
-        for it, j, p in zip(items, judged, per_row):
+        for it, j, p, ref in zip(items, judged, per_row, kept):
             if j.rows is None:
                 requests.append(None)
                 continue
             ratios = dict(zip(it.keys, it.decision.ratios)) if it.decision.ratios else {}
             if p:
                 base = ratios.get(ALL_SLICE, 1.0)
-                groups = self.cfg.row_groups(it.keys, j.reference[j.keep], j.keep,  # type: ignore[arg-type]
-                                             outputs=next(labels))
+                groups = self.cfg.row_groups(it.keys, ref, j.keep, outputs=next(labels))  # type: ignore[arg-type]
                 r = [[ratios.get(k, base) for k in group_keys] for group_keys, _ in groups] if ratios else None
             else:
                 groups = [(list(it.keys), None)]
