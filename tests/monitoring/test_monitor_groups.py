@@ -27,12 +27,12 @@ def _pair(max_request_rows=16, **kw):
     return (SliceStatistics("m", METRICS, BOUNDS, **args), SliceStatistics("m", METRICS, BOUNDS, **args))
 
 
-def _request(rng, rows, classes, agree=0.95, nan_rate=0.0):
+def _request(rng, rows, classes, agree=0.95, nan_rate=0.0, error_rate=0.01, kl_scale=0.1):
     labels = rng.integers(0, classes, rows)
     groups = [(["all", "domain=a"], None)] + [([f"predicted={c}"], np.flatnonzero(labels == c))
                                               for c in np.unique(labels)]
-    values = {"top1_agree": (rng.random(rows) < agree).astype(float), "kl_divergence": rng.random(rows) * 0.1,
-              "abs_error": rng.random(rows), "candidate_error_rate": (rng.random(rows) < 0.01).astype(float)}
+    values = {"top1_agree": (rng.random(rows) < agree).astype(float), "kl_divergence": rng.random(rows) * kl_scale,
+              "abs_error": rng.random(rows), "candidate_error_rate": (rng.random(rows) < error_rate).astype(float)}
     if nan_rate:
         values["kl_divergence"][rng.random(rows) < nan_rate] = np.nan
     return groups, values
@@ -60,6 +60,11 @@ def _assert_same(a, b):
             assert np.allclose(sx.alarm.s, sy.alarm.s, rtol=1e-9, atol=1e-12), (key, m)
             assert sx.alarm.start == sy.alarm.start and sx.active == sy.active, (key, m)
             assert np.allclose(sx.acc, sy.acc, rtol=1e-9, atol=1e-12), (key, m)
+            for j, level in enumerate(sx.alarm.s):
+                if level > 0:  # a running CUSUM's change point and window mark (the alert's value reads them)
+                    assert sx.alarm.start_request[j] == sy.alarm.start_request[j], (key, m, j)
+                    mx, my = sx.alarm.mark[j], sy.alarm.mark[j]
+                    assert (mx is None) == (my is None) and (mx is None or np.allclose(mx, my, rtol=1e-9)), (key, m, j)
 
 
 def test_update_groups_matches_one_update_per_group_when_a_drifted_class_alarms():
@@ -76,6 +81,42 @@ def test_update_groups_matches_one_update_per_group_when_a_drifted_class_alarms(
     _assert_same(grouped, looped)
     assert [(a.slice, a.metric) for a in fired_g] == [(a.slice, a.metric) for a in fired_l]
     assert ("predicted=2", "top1_agree") in [(a.slice, a.metric) for a in fired_g]
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_update_batch_matches_one_update_per_group_when_cusums_rise_and_clip_within_a_batch(batch):
+    """Micro-batches of `batch` requests whose agreement hovers around the threshold, so each key's CUSUMs leave
+    zero, climb and clip back several times inside one batch, and class 2 drifts until it alarms: the state,
+    change points, window marks and alerts (values included) equal one `update` per group in order."""
+    from tailguard.monitoring.detector import GroupedRequest
+
+    grouped, looped = _pair()
+    rng = np.random.default_rng(17)
+    fired_g, fired_l = [], []
+    for b in range(900 // batch):
+        reqs = []
+        for k in range(batch):
+            i = b * batch + k
+            groups, values = _request(rng, 16, 4, agree=0.985, error_rate=0.0, kl_scale=0.09)
+            drifted = [idx for keys, idx in groups if keys == ["predicted=2"]]
+            if i >= 450 and drifted:
+                values["top1_agree"][drifted[0]] = (rng.random(len(drifted[0])) < 0.7).astype(float)
+            ratios = [[0.5] * len(keys) for keys, _ in groups] if k % 3 == 0 else None
+            reqs.append(GroupedRequest(groups, values, 1.5, ratios, i))
+            fired_l += _per_group_ratios(looped, groups, values, ratios, request_index=i)
+        fired_g += [a for ev in grouped.update_batch(reqs) for a in ev.fired]
+    _assert_same(grouped, looped)
+    key = [(a.slice, a.metric, a.request_index, round(a.value, 9), a.window_requests) for a in fired_g]
+    assert key == [(a.slice, a.metric, a.request_index, round(a.value, 9), a.window_requests) for a in fired_l]
+    assert ("predicted=2", "top1_agree") in [(a.slice, a.metric) for a in fired_g]
+
+
+def _per_group_ratios(st_, groups, values, ratios, **kw):
+    fired = []
+    for (keys, idx), r in zip(groups, ratios or [None] * len(groups)):
+        part = values if idx is None else {m: v[idx] for m, v in values.items()}
+        fired += st_.update(keys, part, 1.5, r, **kw).fired
+    return fired
 
 
 def test_update_groups_matches_one_update_per_group_when_values_hold_nan_or_a_group_exceeds_m():
@@ -166,9 +207,11 @@ def test_engine_observe_batch_matches_one_observe_per_request_when_requests_are_
             items.append((keys_b, dec_b, keys_s, dec_s, ref, None if failure else cand, failure, b * 100 + k))
         evs = batched.observe_batch([Observation(kb, db, ref, cand, idx, failure=f)
                                      for kb, db, _, _, ref, cand, f, idx in items])
-        fired_b += [(a.slice, a.metric, a.request_index) for ev in evs for a in ev.fired]
+        fired_b += [(a.slice, a.metric, a.request_index, round(a.value, 9), a.rows_seen, a.window_requests,
+                     a.change_point_request_index) for ev in evs for a in ev.fired]
         for _, _, ks, ds, ref, cand, f, idx in items:
-            fired_s += [(a.slice, a.metric, a.request_index)
+            fired_s += [(a.slice, a.metric, a.request_index, round(a.value, 9), a.rows_seen, a.window_requests,
+                         a.change_point_request_index)
                         for a in single.observe(ks, ds, ref, cand, request_index=idx, failure=f).fired]
     _assert_same(batched.stats, single.stats)
     assert fired_b == fired_s
