@@ -15,7 +15,7 @@ Sections of the JSON it writes:
 * overload: a slow real reference (input-dependent 1024x1024 MatMul chain, ~4-7 compares/s), 500 requests/s
   offered in process with 20% sampling (>= 10x the shadow's measured capacity), queue bound 100: process RSS
   every 0.5 s, drops by reason, ingest p99. Target: RSS flat once the queue is full, drops counted, no blocking.
-* detection: the real sampler and statistics (MonitorEngine) fed with simulated per-row top-1 agreement: every
+* detection: the real sampler and statistics (SliceMonitor) fed with simulated per-row top-1 agreement: every
   slice agrees at 0.99; after a burn-in one slice carrying 1% of traffic drops 5 points to 0.94; threshold
   0.97 (= baseline 0.99 - max_drop 0.02). Reports the drifted slice's post-change samples needed to alert
   (median / p90 over repetitions, misses) next to Wald's SPRT expected sample number and the fixed-sample
@@ -65,10 +65,10 @@ from tailguard.monitoring import testing as T
 from tailguard.monitoring.app import build_app
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.cusum import sprt_expected_samples
-from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.service import MonitorService
+from tailguard.monitoring.slice_monitor import SliceMonitor
 
 QUEUE = 100  # overload queue bound (small, so it fills within the run)
 OVERLOAD_RATE = 0.2  # 500 req/s x 0.2 = 100 sampled/s, >= 10x the slow reference's ~4-7 compares/s
@@ -247,7 +247,7 @@ def bench_ingest(d, duration):
                           "max": _pct(svc.ingest_times, 100)},
             "client_round_trip_ms": {"p50": _pct(times, 50), "p99": _pct(times, 99)}}
     res = {"duration_s": duration, "sample_rate": 0.1, "in_process": in_process, "http": http,
-           "compared_rows": svc.engine.compared_rows,
+           "compared_rows": svc.monitor.compared_rows,
            "dropped": {r: get("tailguard_monitor_dropped_total", {"reason": r}) for r in
                        ("queue_full", "reference_timeout", "reference_error")},
            "load_average_1m": os.getloadavg()[0]}
@@ -355,7 +355,7 @@ def _zipf_locales(share, rng, n):
 def _detect_once(cfg, pools, share, pair, seed, change_at, max_requests):
     """One stream: drift 1.00 -> 0.94 from `change_at` in locale=37 (and ink=low when `pair`); stops at the
     first alert. Returns (delay in sampled slice rows after the change or None, false alarms, requests)."""
-    engine = MonitorEngine(cfg, seed=seed)
+    monitor = SliceMonitor(cfg, seed=seed)
     rng = np.random.default_rng(50_000 + seed)
     good, drift = pools["good"], pools["drift"]
     block = 200_000
@@ -368,13 +368,13 @@ def _detect_once(cfg, pools, share, pair, seed, change_at, max_requests):
         pick = rng.integers(0, len(drift), block)
         for j in range(block):
             i = b0 + j
-            keys, dec = engine.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
+            keys, dec = monitor.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
             if not dec.sampled:
                 continue
             drifted = i >= change_at and loc[j] == 37 and (not pair or ink[j] == "low")
             post += drifted
             v = drift[pick[j]] if drifted else good[pick[j] % len(good)]
-            ev = engine.observe_values(keys, dec, {"top1_agree": v, "kl_divergence": 0.0, "abs_error": 0.0},
+            ev = monitor.observe_values(keys, dec, {"top1_agree": v, "kl_divergence": 0.0, "abs_error": 0.0},
                                        request_index=i)
             for a in ev.fired:
                 if a.slice == target and i >= change_at:
@@ -396,7 +396,7 @@ def _detect_case(args):
     cfg = resolve_config(parse_spec(T.spec_dict(mon)))
     with tempfile.TemporaryDirectory() as tmp:
         pools = _real_agreement_pools(Path(tmp))
-    h = MonitorEngine(cfg).stats.h
+    h = SliceMonitor(cfg).stats.h
     eff_share = share / 3 if pair else share
     # Wald's SPRT at the level of each start point of the detector (e^-h, the per-test level behind the stream
     # guarantee), p0 = the threshold, p1 = the drifted agreement, beta = 0.05.
@@ -458,7 +458,7 @@ def bench_false_alarms(d, n, sample_rate=0.25):
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": 1,
                                                  "slice_columns": ["locale", "digit", "ink"],
                                                  "slice_pairs": [["locale", "ink"]]})))
-    engine, rng = MonitorEngine(cfg, seed=1), np.random.default_rng(2)
+    monitor, rng = SliceMonitor(cfg, seed=1), np.random.default_rng(2)
     fired, block, maxstat = 0, 200_000, 0.0
     t0 = time.perf_counter()
     for b0 in range(0, n, block):
@@ -466,15 +466,15 @@ def bench_false_alarms(d, n, sample_rate=0.25):
         loc = _zipf_locales(0.01, rng, m)
         digit, ink, pick = rng.integers(0, 10, m), rng.choice(["low", "mid", "high"], m), rng.integers(0, len(stat), m)
         for j in range(m):
-            keys, dec = engine.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
+            keys, dec = monitor.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
             if dec.sampled:
-                fired += len(engine.observe_values(keys, dec, {"top1_agree": stat[pick[j]], "kl_divergence": 0.0,
+                fired += len(monitor.observe_values(keys, dec, {"top1_agree": stat[pick[j]], "kl_divergence": 0.0,
                                                                "abs_error": 0.0}, request_index=b0 + j).fired)
-    st = engine.stats
+    st = monitor.stats
     maxstat = max(s.evidence(st.h) for s in st.slices.values())
     return {"fp32_vs_fp32": fp32,
             "stationary_0p975_vs_threshold_0p97": {
-                "requests": n, "sampled": engine.sampler.sampled_total, "sample_rate": sample_rate,
+                "requests": n, "sampled": monitor.sampler.sampled_total, "sample_rate": sample_rate,
                 "true_agreement": float(stat.mean()), "slices_tracked": len(st.slices), "alerts": fired,
                 "max_evidence_over_alarm_level": maxstat, "alarm_threshold_h": st.h,
                 "seconds": round(time.perf_counter() - t0, 1)}}
@@ -494,19 +494,19 @@ def bench_flood(n, sample_rate=0.05):
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": 0,
                                                  "slice_columns": ["locale", "digit"]})))
     rss0 = proc.memory_info().rss
-    flood, base = MonitorEngine(cfg, seed=0, metrics=MonitorMetrics()), MonitorEngine(cfg, seed=1)
+    flood, base = SliceMonitor(cfg, seed=0, metrics=MonitorMetrics()), SliceMonitor(cfg, seed=1)
     times = {"flood": [], "baseline": []}
     at_100k = None
     rnd = 10_000
     for r0 in range(0, n, rnd):
-        for name, engine in (("flood", flood), ("baseline", base)):
+        for name, monitor in (("flood", flood), ("baseline", base)):
             t = times[name]
             for i in range(r0, min(n, r0 + rnd)):
                 meta = {"locale": f"v{i}" if name == "flood" else f"v{i % 100}", "digit": i % 10}
                 t0 = time.perf_counter()
-                keys, dec = engine.admit(meta)
+                keys, dec = monitor.admit(meta)
                 if dec.sampled:
-                    engine.observe_values(keys, dec, {"top1_agree": 1.0, "kl_divergence": 0.0, "abs_error": 0.0})
+                    monitor.observe_values(keys, dec, {"top1_agree": 1.0, "kl_divergence": 0.0, "abs_error": 0.0})
                 t.append(time.perf_counter() - t0)
         if at_100k is None and len(flood.stats.slices) >= 100_000:
             at_100k = {"requests": r0 + rnd, "slices_tracked": len(flood.stats.slices),
@@ -526,7 +526,7 @@ def bench_flood(n, sample_rate=0.05):
                                      "baseline_p99": float(np.percentile(b, 99)),
                                      "p99_ratio_flood_over_baseline":
                                          float(np.percentile(f, 99) / np.percentile(b, 99))},
-            "note": "in-process MonitorEngine.admit (+ observe_values when sampled), timed per call; baseline: the "
+            "note": "in-process SliceMonitor.admit (+ observe_values when sampled), timed per call; baseline: the "
                     "same calls with 100 repeating slice values, interleaved in rounds of 10k requests"}
 
 
@@ -547,7 +547,7 @@ def _batched_stream(args):
     rows, correlated, agreement, n, seed, per_row = args
     _quiet()
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": seed, **SLICE_MON})))
-    engine = MonitorEngine(cfg, seed=seed)
+    monitor = SliceMonitor(cfg, seed=seed)
     rng = np.random.default_rng(10_000 + 1000 * rows + seed)
     loc, digit = _zipf_locales(0.01, rng, n), rng.integers(0, 10, n)
     ink = rng.choice(["low", "mid", "high"], n)
@@ -559,19 +559,19 @@ def _batched_stream(args):
     fired, first = 0, None
     t0 = time.perf_counter()
     for i in range(n):
-        keys, dec = engine.admit({"locale": int(loc[i]), "digit": int(digit[i]), "ink": ink[i]})
+        keys, dec = monitor.admit({"locale": int(loc[i]), "digit": int(digit[i]), "ink": ink[i]})
         if per_row:
             for v in vals[i]:
-                ev = engine.observe_values(keys, dec, {"top1_agree": float(v), "candidate_error_rate": 0.0},
+                ev = monitor.observe_values(keys, dec, {"top1_agree": float(v), "candidate_error_rate": 0.0},
                                            request_index=i)
                 fired += len(ev.fired)
         else:
-            ev = engine.observe_values(keys, dec, {"top1_agree": vals[i], "candidate_error_rate": zeros},
+            ev = monitor.observe_values(keys, dec, {"top1_agree": vals[i], "candidate_error_rate": zeros},
                                        request_index=i)
             fired += len(ev.fired)
         if fired and first is None:
             first = i + 1
-    st = engine.stats
+    st = monitor.stats
     return {"alerts": fired, "first_alert_request": first, "true_agreement": float(vals.mean()),
             "max_evidence_over_alarm_level": max(sl.evidence(st.h) for sl in st.slices.values()),
             "alarm_threshold_h": st.h, "seconds": round(time.perf_counter() - t0, 1)}
@@ -634,7 +634,7 @@ def _batched_detect_once(args):
     _quiet()
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, "seed": seed, **SLICE_MON,
                                                  "max_request_rows": rows})))  # M declared = the request size
-    engine = MonitorEngine(cfg, seed=seed)
+    monitor = SliceMonitor(cfg, seed=seed)
     rng = np.random.default_rng(20_000 + seed)
     post, block = 0, 100_000
     ones, zeros = np.ones(rows), np.zeros(rows)
@@ -643,13 +643,13 @@ def _batched_detect_once(args):
         digit, ink = rng.integers(0, 10, block), rng.choice(["low", "mid", "high"], block)
         for j in range(block):
             i = b0 + j
-            keys, dec = engine.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
+            keys, dec = monitor.admit({"locale": int(loc[j]), "digit": int(digit[j]), "ink": ink[j]})
             if not dec.sampled:
                 continue
             drifted = i >= change_at and loc[j] == 37
             post += drifted
             v = (rng.random(rows) < 0.94).astype(float) if drifted else ones
-            ev = engine.observe_values(keys, dec, {"top1_agree": v, "candidate_error_rate": zeros}, request_index=i)
+            ev = monitor.observe_values(keys, dec, {"top1_agree": v, "candidate_error_rate": zeros}, request_index=i)
             for a in ev.fired:
                 if a.slice == "locale=37" and i >= change_at:
                     return post, i + 1
@@ -664,7 +664,7 @@ def bench_batched_detection(runs=50, sizes=(1, 16, 64), share=0.01, sample_rate=
 
     change_at, max_requests = 20_000, 3_000_000
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, **SLICE_MON})))
-    h = MonitorEngine(cfg).stats.h
+    h = SliceMonitor(cfg).stats.h
     jobs = [(r, seed, sample_rate, share, change_at, max_requests) for r in sizes for seed in range(runs)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -770,20 +770,20 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
     svc._load_models()
     server, th, port = _server(svc)
     bodies = bodies if bodies is not None else _mlp_bodies()
-    svc.engine.sampler.base_rate = 1.0
+    svc.monitor.sampler.base_rate = 1.0
     for i in range(backlog):
         svc.ingest("infer", "tiny-clf", bodies[i % len(bodies)])
-    svc.engine.sampler.base_rate = 0.1
+    svc.monitor.sampler.base_rate = 0.1
     svc._worker = threading.Thread(target=svc._work, name="tg-worker", daemon=True)
-    c0, r0, t0 = svc.engine.compared_requests, svc.engine.compared_rows, time.perf_counter()
+    c0, r0, t0 = svc.monitor.compared_requests, svc.monitor.compared_rows, time.perf_counter()
     svc._worker.start()
     load = _wrk(port, bodies[0], duration)
-    compared, elapsed = svc.engine.compared_requests - c0, time.perf_counter() - t0
+    compared, elapsed = svc.monitor.compared_requests - c0, time.perf_counter() - t0
     get = svc.metrics.registry.get_sample_value
-    rows = svc.engine.compared_rows - r0
+    rows = svc.monitor.compared_rows - r0
     res = {"shadow_batch_rows": batch_rows, "compared_during_load": compared,
            "compares_per_s": round(compared / elapsed, 1), "compared_rows_per_s": round(rows / elapsed, 1),
-           "slices_tracked": len(svc.engine.stats.slices), "backlog_left": svc.queue.qsize(), "http": load,
+           "slices_tracked": len(svc.monitor.stats.slices), "backlog_left": svc.queue.qsize(), "http": load,
            "queue_full": get("tailguard_monitor_dropped_total", {"reason": "queue_full"})}
     server.should_exit = True
     th.join(10)
@@ -803,8 +803,8 @@ def _open_loop(ref, cand, batch_rows, rate, duration):
     idle = svc.wait_idle(120)
     get = svc.metrics.registry.get_sample_value
     res = {"shadow_batch_rows": batch_rows, "offered_rps": rate, "achieved_rps": round(achieved, 1),
-           "requests": len(statuses), "status_200": statuses.count(200), "sampled": svc.engine.sampler.sampled_total,
-           "compared_requests": svc.engine.compared_requests,
+           "requests": len(statuses), "status_200": statuses.count(200), "sampled": svc.monitor.sampler.sampled_total,
+           "compared_requests": svc.monitor.compared_requests,
            "queue_full": get("tailguard_monitor_dropped_total", {"reason": "queue_full"}),
            "client_round_trip_ms": {"p50": _pct(times, 50), "p99": _pct(times, 99)}, "drained": idle}
     server.should_exit = True
@@ -930,7 +930,7 @@ def _derived_detect_once(args):
 def bench_derived_detection(runs=50, sizes=(1, 16, 64), share=0.01, workers=2):
     """Detection delay of a 1.00 -> 0.94 top-1 agreement drift in a derived slice holding 1% of the ROWS (rows of
     a batched request fall into it independently: a reference class, an input bin), for 1-, 16- and 64-row
-    requests, each (request, slice group) one bet on its rows (monitor engine `update_groups`), at the alarm
+    requests, each (request, slice group) one bet on its rows (slice monitor `update_groups`), at the alarm
     level h of the default derived configuration; M = the request size and the default M = 64. Delays in sampled
     requests of all traffic (divide by the sample rate for requests served), in the slice's sampled requests and
     in its rows, with 95% intervals."""
@@ -938,7 +938,7 @@ def bench_derived_detection(runs=50, sizes=(1, 16, 64), share=0.01, workers=2):
 
     slices, _ = DERIVED_SLICES["derived_default"]
     doc = T.spec_dict({"sample_rate": 0.05, "max_request_rows": 64}, slices=slices)
-    h = MonitorEngine(resolve_config(parse_spec(doc))).stats.h
+    h = SliceMonitor(resolve_config(parse_spec(doc))).stats.h
     jobs = [(r, seed, share, h, m, 200_000) for r in sizes for m in sorted({r, 64}) for seed in range(runs)]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -970,7 +970,7 @@ def _interval(xs):
 def _engine_h(sample_rate=0.05):
     """The alarm level h of the benchmark's monitor configuration (3 slice columns, top1_agree + candidate errors)."""
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": sample_rate, **SLICE_MON})))
-    return MonitorEngine(cfg).stats.h
+    return SliceMonitor(cfg).stats.h
 
 
 def _detector_delays(rows, p_pre, p_post, h, runs, max_rows, burn=500, seed=0, limit=200_000):
@@ -1095,7 +1095,7 @@ def bench_row_weighted_delays(runs=200, linear_runs=2000, sizes=(1, 16, 64), def
             "note": "delays in the drifted slice's sampled requests after the change (the slice is sampled at its "
                     "own rate, so its detector's weight ratio is 1 and the slice share only sets how many "
                     "requests of traffic that takes); rows of a drifted request independent; the detector is the "
-                    "real SliceStatistics with h of the benchmark's monitor configuration (as MonitorEngine computes "
+                    "real SliceStatistics with h of the benchmark's monitor configuration (as SliceMonitor computes "
                     "it); best linear bet: one fixed lambda on the request's row sum (valid "
                     "under any within-request dependence), best over a grid by simulated mean; SPRT: Wald's test "
                     "on rows as if independent at alpha = e^-h, beta = 0.05, in requests"}
@@ -1114,13 +1114,13 @@ def mix_summary(mix):
 
 
 def _mixed_stream(args):
-    """One stream of `n` requests of sizes 1/16/64 with size-correlated agreement through the real MonitorEngine
+    """One stream of `n` requests of sizes 1/16/64 with size-correlated agreement through the real SliceMonitor
     (sample_rate 1: every request bets, the hardest case), slices locale/digit/ink independent of the mix."""
     name, n, seed = args
     _quiet()
     mix = MIXES[name]
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": seed, **SLICE_MON})))
-    engine = MonitorEngine(cfg, seed=seed)
+    monitor = SliceMonitor(cfg, seed=seed)
     rng = np.random.default_rng(30_000 + seed)
     sizes = np.array(list(mix))
     size = rng.choice(sizes, size=n, p=[mix[k][0] for k in sizes])
@@ -1129,9 +1129,9 @@ def _mixed_stream(args):
     fired, first, slices = 0, None, set()
     for i in range(n):
         k = int(size[i])
-        keys, dec = engine.admit({"locale": int(loc[i]), "digit": int(digit[i]), "ink": ink[i]})
+        keys, dec = monitor.admit({"locale": int(loc[i]), "digit": int(digit[i]), "ink": ink[i]})
         v = (rng.random(k) < mix[k][1]).astype(float)
-        ev = engine.observe_values(keys, dec, {"top1_agree": v, "candidate_error_rate": np.zeros(k)},
+        ev = monitor.observe_values(keys, dec, {"top1_agree": v, "candidate_error_rate": np.zeros(k)},
                                    request_index=i)
         for a in ev.fired:
             fired += 1
@@ -1141,7 +1141,7 @@ def _mixed_stream(args):
                                                                           "value_ci_high", "threshold",
                                                                           "window_rows", "reason")}}
     return {"alerts": fired, "first_alert": first, "alert_on_all": "all" in slices,
-            "max_request_rows": engine.stats.max_request_rows}
+            "max_request_rows": monitor.stats.max_request_rows}
 
 
 def bench_mixed_sizes(n=100_000, seeds=5, workers=2):
@@ -1420,7 +1420,7 @@ def _drops_at_rate(minilm_dir, n, rate, sample_rate):
         sampled = get("tailguard_monitor_sampled_total", {"model": "minilm", "slice": "all"})
         res[mode] = {"client": client, "sampled": sampled, "dropped": drops, "dropped_total": sum(drops.values()),
                      "queue_left_30s_after_traffic": 0 if idle else svc.queue.qsize(),
-                     "compared_requests": svc.engine.compared_requests,
+                     "compared_requests": svc.monitor.compared_requests,
                      "readyz_at_end_of_traffic": {"ready": ready_end[0], "reason": ready_end[1].get("reason")},
                      "reference_inference_calls": hist,
                      "batch_rows_at_end": svc.sizers["reference"].rows, "load_average_1m": os.getloadavg()[0]}

@@ -3,7 +3,7 @@ per slice (docs/monitor.md).
 
 Modules: `config` (the spec's monitoring section resolved, slice rules), `sampler` (long-tail sampling with
 weights), `detector` (per-slice sequential change detection: betting CUSUMs, false-alarm control, alert records),
-`compare` (per-row parity via tailguard.core.parity), `engine` (`MonitorEngine`, shared by service and replay),
+`compare` (per-row parity via tailguard.core.parity), `slice_monitor` (`SliceMonitor`, shared by service and replay),
 `combine` (one detector over the evidence of N replicas), `peers` (the combiner's reads of its peers), `oip` (Open
 Inference Protocol bodies), `join` (KServe payload-logger CloudEvents joined by id), `grpc_ingest` (OIP over gRPC),
 `node_check` (this node against the nodes the candidate was validated on), `prometheus` (Prometheus exposition,

@@ -252,7 +252,7 @@ class _Read:
 
 
 class Combiner:
-    """Merges evidence documents (MonitorEngine.evidence) from several sources into one SliceStatistics, once per
+    """Merges evidence documents (SliceMonitor.evidence) from several sources into one SliceStatistics, once per
     epoch, in time order (module docstring).
 
     Args:

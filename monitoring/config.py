@@ -301,7 +301,7 @@ def route_needs_auth(path: str, mon: MonitoringSpec) -> bool:
 
 class RowKeys(list):
     """A request's slice keys (a list of str, as `MonitorConfig.slice_keys` gives: every key some row carries,
-    the keys the sampler decides on) plus the per-row layout the engine needs to group the rows.
+    the keys the sampler decides on) plus the per-row layout the monitor needs to group the rows.
 
     Attributes:
         labels: one entry per rule: a str (every row in that group), a list of one label per row, or None (an
@@ -316,7 +316,7 @@ class RowKeys(list):
 
     @property
     def per_row(self) -> bool:
-        """True when some rule is labelled per row or after the reference (the engine then groups the rows)."""
+        """True when some rule is labelled per row or after the reference (the monitor then groups the rows)."""
         return any(not isinstance(lab, str) for lab in self.labels)
 
 
@@ -464,7 +464,7 @@ class MonitorConfig:
             reference: (kept rows, ...) the reference's output of the rows kept (finite).
             keep: (rows,) bool, the rows kept.
             outputs: per rule, the output-derived rule's labels of the kept rows when already computed (the
-                engine labels a micro-batch at once), else None (computed here from `reference`).
+                monitor labels a micro-batch at once), else None (computed here from `reference`).
         """
         kept = np.flatnonzero(keep)
         n = kept.size

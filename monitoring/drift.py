@@ -113,7 +113,7 @@ class DriftSnapshots:
         self._project: Any = None
 
     def add(self, record: dict[str, Any]) -> None:
-        """Add one sampled row (a MonitorEngine record); completes a window every `snapshot_every` rows."""
+        """Add one sampled row (a SliceMonitor record); completes a window every `snapshot_every` rows."""
         self.rows.append(input_features(record.get("inputs", {}), record.get("meta", {}),
                                         self.cfg.metadata_columns))
         self.ref_out.append(output_features(self.cfg.task, record["reference"]))

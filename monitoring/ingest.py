@@ -92,7 +92,7 @@ def redacted_config(cfg: MonitorConfig, fields: frozenset[str] | set[str]) -> Mo
 
 class IngestMixin:
     """Ingest and admission of `MonitorService` (monitoring/service.py), whose __init__ sets the state they read:
-    `cfg`, `metrics`, `engine` (admission: slice keys and the sampling decision), `parser` (a BodyParser),
+    `cfg`, `metrics`, `monitor` (admission: slice keys and the sampling decision), `parser` (a BodyParser),
     `join` (the payload-logger JoinBuffer), `redact` (monitoring.redact_fields), `runners`, `queue` (of
     SampledRequest, for the shadow worker), `_admit_lock` and `_seq`; it calls `_drop` (ReadinessMixin)."""
 
@@ -300,7 +300,7 @@ class IngestMixin:
         meta = redact_params(req.parameters, self.redact)
         try:
             with self._admit_lock:  # the sampler's counts and draws, and the sequence number, are not thread-safe
-                keys, decision = self.engine.admit(meta, req.feeds, headers)
+                keys, decision = self.monitor.admit(meta, req.feeds, headers)
                 self._seq += 1
                 seq = self._seq
         except InputError as exc:  # a derived slice cannot be computed from this request's tensors

@@ -86,7 +86,7 @@ class SliceRow:
 
 @dataclass
 class SliceExport:
-    """What the slice collector exposes at one scrape (monitoring/engine.py `MonitorEngine.export`)."""
+    """What the slice collector exposes at one scrape (monitoring/slice_monitor.py `SliceMonitor.export`)."""
 
     model: str
     rows: list[SliceRow]

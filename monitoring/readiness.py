@@ -78,7 +78,7 @@ class ReadinessMixin:
     sets the state they read: `cfg`, `metrics`, `runners` and `load_errors` (the loaded models, and why one is
     not), `_sources` (the model sources; None: not configured), `_health` (per role, the drop reason of each of
     the last HEALTH_WINDOW calls, None = it answered; the shadow worker appends), `drops` (a DropWindow),
-    `combiner` (None but on the combiner), `node_check`, `queue`, `join` and `engine`."""
+    `combiner` (None but on the combiner), `node_check`, `queue`, `join` and `monitor`."""
 
     @property
     def needs_candidate(self) -> bool:
@@ -121,7 +121,7 @@ class ReadinessMixin:
                        "drops": {"window_s": DROP_WINDOW_S, "sampled": sampled, "dropped": dropped,
                                  "reasons": reasons, "max_drop_rate": self.cfg.mon.max_drop_rate},
                              "queue_depth": self.queue.qsize(), "join_pending": len(self.join),
-                             "noise_floor": self.cfg.mon.noise_floor, "role": self.engine.role,
+                             "noise_floor": self.cfg.mon.noise_floor, "role": self.monitor.role,
                              "node_check": check.to_dict(), "node_mismatch": check.differences or None,
                              **({"incomplete": incomplete} if self.combiner is not None else {}),
                              **({"discovery": self.combiner.discovery}

@@ -32,7 +32,7 @@ from tailguard.core.tokens import IGNORE, NON_FINITE, align, decode_settings, ru
 from tailguard.monitoring.compare import compare_rows, reference_non_finite
 from tailguard.monitoring.config import MonitorConfig, resolve_config
 from tailguard.monitoring.drift import DriftSnapshots
-from tailguard.monitoring.engine import MonitorEngine
+from tailguard.monitoring.slice_monitor import SliceMonitor
 
 TIMESTAMP_COLUMN = "timestamp"
 # perturb(candidate_outputs (n_sampled, ...), row_indices (n_sampled,), frame) -> candidate_outputs
@@ -153,13 +153,13 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         cand_runner = candidate if hasattr(candidate, "run") else runner_for_file(candidate, cfg.inputs,
                                                                                   trusted=trusted, fix=MONITOR_FIX)
 
-    engine = MonitorEngine(cfg, seed=seed, max_request_rows=1)  # every logged row is a one-row request
+    monitor = SliceMonitor(cfg, seed=seed, max_request_rows=1)  # every logged row is a one-row request
     cols = cfg.metadata_columns
     meta_rows = ds.frame[cols].to_dict("records") if cols else [{}] * ds.n_rows
     heads = cfg.header_names
     head_rows = ds.frame[heads].astype(str).to_dict("records") if heads else [None] * ds.n_rows
     derived_inputs = any(r.source == "input" for r in cfg.rules)
-    admitted = [engine.admit(m, {k: v[i][None] for k, v in ds.inputs.items()} if derived_inputs else None, h)
+    admitted = [monitor.admit(m, {k: v[i][None] for k, v in ds.inputs.items()} if derived_inputs else None, h)
                 for i, (m, h) in enumerate(zip(meta_rows, head_rows))]
     idx = np.array([i for i, (_, d) in enumerate(admitted) if d.sampled], dtype=np.int64)
     start = datetime.now(timezone.utc)
@@ -178,23 +178,23 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         for j, i in enumerate(idx):
             keys, d = admitted[i]
             if failed[j] is not None:  # the candidate failed on this row: compared as the worst disagreement
-                engine.observe(keys, d, ref_out[j:j + 1], None, request_index=int(i), now=stamps[i],
+                monitor.observe(keys, d, ref_out[j:j + 1], None, request_index=int(i), now=stamps[i],
                                failure=failed[j])
                 continue
             if bad_ref[j]:
-                engine.reference_failed(keys, 1)
+                monitor.reference_failed(keys, 1)
                 continue
             if getattr(keys, "per_row", False):  # derived slices: labelled from this row's reference output
-                engine.observe(keys, d, ref_out[j:j + 1], cand_out[j:j + 1], request_index=int(i), now=stamps[i],
+                monitor.observe(keys, d, ref_out[j:j + 1], cand_out[j:j + 1], request_index=int(i), now=stamps[i],
                                values={m: values[m][j:j + 1] for m in cfg.metrics})
             else:
                 row = {m: float(values[m][j]) for m in cfg.metrics}
-                engine.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
+                monitor.observe_values(keys, d, row, request_index=int(i), now=stamps[i])
             if snaps is not None:
                 snaps.add({"inputs": {k: v[j] for k, v in sub.inputs.items()}, "meta": meta_rows[i],
                            "reference": ref_out[j], "candidate": cand_out[j]})
-    alerts = engine.alerts()
-    slices = engine.slices()
+    alerts = monitor.alerts()
+    slices = monitor.slices()
     slices["dropped_non_finite_reference"] = int(reference_non_finite(ref_out).sum()) if idx.size else 0
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -252,7 +252,7 @@ def replay_cli(spec_path: str | Path, reference: str | Path, candidate: str | Pa
 
 
 # ---------------------------------------------------------------------------------------------- printing
-_ALERT_LOGGER = "tailguard.monitoring"  # MonitorEngine logs "alert fired: {json}" / "alert cleared: {json}" there
+_ALERT_LOGGER = "tailguard.monitoring"  # SliceMonitor logs "alert fired: {json}" / "alert cleared: {json}" there
 
 
 class _DropAlertRecords(logging.Filter):
@@ -262,7 +262,7 @@ class _DropAlertRecords(logging.Filter):
 
 @contextlib.contextmanager
 def _alert_logs_held_back() -> Iterator[None]:
-    """Drop the monitor engine's per-alert log records while the block runs (replay prints each alert itself)."""
+    """Drop the slice monitor's per-alert log records while the block runs (replay prints each alert itself)."""
     logger, flt = logging.getLogger(_ALERT_LOGGER), _DropAlertRecords()
     logger.addFilter(flt)
     try:

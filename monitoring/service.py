@@ -45,7 +45,6 @@ from tailguard.monitoring.config import (
     load_auth_token,
     resolve_config,
 )
-from tailguard.monitoring.engine import MonitorEngine
 from tailguard.monitoring.ingest import PARSE_WORKERS, REDACTED, IngestMixin, redacted_config
 from tailguard.monitoring.join import JoinBuffer
 from tailguard.monitoring.node_check import NodeCheck, NodeCheckStatus, run_node_check
@@ -53,6 +52,7 @@ from tailguard.monitoring.parsing import BodyParser, ParseLimits
 from tailguard.monitoring.peers import PollLoop, http_fetch, peers_from_dns
 from tailguard.monitoring.prometheus import CANDIDATE_SOURCES, MonitorMetrics
 from tailguard.monitoring.readiness import DROP_WINDOW_S, HEALTH_WINDOW, DropWindow, ReadinessMixin
+from tailguard.monitoring.slice_monitor import SliceMonitor
 from tailguard.monitoring.worker import BatchSizer, SampledRequest, ShadowWorkerMixin
 
 log = logging.getLogger("tailguard.monitoring.service")
@@ -149,18 +149,18 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
             self.drift = DriftSnapshots(cfg)
         self._lock = threading.Lock()
         role = "replica" if evidence_only else "combiner" if peers or peer_dns else "standalone"
-        self.engine = MonitorEngine(redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
+        self.monitor = SliceMonitor(redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
                                     on_sample=self._on_sample, lock=self._lock, role=role)
         self.combiner: Combiner | None = None
         self._poller: PollLoop | None = None
-        if self.engine.combined is not None:
+        if self.monitor.combined is not None:
             peer_fetch = http_fetch(headers=self.auth.header if self.auth is not None else None,
-                                    reader=self.engine.epoch)
+                                    reader=self.monitor.epoch)
 
             def fetch(source: str, since: int) -> Mapping[str, Any]:
                 if source == "self":
                     with self._lock:
-                        return self.engine.evidence(since)
+                        return self.monitor.evidence(since)
                 return peer_fetch(source, since)
 
             for reason in INCOMPLETE_REASONS:
@@ -168,8 +168,8 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
             for peer in peers or []:  # zeros from the start, so rate() and absent() work
                 for reason in PeerError:
                     self.metrics.peer_errors.labels(peer, reason.value)
-            self.combiner = Combiner(self.engine.combined, fetch, ["self", *(peers or [])], lock=self._lock,
-                                     settings=self.engine.settings, local="self", reader=self.engine.epoch,
+            self.combiner = Combiner(self.monitor.combined, fetch, ["self", *(peers or [])], lock=self._lock,
+                                     settings=self.monitor.settings, local="self", reader=self.monitor.epoch,
                                      expect_replicas=expect_replicas, wait_polls=peer_wait_polls,
                                      on_incomplete=lambda reason: self.metrics.incomplete_polls.labels(reason).inc(),
                                      discover=(functools.partial(_discover, list(peer_dns), resolver)
@@ -219,7 +219,7 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
         self.metrics.node_mismatch.labels(cfg.model_name).set(0)
         for s in CANDIDATE_SOURCES:  # zeros from the start, so rate() and absent() work
             self.metrics.candidate_source.labels(cfg.model_name, s)
-        self.engine.alert_notes = self._alert_notes
+        self.monitor.alert_notes = self._alert_notes
         if start:
             self.start()
 
@@ -238,25 +238,25 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
     def combine(self) -> None:
         """Read every source's evidence once and merge it (the combiner's poll; tests call it directly)."""
         if self.combiner is not None:
-            self.engine.report(self.combiner.poll())
+            self.monitor.report(self.combiner.poll())
 
     def evidence(self, since: int = 0, reader: str = "") -> dict[str, Any]:
         """This process's evidence since cursor `since` (GET /v1/evidence; `reader`: the reading combiner's id,
-        engine.with_identity), built without holding the worker lock
+        monitor.with_identity), built without holding the worker lock
         for more than READ_CHUNK slices: the keys updated after `since` and the version are taken under the lock
         (a scan, no entry built), then the entries in chunks, each under the lock. An entry may be newer than the
         version returned: the next read (since=version) returns it again, and the combiner merges only what it
         has not merged (its walks are cumulative per epoch, monitoring/combine.py)."""
-        stats = self.engine.stats
+        stats = self.monitor.stats
         with self._lock:
             version, keys = stats.evidence_keys(since)
-            marks = self.engine.evidence_checkpoints(since)  # checkpoints and as_of with the version
+            marks = self.monitor.evidence_checkpoints(since)  # checkpoints and as_of with the version
         out: dict[str, Any] = {}
         for i in range(0, len(keys), READ_CHUNK):
             with self._lock:
                 out.update(stats.evidence_entries(keys[i:i + READ_CHUNK]))
         with self._lock:
-            return self.engine.with_identity({"version": version, "slices": out, **marks}, reader)
+            return self.monitor.with_identity({"version": version, "slices": out, **marks}, reader)
 
     def stop(self) -> None:
         """Stop the worker, flush the sink (to S3 or the spool) and release the pools."""
@@ -327,22 +327,22 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
     def alerts(self) -> list[dict[str, Any]]:
         """Alert records fired so far."""
         with self._lock:
-            return self.engine.alerts()
+            return self.monitor.alerts()
 
     def slices(self, offset: int = 0, limit: int | None = None) -> dict[str, Any]:
-        """Per-slice statistics, one page in key order (MonitorEngine.slices' document). Only the key list is
+        """Per-slice statistics, one page in key order (SliceMonitor.slices' document). Only the key list is
         copied under the worker lock; it is sorted outside it, and the page's entries are built in chunks of
         READ_CHUNK, each under the lock (a slice evicted in between is left out of the page)."""
         with self._lock:
-            keys = list(self.engine.decider.slices)
+            keys = list(self.monitor.decider.slices)
         keys.sort()
         page = keys[offset: None if limit is None else offset + limit]
         entries: dict[str, Any] = {}
         for i in range(0, len(page), READ_CHUNK):
             with self._lock:
-                entries.update(self.engine.slice_entries(page[i:i + READ_CHUNK]))
+                entries.update(self.monitor.slice_entries(page[i:i + READ_CHUNK]))
         with self._lock:
-            doc = self.engine.slices_header()
+            doc = self.monitor.slices_header()
         end = offset + len(page)
         doc.update(slices_tracked=len(keys), slices_total=len(keys), offset=offset,
                    next_offset=end if end < len(keys) else None, slices=entries)

@@ -90,7 +90,7 @@ def redact_row(record: dict[str, Any], fields: Collection[str], rules: Sequence[
     """One sampled-pair record as a flat Parquet row, with `fields` (input names or parameters) redacted.
 
     Args:
-        record: a record from MonitorEngine.observe (inputs, meta, slices, reference, candidate, metrics, ...).
+        record: a record from SliceMonitor.observe (inputs, meta, slices, reference, candidate, metrics, ...).
         fields: names to redact.
         rules: (name, column) per slice rule, pairs: rule indices of pair keys (see `redact_slices`).
         params: the request parameters written (`sink_parameters(rules)`: the slice columns); the others are

@@ -20,8 +20,8 @@ import numpy as np
 
 from tailguard.core.errors import InputError
 from tailguard.monitoring.compare import compare_rows
-from tailguard.monitoring.engine import Observation
 from tailguard.monitoring.sampler import Decision
+from tailguard.monitoring.slice_monitor import Observation
 
 # the monitor service's logger: one name for its records, whichever of the service's modules writes them
 log = logging.getLogger("tailguard.monitoring.service")
@@ -99,7 +99,7 @@ class BatchSizer:
 
 class ShadowWorkerMixin:
     """The shadow worker of `MonitorService` (monitoring/service.py), whose __init__ sets the state it reads:
-    `cfg`, `metrics`, `engine` and `_lock` (the worker lock: evidence is added under it), `queue` (of
+    `cfg`, `metrics`, `monitor` and `_lock` (the worker lock: evidence is added under it), `queue` (of
     SampledRequest), `join` (swept when idle), `runners`, `_pools` (one one-thread pool per role), `sizers` (a
     BatchSizer per role) and `batch_rows_gauge`, `_stuck` (per role, a timed-out call that still holds the model's
     thread), `_batching` (per role, False once a model fails only when batched), `_health` (per role, the last
@@ -228,7 +228,7 @@ class ShadowWorkerMixin:
             shared = self._compare_group(judged, seconds)
             with self._lock:
                 for it, _reason in failed:
-                    self.engine.reference_failed(it.keys, it.rows)
+                    self.monitor.reference_failed(it.keys, it.rows)
                 batch: list[Observation] = []
                 for n, ((it, ref), (cand, reason)) in enumerate(zip(judged, seconds)):
                     if reason == "candidate_missing" or (self.cfg.mon.noise_floor and cand is None):
@@ -242,13 +242,13 @@ class ShadowWorkerMixin:
                     batch.append(Observation(it.keys, it.decision, ref, cand, request_index=it.index,
                                              request_id=it.request_id, meta=it.meta, feeds=it.feeds,
                                              failure=reason, values=shared.get(n), candidate_source=source))
-                self.engine.observe_batch(batch)  # in arrival order, the group's numpy work done once
+                self.monitor.observe_batch(batch)  # in arrival order, the group's numpy work done once
 
     def _compare_group(self, judged: list[tuple[SampledRequest, np.ndarray]],
                        seconds: list[tuple[np.ndarray | None, str | None]]) -> dict[int, dict[str, np.ndarray]]:
         """Per-row parity of every answered request of a group in one `compare_rows` call (its numpy work is
         per call, not per row), split back per request: {position in `judged`: {metric: (rows,) values}}. Requests
-        the candidate failed on, or answered in another shape, are left to `MonitorEngine.observe_batch`."""
+        the candidate failed on, or answered in another shape, are left to `SliceMonitor.observe_batch`."""
         ok = [n for n, ((_, ref), (cand, reason)) in enumerate(zip(judged, seconds))
               if reason is None and cand is not None and cand.shape == ref.shape]
         if len(ok) < 2 or len({judged[n][1].shape[1:] for n in ok}) > 1:

@@ -114,7 +114,7 @@ def assert_all_compared(svc, endpoint, n=N, batch=BATCH):
     legal = sum(domain(i) == "legal" for i in range(n))
     assert value(svc, "tailguard_monitor_sampled_total", model=NAME, slice="domain=legal") == legal
     assert value(svc, "tailguard_monitor_sampled_total", model=NAME, slice="domain=web") == n - legal
-    assert svc.engine.compared_rows == n * batch
+    assert svc.monitor.compared_rows == n * batch
     refused = [(s.labels["reason"], s.value) for m in svc.metrics.invalid_requests.collect() for s in m.samples
                if s.name.endswith("_total") and s.value]
     assert refused == []
@@ -197,7 +197,7 @@ def test_logger_joins_binary_request_half_when_kserve_forwards_header_in_ce_meta
             r = http.post(f"/v2/models/{NAME}/logger", content=json.dumps(response).encode(),
                           headers={**ce, "ce-type": CE_RESPONSE, "ce-metadata": meta})
             assert r.status_code == 200 and r.json()["joined"] is True, r.text
-        assert svc.wait_idle(60) and svc.engine.compared_rows == 2
+        assert svc.wait_idle(60) and svc.monitor.compared_rows == 2
         assert value(svc, "tailguard_monitor_sampled_total", model=NAME, slice="domain=legal") == 1
         assert value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all", metric="top1_agree") == 1.0
 
@@ -258,7 +258,7 @@ def test_binary_ingest_answers_4xx_counts_reason_and_stays_healthy_when_sizes_li
             # still serving: a good binary request is compared
             assert http.post(f"/v2/models/{NAME}/infer", content=_lie("trailing")[0][:-4],
                              headers={"Inference-Header-Content-Length": str(_lie("trailing")[1])}).status_code == 200
-        assert svc.wait_idle(60) and svc.engine.compared_rows == 2
+        assert svc.wait_idle(60) and svc.monitor.compared_rows == 2
         for kind in LIES:
             reason = _lie(kind)[2]
             assert value(svc, "tailguard_monitor_invalid_requests_total", reason=reason) >= 1, reason

@@ -442,11 +442,11 @@ def test_combined_counts_equal_replica_totals_when_peer_url_round_robins_between
                 _wait(lambda: _totals(c, urls, "all") == sent["all"], "the replicas compared every request")
                 for _ in range(5):  # however many polls: each epoch's increments merged once
                     comb.combine()
-                    assert _counts(comb.engine.combined)[0] <= sent["all"][0]
+                    assert _counts(comb.monitor.combined)[0] <= sent["all"][0]
                 for key in ("all", "domain=legal", "domain=news"):
-                    assert _counts(comb.engine.combined, key) == _totals(c, urls, key), key
+                    assert _counts(comb.monitor.combined, key) == _totals(c, urls, key), key
             peer = comb.readiness()[1]["peers"][proxy.url]
-            assert peer["new_epochs"] == 2 and set(peer["epochs"]) == {s.engine.epoch for s in svcs}
+            assert peer["new_epochs"] == 2 and set(peer["epochs"]) == {s.monitor.epoch for s in svcs}
             assert peer["errors_by_reason"]["epoch_flip"] >= 10  # shown: the URL reaches two processes
             assert comb.metrics.registry.get_sample_value(
                 "tailguard_monitor_peer_errors_total", {"peer": proxy.url, "reason": "epoch_flip"}) >= 10
@@ -473,7 +473,7 @@ def test_combined_counts_equal_replica_totals_when_own_url_and_one_replica_under
                     _wait(lambda sent=sent: _totals(c, urls, "all") == sent, "the replicas compared every request")
                     for _ in range(3):
                         comb.combine()
-                    assert _counts(comb.engine.combined) == sent
+                    assert _counts(comb.monitor.combined) == sent
                 peers = c.get(own + "/readyz").json()["peers"]
                 assert peers[own]["errors_by_reason"] == {"duplicate_epoch": 6}  # its epoch is source self's
                 assert peers[alias.url]["errors_by_reason"] == {"duplicate_epoch": 6}

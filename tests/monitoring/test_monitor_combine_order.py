@@ -325,7 +325,7 @@ def _three_replicas(cfg, every: int | None = None) -> Iterator[tuple[list[Monito
     svcs = [MonitorService(conf, ref, None, evidence_only=True) for _ in range(3)]
     if every is not None:
         for s in svcs:
-            s.engine.checkpoints.every = every
+            s.monitor.checkpoints.every = every
     try:
         with contextlib.ExitStack() as stack:
             urls = [stack.enter_context(uvicorn_in_thread(build_app(s))) for s in svcs]
@@ -352,7 +352,7 @@ def _totals(c: httpx.Client, urls: list[str]) -> tuple[int, int]:
 
 
 def _counts(svc: MonitorService) -> tuple[int, int]:
-    s = svc.engine.combined.slices.get("all")
+    s = svc.monitor.combined.slices.get("all")
     return (s.rows, s.requests) if s is not None else (0, 0)
 
 

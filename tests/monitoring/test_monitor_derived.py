@@ -123,7 +123,7 @@ def test_monitor_alerts_on_reference_class_only_when_bare_batched_requests_drift
     with live(models["ref"], models["class"], slices=[]) as (svc, url, addr):
         send(mode, url, addr, 300)
         assert svc.wait_idle(120)
-        assert svc.engine.compared_rows == 300 * BATCH
+        assert svc.monitor.compared_rows == 300 * BATCH
         doc = httpx.get(f"{url}/v1/slices", timeout=30).json()
         assert {"all", "predicted=0", "predicted=1", "predicted=2"} <= set(doc["slices"])
         assert doc["keys_per_request"] == 1 + 4  # all + min(1024 rows, 3 classes + null)
@@ -191,7 +191,7 @@ def test_monitor_reads_topic_centroids_from_candidate_version_run_when_no_file_g
     assert np.array_equal(with_topic.cfg.centroids["topic"], centroids["topic"])
     without = create_service(spec, models["ref"], models["ref"], start=False)  # no version, no file: no topic
     assert without.cfg.rules == []
-    keys, _ = with_topic.engine.admit({}, {"x": D.features(0, 4)})
+    keys, _ = with_topic.monitor.admit({}, {"x": D.features(0, 4)})
     assert list(keys) == ["all"] and keys.labels == [None]  # labelled once the reference ran
     labels = with_topic.cfg.output_labels(with_topic.cfg.rules[0], np.array([[0.1, 2.0, 0.0], [3.0, 0.2, -1.0]]))
     assert labels == ["1", "0"]

@@ -106,7 +106,7 @@ def test_readyz_degraded_and_timeouts_in_histogram_when_fixed_batches_exceed_the
     try:
         assert ref.calls[0] == 256  # the default micro-batch: 2.56 s against a 2 s timeout
         dropped = _value(svc, "tailguard_monitor_dropped_total", reason="reference_timeout")
-        assert dropped == 256 // ROWS and svc.engine.compared_requests == REQUESTS - dropped
+        assert dropped == 256 // ROWS and svc.monitor.compared_requests == REQUESTS - dropped
         assert ready.status_code == 503, ready.text
         doc = ready.json()
         assert doc["ready"] is False and doc["reason"].startswith("degraded: 32 of 40 sampled requests")
@@ -130,7 +130,7 @@ def test_same_traffic_drops_nothing_when_micro_batch_adapts_to_inference_time(mo
     svc, ref, ready, _ = _run_traffic(models)  # defaults: shadow_batch_adapt true, 256 rows, timeout 2 s
     try:
         assert _value(svc, "tailguard_monitor_dropped_total", reason="reference_timeout") == 0
-        assert svc.engine.compared_requests == REQUESTS and sum(ref.calls) == REQUESTS * ROWS
+        assert svc.monitor.compared_requests == REQUESTS and sum(ref.calls) == REQUESTS * ROWS
         # slow start from 16 rows, doubling while a call takes <= 1/4 of the timeout; 64 rows (0.64 s) is kept
         assert ref.calls[:3] == [ADAPT_START_ROWS, 32, 64] and max(ref.calls) == 64
         assert all(c * PER_ROW_S <= 2.0 for c in ref.calls)

@@ -153,28 +153,28 @@ def test_engine_replica_takes_checkpoints_when_its_slices_are_per_row():
     from tailguard.monitoring import testing as T
     from tailguard.monitoring.combine import CHECKPOINT_EVERY
     from tailguard.monitoring.config import resolve_config
-    from tailguard.monitoring.engine import MonitorEngine
+    from tailguard.monitoring.slice_monitor import SliceMonitor
 
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "max_request_rows": 8})))
-    engine = MonitorEngine(cfg, role="replica", clock=lambda: 0.0)
+    monitor = SliceMonitor(cfg, role="replica", clock=lambda: 0.0)
     rng = np.random.default_rng(0)
     for i in range(CHECKPOINT_EVERY + 1):
         x = {"x": rng.normal(size=(8, T.N_FEATURES)).astype(np.float32)}
-        keys, decision = engine.admit({"domain": "news"}, x)
+        keys, decision = monitor.admit({"domain": "news"}, x)
         assert keys.per_row
         ref = rng.normal(size=(8, T.N_CLASSES)).astype(np.float32)
-        engine.observe(keys, decision, ref, ref.copy(), request_index=i)
-    assert engine.checkpoints.after(0)
+        monitor.observe(keys, decision, ref, ref.copy(), request_index=i)
+    assert monitor.checkpoints.after(0)
 
 
 def _engine_pair(**mon):
     from tailguard.core.spec import parse_spec
     from tailguard.monitoring import testing as T
     from tailguard.monitoring.config import resolve_config
-    from tailguard.monitoring.engine import MonitorEngine
+    from tailguard.monitoring.slice_monitor import SliceMonitor
 
     cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "max_request_rows": 8, **mon})))
-    return MonitorEngine(cfg, clock=lambda: 0.0), MonitorEngine(cfg, clock=lambda: 0.0), T
+    return SliceMonitor(cfg, clock=lambda: 0.0), SliceMonitor(cfg, clock=lambda: 0.0), T
 
 
 @pytest.mark.parametrize("slice_columns", [None, ["domain"]])
@@ -182,7 +182,7 @@ def test_engine_observe_batch_matches_one_observe_per_request_when_requests_are_
     """A micro-batch through `observe_batch` leaves the statistics, alerts and counters one `observe` per request
     leaves, with per-row (default `predicted`) or request-level slices, requests of 1 to 12 rows (over M = 8: the
     per-group path), NaN reference rows, candidate failures and a drifted class."""
-    from tailguard.monitoring.engine import Observation
+    from tailguard.monitoring.slice_monitor import Observation
 
     batched, single, T = _engine_pair(**({"slice_columns": slice_columns} if slice_columns else {}))
     rng = np.random.default_rng(11)

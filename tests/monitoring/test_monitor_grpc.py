@@ -85,7 +85,7 @@ def test_model_infer_reads_typed_contents_and_parameters_when_client_sends_no_ra
             for i in range(6):
                 answer = stub.ModelInfer(_stub_request(i, typed=True))
                 assert answer.id == f"t{i}" and answer.parameters["tailguard.sampled"].bool_param
-        assert svc.wait_idle(60) and svc.engine.compared_rows == 6 * BATCH
+        assert svc.wait_idle(60) and svc.monitor.compared_rows == 6 * BATCH
         assert value(svc, "tailguard_monitor_sampled_total", model=NAME, slice="domain=legal") == 2
 
 
@@ -128,7 +128,7 @@ def test_grpc_ingest_answers_status_code_counts_reason_and_stays_healthy_when_re
         # still serving, and a good request is compared
         assert client.is_server_live()
         _infer(client, 3)
-        assert svc.wait_idle(60) and svc.engine.compared_rows == BATCH
+        assert svc.wait_idle(60) and svc.monitor.compared_rows == BATCH
         # gRPC answers RESOURCE_EXHAUSTED to the client before the handler thread counts the refusal: wait for it
         deadline = time.monotonic() + 60
         while value(svc, "tailguard_monitor_invalid_requests_total", reason="body_too_large") < 1 and \

@@ -163,7 +163,7 @@ def test_logger_keeps_raw_halves_within_byte_budget_and_counts_overflow_when_par
             # the newest waiting half still joins, parsed again from its raw bytes
             r = client.post(LOGGER, json=_body(9), headers=_ce("request", "ev-9"))
             assert r.status_code == 200 and r.json()["joined"] is True, r.json()
-            assert svc.wait_idle(30) and svc.engine.compared_rows == 1
+            assert svc.wait_idle(30) and svc.monitor.compared_rows == 1
             assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all",
                           metric="top1_agree") == 1.0
 
@@ -291,7 +291,7 @@ def test_combiner_fetch_sends_the_token_when_replicas_require_it(models):
             comb.combine()
             status = comb.combiner.status()[rep_url]
             assert status["ok"] and not status["errors"], status
-            assert comb.engine.combined.slices["all"].requests == 5
+            assert comb.monitor.combined.slices["all"].requests == 5
 
 
 def test_load_auth_token_reads_file_or_env_and_exits_2_naming_the_source_when_unusable(tmp_path, monkeypatch):
@@ -383,16 +383,16 @@ def test_new_slice_values_past_the_per_minute_cap_are_lumped_and_counted_when_va
     with TestClient(build_app(svc)) as client:
         for i in range(10):
             assert client.post(INFER, json=_body(i, domain=f"flood-{i}")).status_code == 200
-        seen = set(svc.engine.sampler.counts)
+        seen = set(svc.monitor.sampler.counts)
         assert {"domain=flood-0", "domain=flood-1", "domain=flood-2"} <= seen
         assert f"domain={NEW_VALUE}" in seen and "domain=flood-3" not in seen
         assert _value(svc, "tailguard_monitor_slice_values_lumped_total", model=NAME, slice="domain") == 7
         assert client.post(INFER, json=_body(0, domain="flood-0")).status_code == 200  # known: no token needed
-        assert svc.engine.sampler.seen("domain=flood-0") == 2
+        assert svc.monitor.sampler.seen("domain=flood-0") == 2
         now[0] += 20.0  # a third of a minute: one token back
         client.post(INFER, json=_body(11, domain="late-1"))
         client.post(INFER, json=_body(12, domain="late-2"))
-        assert svc.engine.sampler.seen("domain=late-1") == 1 and svc.engine.sampler.seen("domain=late-2") == 0
+        assert svc.monitor.sampler.seen("domain=late-1") == 1 and svc.monitor.sampler.seen("domain=late-2") == 0
         assert client.get("/v1/slices").json()["slice_values_lumped"] == 8
 
 
@@ -418,9 +418,9 @@ def test_slices_and_evidence_build_in_chunks_under_the_worker_lock_when_many_sli
     svc = MonitorService(_cfg(), models["ref"], models["cand"], start=False, evidence_only=True)
     n = 3 * READ_CHUNK + 7
     for i in range(n):
-        svc.engine.observe_values(["all", f"domain=v{i:05d}"], Decision(True, 1.0, 1.0, 1.0, (1.0, 1.0)),
+        svc.monitor.observe_values(["all", f"domain=v{i:05d}"], Decision(True, 1.0, 1.0, 1.0, (1.0, 1.0)),
                                   {m: 1.0 if m == "top1_agree" else 0.0 for m in svc.cfg.metrics})
-    expect_slices, expect_evidence = svc.engine.slices(0, 10000), svc.engine.evidence(0)
+    expect_slices, expect_evidence = svc.monitor.slices(0, 10000), svc.monitor.evidence(0)
     lock = svc._lock = _CountingLock()
     with TestClient(build_app(svc)) as client:
         doc = client.get("/v1/slices", params={"limit": 10000}).json()

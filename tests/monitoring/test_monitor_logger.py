@@ -61,7 +61,7 @@ def test_logger_compares_one_pair_when_both_halves_arrive_in_either_order(models
         assert len(svc.join) == 0
         assert _value(svc, "tailguard_monitor_requests_total", model=NAME, endpoint="logger") == 1
         assert _value(svc, "tailguard_monitor_sampled_total", model=NAME, slice="domain=legal") == 1
-        assert svc.engine.compared_rows == 1
+        assert svc.monitor.compared_rows == 1
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="domain=legal",
                       metric="top1_agree") == 1.0
         assert _value(svc, "tailguard_monitor_dropped_total", reason="unmatched") == 0
@@ -77,7 +77,7 @@ def test_logger_pairs_each_id_with_its_own_partner_when_events_interleave(models
             assert _post(client, half, f"ev-{i}", _body(i) if half == "request" else _response(i)).status_code == 200
         _post(client, "response", "ev-1", _response(1, logits=flipped))
         assert svc.wait_idle(20)
-        assert svc.engine.compared_rows == 3 and len(svc.join) == 0
+        assert svc.monitor.compared_rows == 3 and len(svc.join) == 0
         # the display estimate is exponentially weighted (span 1000 rows): 2 of 3 agree, within 0.001
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all",
                       metric="top1_agree") == pytest.approx(2 / 3, abs=1e-3)
@@ -93,7 +93,7 @@ def test_logger_counts_unmatched_drop_when_half_expires(models):
         late = _post(client, "response", "ev-1", _response(1))
         assert late.status_code == 200 and late.json()["joined"] is False  # its partner is gone
         assert svc.wait_idle(5)
-        assert svc.engine.compared_rows == 0
+        assert svc.monitor.compared_rows == 0
         assert _value(svc, "tailguard_monitor_requests_total", model=NAME, endpoint="logger") == 0
         deadline = time.monotonic() + 5  # the idle worker sweeps too
         while time.monotonic() < deadline and len(svc.join):
@@ -113,7 +113,7 @@ def test_logger_buffer_stays_bounded_and_counts_overflow_when_partners_never_com
         assert _post(client, "response", "ev-19", _response(19)).json()["joined"] is True  # newest survived
         assert _post(client, "response", "ev-0", _response(0)).json()["joined"] is False  # oldest was evicted
         assert svc.wait_idle(20)
-        assert svc.engine.compared_rows == 1
+        assert svc.monitor.compared_rows == 1
         assert client.get("/readyz").json()["join_pending"] == 5
 
 
@@ -151,7 +151,7 @@ def test_logger_answers_422_and_consumes_pair_when_response_batch_differs_from_r
         r = _post(client, "response", "ev-1", _response(1))  # batch 1 answer to a batch-2 request
         assert r.status_code == 422 and r.json()["reason"] == "batch_mismatch"
         assert _value(svc, "tailguard_monitor_invalid_requests_total", reason="batch_mismatch") == 1
-        assert len(svc.join) == 0 and svc.engine.compared_rows == 0
+        assert len(svc.join) == 0 and svc.monitor.compared_rows == 0
 
 
 @pytest.mark.parametrize("nan_json", [b"NaN", b"null"])  # Python's json writes NaN; orjson (KServe) writes null
@@ -164,7 +164,7 @@ def test_logger_scores_nan_response_worst_case_when_live_output_not_finite(model
         r = _post(client, "response", "ev-3", resp)
         assert r.status_code == 200 and r.json()["joined"] is True
         assert svc.wait_idle(20)
-        assert svc.engine.compared_rows == 1  # kept (a real regression), not dropped
+        assert svc.monitor.compared_rows == 1  # kept (a real regression), not dropped
         assert _value(svc, "tailguard_monitor_dropped_total", reason="non_finite") == 0
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all", metric="top1_agree") == 0.0
         # the pairs endpoint scores the same body the same way
@@ -172,7 +172,7 @@ def test_logger_scores_nan_response_worst_case_when_live_output_not_finite(model
         body = json.dumps(doc).replace("NaN", nan_json.decode()).encode()
         assert client.post(f"/v2/models/{NAME}/pairs", content=body).status_code == 200
         assert svc.wait_idle(20)
-        assert svc.engine.compared_rows == 2
+        assert svc.monitor.compared_rows == 2
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all", metric="top1_agree") == 0.0
 
 
@@ -187,7 +187,7 @@ def test_logger_answers_at_once_when_shadow_overloaded(models):
                     assert r.status_code == 200
             # at most queue_size waiting plus one micro-batch (what was queued when the worker took it: <= 3)
             assert _value(svc, "tailguard_monitor_dropped_total", reason="queue_full") >= 15 - 2 - 3
-            assert svc.queue.qsize() <= 2 and svc.engine.compared_rows == 0
+            assert svc.queue.qsize() <= 2 and svc.monitor.compared_rows == 0
     finally:
         ref.gate.set()  # a failed assertion must not leave the worker blocked (the test process would hang)
         svc.stop()

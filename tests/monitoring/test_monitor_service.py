@@ -118,7 +118,7 @@ def test_live_responses_unaffected_and_errors_counted_when_reference_crashes(mod
         assert statuses == [200] * 20
         assert svc.wait_idle(20)
         assert _value(svc, "tailguard_monitor_dropped_total", reason="reference_error") == 20
-        assert svc.engine.compared_rows == 0
+        assert svc.monitor.compared_rows == 0
 
 
 def test_readyz_503_naming_the_reference_when_its_last_calls_all_failed(models):
@@ -186,7 +186,7 @@ def test_ingest_never_blocks_and_counts_queue_full_when_shadow_overloaded(models
             assert statuses == [200] * 40
             full = _value(svc, "tailguard_monitor_dropped_total", reason="queue_full")
             # at most queue_size waiting plus one micro-batch (what was queued when the worker took it) in its hands
-            assert full >= 40 - 2 - 3 and svc.queue.qsize() <= 2 and svc.engine.compared_rows == 0
+            assert full >= 40 - 2 - 3 and svc.queue.qsize() <= 2 and svc.monitor.compared_rows == 0
     finally:
         ref.gate.set()  # a failed assertion must not leave the worker blocked (the test process would hang)
         svc.stop()
@@ -245,7 +245,7 @@ def test_noise_floor_service_never_alerts_when_reference_compared_with_itself(mo
     with client:
         _send(client, 60)
         assert svc.wait_idle(20)
-        assert svc.alerts() == [] and svc.engine.compared_rows == 60
+        assert svc.alerts() == [] and svc.monitor.compared_rows == 60
         assert _value(svc, "tailguard_monitor_slice_parity", model=NAME, slice="all", metric="top1_agree") == 1.0
 
 

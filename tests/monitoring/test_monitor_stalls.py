@@ -205,7 +205,7 @@ def test_large_bodies_are_parsed_in_a_worker_process_when_at_least_process_parse
             small = json.dumps(request_json({"x": x}, request_id="small")).encode()
             assert http.post(f"/v2/models/{NAME}/infer", content=small).status_code == 200
         assert svc.parser.in_process == 3  # the three large bodies, not the small one
-        assert svc.wait_idle(HUNG_S) and svc.engine.compared_rows == 3 * 4
+        assert svc.wait_idle(HUNG_S) and svc.monitor.compared_rows == 3 * 4
         assert _value(svc, "tailguard_monitor_candidate_source_total", model=NAME, source="live") == 1
 
 
@@ -333,7 +333,7 @@ def test_healthz_liveness_and_fresh_inference_answer_when_64_http_bodies_and_8_g
                     s.close()
                 for h in http_stalls:
                     h.close()
-        assert svc.wait_idle(HUNG_S) and svc.engine.compared_rows == 2
+        assert svc.wait_idle(HUNG_S) and svc.monitor.compared_rows == 2
 
 
 def test_stalled_bodies_and_streams_are_refused_and_counted_when_body_read_timeout_passes(models):

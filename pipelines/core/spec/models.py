@@ -650,7 +650,7 @@ class VariantSpec(SpecModel):
 
     name: str = Field(description="Unique, DNS-1123 (a KFP task and MLflow run name).", pattern=NAME_RE)
     backend: Literal["onnxruntime", "tensorrt", "torch"] = Field(description=(
-        "Inference engine: onnxruntime (from the exported FP32 ONNX), tensorrt (GPU node pools), or torch "
+        "Builder and runtime: onnxruntime (from the exported FP32 ONNX), tensorrt (GPU node pools), or torch "
         "(PyTorch-native, from the registered torch reference: eager, inductor or an AOTInductor package)."))
     precision: Precision = Field(description=(
         "Numeric precision of weights/compute. bf16: torch only (CUDA, or a CPU with AVX512-BF16/AMX-BF16)."))

@@ -1,4 +1,4 @@
-"""The monitor's engine, shared by the HTTP service and the offline replay: slice keys -> sampling decision
+"""The slice monitor, shared by the HTTP service and the offline replay: slice keys -> sampling decision
 (ingest side), and (reference, candidate) outputs -> per-row parity -> per-slice statistics -> alerts, metric
 gauges, sampled-pair records (worker side)."""
 
@@ -30,10 +30,10 @@ log = logging.getLogger("tailguard.monitoring")
 
 @dataclass
 class Observation:
-    """One sampled request's outputs (`MonitorEngine.observe`'s arguments; `observe_batch` takes a list).
+    """One sampled request's outputs (`SliceMonitor.observe`'s arguments; `observe_batch` takes a list).
 
     Attributes:
-        keys: the request's slice keys (`MonitorEngine.admit`).
+        keys: the request's slice keys (`SliceMonitor.admit`).
         decision: its sampling decision.
         reference: (batch, ...) reference output.
         candidate: (batch, ...) candidate output, or None when the candidate failed.
@@ -60,7 +60,7 @@ class Observation:
 
 
 class _Judged(NamedTuple):
-    """`MonitorEngine._judge`'s result: reference (batch, ...) array, keep (batch,) bool (finite reference),
+    """`SliceMonitor._judge`'s result: reference (batch, ...) array, keep (batch,) bool (finite reference),
     failure, values {metric: (batch,)} (and "non_finite"), rows {metric: (kept,)} or None when no row is kept."""
 
     reference: np.ndarray
@@ -70,14 +70,14 @@ class _Judged(NamedTuple):
     rows: dict[str, np.ndarray] | None
 
 
-class MonitorEngine:
+class SliceMonitor:
     """Sampler + per-slice statistics and detectors + exporters' hooks for one (reference, candidate) pair.
 
     Args:
         cfg: resolved monitoring configuration.
         seed: sampler seed (default: the spec's monitoring.seed).
         metrics: Prometheus collectors to update, or None (replay without metrics). The per-slice families are
-            attached to read this engine at scrape time (`export`).
+            attached to read this monitor at scrape time (`export`).
         on_sample: called with each sampled row's record (dict) after comparison (S3 sink, drift snapshots).
         lock: held while the exporter reads the statistics (the service's worker lock); None for replay.
         role: "standalone" (detects and alerts on its own rows), "replica" (`--evidence-only`: measures and exports
