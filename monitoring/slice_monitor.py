@@ -21,9 +21,10 @@ from tailguard.core.errors import InputError
 from tailguard.monitoring.combine import CheckpointLog, settings_hash
 from tailguard.monitoring.compare import compare_rows, failure_rows, reference_non_finite
 from tailguard.monitoring.config import ALL_SLICE, MonitorConfig, RowKeys
-from tailguard.monitoring.detector import Evaluation, GroupedRequest, SliceStatistics
+from tailguard.monitoring.detector import Evaluation, SliceStatistics
 from tailguard.monitoring.prometheus import MonitorMetrics, SliceExport, SliceRow
 from tailguard.monitoring.sampler import Decision, LongTailSampler
+from tailguard.monitoring.units import GroupedRequest
 
 log = logging.getLogger("tailguard.monitoring")
 
@@ -194,7 +195,7 @@ class SliceMonitor:
         """`observe` of several sampled requests (the shadow worker's micro-batch), in order: the same statistics,
         alerts, counters and sampled-pair records as one `observe` per request, with the per-request numpy work
         done once for the batch (the reference's output-derived labels of every row: one `output_labels` call per
-        rule; the slice groups' sums: `SliceStatistics.prepare_batch`).
+        rule; the slice groups' sums: `RowReducer.prepare_batch`, monitoring/units.py).
 
         Args:
             items: the requests in arrival order (Observation: `observe`'s arguments).
@@ -222,7 +223,7 @@ class SliceMonitor:
                 groups = [(list(it.keys), None)]
                 r = [list(it.decision.ratios)] if it.decision.ratios else None
             requests.append(GroupedRequest(groups, j.rows, it.decision.weight, r, it.request_index))
-        prepared = iter(self.stats.prepare_batch([r for r in requests if r is not None]))
+        prepared = iter(self.stats.reducer.prepare_batch([r for r in requests if r is not None]))
         return [self._add(it, j, req, next(prepared) if req is not None else None, now)
                 for it, j, req in zip(items, judged, requests)]
 

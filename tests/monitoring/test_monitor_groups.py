@@ -88,7 +88,7 @@ def test_update_batch_matches_one_update_per_group_when_cusums_rise_and_clip_wit
     """Micro-batches of `batch` requests whose agreement hovers around the threshold, so each key's CUSUMs leave
     zero, climb and clip back several times inside one batch, and class 2 drifts until it alarms: the state,
     change points, window marks and alerts (values included) equal one `update` per group in order."""
-    from tailguard.monitoring.detector import GroupedRequest
+    from tailguard.monitoring.units import GroupedRequest
 
     grouped, looped = _pair()
     rng = np.random.default_rng(17)

@@ -1,0 +1,243 @@
+"""Evidence units: a sampled request's rows reduced to the sums the slice statistics add (monitoring/detector.py).
+
+A request (or one slice group of its rows, per-row slices) becomes one `Prepared`: its row count, the display
+estimate's decayed weight sums and value sums (each row weighted by the decay of its place: the group's last row
+weighs 1, so adding a group of n rows is s <- decay^n s + (these sums), one recursion step per group), and per
+bounded metric its evidence units (`cusum.request_units`: the clipped excess sums the bets are taken on). Nothing
+here reads or changes a slice's state; `SliceStatistics` applies the sums in arrival order.
+`RowReducer.prepare_batch` reduces a whole micro-batch (every group of every request) in one set of matrix products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from tailguard.monitoring.config import Bound
+from tailguard.monitoring.cusum import Betting, request_units
+
+Prepared = tuple[int, float, float, list[float], list[float], list[float] | None,
+                 list[tuple[str, list[tuple[int, float]], list[tuple[int, float]] | None]]]
+"""One request's (or one slice group's) rows reduced for the statistics, its sampling weight w applied
+(`RowReducer.prepare`, `prepare_batch`): (rows, w x the sum of the rows' decay weights, w^2 x that sum,
+per metric in `metrics` order: w x the decay weight sum over rows with a value, w x the decayed sum of finite
+values, the decayed count of infinite values (None: all 0), then [(bounded metric, alarm units, recovery units or
+None)], units from `request_units`)."""
+
+
+@dataclass(frozen=True)
+class GroupedRequest:
+    """One sampled request as its slice groups (`SliceStatistics.update_batch`).
+
+    Attributes:
+        groups: [(keys whose rows are the same, row indices (ints) into the values, or None for
+            every row)] (monitoring/config.py `MonitorConfig.row_groups`; request-level slices: [(keys, None)]).
+        values: {metric: (rows,) float64 per-row values} of the whole request (as `SliceStatistics.update`).
+        weight: sampling weight w = 1/p of the request.
+        ratios: per group, its keys' ratios pi_slice / p, or None (all 1).
+        request_index: sequence number recorded in alerts.
+    """
+
+    groups: Sequence[tuple[Sequence[str], Sequence[int] | None]]
+    values: Mapping[str, Any]
+    weight: float
+    ratios: Sequence[Sequence[float] | None] | None = None
+    request_index: int | None = None
+
+
+class RowReducer:
+    """Reduces requests' per-row values to `Prepared` sums for one `SliceStatistics` (no slice state).
+
+    Args:
+        metrics: tracked per-row metrics, in order.
+        bounds: {metric: Bound} for the metrics alerted on.
+        bets: {metric: (alarm Betting, recovery Betting or None)} (`cusum.bettings`).
+        decay: the display estimate's per-row decay (1 - 1 / window_size).
+        max_request_rows: M, the bound on a request's rows in one slice (a larger group is split into chunks).
+    """
+
+    def __init__(self, metrics: Sequence[str], bounds: Mapping[str, Bound],
+                 bets: Mapping[str, tuple[Betting, Betting | None]], decay: float, max_request_rows: int) -> None:
+        self.metrics = tuple(metrics)
+        self.bounds = dict(bounds)
+        self.bets = dict(bets)
+        self.decay = decay
+        self.max_request_rows = int(max_request_rows)
+        self._geo: dict[int, tuple[np.ndarray, float]] = {}  # `decay_weights` memo
+
+    def decay_weights(self, n: int) -> tuple[np.ndarray, float]:
+        """(decay ** (n-1 .. 0), their sum) for an n-row update of the display estimate, memoized per n (a
+        monitor sees few distinct request sizes; at most 256 kept)."""
+        got = self._geo.get(n)
+        if got is None:
+            geo = self.decay ** np.arange(n - 1, -1, -1, dtype=np.float64)
+            got = (geo, float(geo.sum()))
+            if len(self._geo) < 256:
+                self._geo[n] = got
+        return got
+
+    def prepare(self, values: Mapping[str, Any], weight: float) -> Prepared:
+        """One request's rows (sampling weight `weight`) reduced once for all its slices (`Prepared`)."""
+        arrays = {m: np.atleast_1d(np.asarray(values[m], dtype=np.float64)) for m in self.metrics if m in values}
+        n0 = max((a.shape[0] for a in arrays.values()), default=0)
+        for m in self.metrics:  # a metric the caller did not give has no value on these rows
+            if m not in arrays:
+                arrays[m] = np.full(n0, np.nan)
+        n = max((a.shape[0] for a in arrays.values()), default=0)
+        if n == 0:
+            return 0, 0.0, 0.0, [], [], None, []
+        geo, geo_sum = self.decay_weights(n)
+        display: list[tuple[str, float, float, float]] = []
+        excess: list[tuple[str, list[tuple[int, float]], list[tuple[int, float]] | None]] = []
+        for m in self.metrics:
+            a = arrays[m]
+            if a.shape[0] != n:
+                raise ValueError(f"metric {m!r} has {a.shape[0]} rows, the request {n}")
+            all_finite = bool(np.isfinite(a).all())  # the common case: one reduction instead of three masks
+            valid = None if all_finite else ~np.isnan(a)
+            if n == 1:
+                x = float(a[0])
+                display.append((m, *(((1.0, x, 0.0) if all_finite else (1.0, 0.0, 1.0)) if x == x
+                                     else (0.0, 0.0, 0.0))))
+            elif all_finite:
+                display.append((m, geo_sum, float(geo @ a), 0.0))
+            else:
+                finite = np.isfinite(a)
+                display.append((m, float(geo[valid].sum()), float((geo[finite] * a[finite]).sum()),
+                                float(geo[valid & ~finite].sum())))
+            b = self.bounds.get(m)
+            if b is None or (valid is not None and not valid.any()):
+                continue
+            x = a if valid is None or valid.all() else a[valid]
+            if b.higher_is_better:
+                y = b.value - x
+            else:
+                y = (np.minimum(x, b.truncate_at) if b.truncate_at is not None else x) - b.value
+            y = float(y[0]) if y.shape[0] == 1 else y
+            alarm_bet, rec_bet = self.bets[m]
+            mr = self.max_request_rows
+            excess.append((m, request_units(alarm_bet, y, mr),
+                           request_units(rec_bet, y, mr) if rec_bet is not None else None))
+        w = weight
+        return (n, w * geo_sum, w * w * geo_sum, [w * d[1] for d in display], [w * d[2] for d in display],
+                [d[3] for d in display], excess)
+
+    def prepare_batch(self, requests: Sequence[GroupedRequest]) -> list[list[Prepared]]:
+        """Each request's groups reduced for the statistics (`Prepared`, as `prepare` of each group's rows; no
+        state is read or changed), the sums of every group of every request computed at once: the requests' rows
+        are stacked into one (rows, metrics) matrix X; with each group's rows weighted by the decay weight of their
+        place in the group (the group's last row weighing 1, as `decay_weights`) in a (groups, rows) matrix W and
+        their 0/1 membership in B, the display sums are W @ X and the clipped excess sums B @ Y. A request whose
+        values hold a NaN or infinity, lack a metric, disagree in length, or with a group of more than
+        max_request_rows rows takes `prepare` per group (the rare path).
+
+        Returns:
+            Per request, per group, its `Prepared` (for `SliceStatistics.apply_groups`).
+        """
+        out: list[list[Prepared] | None] = [None] * len(requests)
+        metrics, mr = self.metrics, self.max_request_rows
+        fast: list[int] = []
+        cols: list[list[np.ndarray]] = [[] for _ in metrics]
+        for i, req in enumerate(requests):
+            vals = req.values
+            if all(m in vals for m in metrics):
+                arrays = [np.atleast_1d(np.asarray(vals[m], dtype=np.float64)) for m in metrics]
+                n = arrays[0].shape[0]
+                if n and all(a.ndim == 1 and a.shape[0] == n for a in arrays) and all(
+                        (n if idx is None else len(idx)) <= mr for _, idx in req.groups):
+                    fast.append(i)
+                    for c, a in zip(cols, arrays):
+                        c.append(a)
+                    continue
+            out[i] = self._prepare_each(req)
+        if fast:
+            sizes = [c.shape[0] for c in cols[0]]
+            stacked = np.stack([np.concatenate(c) for c in cols], axis=1)  # (rows, metrics)
+            bad = ~np.isfinite(stacked).all(axis=1)
+            if bad.any():  # requests holding a NaN or infinity take the per-group path
+                ends = np.cumsum(sizes)
+                hit = set(np.searchsorted(ends, np.flatnonzero(bad), side="right").tolist())
+                for j in sorted(hit):
+                    out[fast[j]] = self._prepare_each(requests[fast[j]])
+                keep = [j for j in range(len(fast)) if j not in hit]
+                if keep:
+                    starts = ends - np.asarray(sizes)
+                    stacked = stacked[np.concatenate([np.arange(starts[j], ends[j]) for j in keep])]
+                fast, sizes = [fast[j] for j in keep], [sizes[j] for j in keep]
+            if fast:
+                for i, prepared in zip(fast, self._prepare_stacked([requests[i] for i in fast], sizes, stacked)):
+                    out[i] = prepared
+        return out  # type: ignore[return-value]
+
+    def _prepare_each(self, req: GroupedRequest) -> list[Prepared]:
+        """`prepare` of each group of one request on its own (the rare path of `prepare_batch`)."""
+        vals = req.values
+        return [self.prepare(vals if idx is None else {m: np.atleast_1d(np.asarray(vals[m]))[idx]
+                                                        for m in self.metrics if m in vals}, req.weight)
+                for _, idx in req.groups]
+
+    def _prepare_stacked(self, requests: Sequence[GroupedRequest], sizes: Sequence[int],
+                         stacked: np.ndarray) -> list[list[Prepared]]:
+        """`prepare_batch`'s common path: requests whose (rows_i, metrics) values are stacked in `stacked`
+        ((sum rows_i, metrics) float64, finite), every group of at most max_request_rows rows."""
+        flat_rows: list[int] = []  # every group's rows, group after group, as rows of `stacked`
+        counts: list[int] = []
+        offset = 0
+        for req, n in zip(requests, sizes):
+            for _, idx in req.groups:
+                if idx is None:
+                    flat_rows.extend(range(offset, offset + n))
+                    counts.append(n)
+                else:
+                    idx = idx.tolist() if isinstance(idx, np.ndarray) else idx
+                    flat_rows.extend([i + offset for i in idx])
+                    counts.append(len(idx))
+            offset += n
+        n_groups = len(counts)
+        cnt = np.asarray(counts, dtype=np.int64)
+        rows = np.asarray(flat_rows, dtype=np.int64)
+        gid = np.repeat(np.arange(n_groups), cnt)
+        order = np.lexsort((rows, gid))  # each group's rows ascending: a row's place in its group is its rank
+        rows = rows[order]
+        first = np.cumsum(cnt) - cnt
+        rank = np.arange(rows.shape[0]) - np.repeat(first, cnt)
+        weights = self.decay ** (np.repeat(cnt, cnt) - 1 - rank)
+        w = np.zeros((n_groups, stacked.shape[0]))
+        w[gid, rows] = weights
+        member = np.zeros((n_groups, stacked.shape[0]))
+        member[gid, rows] = 1.0
+        gw = np.repeat(np.asarray([req.weight for req in requests], dtype=np.float64),
+                       [len(req.groups) for req in requests])  # (groups,) the sampling weight of each group's request
+        geo = w.sum(axis=1)
+        sw_add, sww_add = (gw * geo).tolist(), (gw * gw * geo).tolist()
+        disp = (gw[:, None] * (w @ stacked)).tolist()  # (groups, metrics)
+        ycols, slots = [], []
+        for j, m in enumerate(self.metrics):
+            b = self.bounds.get(m)
+            if b is None:
+                continue
+            a = stacked[:, j]
+            if b.higher_is_better:
+                y = b.value - a
+            else:
+                y = (np.minimum(a, b.truncate_at) if b.truncate_at is not None else a) - b.value
+            alarm_bet, rec_bet = self.bets[m]
+            slots.append((m, len(ycols), len(ycols) + 1 if rec_bet is not None else None))
+            ycols.append(np.clip(alarm_bet.sign * y, -alarm_bet.span, alarm_bet.cap))
+            if rec_bet is not None:
+                ycols.append(np.clip(rec_bet.sign * y, -rec_bet.span, rec_bet.cap))
+        sums = (member @ np.stack(ycols, axis=1)).tolist() if ycols else [[] for _ in counts]
+        k = len(self.metrics)
+        flat: list[Prepared] = []
+        for size, gs, gss, row_disp, row in zip(counts, sw_add, sww_add, disp, sums):
+            flat.append((size, gs, gss, [gs] * k, row_disp, None,
+                         [(m, [(size, row[ja])], [(size, row[jr])] if jr is not None else None)
+                          for m, ja, jr in slots]))
+        out, g = [], 0
+        for req in requests:
+            k = len(req.groups)
+            out.append(flat[g:g + k])
+            g += k
+        return out
