@@ -1018,8 +1018,8 @@ def _growth(rows, p, f):
 def _linear_bet_delays(rows, p_pre, p_post, h, runs, burn=500, seed=1):
     """The best valid linear bet: one CUSUM of log(1 + lam S) with lam = f / (rows * span) on the request's row sum
     S of the excess (valid for any dependence of the rows of a request of <= rows rows), alarm at the same h.
-    Candidates: the growth-optimal f (maximizing the exact E log(1 + lam S) after the change) and 0.8x, 0.9x, 1.1x,
-    1.2x of it; each simulated `runs` times (vectorized); the best is the one with the least simulated mean.
+    Bet fractions tried: the growth-optimal f (maximizing the exact E log(1 + lam S) after the change) and 0.8x,
+    0.9x, 1.1x, 1.2x of it; each simulated `runs` times (vectorized); the best is the one with the least simulated mean.
     Returns {f: delays}."""
     span = 1.0 - THRESHOLD
     grid = np.linspace(0.005, 0.995, 199)

@@ -100,15 +100,15 @@ def earlier_run(spec: Spec, tracking_uri: str, model_version: str | None, runs_d
 
     if why := spec_reasons(spec):  # never re-decided: no task is started for it
         return None, why
-    candidates = sorted((p for p in runs_dir.glob(f"*/{RECORD_FILE}") if p.is_file()),
+    records = sorted((p for p in runs_dir.glob(f"*/{RECORD_FILE}") if p.is_file()),
                         key=lambda p: p.stat().st_mtime, reverse=True)
-    if not candidates:  # a first run: nothing to hash the data for
+    if not records:  # a first run: nothing to hash the data for
         return None, "no earlier finished run differs from this one only in gates or promotion"
     ident = identity(spec, tracking_uri)
     if ident is None:
         return None, "a data file is remote (its bytes cannot be compared)"
     match = None
-    for path in candidates:
+    for path in records:
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):

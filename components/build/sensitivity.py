@@ -7,14 +7,14 @@ Method ("one at a time" sensitivity):
    `graph_optimization`, then `_preprocess` (quant_pre_process) when `quantization.preprocess` is set. Node
    names therefore are the names `quantization.exclude_nodes` must use (`_excluded_nodes` checks them against
    this very graph).
-2. The candidates are the nodes the variant's quantization would quantize and that carry weights or heavy
+2. The probed nodes are the nodes the variant's quantization would quantize and that carry weights or heavy
    compute: op types in WEIGHTED_OP_TYPES that ONNX Runtime's quantizer registry for the variant's mode knows
    (dynamic: `IntegerOpsRegistry` (+ Gemm, which quantize_dynamic rewrites as MatMul + Add); static QDQ:
    `QDQRegistry`; static QOperator: `QLinearOpsRegistry`; onnxruntime/quantization/registry.py), allowed by
    `quantization.op_types`, not already kept in float by the variant (`exclude_nodes`, `exclude_op_types`), and
    named. Dynamic MatMuls count only with a constant B (quantize_dynamic's default MatMulConstBOnly=True);
    Gathers only with a float initializer as data (an embedding table).
-3. For each candidate, the graph is quantized with the variant's settings (the same `_quantize_dynamic` /
+3. For each probed node, the graph is quantized with the variant's settings (the same `_quantize_dynamic` /
    `_quantize_static` helpers the build calls, so per_channel, reduce_range, weight/activation types,
    calibration method and the DefaultTensorType option for contrib ops are identical) keeping EVERY OTHER node
    in float (nodes_to_exclude = all other node names; equivalent to nodes_to_quantize=[node]). Static
@@ -22,11 +22,11 @@ Method ("one at a time" sensitivity):
    (graph under 2 GB) do not call quantize_dynamic once per node: most of its time went into steps that do not
    depend on the node (shape inference of the whole graph through a temp file, twice, and writing the model),
    so each worker does those once (`_dynamic_base`) and builds every single-node model in memory from a copy
-   (`_quantize_dynamic_in_memory`): byte for byte the model quantize_dynamic writes, checked on every candidate
-   of the test models and of MiniLM (25 of 25). The candidates are scored by up to MAX_WORKERS spawned worker
+   (`_quantize_dynamic_in_memory`): byte for byte the model quantize_dynamic writes, checked on every probed node
+   of the test models and of MiniLM (25 of 25). The probed nodes are scored by up to MAX_WORKERS spawned worker
    processes (one per usable core), each on its own link to the prepared graph, with the cores shared among
    their ONNX Runtime sessions; the scores are those of one process (tests/components/test_sensitivity.py).
-   On MiniLM (25 candidates, 64 rows, 2 workers, 2 shared cores at load 2-3, the prepared graph from the run's
+   On MiniLM (25 probed nodes, 64 rows, 2 workers, 2 shared cores at load 2-3, the prepared graph from the run's
    cache as in the demo; 2026-11-26): 12.1-20.7 s against 17.9-37.4 s with one quantize_dynamic call per node
    (5 interleaved rounds); in one process (cProfile) 28 s against 37 s, of which the model runs (64 rows x 26
    models) take ~11 s either way and serializing the 90 MB single-node models ~5.5 s.
@@ -82,7 +82,7 @@ def _registry_op_types(q: QuantizationSpec) -> set[str]:
     return set(QDQRegistry if q.format == "qdq" else QLinearOpsRegistry)
 
 
-def candidate_nodes(graph: Any, q: QuantizationSpec) -> list[tuple[str, str]]:
+def probed_nodes(graph: Any, q: QuantizationSpec) -> list[tuple[str, str]]:
     """Nodes of `graph` that quantization `q` would quantize and that carry weights (module docstring, step 2).
 
     Args:
@@ -128,7 +128,7 @@ def _others_excluded(graph: Any, node: str) -> list[str]:
 
 def _name_unnamed(src: Path, dst: Path) -> Path:
     """Give unnamed nodes a name so they can be kept in float during single-node trials (they are never
-    candidates: the build could not name them in exclude_nodes)."""
+    probed: the build could not name them in exclude_nodes)."""
     import onnx
 
     proto = onnx.load(str(src))
@@ -210,7 +210,7 @@ def _dynamic_base(q: QuantizationSpec, src: Path) -> tuple[Any, dict[str, Any]]:
 def _quantize_dynamic_in_memory(base: tuple[Any, dict[str, Any]], excluded: list[str]) -> Any:
     """The model `quantize_dynamic(src, dst, nodes_to_exclude=excluded, ...)` writes to `dst`, built in memory
     from `_dynamic_base(q, src)`: byte for byte the same serialized model (tests/components/test_sensitivity.py
-    compares them on every candidate), without the per-call shape inference on the whole graph, file write and
+    compares them on every probed node), without the per-call shape inference on the whole graph, file write and
     read.
 
     The ONNXQuantizer is built with static=True, then switched to dynamic: in onnxruntime 1.32 `static` in its
@@ -241,9 +241,9 @@ def _quantize_dynamic_in_memory(base: tuple[Any, dict[str, Any]], excluded: list
     return quantizer.model.model
 
 
-# Candidates are scored by a pool of worker processes (`_workers`): quantizing one node is single-threaded Python
+# Probed nodes are scored by a pool of worker processes (`_workers`): quantizing one node is single-threaded Python
 # and protobuf work on the whole graph (load, shape inference, save), so on a 2-core node two workers score the
-# candidates in about half the wall time; each worker's ONNX Runtime sessions get cores / workers intra-op threads
+# probed nodes in about half the wall time; each worker's ONNX Runtime sessions get cores / workers intra-op threads
 # (the reference output is computed with the same count). Spawned, not forked: the parent has ORT thread pools.
 MAX_WORKERS = 4
 
@@ -258,16 +258,16 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _workers(n_candidates: int) -> int:
-    """Worker processes for `n_candidates` nodes: min(usable cores, MAX_WORKERS, n_candidates), at least 1."""
-    return max(1, min(_cores(), MAX_WORKERS, n_candidates))
+def _workers(n_nodes: int) -> int:
+    """Worker processes for `n_nodes` nodes: min(usable cores, MAX_WORKERS, n_nodes), at least 1."""
+    return max(1, min(_cores(), MAX_WORKERS, n_nodes))
 
 
 _CTX: dict[str, Any] = {}
 
 
 def _init_worker(ctx: dict[str, Any]) -> None:
-    """Pool initializer: the context every candidate's scoring reads (graph loaded once per worker; for dynamic
+    """Pool initializer: the context every probed node's scoring reads (graph loaded once per worker; for dynamic
     variants also `_dynamic_base`, the shape-inferred graph every single-node model starts from). Each worker
     quantizes its own link to the prepared graph: ONNX Runtime's quantizer writes `<input>-inferred.onnx` beside
     its input and deletes it after, so two workers sharing one input path would read each other's half-written
@@ -290,7 +290,7 @@ def _init_worker(ctx: dict[str, Any]) -> None:
     _CTX["graph"] = onnx.load(str(own), load_external_data=False).graph
     _CTX["base"] = _CTX["base_error"] = None
     if "q" in ctx and _in_memory(ctx["q"], own):
-        try:  # a failure here is every candidate's failure: reported per candidate, as quantize_dynamic would
+        try:  # a failure here is every probed node's failure: reported per node, as quantize_dynamic would
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 _CTX["base"] = _dynamic_base(ctx["q"], own)
         except Exception as exc:  # ORT's quantizer raises anything
@@ -388,13 +388,13 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
         batch_size: rows per inference / calibration batch.
 
     Returns:
-        DataFrame, one row per candidate node, ranked: rank (1 = most sensitive), node, op_type,
+        DataFrame, one row per probed node, ranked: rank (1 = most sensitive), node, op_type,
         output_rel_l2 (float, unitless), output_cosine_drop (float in [0, 2]), quantized (bool: the single-node
         model holds integer / QDQ ops; False means the quantizer left the node in float and both errors are 0),
         seconds (quantize + run, s; a worker's one-off `_dynamic_base` not included), error ("" or why
         quantizing that node failed; such nodes score +inf and rank first: keeping them in float is the safe
         choice). Sorted by output_rel_l2 descending, ties by node name. Empty (same columns) when the graph has
-        no candidate.
+        no probed node.
 
     Raises:
         InputError: the variant is not an INT8 ONNX Runtime variant, `fp32_onnx` is missing, or `data` has
@@ -421,27 +421,27 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
         source = _optimize_graph(variant, fp32, work / "optimized.onnx", details)
         if q.preprocess:
             source = _preprocess(source, work / "preprocessed.onnx", details)
-    # the variant's own float nodes (exclude_nodes / exclude_op_types) are not candidates
+    # the variant's own float nodes (exclude_nodes / exclude_op_types) are not probed
     own_float, _ = _excluded_nodes(source, q)
     graph = onnx.load(str(source), load_external_data=False).graph
-    cands = [(n, t) for n, t in candidate_nodes(graph, q) if n not in set(own_float)]
+    probed = [(n, t) for n, t in probed_nodes(graph, q) if n not in set(own_float)]
     named = _name_unnamed(source, work / "named.onnx")
     provider = variant.execution_provider
-    workers = _workers(len(cands))
+    workers = _workers(len(probed))
     threads = max(1, _cores() // workers)  # the node's usable cores shared among the workers
     reference = _run(named, rows, model, provider, batch_size, threads)
     ctx = {"q": q, "named": str(named), "work": str(work), "rows": rows, "model": model, "provider": provider,
            "batch_size": batch_size, "threads": threads, "reference": reference}
     if workers <= 1:
         _init_worker(ctx)
-        records = [_score_node(n, t) for n, t in cands]
+        records = [_score_node(n, t) for n, t in probed]
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=_init_worker, initargs=(ctx,)) as pool:
-            records = list(pool.map(_score_node, [n for n, _ in cands], [t for _, t in cands]))
+            records = list(pool.map(_score_node, [n for n, _ in probed], [t for _, t in probed]))
     for link in work.glob(f"{Path(named).stem}-w*{Path(named).suffix}"):  # the workers' links (_init_worker)
         link.unlink(missing_ok=True)
     frame = pd.DataFrame.from_records(records, columns=[c for c in SENSITIVITY_COLUMNS if c != "rank"])

@@ -17,7 +17,7 @@
    keeping it in float changes nothing; a family whose set then equals one already planned is skipped and
    recorded in `SearchResult.skipped` ("skipped: cannot differ", with the reason). Within a family the ranking
    skips nodes the family already keeps in float (their op type is in its exclude_op_types), so k always counts
-   nodes that would otherwise be quantized; k larger than the number of candidates means all of them, and
+   nodes that would otherwise be quantized; k larger than the number of probed nodes means all of them, and
    configurations that coincide are tried once.
 3. Order. Families: the variant's own settings first, then the others in a seeded shuffle
    (`np.random.default_rng(search.seed).permutation`). Within a family the search assumes monotonicity: more
@@ -230,7 +230,7 @@ class _Family:
 @dataclass
 class _FamilyState:
     family: _Family
-    ranked: list[str]                 # candidate nodes still quantized in this family, most sensitive first
+    ranked: list[str]                 # probed nodes still quantized in this family, most sensitive first
     ks: list[int]                     # distinct effective k values, ascending
     lo: int = 0                       # every index < lo is known to fail
     hi: int = -1                      # index of the smallest k known to pass (len(ks): none known)

@@ -2,10 +2,10 @@
 
 Declared slices (`slices.py`) check the groups the user thought of. Discovery searches every metadata column
 (and, with `analysis.discovery.pairs`, every conjunction of two columns) for groups whose per-row parity is
-worse than the rest of the validation rows, tests each candidate one-sided, and corrects for the number of
-candidates tested with the Benjamini-Hochberg procedure.
+worse than the rest of the validation rows, tests each slice one-sided, and corrects for the number of
+slices tested with the Benjamini-Hochberg procedure.
 
-Candidates (rules of `discover_slices`):
+Slices tested (rules of `discover_slices`):
 
 - columns: `analysis.discovery.columns`, or every column of the frame except `exclude_columns` (model inputs,
   the label). Skipped, with the reason in `DiscoveryResult.skipped`: columns holding arrays/lists/dicts,
@@ -14,12 +14,12 @@ Candidates (rules of `discover_slices`):
   equal-frequency bins exactly as a declared `quantiles` slice is (`slices.slice_groups`; labels "[a,b)",
   the last "[a,b]", tied edges merge); any other column is grouped by value (labels `slices.value_label`:
   integral floats without ".0", missing values "null").
-- single candidates: every group of every column; pair candidates: every non-empty cell (group of column A
+- single slices: every group of every column; pair slices: every non-empty cell (group of column A
   and group of column B, A before B in column order), labelled slice "A&B", value "a&b". A pair whose rows
   are exactly one of its two groups' rows (B is a function of A there, e.g. "lexname&pos") repeats that
-  single candidate and is not tested again.
-- support: a candidate needs `min_support` rows and the rest (every other validation row) too.
-- pair cap: at most `MAX_PAIR_CANDIDATES` pair candidates are tested; when more are eligible, the ones with
+  single slice and is not tested again.
+- support: a slice needs `min_support` rows and the rest (every other validation row) too.
+- pair cap: at most `MAX_PAIRS_TESTED` pair slices are tested; when more are eligible, the ones with
   the largest support are kept (ties in column/group order). Choosing by support, never by outcome, keeps the
   FDR guarantee; with the default min_support 30, 10k rows allow at most ~333 cells per column pair, so 10
   columns x 50 values (45 column pairs) yield at most ~15k eligible pairs, capped to 5000.
@@ -36,7 +36,7 @@ Tests (one-sided, H1: the slice is worse than the rest; computed by `tailguard.c
 - 0/1 per-row values (bool arrays, or a PROPORTION_METRICS metric whose values are all 0/1): Fisher's exact
   test (Fisher 1935; Agresti, "Categorical Data Analysis", 3rd ed., 2013, sec. 3.5) on the 2x2 table
   (slice/rest x bad/good row). Its one-sided p-value is the hypergeometric upper tail
-  P(X >= k), X ~ Hypergeometric(rows, bad rows, slice support), computed for all candidates at once with
+  P(X >= k), X ~ Hypergeometric(rows, bad rows, slice support), computed for all slices at once with
   `scipy.stats.hypergeom.sf` (equal to `scipy.stats.fisher_exact(..., alternative="greater")`). Chosen over
   the pooled two-proportion z test because parity failures are rare: at 2% disagreement a 30-row slice
   expects 0.6 bad rows, where the z test's normal approximation is anti-conservative exactly in the
@@ -48,13 +48,13 @@ Tests (one-sided, H1: the slice is worse than the rest; computed by `tailguard.c
   variance, so t's normal approximation fails at 30-row slices) and because non-finite rows are scored
   +inf / worst-case by `parity.per_sample_metrics`, which a t test cannot take but ranks can: non-finite
   (and NaN) rows are ranked worst, tied with each other. Ranks are computed once over all rows and each
-  candidate's rank sum comes from one `np.bincount`, so thousands of candidates cost one pass per column
+  slice's rank sum comes from one `np.bincount`, so thousands of slices cost one pass per column
   (pair).
-- correction: Benjamini-Hochberg step-up over every candidate tested (Benjamini & Hochberg 1995, JRSS B 57:
+- correction: Benjamini-Hochberg step-up over every slice tested (Benjamini & Hochberg 1995, JRSS B 57:
   289-300; `scipy.stats.false_discovery_control(method="bh")`), giving `q_value`. BH controls the FDR under
   independence and positive regression dependence (Benjamini & Yekutieli 2001); groups of one column are
   negatively dependent (they share the rest), which the simulation tests in tests/components/test_discovery.py check
-  empirically. A candidate is `significant` when q_value <= alpha and drop > 0.
+  empirically. A slice is `significant` when q_value <= alpha and drop > 0.
 
 Reported values (metric units): `value_in_slice` / `value_rest` are the means of the per-row values of the
 slice and of the rest; a non-finite row makes the mean the worst value (+inf for errors, -inf for
@@ -65,7 +65,7 @@ when a smaller one, and the difference of the finite parts' sums per row when th
 
 Ranking: significant first, then by p-value (the strongest evidence first; a sub-slice of a bad group has
 the same drop but fewer rows, so the whole group ranks above its pieces), then by drop (largest first),
-support (largest first) and column/group order. Only candidates with drop > 0 are listed, at most
+support (largest first) and column/group order. Only slices with drop > 0 are listed, at most
 `max_results`.
 """
 
@@ -84,8 +84,8 @@ from tailguard.core.slices import NULL, slice_groups, value_label
 from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
 from tailguard.core.stats import benjamini_hochberg, fisher_exact_greater, mann_whitney_u_greater, rank_with_ties
 
-MAX_PAIR_CANDIDATES = 5000  # pair candidates tested at most (the largest by support); see the module docstring
-PAIR_SEP = "&"  # joins the two columns (slice) and the two values (value) of a pair candidate
+MAX_PAIRS_TESTED = 5000  # pair slices tested at most (the largest by support); see the module docstring
+PAIR_SEP = "&"  # joins the two columns (slice) and the two values (value) of a pair slice
 DEFAULT_METRIC: dict[str, str] = {"classification": "top1_agreement", "embedding": "nn_top1_agreement",
                                   "regression": "abs_error.mean", "generic": "abs_error.mean",
                                   "token_classification": "cer"}
@@ -109,8 +109,8 @@ class DiscoveryResult:
             at most `spec.max_results` rows, only rows with drop > 0.
         masks: (slice, value) -> bool array of shape (rows,) selecting the slice's validation rows, for every
             row of `table`.
-        tested: number of candidate slices tested (the BH family size m).
-        method: the test, correction and candidate counts in words (for the report and result.json).
+        tested: number of slices tested (the BH family size m).
+        method: the test, correction and counts of slices tested in words (for the report and result.json).
         metric: the requested metric (`spec.metric` or the task default).
         tested_metric: the metric compared per row (`metric`, or `<key>.mean` for a quantile/max metric).
         columns: the columns searched, in order.
@@ -231,13 +231,13 @@ def _per_row(per_sample: dict[str, np.ndarray], task: str, metric: str, rows: in
     return x, tested, note
 
 
-def candidate_slices(frame: pd.DataFrame, spec: DiscoverySpec,
+def tested_slices(frame: pd.DataFrame, spec: DiscoverySpec,
                      exclude_columns: Sequence[str] = ()) -> list[tuple[str, str, np.ndarray]]:
-    """Every candidate slice `discover_slices` tests on this metadata, before any per-row value is seen.
+    """Every slice `discover_slices` tests on this metadata, before any per-row value is seen.
 
-    The candidates depend on the metadata only (columns, groups, support, the pair rules and cap of the module
+    The slices tested depend on the metadata only (columns, groups, support, the pair rules and cap of the module
     docstring), so sequential validation (`sequential.py`) can bound every one of them while rows are still being
-    scored: a discovered gate whose threshold every candidate clears passes whichever of them discovery marks
+    scored: a discovered gate whose threshold every slice tested clears passes whichever of them discovery marks
     significant on all rows.
 
     Args:
@@ -246,7 +246,7 @@ def candidate_slices(frame: pd.DataFrame, spec: DiscoverySpec,
         exclude_columns: as `discover_slices`.
 
     Returns:
-        [(slice, value, mask)] in `discover_slices`' candidate order: slice "col" or "colA&colB", value its label,
+        [(slice, value, mask)] in `discover_slices`' order: slice "col" or "colA&colB", value its label,
         mask a bool array of shape (rows,); [] when discovery is disabled or nothing qualifies. Its length is
         `DiscoveryResult.tested`.
 
@@ -287,8 +287,8 @@ def candidate_slices(frame: pd.DataFrame, spec: DiscoverySpec,
             for cell in keep:
                 pairs.append((int(n[cell]), f"{a.name}{PAIR_SEP}{b.name}",
                               f"{a.labels[ga[cell]]}{PAIR_SEP}{b.labels[gbb[cell]]}", code == cell))
-    if len(pairs) > MAX_PAIR_CANDIDATES:
-        order = np.sort(np.argsort(-np.array([p[0] for p in pairs]), kind="stable")[:MAX_PAIR_CANDIDATES])
+    if len(pairs) > MAX_PAIRS_TESTED:
+        order = np.sort(np.argsort(-np.array([p[0] for p in pairs]), kind="stable")[:MAX_PAIRS_TESTED])
         pairs = [pairs[i] for i in order]
     return out + [(sl, val, mask) for _, sl, val, mask in pairs]
 
@@ -297,7 +297,7 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
                     exclude_columns: Sequence[str] = ()) -> DiscoveryResult:
     """Find the metadata slices (and pairs of them) where per-row parity is significantly worse than the rest.
 
-    Candidates, tests, correction and ranking: module docstring.
+    Slices tested, tests, correction and ranking: module docstring.
 
     Args:
         frame: validation metadata, one row per validation row (`Dataset.frame`), shape (rows, columns).
@@ -308,7 +308,7 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
 
     Returns:
         DiscoveryResult (table sorted worst first, masks of the table's rows, number tested, method words).
-        An empty table (tested 0) when discovery is disabled, no column is usable or no candidate has
+        An empty table (tested 0) when discovery is disabled, no column is usable or no slice has
         `min_support` rows on both sides.
 
     Raises:
@@ -362,7 +362,7 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
                       f"per-row {row_source(tested_metric)[0]} in the slice vs the rest, non-finite rows ranked "
                       f"worst")
 
-    # candidate statistics, column by column (single) and column pair by column pair (pairs)
+    # each slice's statistics, column by column (single) and column pair by column pair (pairs)
     lo, hi = spec.min_support, rows - spec.min_support
     single: list[tuple[np.ndarray, ...]] = []  # (col, group, n, w, fin, nfc)
     col_support: list[np.ndarray] = []
@@ -402,8 +402,8 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
     p_ca, p_ga, p_cb, p_gb = (cat(pair, i, np.int64) for i in range(4))
     p_n, p_w, p_fin_sum, p_nf = (cat(pair, i, np.float64) for i in (4, 5, 6, 7))
     eligible_pairs = p_n.size
-    if eligible_pairs > MAX_PAIR_CANDIDATES:
-        order = np.argsort(-p_n, kind="stable")[:MAX_PAIR_CANDIDATES]
+    if eligible_pairs > MAX_PAIRS_TESTED:
+        order = np.argsort(-p_n, kind="stable")[:MAX_PAIRS_TESTED]
         order.sort()
         p_ca, p_ga, p_cb, p_gb, p_n, p_w, p_fin_sum, p_nf = (
             v[order] for v in (p_ca, p_ga, p_cb, p_gb, p_n, p_w, p_fin_sum, p_nf))
@@ -418,12 +418,12 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
     nf1 = np.concatenate([s_nf, p_nf])
     m = n1.size
 
-    cand_words = (f"{s_col.size} single-column groups"
+    tested_words = (f"{s_col.size} single-column groups"
                   + (f", {p_n.size} pairs of two columns" if spec.pairs else "")
-                  + (f" (capped at the {MAX_PAIR_CANDIDATES} largest of {eligible_pairs} eligible pairs)"
-                     if eligible_pairs > MAX_PAIR_CANDIDATES else ""))
+                  + (f" (capped at the {MAX_PAIRS_TESTED} largest of {eligible_pairs} eligible pairs)"
+                     if eligible_pairs > MAX_PAIRS_TESTED else ""))
     method = (f"{note}{test_words}; Benjamini-Hochberg step-up (BH 1995) at FDR alpha={spec.alpha:g} over "
-              f"{m} candidates ({cand_words}) with >= {spec.min_support} rows in the slice and in the rest; "
+              f"{m} slices tested ({tested_words}) with >= {spec.min_support} rows in the slice and in the rest; "
               f"significant: q <= alpha and worse than the rest")
     base = DiscoveryResult(_empty_table(), {}, int(m), method, metric, tested_metric, [c.name for c in columns],
                            skipped)
@@ -452,7 +452,7 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
     significant = (q <= spec.alpha) & (drop > 0)
 
     listed = np.nonzero(drop > 0)[0]
-    # lexsort: last key primary -> significant first, p asc, drop desc, support desc, then candidate order
+    # lexsort: last key primary -> significant first, p asc, drop desc, support desc, then the testing order
     order = listed[np.lexsort((listed, -n1[listed], -drop[listed], p[listed], ~significant[listed]))]
     order = order[:spec.max_results]
 

@@ -311,14 +311,14 @@ def _overall(gate: GateSpec, base: dict[str, Any], ctx: _Context, overall: dict[
                       status=GateStatus.PASSED if a["ok"] else GateStatus.FAILED)
 
 
-def _groups(gate: GateSpec, base: dict[str, Any], ctx: _Context, candidates: Sequence[dict[str, Any]],
+def _groups(gate: GateSpec, base: dict[str, Any], ctx: _Context, tested: Sequence[dict[str, Any]],
             method: str, where: str) -> GateResult:
-    """Judge every candidate group (dicts: slice, value, support, point, ref_point, mask, mask_known[, extra])."""
+    """Judge every group tested (dicts: slice, value, support, point, ref_point, mask, mask_known[, extra])."""
     op = base["op"]
     plain = _point_gate(gate)
     judged, failing, insufficient = [], [], []
     assessed: list[dict[str, Any]] = []
-    for c in candidates:
+    for c in tested:
         item: dict[str, Any] = {"slice": c["slice"], "value": c["value"], "support": int(c["support"])}
         item.update(c.get("extra", {}))
         if item["support"] < gate.min_support:
@@ -374,14 +374,14 @@ def _per_slice(gate: GateSpec, base: dict[str, Any], ctx: _Context, slice_table:
                      {"reason": f"metric {gate.metric!r} is not in the per-slice table "
                                 f"(columns: {list(rows.columns)})"})
         return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED)
-    candidates = []
+    tested = []
     for rec in rows.to_dict("records"):
         key = (str(rec["slice"]), str(rec["value"]))
         mask = ctx.masks.get(key) if ctx.masks is not None else None
-        candidates.append({"slice": key[0], "value": key[1], "support": rec["support"], "point": rec[gate.metric],
+        tested.append({"slice": key[0], "value": key[1], "support": rec["support"], "point": rec[gate.metric],
                            "ref_point": rec.get("reference_accuracy"), "mask": mask,
                            "mask_known": mask is not None})
-    return _groups(gate, base, ctx, candidates, method, where)
+    return _groups(gate, base, ctx, tested, method, where)
 
 
 def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResult:
@@ -411,7 +411,7 @@ def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResu
                      {"reason": "a discovered gate needs the per-row parity values "
                                 "(evaluate_gates(per_sample=...)); not given"})
         return GateResult(**kw, observed=None, passed=False, status=GateStatus.FAILED)
-    candidates = []
+    tested = []
     for rec in sig.to_dict("records"):
         key = (str(rec["slice"]), str(rec["value"]))
         mask = disc.masks.get(key)
@@ -420,10 +420,10 @@ def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResu
             agg = aggregate(ctx.task, ctx.per_sample, mask)
             point, ref_point = agg.get(gate.metric), agg.get("reference_accuracy")
         extra = {k: rec[k] for k in ("q_value", "drop") if k in rec}
-        candidates.append({"slice": key[0], "value": key[1], "support": rec["support"], "point": point,
+        tested.append({"slice": key[0], "value": key[1], "support": rec["support"], "point": point,
                            "ref_point": ref_point, "mask": mask, "mask_known": mask is not None,
                            "extra": extra})
-    return _groups(gate, base, ctx, candidates, method, where)
+    return _groups(gate, base, ctx, tested, method, where)
 
 
 def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: dict[str, Any] | None,

@@ -221,7 +221,7 @@ def write_report(path: str | Path, *, variant: str, overall: dict, slice_table: 
             parts.append(html_table(cols, [[r[c] for c in cols]
                                        for r in discovered.to_dict("records")], cls="discovered"))
         else:
-            parts.append("<p>No candidate slice met the discovery criteria.</p>")
+            parts.append("<p>No slice tested met the discovery criteria.</p>")
     if worst_samples is not None and len(worst_samples):
         parts.append(f"<h2>Worst validation rows (first {min(MAX_WORST_SAMPLES, len(worst_samples))} of "
                      f"{len(worst_samples)})</h2>")

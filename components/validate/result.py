@@ -134,8 +134,8 @@ class ValidationResult:
             {slice, value, support, metric, observed}; None when no group qualifies.
         discovered: the worst-slice discovery table as records ({slice, value, support, metric,
             value_in_slice, value_rest, drop, p_value, q_value, significant}), worst first; [] when discovery
-            did not run or found no candidate.
-        discovery: {"tested": candidate slices tested, "significant": slices marked significant, "method":
+            did not run or tested no slice.
+        discovery: {"tested": slices tested, "significant": slices marked significant, "method":
             test and correction in words, "metric": the metric tested} when discovery ran, else None.
         numerics: the numerics check: `compare_numerics` output when the exact-accumulation pass ran, else
             `not_checked(reason, ...)` ({"status": "not_checked", "hardware_dependent": None, "reason": why});

@@ -17,8 +17,8 @@ validate step then evaluates the gates on all rows as before).
 
 Units (the populations a gate judges): `overall` one unit, all rows; `per_slice` every group of the gate's slice(s)
 with at least `min_support` rows on all rows (groups under it are insufficient_data as on all rows; the support is
-known from the metadata before any row is scored); `discovered` every candidate slice discovery tests
-(`discovery.candidate_slices`, also metadata only): the gate passes early when every candidate clears the threshold
+known from the metadata before any row is scored); `discovered` every slice discovery tests
+(`discovery.tested_slices`, also metadata only): the gate passes early when every one clears the threshold
 (then it passes whatever discovery marks significant on all rows); it is never failed early (which slices are
 significant is known only on all rows), and it is decided on all rows when its `min_support` exceeds discovery's.
 
@@ -214,7 +214,7 @@ def _proportion_unit(sl: str, val: str, mask: np.ndarray, n: int, op: str, thres
 
 
 def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any], *,
-               discovery_candidates: Sequence[tuple[str, str, np.ndarray]] | None = None) -> list[GatePlan]:
+               discovery_slices: Sequence[tuple[str, str, np.ndarray]] | None = None) -> list[GatePlan]:
     """How each gate of `spec` is decided while rows are scored (module docstring).
 
     Args:
@@ -222,7 +222,7 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
         variant_name: matched against each gate's `variants` (not_applicable gates are "rows_free").
         frame: the validation metadata (all rows).
         groups: `slices.slice_groups` over all rows (masks of shape (rows,)).
-        discovery_candidates: `discovery.candidate_slices` over all rows (None: computed here when a discovered
+        discovery_slices: `discovery.tested_slices` over all rows (None: computed here when a discovered
             gate needs them).
 
     Returns:
@@ -262,16 +262,16 @@ def plan_gates(spec: Spec, variant_name: str, frame: Any, groups: Sequence[Any],
                 plan.mode, plan.reason = "all_rows", ("its min_support exceeds discovery's: a significant slice "
                                                       "may be insufficient on all rows")
                 continue
-            if discovery_candidates is None:
-                from .discovery import candidate_slices
+            if discovery_slices is None:
+                from .discovery import tested_slices
 
                 label = spec.data.validation.label_column
-                discovery_candidates = candidate_slices(frame, disc,
+                discovery_slices = tested_slices(frame, disc,
                                                         exclude_columns=[label] if label is not None else [])
-            targets = [(s, v, np.asarray(m, dtype=bool)) for s, v, m in discovery_candidates]
+            targets = [(s, v, np.asarray(m, dtype=bool)) for s, v, m in discovery_slices]
             plan.pass_only = True
             if not targets:  # nothing to test: discovery finds no slice on all rows either, the gate passes
-                plan.mode, plan.status, plan.reason = "fixed", GateStatus.PASSED, "discovery has no candidate slice"
+                plan.mode, plan.status, plan.reason = "fixed", GateStatus.PASSED, "discovery tests no slice"
                 continue
         elif gate.scope == "per_slice":
             targets = [(str(g.slice), str(g.value), np.asarray(g.mask, dtype=bool)) for g in groups
@@ -417,7 +417,7 @@ def _score_chunk(runner: Runner, validation: Dataset, spec: Spec, variant_name: 
 
 def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.ndarray, validation: Dataset,
                        labels: np.ndarray | None, groups: list, *,
-                       discovery_candidates: list | None = None,
+                       discovery_slices: list | None = None,
                        measurements: Measurements | None = None) -> SequentialScoring:
     """Score the validation rows in a seeded shuffled order, `analysis.sequential.block_rows` at a time, until the
     gates are decided (`sequential.should_stop`; never before `min_rows` rows) or the rows run out. The runner is
@@ -433,7 +433,7 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
         validation: the validation set.
         labels: per-row labels (classification / embedding accuracy) or None.
         groups: `slice_groups` over every row.
-        discovery_candidates: `discovery.candidate_slices` over every row (None: computed when needed).
+        discovery_slices: `discovery.tested_slices` over every row (None: computed when needed).
         measurements: stored outputs of earlier scored blocks (`Measurements`): they are used block by block
             before the runner is asked for more; blocks scored beyond them are added to it (`changed`).
 
@@ -443,7 +443,7 @@ def score_sequentially(spec: Spec, variant_name: str, runner: Runner, ref: np.nd
     seq = spec.analysis.sequential
     n = validation.n_rows
     perm = np.random.default_rng(seq.seed).permutation(n).astype(np.int64)
-    plans = plan_gates(spec, variant_name, validation.frame, groups, discovery_candidates=discovery_candidates)
+    plans = plan_gates(spec, variant_name, validation.frame, groups, discovery_slices=discovery_slices)
     floor = min(seq.min_rows, n)
     stored_blocks, stored_outs = [], []
     m = measurements

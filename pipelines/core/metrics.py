@@ -195,7 +195,7 @@ ROW_METRICS: tuple[RowMetric, ...] = (
     RowMetric("nn_recall", "higher", False, _F01, "fraction", ("embedding",), False, False,
               "share of the reference's K nearest neighbours (analysis.embedding.recall_k) among the variant's K"),
     RowMetric("nn_margin", None, False, _NONNEG, "cosine", ("embedding",), False, False,
-              "the FP32 query's top-1 minus top-2 neighbour cosine (+inf with one candidate): context of a flip"),
+              "the FP32 query's top-1 minus top-2 neighbour cosine (+inf with a one-entry index): context of a flip"),
     RowMetric("nn_top1_margin_agree", "higher", True, _F01, "0/1", ("embedding",), False, False,
               "nn_top1_agree, or the FP32 top-1/top-2 gap is within analysis.embedding.margin_tolerance"),
     RowMetric("non_finite", "lower", True, _F01, "0/1", TASKS, False, False,

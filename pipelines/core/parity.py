@@ -20,12 +20,12 @@ classification (logits, shape (rows, classes)):
 embedding (vectors, shape (rows, dim)):
     cosine_similarity_i = <cand_i, ref_i> / (|cand_i| |ref_i|)   (norms floored at 1e-12)
     nn_top1_agree_i     = NN1(cand_i) == NN1(ref_i), nearest neighbours by cosine in the FP32 index
-    nn_top5_overlap_i   = |top5(cand_i) ∩ top5(ref_i)| / 5     (/ k when the index has k < 5 candidates)
+    nn_top5_overlap_i   = |top5(cand_i) ∩ top5(ref_i)| / 5     (/ k when the index has k < 5 entries)
     abs_error_i         = max_d |cand_id - ref_id|
     nn_recall_i         = |topK(cand_i) ∩ topK(ref_i)| / K    K = recall_k (spec analysis.embedding.recall_k,
                           default 10; smaller when the index is): recall@K of the FP32 query's K neighbours
     margin_i            = s(ref_i, NN1(ref_i)) - s(ref_i, NN2(ref_i))   the FP32 query's top-1/top-2 cosine gap
-                          (+inf when the index offers one candidate only)
+                          (+inf when the index holds one entry only)
     nn_top1_margin_agree_i = nn_top1_agree_i OR margin_i <= margin_tolerance
                           (analysis.embedding.margin_tolerance, default 0.01): a disagreement counts only where
                           the FP32 ranking itself is decisive, not on a near-tie any rounding could flip

@@ -437,7 +437,7 @@ def _detect_format(local: Path, descriptor: dict[str, Any] | None, declared: str
     """(format, model file relative to `local`) from the descriptor, the MLmodel flavors, or the file names."""
     where = f"{name!r} version {version}"
     flavors = _read_mlmodel_flavors(local)
-    found: list[tuple[str, str]] = []  # (format, file) candidates, best first
+    found: list[tuple[str, str]] = []  # (format, file) found, best first
     if descriptor:
         found.append((descriptor["format"], descriptor["file"]))
     if "onnx" in flavors:

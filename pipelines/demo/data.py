@@ -85,18 +85,18 @@ def find_wordnet_dir(wordnet_dir: str | Path | None = None) -> Path:
         InputError: no such folder; the hint says `apt-get install wordnet-base`.
     """
     if wordnet_dir is not None:
-        candidates = [Path(wordnet_dir)]
+        folders = [Path(wordnet_dir)]
     else:
-        candidates = []
+        folders = []
         if os.environ.get("WNSEARCHDIR"):
-            candidates.append(Path(os.environ["WNSEARCHDIR"]))
+            folders.append(Path(os.environ["WNSEARCHDIR"]))
         if os.environ.get("WNHOME"):
-            candidates += [Path(os.environ["WNHOME"]) / "dict", Path(os.environ["WNHOME"])]
-        candidates += [Path(p) for p in DEFAULT_WORDNET_DIRS]
-    for folder in candidates:
+            folders += [Path(os.environ["WNHOME"]) / "dict", Path(os.environ["WNHOME"])]
+        folders += [Path(p) for p in DEFAULT_WORDNET_DIRS]
+    for folder in folders:
         if all((folder / name).is_file() for name in DATA_FILES.values()):
             return folder
-    looked = ", ".join(str(c) for c in candidates)
+    looked = ", ".join(str(c) for c in folders)
     raise InputError(f"WordNet 3.0 database not found (looked in: {looked}); "
                      f"need files {', '.join(DATA_FILES.values())}", hint=INSTALL_HINT)
 

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from tailguard.components.validate.discovery import MAX_PAIR_CANDIDATES, TABLE_COLUMNS, DiscoveryResult, discover_slices
+from tailguard.components.validate.discovery import MAX_PAIRS_TESTED, TABLE_COLUMNS, DiscoveryResult, discover_slices
 from tailguard.core.errors import InputError
 from tailguard.core.slices import slice_groups
 from tailguard.core.spec.models import DiscoverySpec, SliceSpec
@@ -164,7 +164,7 @@ def test_discover_slices_q_values_are_benjamini_hochberg_when_all_rows_listed():
         assert row.q_value == pytest.approx(q[(row.slice, row.value)], rel=1e-9)
 
 
-# ------------------------------------------------------------------------------------------- candidates
+# ------------------------------------------------------------------------------------ slices tested
 def test_discover_slices_respects_min_support_when_bad_group_is_small():
     rng = np.random.default_rng(5)
     rows = 1000
@@ -303,8 +303,8 @@ def test_discover_slices_caps_pair_candidates_when_columns_have_many_values():
     f = pd.DataFrame({f"c{i}": rng.integers(0, 50, rows).astype(str) for i in range(10)})
     agree = rng.random(rows) < 0.97
     r = _run(f, {"top1_agree": agree}, min_support=5)
-    assert r.tested == 500 + MAX_PAIR_CANDIDATES
-    assert f"capped at the {MAX_PAIR_CANDIDATES} largest" in r.method
+    assert r.tested == 500 + MAX_PAIRS_TESTED
+    assert f"capped at the {MAX_PAIRS_TESTED} largest" in r.method
 
 
 def test_discover_slices_returns_empty_table_when_disabled_or_no_candidate():

@@ -32,7 +32,7 @@ from tailguard.core.runtime import OrtRunner, run_dataset
 from tailguard.core.spec.models import NAME_RE, SearchSpec
 from tests.helpers.search_models import PLANTED, mlp_dataset, mlp_spec, mlp_variant, planted_mlp
 
-# A small space: 2 families (per-tensor, per-channel), k in {0, 1, 2, 4} -> {0, 1, 2, 3} (3 candidates).
+# A small space: 2 families (per-tensor, per-channel), k in {0, 1, 2, 4} -> {0, 1, 2, 3} (3 probed nodes).
 SPACE = {"exclude_most_sensitive": [0, 1, 2, 4], "per_channel": [False, True], "float_op_types": [[]]}
 
 

@@ -20,9 +20,9 @@ from tailguard.components.build import sensitivity
 from tailguard.components.build.builders import onnxruntime as ort_builder
 from tailguard.components.build.sensitivity import (
     SENSITIVITY_COLUMNS,
-    candidate_nodes,
     node_sensitivity,
     output_errors,
+    probed_nodes,
 )
 from tailguard.core.errors import InputError
 from tailguard.core.spec.models import QuantizationSpec, VariantSpec
@@ -150,7 +150,7 @@ def test_quantize_dynamic_in_memory_gives_quantize_dynamics_bytes_when_one_node_
     q = QuantizationSpec(**quantization)
     proto = onnx.load(str(src))
     base = sensitivity._dynamic_base(q, src)
-    cands = candidate_nodes(proto.graph, q)
+    cands = probed_nodes(proto.graph, q)
     assert cands
     for name, _ in cands:
         excluded = sensitivity._others_excluded(proto.graph, name)
@@ -203,7 +203,7 @@ def test_node_sensitivity_raises_input_error_when_the_variant_is_not_int8(fp32, 
                          work_dir=tmp_path)
 
 
-# ----------------------------------------------------------------------------------------------- candidates
+# ------------------------------------------------------------------------------------------- probed nodes
 def _graph():
     """x (2, 4) -> MatMul "w" (x @ W) -> MatMul "aa" (h @ h^T, activation x activation); Gather "emb" of a
     float table; Gather "shape" of an int64 initializer (shape arithmetic); Gemm "g"; an unnamed MatMul."""
@@ -223,21 +223,21 @@ def _graph():
                              [w, table, ints, idx])
 
 
-def test_candidate_nodes_skips_activation_matmuls_and_shape_gathers_when_dynamic():
-    got = candidate_nodes(_graph(), QuantizationSpec(mode="dynamic"))
+def test_probed_nodes_skips_activation_matmuls_and_shape_gathers_when_dynamic():
+    got = probed_nodes(_graph(), QuantizationSpec(mode="dynamic"))
     assert got == [("w", "MatMul"), ("emb", "Gather"), ("g", "Gemm")]
 
 
-def test_candidate_nodes_keeps_activation_matmuls_when_static_qdq():
-    got = candidate_nodes(_graph(), QuantizationSpec(mode="static"))
+def test_probed_nodes_keeps_activation_matmuls_when_static_qdq():
+    got = probed_nodes(_graph(), QuantizationSpec(mode="static"))
     assert got == [("w", "MatMul"), ("aa", "MatMul"), ("emb", "Gather"), ("g", "Gemm")]
 
 
-def test_candidate_nodes_follows_op_types_and_exclusions_when_they_are_set():
-    assert candidate_nodes(_graph(), QuantizationSpec(mode="dynamic", op_types=["MatMul"])) == [
+def test_probed_nodes_follows_op_types_and_exclusions_when_they_are_set():
+    assert probed_nodes(_graph(), QuantizationSpec(mode="dynamic", op_types=["MatMul"])) == [
         ("w", "MatMul"), ("g", "Gemm")]  # quantize_dynamic rewrites the Gemm as a MatMul first
-    assert candidate_nodes(_graph(), QuantizationSpec(mode="dynamic", op_types=["Gemm"])) == []
-    assert candidate_nodes(_graph(), QuantizationSpec(mode="static", exclude_nodes=["w"],
+    assert probed_nodes(_graph(), QuantizationSpec(mode="dynamic", op_types=["Gemm"])) == []
+    assert probed_nodes(_graph(), QuantizationSpec(mode="static", exclude_nodes=["w"],
                                                       exclude_op_types=["Gather"])) == [("aa", "MatMul"),
                                                                                         ("g", "Gemm")]
 

@@ -836,11 +836,12 @@ class DiscoverySpec(SpecModel):
     metric: str | None = Field(None, description=(
         "Parity metric compared (default: classification top1_agreement, embedding nn_top1_agreement, "
         "regression/generic abs_error.mean)."))
-    min_support: int = Field(30, ge=5, description="Candidate slices need at least this many validation rows.")
+    min_support: int = Field(30, ge=5, description=(
+        "A tested slice needs at least this many validation rows (and so does the rest)."))
     max_bins: int = Field(4, ge=2, le=20, description="Numeric columns are cut into this many quantile bins.")
     max_values: int = Field(100, ge=2, description="Categorical columns with more distinct values are skipped.")
     alpha: float = Field(0.05, gt=0, lt=0.5, description=(
-        "False discovery rate (Benjamini-Hochberg) across every candidate slice tested."))
+        "False discovery rate (Benjamini-Hochberg) across every slice tested."))
     max_results: int = Field(20, ge=1, description="Report at most this many discovered slices (worst first).")
 
 
