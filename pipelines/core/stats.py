@@ -9,7 +9,7 @@ Library first: where scipy computes the same thing it is used (`scipy.stats.beta
 `scipy.stats.bootstrap` for every bootstrap, `scipy.stats.hypergeom` for Fisher's exact test,
 `scipy.stats.false_discovery_control` for Benjamini-Hochberg). Wilson's score bound, Newcombe's paired
 difference bound and the vectorised Mann-Whitney U approximation are written out (a few lines each, every
-candidate of a discovery run at once); tests/core/test_core_stats.py checks each against statsmodels or scipy and
+slice tested by a discovery run at once); tests/core/test_core_stats.py checks each against statsmodels or scipy and
 against published worked examples. statsmodels (`proportion_confint`) computes the Wilson and Clopper-Pearson
 limits too, but it is not a declared dependency of tailguard (it is installed only through another package), so
 it is a test reference, not a runtime import.
