@@ -86,7 +86,7 @@ def parity_table(spec: Any, ds: Any, ref: np.ndarray, name: str, model: Path, ju
     from tailguard.components.validate.logic import validate_variant
     from tailguard.components.validate.measurements import Measurements
     from tailguard.core.runtime import OrtRunner, run_dataset
-    from tailguard.core.spec.models import PERF_METRICS
+    from tailguard.core.spec.gates import PERF_METRICS
 
     variant = next(v for v in spec.variants if v.name == judged_as)
     runner = OrtRunner(model, providers=[variant.execution_provider],

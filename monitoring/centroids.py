@@ -15,7 +15,7 @@ import numpy as np
 from tailguard.core.contract import RUN_ID_TAG
 from tailguard.core.derive import CENTROIDS_FILE, load_centroids, monitored_default_slices
 from tailguard.core.errors import InputError
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 from tailguard.monitoring.node_check import read_model_version
 
 log = logging.getLogger("tailguard.monitoring")

@@ -27,8 +27,10 @@ import numpy as np
 from tailguard.core.derive import default_derived_slices, derive_values, row_labels
 from tailguard.core.errors import FieldError, InputError, SpecError
 from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
-from tailguard.core.spec.models import SliceSpec, Spec, TensorSpec
+from tailguard.core.spec.data import SliceSpec
+from tailguard.core.spec.model import TensorSpec
 from tailguard.core.spec.monitor import MonitoringSpec, MonitorThreshold
+from tailguard.core.spec.root import Spec
 
 log = logging.getLogger("tailguard.monitoring")
 

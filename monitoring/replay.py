@@ -27,7 +27,7 @@ from tailguard.core.errors import EXIT_ALERT, EXIT_OK, InputError, StepError, Ta
 from tailguard.core.pt2_archive import MONITOR_FIX
 from tailguard.core.runtime import Runner, run_dataset, runner_for_file
 from tailguard.core.spec import load_spec
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 from tailguard.core.tokens import IGNORE, NON_FINITE, align, decode_settings, run_token_ids
 from tailguard.monitoring.compare import compare_rows, reference_non_finite
 from tailguard.monitoring.config import MonitorConfig, resolve_config

@@ -35,7 +35,7 @@ from tailguard.core.home import home
 from tailguard.core.pt2_archive import MONITOR_FIX
 from tailguard.core.runtime import Runner, runner_for_file
 from tailguard.core.spec import load_spec
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 from tailguard.monitoring.body_budget import BodyBudget
 from tailguard.monitoring.combine import INCOMPLETE_REASONS, WAIT_POLLS, Combiner, PeerError
 from tailguard.monitoring.config import (

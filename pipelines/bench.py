@@ -24,7 +24,7 @@ from typing import Any
 
 from tailguard.core.contract import BACKEND_TAG, PRECISION_TAG, SOURCE_SHA256_TAG, SOURCE_VERSION_TAG, VARIANT_TAG
 from tailguard.core.errors import InputError, StepError
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 
 SEARCHED_SUFFIX = "-searched"
 
@@ -36,7 +36,7 @@ def variant_spec_of(spec: Spec, tags: dict[str, str]) -> Any:
     Raises:
         InputError: the version has no `tailguard.backend` tag (not registered by tailguard).
     """
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
     name = tags.get(VARIANT_TAG) or ""
     base = name[: -len(SEARCHED_SUFFIX)] if name.endswith(SEARCHED_SUFFIX) else name

@@ -38,7 +38,9 @@ the compiled IR and in kfp.local's logs (`named`).
 
 from typing import Any, Callable
 
-from tailguard.core.spec.models import ServingTarget, Spec, VariantSpec, target_task_name
+from tailguard.core.spec.root import Spec
+from tailguard.core.spec.targets import ServingTarget, target_task_name
+from tailguard.core.spec.variants import VariantSpec
 
 PARAMS = ("spec_yaml", "tracking_uri", "model_version", "pipeline_run")
 

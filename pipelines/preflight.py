@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.core.errors import FieldError, SpecError
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 
 
 def parquet_columns(uri: str) -> list[str] | None:
@@ -247,7 +247,7 @@ def unpassable_gate_warnings(spec: Spec, *, largest: int = 100_000) -> list[str]
     Returns:
         One warning per such gate, naming it (`gates.<i>`), the sizes that cannot pass and the two fixes.
     """
-    from tailguard.core.spec.models import PROPORTION_METRICS
+    from tailguard.core.spec.gates import PROPORTION_METRICS
     from tailguard.core.stats import wilson_bound
 
     out = []

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from tailguard.core.contract import VALIDATIONS_DIR
-from tailguard.core.spec.models import Spec
 from tailguard.core.spec.reads import DECIDE
+from tailguard.core.spec.root import Spec
 
 RECORD_FILE = "rerun.json"
 RECORD_FORMAT = 2  # 2: + baseline_gates

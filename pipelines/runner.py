@@ -42,7 +42,7 @@ from tailguard.core.reference import MODEL_PATH_ENV
 from tailguard.core.report import timing_cells
 from tailguard.core.results import BuildStatus, GateStatus
 from tailguard.core.spec import dump_spec, load_spec
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 from tailguard.core.taskhost import PRELOAD as HOST_PRELOAD
 from tailguard.core.taskhost import task_host
 from tailguard.core.taskio import find_error_records

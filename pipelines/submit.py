@@ -20,7 +20,7 @@ from typing import Any
 
 from tailguard.core.errors import InputError
 from tailguard.core.spec import dump_spec
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 
 FAILED_STATES = {"FAILED", "CANCELED", "CANCELING", "SKIPPED"}
 

@@ -14,7 +14,7 @@ from tailguard.core.results import BuildStatus
 
 if TYPE_CHECKING:
     from tailguard.components.register.summary import RunSummary, VariantSummary
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
 # Wide enough for the summary table when output goes to a file or a CI log (no terminal to measure).
 console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)

@@ -311,7 +311,7 @@ def run(bundle: Path, device: str, variants: list[BenchVariant], work: Path, *, 
     from tailguard.core.digests import file_sha256
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset
-    from tailguard.core.spec.models import BenchmarkSpec
+    from tailguard.core.spec.benchmark import BenchmarkSpec
     from tailguard.core.torch_backend import EagerModuleRunner, TorchVariantRunner
 
     t_start = time.perf_counter()
@@ -474,7 +474,7 @@ def run_quick(bundle: Path, device: str, variants: list[BenchVariant], work: Pat
     from tailguard.core.digests import file_sha256
     from tailguard.core.latency import POOL_SIZE, interleaved_benchmark
     from tailguard.core.runtime import run_dataset
-    from tailguard.core.spec.models import BenchmarkSpec
+    from tailguard.core.spec.benchmark import BenchmarkSpec
     from tailguard.core.torch_backend import EagerModuleRunner, TorchVariantRunner, build_torch_variant
 
     t_start = time.perf_counter()

@@ -20,7 +20,8 @@ from tailguard.components.build.onnx_files import _graph, _has_contrib_ops, _jso
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import ModelSpec, QuantizationSpec, TensorSpec
+    from tailguard.core.spec.model import ModelSpec, TensorSpec
+    from tailguard.core.spec.variants import QuantizationSpec
 
 
 class DatasetCalibrationReader:

@@ -17,7 +17,7 @@ from tailguard.components.build.onnx_files import _graph, _op_counts, _quantized
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import GraphOptimizationSpec, VariantSpec
+    from tailguard.core.spec.variants import GraphOptimizationSpec, VariantSpec
 
 
 # Fused operators reported after graph optimization (onnxruntime.transformers BertOnnxModel's statistics list,

@@ -19,7 +19,8 @@ from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import ModelSpec, VariantSpec
+    from tailguard.core.spec.model import ModelSpec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Path, *, calibration: Dataset | None,
@@ -27,13 +28,13 @@ def build_variant(variant: VariantSpec, fp32_onnx: str | Path, out_dir: str | Pa
     """Build one variant from the FP32 ONNX reference, through the builder registered for its backend.
 
     Args:
-        variant: `tailguard.core.spec.models.VariantSpec`.
+        variant: `tailguard.core.spec.variants.VariantSpec`.
         fp32_onnx: the FP32 reference .onnx file (the checked export).
         out_dir: folder for the variant's files (created): `<variant.name>.onnx`, `build.log` (the tools' output;
             the traceback on failure), `reproduce.sh` with `variant.json` and `model.json`, and
             `calibration.parquet` (the exact calibration rows) for static INT8.
         calibration: calibration rows (needed by static INT8 only; `tailguard.core.data.load_dataset`).
-        model: `tailguard.core.spec.models.ModelSpec` (inputs, pad_values).
+        model: `tailguard.core.spec.model.ModelSpec` (inputs, pad_values).
         calibration_batch_size: rows per calibration batch (`spec.data.calibration.batch_size`).
         profile: the TensorRT optimization profile (`profiles.spec_profile`) of a variant on backend tensorrt
             or on TensorrtExecutionProvider; None for the others.

@@ -20,7 +20,7 @@ from tailguard.core.errors import InputError
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 # Operators that compute in integer arithmetic (QOperator format and dynamic quantization).

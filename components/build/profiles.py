@@ -22,7 +22,8 @@ from tailguard.core.errors import InputError
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 TRT_CACHE_DIR = "trt_cache"  # ONNX Runtime TensorRT EP caches, relative to the variant's folder
 MIB = 1 << 20

@@ -62,7 +62,8 @@ from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import ModelSpec, QuantizationSpec, VariantSpec
+    from tailguard.core.spec.model import ModelSpec
+    from tailguard.core.spec.variants import QuantizationSpec, VariantSpec
 
 # Op types whose quantization carries a weight or heavy arithmetic: the nodes worth keeping in float.
 WEIGHTED_OP_TYPES = ("MatMul", "Gemm", "Conv", "ConvTranspose", "Attention", "LSTM", "Gather", "GatherElements",
@@ -87,7 +88,7 @@ def probed_nodes(graph: Any, q: QuantizationSpec) -> list[tuple[str, str]]:
 
     Args:
         graph: onnx GraphProto of the prepared (optimized, preprocessed) model.
-        q: `tailguard.core.spec.models.QuantizationSpec` of the variant.
+        q: `tailguard.core.spec.variants.QuantizationSpec` of the variant.
 
     Returns:
         [(node name, op type)] in graph order.
@@ -379,10 +380,10 @@ def node_sensitivity(variant: VariantSpec, fp32_onnx: str | Path, data: Dataset,
     Method and formulas: module docstring. Static variants calibrate each single-node model on the same rows.
 
     Args:
-        variant: `tailguard.core.spec.models.VariantSpec`, precision int8 on onnxruntime (its `quantization` is used).
+        variant: `tailguard.core.spec.variants.VariantSpec`, precision int8 on onnxruntime (its `quantization` is used).
         fp32_onnx: the FP32 reference .onnx file.
         data: rows to measure on (calibration rows); the first `samples` rows are used.
-        model: `tailguard.core.spec.models.ModelSpec` (inputs, pad values; the first output is compared).
+        model: `tailguard.core.spec.model.ModelSpec` (inputs, pad values; the first output is compared).
         samples: at most this many rows.
         work_dir: scratch folder (created): the prepared graph and one quantized model per worker at a time.
         batch_size: rows per inference / calibration batch.

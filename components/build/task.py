@@ -20,7 +20,8 @@ from tailguard.core.taskio import task_entry, write_json
 
 if TYPE_CHECKING:
     from tailguard.core.reference import ResolvedModel
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 def cache_parts(spec: Spec, variant: VariantSpec, onnx_dir: str | Path,

@@ -37,7 +37,8 @@ from tailguard.core.errors import DataCheckError, FieldError, SpecError
 from tailguard.core.home import quiet_environment
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import DatasetSpec, Spec
+    from tailguard.core.spec.data import DatasetSpec
+    from tailguard.core.spec.root import Spec
 
 from tailguard.core.contract import DATA_CHECK_FILE
 

@@ -32,7 +32,7 @@ from tailguard.core.errors import ExportMismatchError, InputError, StepError
 from tailguard.core.runtime import OrtRunner, Runner
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import ModelSpec
+    from tailguard.core.spec.model import ModelSpec
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -40,7 +40,7 @@ def dynamic_axes_from_spec(spec: ModelSpec) -> dict[str, dict[int, str]]:
     """Named dynamic axes per input/output: every axis the spec gives as a string (e.g. "batch", "sequence").
 
     Args:
-        spec: a `tailguard.core.spec.models.ModelSpec`.
+        spec: a `tailguard.core.spec.model.ModelSpec`.
 
     Returns:
         {tensor name: {axis index: axis name}}; tensors without dynamic axes are left out.
@@ -57,7 +57,7 @@ def dummy_feeds(spec: ModelSpec, *, batch: int = 2, length: int = 4) -> dict[str
     """Feeds made from the spec's input shapes alone (no data), for tracing an export.
 
     Args:
-        spec: a `tailguard.core.spec.models.ModelSpec` (inputs: name, dtype, shape with batch first).
+        spec: a `tailguard.core.spec.model.ModelSpec` (inputs: name, dtype, shape with batch first).
         batch: size of the batch axis (the first axis). At least 2 keeps torch.export from specializing it.
         length: size of every other named axis (e.g. `sequence`), at least 2 for the same reason.
 
@@ -86,7 +86,7 @@ def export_onnx(module: Any, spec: ModelSpec, sample_feeds: Mapping[str, np.ndar
 
     Args:
         module: torch.nn.Module; called with the inputs positionally in `spec.inputs` order.
-        spec: `tailguard.core.spec.models.ModelSpec` (inputs, outputs, export.opset, export.dynamo).
+        spec: `tailguard.core.spec.model.ModelSpec` (inputs, outputs, export.opset, export.dynamo).
         sample_feeds: {input name: array (batch, sequence, ...)} used for tracing; with dynamo a dynamic axis of
             size 1 is repeated to size 2 (torch.export would otherwise specialize it to a constant).
         out_path: the .onnx file to write (folders are created).
@@ -287,7 +287,7 @@ def check_declared_outputs(onnx_path: str | Path, spec: ModelSpec, feeds: Mappin
 
     Args:
         onnx_path: the .onnx file.
-        spec: `tailguard.core.spec.models.ModelSpec` (outputs).
+        spec: `tailguard.core.spec.model.ModelSpec` (outputs).
         feeds: one batch {input name: array (batch, ...)}.
         onnx_runner: an open runner of `onnx_path` (default: a CPU `OrtRunner`, graph optimizations off).
         source: who checks, for the error's first line.
@@ -330,7 +330,7 @@ def feeds_for_graph(runner: Any, spec: ModelSpec, *, batch: int = 2, length: int
 
     Args:
         runner: an `OrtRunner` (its `session.get_inputs()` give the graph's input shapes).
-        spec: `tailguard.core.spec.models.ModelSpec`.
+        spec: `tailguard.core.spec.model.ModelSpec`.
         batch, length: sizes of the batch axis and of the other named axes the graph leaves free.
 
     Returns:
@@ -367,7 +367,7 @@ def check_export(torch_runner: Runner, onnx_path: str | Path, feeds_list: Sequen
         onnx_path: the exported .onnx file.
         feeds_list: batches {input name: array (batch, sequence, ...)}; different batch sizes and sequence
             lengths are welcome (they test the dynamic axes).
-        spec: `tailguard.core.spec.models.ModelSpec`.
+        spec: `tailguard.core.spec.model.ModelSpec`.
         onnx_runner: an already-open runner for `onnx_path` (default: a CPU `OrtRunner`).
 
     Returns:

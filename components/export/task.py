@@ -14,7 +14,7 @@ from tailguard.core.taskio import task_entry, write_json
 if TYPE_CHECKING:
     from tailguard.core.data import Dataset
     from tailguard.core.reference import ResolvedModel
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
 
 def _copy_onnx(src: Path, out_dir: Path) -> Path:

@@ -10,7 +10,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
 # Torch baseline method (issue 26, item 1). Alternating a default ONNX Runtime session and torch eager in one process
 # made torch wait on ORT's intra-op workers, which spin on the cores for a while after each ORT Run: measured 2.9x

@@ -83,7 +83,8 @@ from tailguard.core.reference import alias_version
 from tailguard.core.results import BuildStatus, GatesVerdict, PromotionStatus, VariantResult
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, source_version: str,
@@ -117,7 +118,7 @@ def register_and_promote(spec: Spec, *, parent_run_id: str, experiment_id: str, 
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from tailguard.core.spec.models import target_alias
+    from tailguard.core.spec.targets import target_alias
     from tailguard.core.tracking import store_lock
 
     client = mlflow.MlflowClient()

@@ -26,7 +26,8 @@ from tailguard.core.reference import alias_version
 from tailguard.core.results import BuildStatus, GateStatus, PromotionStatus, VariantResult
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 # A gate's status over several targets is its worst one (failed, then insufficient data, then passed); a gate that

@@ -22,7 +22,7 @@ from tailguard.core.contract import (
 from tailguard.core.results import BuildStatus, PromotionStatus, ResultFormatError, VariantResult
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 @dataclass

@@ -22,7 +22,7 @@ from tailguard.core.contract import (
 )
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 class Registration(str, Enum):

@@ -75,7 +75,7 @@ def fetch_main(*, tracking_uri: str, model_json: str, version: str, sha256: str,
     from types import SimpleNamespace
 
     from tailguard.core.cache import cached_step
-    from tailguard.core.spec.models import ModelSpec
+    from tailguard.core.spec.model import ModelSpec
 
     model = ModelSpec.model_validate_json(model_json)
     out = Path(out_dir)

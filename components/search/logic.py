@@ -66,10 +66,12 @@ from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.results import BuildStatus, GateStatus, json_ready, number_or_none
-from tailguard.core.spec.models import NAME_RE, SearchSpec, Spec, VariantSpec
+from tailguard.core.spec.base import NAME_RE
+from tailguard.core.spec.root import Spec
+from tailguard.core.spec.variants import SearchSpec, VariantSpec
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import QuantizationSpec
+    from tailguard.core.spec.variants import QuantizationSpec
 
 
 class SearchStop(StrEnum):
@@ -281,7 +283,7 @@ def quantized_op_types(q: QuantizationSpec) -> frozenset[str]:
       types in float).
 
     Args:
-        q: a `tailguard.core.spec.models.QuantizationSpec`.
+        q: a `tailguard.core.spec.variants.QuantizationSpec`.
 
     Returns:
         The op type names (ONNX `op_type`), e.g. {"MatMul", "Gemm", "Attention", ...} for dynamic.

@@ -51,7 +51,8 @@ from tailguard.core.tracking import closing_run
 if TYPE_CHECKING:
     from tailguard.components.search.logic import Trial
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 class SearchStatus(StrEnum):
@@ -161,7 +162,7 @@ def decision_batch_sizes(spec: Spec) -> list[int]:
     """The benchmark batch sizes a search decision reads, in spec order: the promotion batch size ('fastest' is
     judged there: `logic._p50`) and the batch size of every batched gate (latency, throughput, cost, speedup:
     `Spec.gate_batch_size`)."""
-    from tailguard.core.spec.models import BATCHED_METRICS
+    from tailguard.core.spec.gates import BATCHED_METRICS
 
     wanted = {spec.promotion.batch_size or spec.benchmark.batch_sizes[0]}
     wanted |= {spec.gate_batch_size(g) for g in spec.gates if g.metric in BATCHED_METRICS}

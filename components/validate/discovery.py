@@ -81,7 +81,9 @@ from tailguard.core.errors import InputError
 from tailguard.core.metrics import higher_is_better
 from tailguard.core.parity import row_source
 from tailguard.core.slices import NULL, slice_groups, value_label
-from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, DiscoverySpec, SliceSpec
+from tailguard.core.spec.analysis import DiscoverySpec
+from tailguard.core.spec.data import SliceSpec
+from tailguard.core.spec.gates import PROPORTION_METRICS, TASK_METRICS
 from tailguard.core.stats import benjamini_hochberg, fisher_exact_greater, mann_whitney_u_greater, rank_with_ties
 
 MAX_PAIRS_TESTED = 5000  # pair slices tested at most (the largest by support); see the module docstring

@@ -75,7 +75,8 @@ from tailguard.core.metrics import higher_is_better
 from tailguard.core.metrics import metric as catalogue_metric
 from tailguard.core.parity import aggregate
 from tailguard.core.results import GateStatus, number_or_none
-from tailguard.core.spec.models import BATCHED_METRICS, BUILD_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec, Spec
+from tailguard.core.spec.gates import BATCHED_METRICS, BUILD_METRICS, PERF_METRICS, RATIO_METRICS, GateSpec
+from tailguard.core.spec.root import Spec
 from tailguard.core.stats import Side, newcombe_paired_bound
 
 from .intervals import method_words, metric_bound

@@ -17,7 +17,8 @@ import numpy as np
 
 from tailguard.core.errors import InputError
 from tailguard.core.parity import row_source
-from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, BootstrapSpec
+from tailguard.core.spec.analysis import BootstrapSpec
+from tailguard.core.spec.gates import PROPORTION_METRICS, TASK_METRICS
 from tailguard.core.stats import Side, bootstrap_bound, wilson_bound
 
 

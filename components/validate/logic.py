@@ -58,7 +58,7 @@ from tailguard.core.latency import peak_rss_mb
 from tailguard.core.parity import non_finite_rows
 from tailguard.core.runtime import Runner
 from tailguard.core.slices import slice_groups
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 from tailguard.core.taskio import json_default
 
 from .gates import GateResult, all_passed, build_metrics, evaluate_gates

@@ -20,7 +20,8 @@ import numpy as np
 from tailguard.core.taskio import json_default
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 @dataclass

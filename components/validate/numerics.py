@@ -22,7 +22,7 @@ import pandas as pd
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import Runner
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 
 from .gates import GateResult, evaluate_gates
 from .measurements import Measurements

@@ -39,7 +39,7 @@ from tailguard.core.results import BuildStatus, GatesVerdict, VariantResult
 from tailguard.core.taskio import write_json
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
     from .result import ValidationResult
 

@@ -14,7 +14,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 def parse_baselines(baselines_json: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.report import key_metric
 from tailguard.core.runtime import Runner, run_dataset
 from tailguard.core.slices import per_slice_table
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 from tailguard.core.tokens import align, decode_settings, run_token_ids
 
 # per task: the per-row value that ranks worst_samples.csv, and whether low values are the bad ones

@@ -51,7 +51,8 @@ import numpy as np
 from tailguard.core.data import Dataset
 from tailguard.core.results import GateStatus
 from tailguard.core.runtime import Runner
-from tailguard.core.spec.models import BATCHED_METRICS, BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec, Spec
+from tailguard.core.spec.gates import BATCHED_METRICS, BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec
+from tailguard.core.spec.root import Spec
 from tailguard.core.stats import wilson_bound, wor_confidence_sequence, wor_log_evidence
 
 from .gates import GateResult, evaluate_gates, gate_op, static_threshold

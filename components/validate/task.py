@@ -17,7 +17,7 @@ from tailguard.core.contract import (
     TARGET_TAG,
 )
 from tailguard.core.results import BuildResult, BuildStatus, VariantResult
-from tailguard.core.spec.models import target_task_name
+from tailguard.core.spec.targets import target_task_name
 from tailguard.core.taskio import task_entry
 
 from .measurements import load_measurements
@@ -41,7 +41,8 @@ from .runners import (
 )
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import Spec, VariantSpec
+    from tailguard.core.spec.root import Spec
+    from tailguard.core.spec.variants import VariantSpec
 
 
 @task_entry("validate")

@@ -14,7 +14,7 @@ from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.latency import add_speed_ratios, benchmark, cost_per_1m, interleaved_benchmark
 from tailguard.core.runtime import Runner
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 
 from .measurements import Measurements
 
@@ -51,7 +51,7 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
             the promotion then picks the lowest validation p50; the search passes True: it picks its trial so).
     """
     from tailguard.core.latency import DECISION_MIN_ROUNDS, precision_reached, speed_ratio
-    from tailguard.core.spec.models import BATCHED_METRICS
+    from tailguard.core.spec.gates import BATCHED_METRICS
     from tailguard.core.stats import look_confidence, order_statistic_bound
 
     precision = spec.benchmark.precision

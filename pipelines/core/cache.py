@@ -37,7 +37,7 @@ from tailguard.core.home import home
 
 if TYPE_CHECKING:
     from tailguard.core.reference import ResolvedModel
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
 ENV_CACHE = "TAILGUARD_CACHE"
 ENV_MAX_BYTES = "TAILGUARD_CACHE_MAX_BYTES"

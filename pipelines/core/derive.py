@@ -16,7 +16,7 @@ A derived slice (`slices[i].derive`, a `DeriveSpec`) turns each row into one num
 
 Padding: a batched request's rows are padded with 0 to the longest row by its sender; validation rows are not
 padded. sum, count_nonzero, length and norm do not change under zero padding, and `spec check` allows only those on
-inputs with a variable-length axis (tailguard.core.spec.models.derive_errors), so a row gives the same value alone,
+inputs with a variable-length axis (tailguard.core.spec.data.derive_errors), so a row gives the same value alone,
 padded in a validation batch or padded in a live request.
 
 `row_labels` maps the values to the group labels of `tailguard.core.slices` (bins "[16,32)", "(-inf,0)",
@@ -32,7 +32,7 @@ import numpy as np
 
 from tailguard.core.errors import InputError
 from tailguard.core.slices import NULL, _fmt, value_label
-from tailguard.core.spec.models import SliceSpec
+from tailguard.core.spec.data import SliceSpec
 
 # Slices the monitor adds by task when monitoring.slice_columns is not set (issue 35): the reference's top-1 class
 # (classification) and the nearest of DEFAULT_TOPIC_CENTROIDS topic centroids (embedding), which validation fits and

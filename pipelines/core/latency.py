@@ -47,7 +47,7 @@ import numpy as np
 from tailguard.core.data import Dataset, make_batch
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import Runner
-from tailguard.core.spec.models import BenchmarkSpec
+from tailguard.core.spec.benchmark import BenchmarkSpec
 from tailguard.core.stats import look_confidence, looks, order_statistic_bound, paired_ratio_bootstrap
 from tailguard.core.stats import median_ratio as _median_ratio
 

@@ -4,7 +4,7 @@ Two stages, kept apart so slices and the shadow-traffic monitor reuse them:
 
 1. `per_sample_metrics` turns (reference, candidate) output arrays into one value per row and metric.
 2. `aggregate` reduces those per-row values (optionally under a boolean row mask, e.g. one slice group)
-   to the task's metrics, named exactly as `tailguard.core.spec.models.TASK_METRICS[task]`.
+   to the task's metrics, named exactly as `tailguard.core.spec.gates.TASK_METRICS[task]`.
 
 Formulas (per row i; `ref` is the FP32 reference, `cand` the candidate variant):
 
@@ -69,7 +69,7 @@ from __future__ import annotations
 import numpy as np
 
 from tailguard.core.errors import InputError
-from tailguard.core.spec.models import TASK_METRICS
+from tailguard.core.spec.gates import TASK_METRICS
 from tailguard.core.stats import percentile
 
 REL_EPS = 1e-6  # floor of |reference| in rel_error, so exact zeros in the reference do not divide by zero

@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import yaml
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
 MASK = "***"
 # Query parameter names whose values are credentials (lower-cased substrings): AWS SigV4 presigned URLs

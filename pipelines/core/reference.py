@@ -54,7 +54,8 @@ if TYPE_CHECKING:  # heavy imports stay inside the functions (KFP components imp
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
 
-    from tailguard.core.spec.models import ModelSpec, Spec
+    from tailguard.core.spec.model import ModelSpec
+    from tailguard.core.spec.root import Spec
 
 FORMATS = ("onnx", "torch_export", "state_dict", "pickle")
 DESCRIPTOR_FILE = "tailguard-model.json"

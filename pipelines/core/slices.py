@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from tailguard.core.errors import InputError
-from tailguard.core.spec.models import SliceSpec
+from tailguard.core.spec.data import SliceSpec
 
 from .parity import aggregate, metric_names
 

@@ -55,7 +55,7 @@ from tailguard.core.pt2_archive import SPEC_FIX, check_pt2_archive
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
 COMPILE_MODES = ("eager", "inductor", "aot_inductor")
 PRECISIONS = ("fp32", "fp16", "bf16")

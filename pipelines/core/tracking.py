@@ -12,7 +12,7 @@ from tailguard.core.home import artifact_root, default_tracking_uri, home, quiet
 from tailguard.core.results import RunOutcome
 
 if TYPE_CHECKING:
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
 _INITIALISED: set[str] = set()  # tracking URIs this process has initialised (tables created, under the lock)
 

@@ -22,7 +22,7 @@ import pandas as pd
 
 from tailguard.core.errors import InputError
 from tailguard.core.spec import load_spec
-from tailguard.core.spec.models import Spec
+from tailguard.core.spec.root import Spec
 from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.replay import replay
 from tailguard.monitoring.testing import flip_top1

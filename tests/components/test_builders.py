@@ -25,7 +25,8 @@ from tailguard.components.build.registry import (
     register_builder,
     registered_builders,
 )
-from tailguard.core.spec.models import BACKEND_ARTIFACTS, ModelSpec, VariantSpec
+from tailguard.core.spec.model import ModelSpec
+from tailguard.core.spec.variants import BACKEND_ARTIFACTS, VariantSpec
 
 
 def spec_backends() -> list[str]:
@@ -41,7 +42,7 @@ def test_registry_has_one_builder_per_spec_backend_literal_when_every_module_is_
     assert not missing, (f"spec backends without a builder: {missing}; add components/build/builders/<backend>.py "
                          "with @register_builder(\"<backend>\") (docs/builders.md)")
     assert not orphans, (f"builders without a spec backend literal: {orphans}; add the literal to "
-                         "tailguard.core.spec.models.VariantSpec.backend (docs/builders.md)")
+                         "tailguard.core.spec.variants.VariantSpec.backend (docs/builders.md)")
     assert builder_modules() == literals  # one module per builder, named after its backend, nothing else there
 
 

@@ -17,7 +17,7 @@ from tailguard.components.build.logic import build_variant
 from tailguard.components.search.logic import run_search
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.runtime import OrtRunner, run_dataset
-from tailguard.core.spec.models import VariantSpec
+from tailguard.core.spec.variants import VariantSpec
 from tests.helpers.search_models import mlp_dataset, mlp_spec, mlp_variant, planted_mlp
 from tests.helpers.tiny_models import export_tiny, tiny_dataset
 

@@ -9,7 +9,8 @@ from scipy import stats
 from tailguard.components.validate.discovery import MAX_PAIRS_TESTED, TABLE_COLUMNS, DiscoveryResult, discover_slices
 from tailguard.core.errors import InputError
 from tailguard.core.slices import slice_groups
-from tailguard.core.spec.models import DiscoverySpec, SliceSpec
+from tailguard.core.spec.analysis import DiscoverySpec
+from tailguard.core.spec.data import SliceSpec
 
 ALPHA = 0.05
 # Tolerance of simulated error rates over 200 seeded replications: two binomial standard errors at alpha

@@ -19,7 +19,7 @@ from tailguard.components.build.logic import build_variant
 from tailguard.components.export.logic import export_onnx
 from tailguard.core.contract import EXPORT_FACTS_FILE
 from tailguard.core.results import VariantResult
-from tailguard.core.spec.models import VariantSpec
+from tailguard.core.spec.variants import VariantSpec
 from tests.helpers.tiny_models import export_tiny, tiny_dataset, tiny_feeds, tiny_model_spec
 
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from tailguard.cli import app
 from tailguard.components.export.logic import check_declared_outputs
 from tailguard.core.errors import EXIT_USAGE, SpecError
-from tailguard.core.spec.models import ModelSpec
+from tailguard.core.spec.model import ModelSpec
 from tests.helpers.tiny_models import export_tiny, tiny_feeds
 
 runner = CliRunner()

@@ -13,7 +13,7 @@ import pytest
 from tailguard.components.build.builders.onnxruntime import PREPARED_STEP
 from tailguard.components.build.logic import build_variant
 from tailguard.core import cache
-from tailguard.core.spec.models import VariantSpec
+from tailguard.core.spec.variants import VariantSpec
 from tests.helpers.tiny_models import export_tiny, tiny_dataset
 
 

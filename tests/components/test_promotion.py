@@ -125,7 +125,7 @@ def _setup(tmp_path, layers):
     import pyarrow.parquet as pq
 
     from tailguard.core.spec import parse_spec
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
     rng = np.random.default_rng(0)
     pq.write_table(pa.table({"x": pa.array([r.tolist() for r in rng.normal(size=(64, 64)).astype(np.float32)],

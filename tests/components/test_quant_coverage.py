@@ -26,7 +26,8 @@ from tailguard.components.validate.run_log import coverage_line
 from tailguard.core.contract import QUANTIZATION_COVERAGE_KEY
 from tailguard.core.errors import SpecError
 from tailguard.core.spec import parse_spec
-from tailguard.core.spec.models import ModelSpec, VariantSpec
+from tailguard.core.spec.model import ModelSpec
+from tailguard.core.spec.variants import VariantSpec
 
 IN, H1, H2, OUT = 64, 32, 32, 10
 MLP_MACS = IN * H1 + H1 * H2 + H2 * OUT  # 3392 per sample

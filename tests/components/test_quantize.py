@@ -33,7 +33,7 @@ from tailguard.components.build.logic import build_variant
 from tailguard.core.errors import InputError, SpecError
 from tailguard.core.presets import QUANTIZATION_PRESETS
 from tailguard.core.spec import quantization_preset
-from tailguard.core.spec.models import VariantSpec
+from tailguard.core.spec.variants import VariantSpec
 from tests.helpers.tiny_models import export_tiny, int8_dynamic_error_bound, tiny_dataset, tiny_feeds
 
 
@@ -439,7 +439,7 @@ def test_quantization_preset_builds_a_valid_spec_when_overridden():
 
 
 def test_spec_fills_quantization_from_the_preset_when_quantization_names_one():
-    from tailguard.core.spec.models import QuantizationSpec
+    from tailguard.core.spec.variants import QuantizationSpec
 
     q = QuantizationSpec.model_validate({"preset": "cpu-avx2", "per_channel": False})
     assert q.preset == "cpu-avx2" and q.mode == "static" and q.reduce_range is True  # from the preset

@@ -29,7 +29,8 @@ from tailguard.components.search.logic import (
 from tailguard.components.validate.logic import validate_variant
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import OrtRunner, run_dataset
-from tailguard.core.spec.models import NAME_RE, SearchSpec
+from tailguard.core.spec.base import NAME_RE
+from tailguard.core.spec.variants import SearchSpec
 from tests.helpers.search_models import PLANTED, mlp_dataset, mlp_spec, mlp_variant, planted_mlp
 
 # A small space: 2 families (per-tensor, per-channel), k in {0, 1, 2, 4} -> {0, 1, 2, 3} (3 probed nodes).

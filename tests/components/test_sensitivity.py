@@ -25,7 +25,7 @@ from tailguard.components.build.sensitivity import (
     probed_nodes,
 )
 from tailguard.core.errors import InputError
-from tailguard.core.spec.models import QuantizationSpec, VariantSpec
+from tailguard.core.spec.variants import QuantizationSpec, VariantSpec
 from tests.helpers.search_models import PLANTED, mlp_dataset, mlp_model_spec, mlp_variant, planted_mlp
 
 PLANTED_MARGIN = 5.0  # the planted node's output_rel_l2 over the next node's, on every CPU

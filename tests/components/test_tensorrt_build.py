@@ -30,7 +30,8 @@ from tailguard.components.build.engine import calibration_cache_key, fingerprint
 from tailguard.core.artifacts import ArtifactMismatchError, manifest_path
 from tailguard.core.data import Dataset, make_batch
 from tailguard.core.errors import InputError, MissingDependencyError
-from tailguard.core.spec.models import TensorSpec, VariantSpec
+from tailguard.core.spec.model import TensorSpec
+from tailguard.core.spec.variants import VariantSpec
 from tests.core.test_results import store  # noqa: F401 (fixture: sqlite MLflow store, experiment, parent run)
 
 H100 = {"tensorrt_version": "10.8.0", "device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0",

@@ -189,7 +189,7 @@ def test_register_with_spec_exits_2_naming_token_classification_when_a_ctc_model
 
 def test_compare_rows_takes_the_mask_from_the_request_inputs_when_decode_names_a_mask_input():
     from tailguard.core.errors import InputError
-    from tailguard.core.spec.models import DecodeSpec
+    from tailguard.core.spec.model import DecodeSpec
 
     x = C.features(4, seed=3)
     ref, cand = C.scores(x), C.scores(x, corrupt=True)

@@ -5,7 +5,8 @@ import pandas as pd
 
 from tailguard.components.reference.coverage import calibration_coverage
 from tailguard.core.data import load_dataset
-from tailguard.core.spec.models import SliceSpec, TensorSpec
+from tailguard.core.spec.data import SliceSpec
+from tailguard.core.spec.model import TensorSpec
 
 INPUTS = [TensorSpec(name="x", dtype="int64", shape=["batch", "sequence"])]
 

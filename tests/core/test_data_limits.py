@@ -22,7 +22,7 @@ import pytest
 from tailguard.core import data
 from tailguard.core.data import iter_batches, load_dataset, make_batch, read_parquet
 from tailguard.core.errors import InputError
-from tailguard.core.spec.models import TensorSpec
+from tailguard.core.spec.model import TensorSpec
 
 IDS = [TensorSpec(name="ids", dtype="int64", shape=["batch", "sequence"])]
 FEATURES = [TensorSpec(name="feat", dtype="float32", shape=["batch", 2, 3])]
@@ -101,7 +101,7 @@ _MEASURE = textwrap.dedent("""
     import json, sys
     import pyarrow as pa
     from tailguard.core import data
-    from tailguard.core.spec.models import TensorSpec
+    from tailguard.core.spec.model import TensorSpec
 
     data.STREAM_BATCH_BYTES = 1 << 20  # the bound's parameter (the default is 8 MiB)
     spec = TensorSpec(name="x", dtype="float32", shape=["batch", 256])

@@ -20,7 +20,7 @@ from tailguard.core.derive import (
 from tailguard.core.errors import SpecError
 from tailguard.core.slices import slice_groups
 from tailguard.core.spec import parse_spec
-from tailguard.core.spec.models import SliceSpec
+from tailguard.core.spec.data import SliceSpec
 from tailguard.preflight import column_errors
 from tests.core.test_spec import TINY
 

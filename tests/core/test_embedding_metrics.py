@@ -14,7 +14,8 @@ from tailguard.core.errors import InputError
 from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.slices import per_slice_table, slice_groups
 from tailguard.core.spec import parse_spec
-from tailguard.core.spec.models import PROPORTION_METRICS, TASK_METRICS, SliceSpec
+from tailguard.core.spec.data import SliceSpec
+from tailguard.core.spec.gates import PROPORTION_METRICS, TASK_METRICS
 from tailguard.core.stats import wilson_bound
 
 DIM_PER_GROUP = 3

@@ -10,7 +10,7 @@ from statsmodels.stats.proportion import proportion_confint
 
 from tailguard.components.validate.intervals import metric_bound
 from tailguard.core.errors import InputError
-from tailguard.core.spec.models import BootstrapSpec
+from tailguard.core.spec.analysis import BootstrapSpec
 from tailguard.core.stats import bootstrap_bound, bootstrap_distribution, wilson_bound, wilson_interval
 from tailguard.core.stats import newcombe_paired_bound as paired_difference_bound
 

@@ -14,7 +14,8 @@ import pytest
 from tailguard.core.data import Dataset
 from tailguard.core.errors import InputError
 from tailguard.core.latency import MIN_SAMPLES, benchmark, cost_per_1m, peak_rss_mb
-from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
+from tailguard.core.spec.benchmark import BenchmarkSpec
+from tailguard.core.spec.model import TensorSpec
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", "sequence"])]
 

@@ -22,7 +22,8 @@ from tailguard.core.latency import (
     timing_looks,
 )
 from tailguard.core.spec import parse_spec
-from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
+from tailguard.core.spec.benchmark import BenchmarkSpec
+from tailguard.core.spec.model import TensorSpec
 from tailguard.core.stats import look_confidence
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", 4])]

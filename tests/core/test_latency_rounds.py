@@ -24,7 +24,8 @@ from tailguard.core.latency import (
 )
 from tailguard.core.runtime import OrtRunner, run_dataset
 from tailguard.core.spec import parse_spec
-from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
+from tailguard.core.spec.benchmark import BenchmarkSpec
+from tailguard.core.spec.model import TensorSpec
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", 4])]
 

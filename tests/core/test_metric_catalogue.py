@@ -21,10 +21,10 @@ from tailguard.core import metrics as M
 from tailguard.core import parity  # the old path of tailguard.core.parity (the brief's "parity.py")
 from tailguard.core import report as R
 from tailguard.core.errors import InputError, SpecError
-from tailguard.core.spec import models as S
+from tailguard.core.spec import gates as S
 from tailguard.core.spec import parse_spec
-from tailguard.core.spec.models import SKIP_CROSS_FIELD, Spec
 from tailguard.core.spec.monitor import MONITOR_METRICS
+from tailguard.core.spec.root import SKIP_CROSS_FIELD, Spec
 from tailguard.monitoring import config as monitor_config
 from tailguard.monitoring import testing as T
 

@@ -9,7 +9,7 @@ import pytest
 from tailguard.core import parity
 from tailguard.core.errors import InputError
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
-from tailguard.core.spec.models import TASK_METRICS
+from tailguard.core.spec.gates import TASK_METRICS
 
 
 def _paired_embeddings(n_pairs: int = 20, dim: int = 32, seed: int = 0) -> np.ndarray:
@@ -206,7 +206,7 @@ def test_per_sample_metrics_computes_kl_on_the_values_when_outputs_are_probabili
 def test_output_kind_warning_names_the_fix_when_logits_rows_already_sum_to_one():
     from tailguard.components.reference.logic import output_kind_warnings
     from tailguard.core.parity import looks_like_probabilities
-    from tailguard.core.spec.models import TensorSpec
+    from tailguard.core.spec.model import TensorSpec
 
     p, _ = _probability_rows()
     logits = np.log(p) + 3.0
@@ -225,7 +225,7 @@ def test_output_kind_warning_names_the_fix_when_logits_rows_already_sum_to_one()
 def test_spec_refuses_kind_on_an_input_and_probabilities_on_an_embedding_output():
     from pydantic import ValidationError
 
-    from tailguard.core.spec.models import ModelSpec
+    from tailguard.core.spec.model import ModelSpec
 
     base = {"registered_name": "m", "task": "classification",
             "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],

@@ -7,7 +7,8 @@ import pytest
 from tailguard.core.errors import InputError
 from tailguard.core.parity import per_sample_metrics
 from tailguard.core.slices import per_slice_table, slice_groups
-from tailguard.core.spec.models import TASK_METRICS, SliceSpec
+from tailguard.core.spec.data import SliceSpec
+from tailguard.core.spec.gates import TASK_METRICS
 
 
 def _groups(frame, **kw):

@@ -66,7 +66,7 @@ def test_rerun_redecided_sections_are_what_the_decision_reads_when_imported():
 def test_spec_reads_declares_every_top_level_spec_field_when_compared_with_the_model():
     """A new top-level spec section must be declared: read by a measuring step, by the decision, or listed here
     as read by neither (then changing it re-runs nothing that caches)."""
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
     read = {p.split(".")[0] for r in (EXPORT, REFERENCE_PASS, BUILD, DECIDE) for p in r.paths} | {"variants"}
     neither = {"analysis", "cost", "mlflow", "kubeflow", "monitoring", "serving_targets"}  # analysis: but sensitivity

@@ -25,7 +25,9 @@ from tailguard.core.latency import benchmark
 from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.runtime import OrtRunner, TorchRunner, run_dataset
 from tailguard.core.spec import parse_spec
-from tailguard.core.spec.models import BenchmarkSpec, ModelSpec, VariantSpec
+from tailguard.core.spec.benchmark import BenchmarkSpec
+from tailguard.core.spec.model import ModelSpec
+from tailguard.core.spec.variants import VariantSpec
 from tests.conftest import MLFLOW_URI_VARS
 from tests.helpers.user_models import (
     DIGITS_SHAPE,

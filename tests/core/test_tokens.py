@@ -9,7 +9,7 @@ from tailguard.core import metrics as M
 from tailguard.core import tokens
 from tailguard.core.errors import InputError
 from tailguard.core.parity import aggregate, per_sample_metrics
-from tailguard.core.spec.models import TASK_METRICS
+from tailguard.core.spec.gates import TASK_METRICS
 
 
 def _onehot(ids, classes=5):

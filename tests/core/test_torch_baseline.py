@@ -27,7 +27,8 @@ from tailguard.components.reference.logic import (
 from tailguard.core.data import Dataset
 from tailguard.core.latency import benchmark
 from tailguard.core.runtime import TorchRunner
-from tailguard.core.spec.models import BenchmarkSpec, TensorSpec
+from tailguard.core.spec.benchmark import BenchmarkSpec
+from tailguard.core.spec.model import TensorSpec
 
 WIDTH, TOKENS = 256, 32
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", TOKENS, WIDTH])]
@@ -168,7 +169,8 @@ class _NoisyTorch:
 
 
 def _precision_spec(bench: BenchmarkSpec, gates: list):
-    from tailguard.core.spec.models import AnalysisSpec, GateSpec
+    from tailguard.core.spec.analysis import AnalysisSpec
+    from tailguard.core.spec.gates import GateSpec
 
     spec = _spec(bench)
     spec.gates = [GateSpec(**g) for g in gates]

@@ -79,7 +79,7 @@ def mlp_rows(n: int, seed: int) -> pd.DataFrame:
 
 def mlp_model_spec():
     """The ModelSpec of the MLP (task embedding: output y is compared by cosine similarity)."""
-    from tailguard.core.spec.models import ModelSpec
+    from tailguard.core.spec.model import ModelSpec
 
     return ModelSpec.model_validate({
         "registered_name": "planted-mlp", "task": "embedding",
@@ -89,7 +89,7 @@ def mlp_model_spec():
 
 def mlp_variant(name: str = "mlp-int8", *, search: dict[str, Any] | None = None, **quantization: Any):
     """An INT8 dynamic variant of the MLP (graph optimization disabled, so node names stay mm1..mm3)."""
-    from tailguard.core.spec.models import VariantSpec
+    from tailguard.core.spec.variants import VariantSpec
 
     q = {"mode": "dynamic", **quantization}
     d: dict[str, Any] = {"name": name, "backend": "onnxruntime", "precision": "int8",
@@ -102,7 +102,7 @@ def mlp_variant(name: str = "mlp-int8", *, search: dict[str, Any] | None = None,
 def mlp_spec(variant: Any, *, min_cosine: float = 0.99):
     """A Spec around `variant`: one gate cosine_similarity.min >= `min_cosine` (overall), a slice on `group`,
     a 3-iteration benchmark at batch size 4 (no latency gate, so pass/fail never depends on timing)."""
-    from tailguard.core.spec.models import Spec
+    from tailguard.core.spec.root import Spec
 
     return Spec.model_validate({
         "apiVersion": "tailguard/v1", "kind": "OptimizationSpec", "metadata": {"name": "planted-mlp"},

@@ -59,7 +59,7 @@ def make_tiny_encoder(seed: int = 0):
 
 def tiny_model_spec(**export):
     """A tailguard ModelSpec for the tiny encoder; keyword arguments go to `model.export` (e.g. dynamo=True)."""
-    from tailguard.core.spec.models import ModelSpec
+    from tailguard.core.spec.model import ModelSpec
 
     return ModelSpec.model_validate({
         "registered_name": "tiny-encoder", "task": "classification",

@@ -151,7 +151,7 @@ def export_digits_onnx(model: Any, path: str | Path, *, opset: int = 17) -> Path
     """Export `model` to ONNX with input `image` (batch, 1, 8, 8) and output `logits` (batch, 10), batch dynamic
     (through tailguard's own exporter, `components.export.logic.export_onnx`)."""
     from tailguard.components.export.logic import dummy_feeds, export_onnx
-    from tailguard.core.spec.models import ModelSpec
+    from tailguard.core.spec.model import ModelSpec
 
     spec = ModelSpec.model_validate(digits_model_doc("digits-cnn", opset=opset))
     export_onnx(model, spec, dummy_feeds(spec), path)

@@ -75,7 +75,8 @@ from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas: a build that reads no calibration rows never loads it
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import ModelSpec, QuantizationSpec, VariantSpec
+    from tailguard.core.spec.model import ModelSpec
+    from tailguard.core.spec.variants import QuantizationSpec, VariantSpec
 
 
 # ORT graph optimization levels by spec name, and the matching `opt_level` of onnxruntime.transformers.optimizer
@@ -473,7 +474,8 @@ def _write_reproduce(variant: VariantSpec, fp32: Path, out: Path, model: ModelSp
     calib = ('load_dataset(d + "/calibration.parquet", m.inputs)' if static else "None")
     code = (
         "import json, sys\n"
-        "from tailguard.core.spec.models import ModelSpec, VariantSpec\n"
+        "from tailguard.core.spec.model import ModelSpec\n"
+        "from tailguard.core.spec.variants import VariantSpec\n"
         "from tailguard.core.data import load_dataset\n"
         "from tailguard.components.build.logic import build_variant\n"
         "d = sys.argv[3]\n"

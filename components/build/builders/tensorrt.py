@@ -48,7 +48,8 @@ from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # tailguard.core.data imports pandas
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import ModelSpec, VariantSpec
+    from tailguard.core.spec.model import ModelSpec
+    from tailguard.core.spec.variants import VariantSpec
 
 SUPPORTED_TENSORRT_MAJOR = 10
 CALIBRATOR = "entropy2"  # IInt8EntropyCalibrator2: TensorRT's recommended calibrator (its Python API docs)

@@ -26,7 +26,8 @@ from tailguard.core.results import BuildResult
 
 if TYPE_CHECKING:  # pragma: no cover
     from tailguard.core.data import Dataset
-    from tailguard.core.spec.models import ModelSpec, VariantSpec
+    from tailguard.core.spec.model import ModelSpec
+    from tailguard.core.spec.variants import VariantSpec
 
 EXAMPLE_ROWS = 4  # rows of the export example: the longest calibration rows (>= 2 along every named axis)
 

@@ -5,8 +5,10 @@ This package's entry (`tailguard.core.spec`) reads, validates, dumps and describ
 `tailguard spec check` prints), `dump_spec` / `spec_from_yaml` carry a spec to the pipeline's tasks, and
 `json_schema` is what `tailguard spec schema` prints (docs/spec.schema.json holds a copy; a test keeps it in step),
 and `quantization_preset` builds a validated `QuantizationSpec` from a named preset (`tailguard.core.presets`).
-The models are the truth: `models.py` (the root `Spec` and its sections), `monitor.py` (the `monitoring` section),
-`base.py` (their common base), `reads.py` (what each pipeline step reads of a spec).
+The models are the truth: `root.py` (the root `Spec` and its cross-section checks), one module per section
+(`model.py`, `data.py` with the slices, `variants.py`, `gates.py` with promotion, `analysis.py`, `benchmark.py` with
+cost, `targets.py` with kubeflow, `monitor.py`), `base.py` (their common base, names and limits), `reads.py` (what
+each pipeline step reads of a spec).
 """
 
 from __future__ import annotations
@@ -21,14 +23,9 @@ from pydantic import ValidationError
 
 from tailguard.core.errors import FieldError, SpecError
 from tailguard.core.presets import QUANTIZATION_PRESETS
-from tailguard.core.spec.models import (
-    CROSS_FIELD_SEP,
-    NO_PARITY_GATE,
-    PARITY_GATE_EXAMPLE,
-    SKIP_CROSS_FIELD,
-    QuantizationSpec,
-    Spec,
-)
+from tailguard.core.spec.gates import NO_PARITY_GATE, PARITY_GATE_EXAMPLE
+from tailguard.core.spec.root import CROSS_FIELD_SEP, SKIP_CROSS_FIELD, Spec
+from tailguard.core.spec.variants import QuantizationSpec
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -266,7 +263,7 @@ def quantization_preset(name: str, **overrides: Any):
         **overrides: QuantizationSpec fields that replace the preset's.
 
     Returns:
-        tailguard.core.spec.models.QuantizationSpec.
+        tailguard.core.spec.variants.QuantizationSpec.
 
     Raises:
         SpecError: unknown preset name (listing the known ones) or an invalid override.
