@@ -61,8 +61,8 @@ class RowReducer:
     def __init__(self, metrics: Sequence[str], bounds: Mapping[str, Bound],
                  bets: Mapping[str, tuple[Betting, Betting | None]], decay: float, max_request_rows: int) -> None:
         self.metrics = tuple(metrics)
-        self.bounds = dict(bounds)
-        self.bets = dict(bets)
+        self.bounds = bounds  # the statistics' own tables, shared (not copied): one source of truth
+        self.bets = bets
         self.decay = decay
         self.max_request_rows = int(max_request_rows)
         self._geo: dict[int, tuple[np.ndarray, float]] = {}  # `decay_weights` memo
