@@ -26,12 +26,17 @@ from tailguard.monitoring.service import create_service
 log = logging.getLogger("tailguard.monitoring.service")
 
 
-def _start_probe_when_listening(server: Any, probe: ProbeServer, host: str) -> None:
-    """Start answering on the probe port once uvicorn listens on the ingest port, so the probe port never says
-    ready while mirrored traffic would be refused (a kubelet probe meanwhile waits in the socket's backlog)."""
+def _announce_when_listening(server: Any, probe: ProbeServer | None, host: str) -> None:
+    """Once uvicorn listens on the ingest port: log the address it bound (the port the kernel chose for `--port
+    0`), then start answering on the probe port, so the probe port never says ready while mirrored traffic would
+    be refused (a kubelet probe meanwhile waits in the socket's backlog)."""
     while not server.started and not server.should_exit:
         time.sleep(0.05)
-    if server.started:
+    if not server.started:
+        return
+    bound = [sock.getsockname()[1] for srv in getattr(server, "servers", []) for sock in (srv.sockets or [])]
+    log.warning("HTTP ingest on %s:%d", host, bound[0] if bound else server.config.port)
+    if probe is not None:
         probe.start()
         log.warning("probe port (/healthz, /readyz, /metrics) on %s:%d", host, probe.port)
 
@@ -54,7 +59,8 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         reference: FP32 reference .onnx.
         candidate: candidate .onnx (None: pairs-only monitor).
         host: bind address (HTTP and gRPC).
-        port: TCP port of the HTTP service.
+        port: TCP port of the HTTP service (0: one the kernel chooses; the log line `HTTP ingest on HOST:PORT`
+            names it once it listens).
         evidence_only: run as a replica (export evidence, never alert).
         peers: replica base URLs to combine (run as the combiner).
         poll_interval_s: seconds between reads of the peers' evidence.
@@ -131,9 +137,8 @@ def serve(spec_path: str | Path, reference: str | Path | None, candidate: str | 
         # the app answers 503 past max_concurrent_requests ingest requests (counted); uvicorn's own limit bounds
         # the connections and tasks beyond that (its plain 503, not counted)
         server = uvicorn.Server(uvicorn_config(service, host, port))
-        if probe is not None:
-            threading.Thread(target=_start_probe_when_listening, args=(server, probe, host), name="tg-probe-start",
-                             daemon=True).start()
+        threading.Thread(target=_announce_when_listening, args=(server, probe, host), name="tg-listening",
+                         daemon=True).start()
         server.run()
     finally:
         if grpc_server is not None:

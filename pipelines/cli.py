@@ -463,7 +463,8 @@ def monitor_serve(spec: Path = typer.Option(..., "--spec", help="Spec YAML (its 
                       "Candidate: .onnx, or a torch variant's .pt2 with its manifest beside it (omit: pairs-only "
                       "monitor).")),
                   host: str = typer.Option("127.0.0.1", "--host", help="Bind address."),
-                  port: int = typer.Option(8080, "--port", help="Port."),
+                  port: int = typer.Option(8080, "--port", min=0, max=65535, help=(
+                      "Port (0: one the kernel chooses, logged as 'HTTP ingest on HOST:PORT').")),
                   evidence_only: bool = typer.Option(False, "--evidence-only", help=(
                       "Run as a replica: measure and export evidence at /v1/evidence for a combiner; never alert.")),
                   peer: Optional[list[str]] = typer.Option(None, "--peer", help=(

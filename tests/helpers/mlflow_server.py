@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bound_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to (`host`, `port`; 0: a port the kernel chooses), for a server to listen on
+    (uvicorn's `Server.run(sockets=[...])`): unlike `free_port`, the port stays this socket's."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    return s
+
+
 @contextlib.contextmanager
 def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str]:
     """Run `mlflow server` (1 worker) in its own process group; yields its URL, then ends the group.
@@ -42,7 +52,6 @@ def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str
     import requests
     from cryptography.fernet import Fernet
 
-    port = free_port()
     env = {**os.environ, "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
            "MLFLOW_WEBHOOK_CACHE_TTL": "1", "MLFLOW_WEBHOOK_REQUEST_MAX_RETRIES": "0",
            "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY": Fernet.generate_key().decode()}
@@ -52,20 +61,25 @@ def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
              "--serve-artifacts", "--artifacts-destination", (folder / "artifacts").as_uri(),
-             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+             "--host", "127.0.0.1", "--port", "0", "--workers", "1"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
-        url = f"http://127.0.0.1:{port}"
+        url = None
         try:
-            deadline = time.time() + startup_timeout_s
+            deadline = time.monotonic() + startup_timeout_s
             while True:
                 if proc.poll() is not None:
                     pytest.fail(f"mlflow server exited: {log_path.read_text()[-2000:]}")
+                # --port 0: the kernel chooses the port (no other socket can take it before the server binds);
+                # uvicorn's log names it
+                if url is None and (m := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)",
+                                                   log_path.read_text())):
+                    url = m.group(1)
                 try:
-                    if requests.get(f"{url}/health", timeout=1).ok:
+                    if url is not None and requests.get(f"{url}/health", timeout=1).ok:
                         break
                 except requests.RequestException:
                     pass
-                if time.time() > deadline:
+                if time.monotonic() > deadline:
                     pytest.fail(f"mlflow server did not become healthy in {startup_timeout_s:.0f} s")
                 time.sleep(0.3)
             yield url
@@ -80,19 +94,22 @@ def mlflow_server(folder: Path, startup_timeout_s: float = 90.0) -> Iterator[str
 
 @contextlib.contextmanager
 def uvicorn_in_thread(app, startup_timeout_s: float = 60.0, port: int | None = None,
-                      host: str = "127.0.0.1") -> Iterator[str]:
+                      host: str = "127.0.0.1", sock: socket.socket | None = None) -> Iterator[str]:
     """Serve an ASGI app with uvicorn in a daemon thread on `host` (a loopback address, default 127.0.0.1) and
-    `port` (default a free one); yields its base URL (real HTTP). `startup_timeout_s` bounds a hung server; it is
-    not a timing assumption."""
+    `port` (default one the kernel chooses), or on `sock` (from `bound_socket`, when the URL must be known before
+    the app is built); yields its base URL (real HTTP). The listening socket is bound before uvicorn starts, so no
+    other socket can take the port in between. `startup_timeout_s` bounds a hung server; it is not a timing
+    assumption."""
     import threading
     import time
 
     import uvicorn
 
-    port = port or free_port()
+    sock = sock or bound_socket(host, port or 0)
+    host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
     while not server.started and thread.is_alive() and time.monotonic() < deadline:

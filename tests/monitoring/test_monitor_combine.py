@@ -12,6 +12,7 @@ import contextlib
 import copy
 import itertools
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,7 +31,7 @@ from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.peers import http_fetch
 from tailguard.monitoring.prometheus import MonitorMetrics
 from tailguard.monitoring.service import MonitorService
-from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
+from tests.helpers.mlflow_server import bound_socket, uvicorn_in_thread
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
 NAME = "tiny-clf"
@@ -366,8 +367,8 @@ class _RoundRobin:
         self.server.server_close()
 
 
-def _served(svc: MonitorService, port: int | None = None) -> contextlib.AbstractContextManager[str]:
-    return uvicorn_in_thread(build_app(svc), port=port)
+def _served(svc: MonitorService, sock: socket.socket | None = None) -> contextlib.AbstractContextManager[str]:
+    return uvicorn_in_thread(build_app(svc), sock=sock)
 
 
 def _wait(pred: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
@@ -460,11 +461,11 @@ def test_combined_counts_equal_replica_totals_when_own_url_and_one_replica_under
     conf, ref = cfg
     with _replicas(cfg) as (svcs, urls), httpx.Client(timeout=30) as c:
         alias = _RoundRobin([urls[0]])  # a second URL of replica 0
-        port = free_port()
-        own = f"http://127.0.0.1:{port}"
+        sock = bound_socket()
+        own = f"http://127.0.0.1:{sock.getsockname()[1]}"
         comb = MonitorService(conf, ref, None, peers=[own, urls[0], alias.url, urls[1]], start=False)
         try:
-            with _served(comb, port):
+            with _served(comb, sock):
                 sent = (0, 0)
                 for phase in range(2):
                     r0, q0 = _feed(c, urls[0], 100 * phase, 13)

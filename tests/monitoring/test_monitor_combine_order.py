@@ -16,10 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -36,7 +32,8 @@ from tailguard.monitoring.config import Bound, resolve_config
 from tailguard.monitoring.detector import SliceStatistics
 from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.service import MonitorService
-from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
+from tests.helpers.mlflow_server import bound_socket, uvicorn_in_thread
+from tests.helpers.monitor_process import MonitorProcess
 from tests.helpers.tcp_proxy import TcpRoundRobin
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
@@ -440,7 +437,9 @@ def test_combiner_holds_others_and_merges_backlog_in_checkpoints_when_one_real_r
 def test_combiner_merges_every_request_of_three_real_replicas_found_by_dns_and_reports_a_dropped_one(cfg):
     conf, ref = cfg
     hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    port = free_port()
+    socks = [bound_socket(hosts[0])]  # the kernel's port on the first address, then the same on the others
+    port = socks[0].getsockname()[1]
+    socks += [bound_socket(h, port) for h in hosts[1:]]
     answer = {"replicas.test": hosts}
 
     def resolver(name: str, p: int, family: int = 0, type: int = 0) -> list[tuple]:  # noqa: A002
@@ -452,8 +451,7 @@ def test_combiner_merges_every_request_of_three_real_replicas_found_by_dns_and_r
                           resolver=resolver, start=False)
     try:
         with contextlib.ExitStack() as stack, httpx.Client(timeout=30) as c:
-            urls = [stack.enter_context(uvicorn_in_thread(build_app(s), port=port, host=h))
-                    for s, h in zip(svcs, hosts)]
+            urls = [stack.enter_context(uvicorn_in_thread(build_app(s), sock=k)) for s, k in zip(svcs, socks)]
             for s in svcs:
                 _wait(lambda s=s: s.readiness()[0], "replica ready")
             sent = sum(_feed(c, u, 100 * k, 5 + k) for k, u in enumerate(urls))
@@ -492,34 +490,19 @@ def test_monitor_serve_exits_2_naming_the_option_when_peer_dns_is_not_name_and_p
 
 
 # ------------------------------------------------------------------------------------------ real processes
-def _serve(args: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve", *args,
-           "--host", "127.0.0.1", "--port", str(port), "--probe-port", str(free_port())]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def _end(p: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGTERM)
-    try:
-        p.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait(15)
-
-
 @pytest.mark.integration
 def test_restarted_combiner_process_raises_no_stale_alert_when_incident_fired_and_cleared_before(tmp_path):
     ref = T.linear_classifier(tmp_path / "ref.onnx")
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_columns": ["domain"],
                                                 "min_support": 10, "horizon": 1000, "max_request_rows": 1})))
-    p_rep, p_comb = free_port(), free_port()
-    rep_url, comb_url = f"http://127.0.0.1:{p_rep}", f"http://127.0.0.1:{p_comb}"
+    rep = MonitorProcess(["--spec", str(spec), "--reference", str(ref), "--evidence-only"], tmp_path / "rep.log")
+    procs = [rep]
+    rep_url = rep.url
     comb_args = ["--spec", str(spec), "--reference", str(ref), "--peer", rep_url, "--poll-interval", "0.1"]
-    procs = [_serve(["--spec", str(spec), "--reference", str(ref), "--evidence-only"], p_rep),
-             _serve(comb_args, p_comb)]
     try:
+        procs.append(MonitorProcess(comb_args, tmp_path / "comb.log"))
+        comb_url = procs[-1].url
         with httpx.Client(timeout=30) as c:
             for u in (rep_url, comb_url):
                 _wait(lambda u=u: c.get(u + "/readyz").status_code == 200, f"{u}/readyz")
@@ -536,8 +519,9 @@ def test_restarted_combiner_process_raises_no_stale_alert_when_incident_fired_an
             _wait(lambda: any(a["slice"] == "domain=legal" for a in alerts()), "the incident fired")
             send(100, 1500, False)  # back to agreement: the alerts clear on evidence
             _wait(lambda: alerts() and all(a["cleared_at"] for a in alerts()), "the incident cleared", 180)
-            _end(procs.pop())  # the combiner restarts
-            procs.append(_serve(comb_args, p_comb))
+            procs.pop().end()  # the combiner restarts (on a new port: its reader id is its epoch, not its URL)
+            procs.append(MonitorProcess(comb_args, tmp_path / "comb2.log"))
+            comb_url = procs[-1].url
             _wait(lambda: c.get(comb_url + "/readyz").json()["peers"][rep_url]["accepted"] >= 3,
                   "the restarted combiner read the replica")
             assert alerts() == []  # the cleared incident is not raised again from the replica's history
@@ -549,4 +533,4 @@ def test_restarted_combiner_process_raises_no_stale_alert_when_incident_fired_an
             assert alerts() == []
     finally:
         for p in procs:
-            _end(p)
+            p.end()

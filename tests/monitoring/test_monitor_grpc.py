@@ -3,9 +3,6 @@ ecosystem (tritonclient.grpc, raw_input_contents) and the protocol's own stub (s
 and bodies that lie) against a running monitor: uvicorn + the gRPC server on one MonitorService in this process,
 and `tailguard monitor serve --grpc-port` as a subprocess."""
 
-import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -20,7 +17,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tailguard.monitoring import testing as T  # noqa: E402
-from tests.helpers.mlflow_server import free_port  # noqa: E402
+from tests.helpers.monitor_process import MonitorProcess  # noqa: E402
 from tests.monitoring.test_monitor_binary import (  # noqa: E402
     BATCH,
     NAME,
@@ -153,34 +150,25 @@ def test_server_ready_answers_false_not_error_when_reference_missing(models, tmp
 def test_monitor_serve_accepts_grpc_beside_http_when_grpc_port_given(models, tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(T.spec_dict({"sample_rate": 1.0, "seed": 0})))
-    port, gport = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve",
-                             "--spec", str(spec), "--reference", str(models["ref"]), "--candidate",
-                             str(models["cand"]), "--host", "127.0.0.1", "--port", str(port), "--grpc-port",
-                             str(gport), "--probe-port", str(free_port())], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = MonitorProcess(["--spec", str(spec), "--reference", str(models["ref"]), "--candidate",
+                           str(models["cand"]), "--grpc-port", "0"], tmp_path / "serve.log")
     try:
-        client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{gport}")
+        client = tritonclient_grpc.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
         deadline = time.monotonic() + 90  # a bound on a hung process, not a timing assumption
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and proc.alive():
             try:
-                if client.is_server_ready() and httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                if client.is_server_ready() and httpx.get(f"{proc.url}/readyz").status_code == 200:
                     break
             except (InferenceServerException, httpx.HTTPError):
                 pass
             time.sleep(0.1)
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert proc.alive(), proc.log()
         for i in range(5):
             _infer(client, i)
         text = ""
         while time.monotonic() < deadline and 'endpoint="grpc",model="tiny-clf"} 5.0' not in text:
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            text = httpx.get(f"{proc.url}/metrics").text
             time.sleep(0.1)
         assert 'tailguard_monitor_requests_total{endpoint="grpc",model="tiny-clf"} 5.0' in text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        proc.end()

@@ -35,7 +35,8 @@ from tailguard.monitoring.oip import request_json, tensor_json
 from tailguard.monitoring.peers import http_fetch
 from tailguard.monitoring.sampler import Decision
 from tailguard.monitoring.service import READ_CHUNK, MonitorService
-from tests.helpers.mlflow_server import free_port, uvicorn_in_thread
+from tests.helpers.mlflow_server import uvicorn_in_thread
+from tests.helpers.monitor_process import MonitorProcess
 
 NAME = "tiny-clf"
 TOKEN = "s3cret-token-0123456789abcdef"
@@ -319,33 +320,26 @@ def test_monitor_serve_requires_the_token_from_auth_token_file(models, tmp_path)
     spec.write_text(yaml.safe_dump(T.spec_dict({"sample_rate": 1.0, "seed": 0})))
     cmd = [sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve", "--spec", str(spec),
            "--reference", str(models["ref"]), "--candidate", str(models["cand"]), "--host", "127.0.0.1",
-           "--probe-port", str(free_port())]
-    bad = subprocess.run([*cmd, "--port", str(free_port()), "--auth-token-file", str(tmp_path / "absent")],
+           "--probe-port", "0"]
+    bad = subprocess.run([*cmd, "--port", "0", "--auth-token-file", str(tmp_path / "absent")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "absent" in bad.stdout + bad.stderr and "Traceback" not in bad.stderr
     (tmp_path / "token").write_text(TOKEN + "\n")
-    port = free_port()
-    proc = subprocess.Popen([*cmd, "--port", str(port), "--auth-token-file", str(tmp_path / "token")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc = MonitorProcess(["--spec", str(spec), "--reference", str(models["ref"]), "--candidate",
+                           str(models["cand"]), "--auth-token-file", str(tmp_path / "token")], tmp_path / "serve.log")
     try:
         def up() -> bool:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert proc.alive(), proc.log()
             with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(url + "/readyz").status_code == 200
+                return httpx.get(proc.url + "/readyz").status_code == 200
             return False
 
         _wait(up, "monitor serve ready", 120)
-        assert httpx.get(url + "/v1/slices").status_code == 401
-        r = httpx.get(url + "/v1/slices", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert httpx.get(proc.url + "/v1/slices").status_code == 401
+        r = httpx.get(proc.url + "/v1/slices", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200 and r.json()["model"] == NAME
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        proc.end()
 
 
 # ------------------------------------------------------------------------------------ item 4: eviction

@@ -32,7 +32,8 @@ from tailguard.monitoring import testing as T
 from tailguard.monitoring.app import uvicorn_config
 from tailguard.monitoring.probe import ProbeServer
 from tailguard.monitoring.service import MonitorService
-from tests.helpers.mlflow_server import free_port
+from tests.helpers.mlflow_server import bound_socket, free_port
+from tests.helpers.monitor_process import MonitorProcess
 from tests.monitoring.test_monitor_hardening import _cfg, _value, _wait
 
 HUNG_S = 60.0  # bounds a hung server or client; never a timing assumption
@@ -51,9 +52,10 @@ def _served(models: dict, auth_token: str | None = None, **mon: Any) -> Iterator
     """(service, ingest URL, probe URL): the ingest app under uvicorn with serve's config, the probe server."""
     svc = MonitorService(_cfg(**mon), models["ref"], models["cand"], auth_token=auth_token)
     _wait(lambda: svc.readiness()[0], "models loaded")
-    port = free_port()
+    sock = bound_socket()  # bound before uvicorn starts: no other socket takes the port in between
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn_config(svc, "127.0.0.1", port, headroom=HEADROOM))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     probe = ProbeServer(svc, "127.0.0.1", 0).start()
     try:
@@ -155,18 +157,17 @@ def test_monitor_serve_answers_on_probe_port_when_started_from_the_cli(models, t
         busy = subprocess.run([*cmd, "--port", str(port), "--probe-port", str(taken.getsockname()[1])],
                               capture_output=True, text=True, timeout=120)
     assert busy.returncode == 2 and "--probe-port" in busy.stdout + busy.stderr and "Traceback" not in busy.stderr
-    proc = subprocess.Popen([*cmd, "--port", str(port), "--probe-port", str(probe)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    # the main port is the kernel's choice; the probe port was free a moment ago (it is bound before the models load)
+    proc = MonitorProcess(cmd[5:cmd.index("--host")] + ["--probe-port", str(probe)], tmp_path / "serve.log")
     try:
         deadline = time.monotonic() + HUNG_S * 2  # bounds a hung process
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read().decode()
+            assert proc.alive(), proc.log()
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"http://127.0.0.1:{probe}/readyz", timeout=5).status_code == 200:
                     break
             time.sleep(0.1)
         assert httpx.get(f"http://127.0.0.1:{probe}/healthz", timeout=HUNG_S).status_code == 200
-        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=HUNG_S).status_code == 200  # kept on main
+        assert httpx.get(f"{proc.url}/healthz", timeout=HUNG_S).status_code == 200  # kept on main
     finally:
-        proc.terminate()
-        proc.wait(30)
+        proc.end()

@@ -4,10 +4,6 @@ In process: the merged CUSUM equals the single-process one when merged after eve
 real `tailguard monitor serve` processes (a replica with --evidence-only, a combiner with --peer) on 127.0.0.1,
 fed real HTTP pairs requests; only the combiner alerts, on evidence from both."""
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,7 +16,7 @@ from tailguard.monitoring.combine import Combiner, settings_hash
 from tailguard.monitoring.config import Bound
 from tailguard.monitoring.detector import SliceStatistics
 from tailguard.monitoring.oip import request_json, tensor_json
-from tests.helpers.mlflow_server import free_port
+from tests.helpers.monitor_process import MonitorProcess
 
 TOP1 = {"top1_agree": Bound("top1_agree", 0.97, True, "min")}
 NAME = "tiny-clf"
@@ -96,12 +92,6 @@ def test_combiner_keeps_polling_others_and_counts_error_when_peer_fails():
 
 
 # ------------------------------------------------------------------------------------- two real processes
-def _serve(args, port):
-    cmd = [sys.executable, "-c", "from tailguard.cli import main; main()", "monitor", "serve", *args,
-           "--host", "127.0.0.1", "--port", str(port), "--probe-port", str(free_port())]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-
 def _wait(pred, what, timeout_s=90.0):
     deadline = time.monotonic() + timeout_s  # a bound on a hung process, not a timing assumption
     while time.monotonic() < deadline:
@@ -129,12 +119,11 @@ def test_only_combiner_alerts_on_evidence_from_both_replicas_when_rows_split_acr
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_columns": ["domain"],
                                                 "min_support": 10, "horizon": 1000, "max_request_rows": 1})))
-    p_rep, p_comb = free_port(), free_port()
-    rep = _serve(["--spec", str(spec), "--reference", str(ref), "--evidence-only"], p_rep)
-    comb = _serve(["--spec", str(spec), "--reference", str(ref), "--peer", f"http://127.0.0.1:{p_rep}",
-                   "--poll-interval", "0.2"], p_comb)
-    urls = [f"http://127.0.0.1:{p_rep}", f"http://127.0.0.1:{p_comb}"]
+    procs = [MonitorProcess(["--spec", str(spec), "--reference", str(ref), "--evidence-only"], tmp_path / "rep.log")]
     try:
+        procs.append(MonitorProcess(["--spec", str(spec), "--reference", str(ref), "--peer", procs[0].url,
+                                     "--poll-interval", "0.2"], tmp_path / "comb.log"))
+        urls = [p.url for p in procs]
         with httpx.Client(timeout=10) as c:
             for u in urls:
                 _wait(lambda u=u: c.get(u + "/readyz").status_code == 200, f"{u}/readyz")
@@ -167,13 +156,8 @@ def test_only_combiner_alerts_on_evidence_from_both_replicas_when_rows_split_acr
             # polls before the replica listened count as errors (how many depends on start-up order); it merged since
             assert c.get(urls[1] + "/readyz").json()["peers"][urls[0]]["cursor"] > 0
     finally:
-        for p in (rep, comb):
-            os.killpg(p.pid, signal.SIGTERM)
-        for p in (rep, comb):
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.end()
 
 
 def test_combiner_counts_each_row_once_when_several_metrics_have_thresholds():

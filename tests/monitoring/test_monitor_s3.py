@@ -2,7 +2,6 @@
 nothing listens (connection refused); "S3 back" is a moto server started on that very port."""
 
 import io
-import socket
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.service import MonitorService
 from tailguard.monitoring.sink import REDACTED, PairSink
+from tests.helpers.mlflow_server import bound_socket
 
 pytestmark = pytest.mark.integration
 BUCKET = "tg-pairs"
@@ -31,13 +31,17 @@ def aws_env(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def s3_down():
+    """A port where S3 is down: bound by a socket that does not listen, so connections to it are refused and no
+    other socket (a server, or a client's outgoing connection taking its local port) can take it meanwhile."""
+    holder = bound_socket()
+    yield holder
+    holder.close()
 
 
-def _moto(port):
+def _moto(port=0):
+    """moto's S3 server on 127.0.0.1 (`port` 0: one the kernel chooses; `server.get_host_and_port()`)."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -52,8 +56,8 @@ def _stop(server):
 
 @pytest.fixture
 def s3_up():
-    port = _free_port()
-    server = _moto(port)
+    server = _moto()
+    port = server.get_host_and_port()[1]
     import boto3
 
     client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1")
@@ -101,8 +105,8 @@ def test_sink_writes_redacted_parquet_batches_when_s3_up(s3_up, tmp_path):
     assert sink.metrics.registry.get_sample_value("tailguard_monitor_s3_uploads_total", {"status": "ok"}) == 3
 
 
-def test_sink_spools_and_later_uploads_everything_when_s3_down_then_back(tmp_path):
-    port = _free_port()  # nothing listens: S3 is down
+def test_sink_spools_and_later_uploads_everything_when_s3_down_then_back(s3_down, tmp_path):
+    port = s3_down.getsockname()[1]  # nothing listens: S3 is down
     bucket = "tg-spool-back"  # moto keeps buckets per process: a bucket of its own
     sink = _sink(port, tmp_path, bucket)
     for r in _records(12):
@@ -114,6 +118,7 @@ def test_sink_spools_and_later_uploads_everything_when_s3_down_then_back(tmp_pat
     assert get("tailguard_monitor_s3_uploads_total", {"status": "spooled"}) == 3
     assert len(sink.spooled()) == 3 and get("tailguard_monitor_spool_bytes") > 0
     assert sink.retry_spool() == 0 and len(sink.spooled()) == 3  # still down: kept
+    s3_down.close()
     server = _moto(port)  # S3 is back on the same endpoint
     try:
         import boto3
@@ -129,8 +134,8 @@ def test_sink_spools_and_later_uploads_everything_when_s3_down_then_back(tmp_pat
         _stop(server)
 
 
-def test_sink_drops_and_counts_batches_when_spool_bound_reached(tmp_path):
-    sink = _sink(_free_port(), tmp_path, spool_max_bytes=1024)  # smaller than one Parquet batch
+def test_sink_drops_and_counts_batches_when_spool_bound_reached(s3_down, tmp_path):
+    sink = _sink(s3_down.getsockname()[1], tmp_path, spool_max_bytes=1024)  # smaller than one Parquet batch
     for r in _records(10):
         sink.submit(r)
     sink._drain()
@@ -140,11 +145,12 @@ def test_sink_drops_and_counts_batches_when_spool_bound_reached(tmp_path):
     assert sink.spooled() == [] and sink.spool_bytes() == 0
 
 
-def test_live_responses_unaffected_and_pairs_spooled_when_s3_down(tmp_path):
+def test_live_responses_unaffected_and_pairs_spooled_when_s3_down(s3_down, tmp_path):
     d = tmp_path
     ref, cand = T.linear_classifier(d / "ref.onnx"), T.linear_classifier(d / "cand.onnx", T.weights(noise=0.02))
     mon = {"sample_rate": 1.0, "seed": 0, "spool_dir": str(d / "spool"), "redact_fields": ["x"],
-           "s3": {"bucket": BUCKET, "endpoint_url": f"http://127.0.0.1:{_free_port()}", "batch_rows": 4}}
+           "s3": {"bucket": BUCKET, "endpoint_url": f"http://127.0.0.1:{s3_down.getsockname()[1]}",
+                  "batch_rows": 4}}
     svc = MonitorService(resolve_config(parse_spec(T.spec_dict(mon))), ref, cand)
     deadline = time.monotonic() + 20
     while not svc.readiness()[0] and time.monotonic() < deadline:
@@ -203,8 +209,8 @@ def test_sink_writer_survives_and_counts_sink_error_when_row_cannot_be_converted
     assert _dropped(sink.metrics, "sink_error") == 1
 
 
-def test_sink_counts_sink_full_when_writer_queue_full(tmp_path):
-    sink = _sink(_free_port(), tmp_path, max_pending=2)  # not started: nothing drains the queue
+def test_sink_counts_sink_full_when_writer_queue_full(s3_down, tmp_path):
+    sink = _sink(s3_down.getsockname()[1], tmp_path, max_pending=2)  # not started: nothing drains the queue
     assert [sink.submit(r) for r in _records(5)] == [True, True, False, False, False]
     assert _dropped(sink.metrics, "sink_full") == 3
 
