@@ -24,13 +24,13 @@ def reference_non_finite(reference: np.ndarray) -> np.ndarray:
     return parity.non_finite_rows(reference)
 
 
-def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metrics: Sequence[str], *,
+def compare_rows(model_task: str, reference: np.ndarray, candidate: np.ndarray, metrics: Sequence[str], *,
                  probabilities: bool = False, decode: Any = None,
                  feeds: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Per-row parity values for the tracked metrics.
 
     Args:
-        task: model.task.
+        model_task: model.task.
         reference: (rows, ...) FP32 reference output (model.outputs[0]).
         candidate: same shape, the candidate's output.
         metrics: per-row metric names (keys of `parity.per_sample_metrics`).
@@ -45,15 +45,15 @@ def compare_rows(task: str, reference: np.ndarray, candidate: np.ndarray, metric
         candidate_error_rate is 0 on every row (the candidate answered).
 
     Raises:
-        InputError: shapes differ or do not suit the task (from parity); a mask input the request lacks.
+        InputError: shapes differ or do not suit the model task (from parity); a mask input the request lacks.
     """
     ref = np.asarray(reference)
-    kwargs: dict = {"probabilities": True} if probabilities and task == "classification" else {}
-    if task == "embedding":  # nearest-neighbour metrics are not monitored; give parity a trivial index
+    kwargs: dict = {"probabilities": True} if probabilities and model_task == "classification" else {}
+    if model_task == "embedding":  # nearest-neighbour metrics are not monitored; give parity a trivial index
         kwargs = {"reference_index": ref, "exclude_self": False}
-    if task == "token_classification":  # ids (rows, time) carry their mask already (tokens.run_token_ids)
+    if model_task == "token_classification":  # ids (rows, time) carry their mask already (tokens.run_token_ids)
         kwargs = token_kwargs(decode, feeds, need_mask=ref.ndim == 3)
-    per = parity.per_sample_metrics(task, ref, np.asarray(candidate), **kwargs)
+    per = parity.per_sample_metrics(model_task, ref, np.asarray(candidate), **kwargs)
     per[CANDIDATE_ERROR] = np.zeros(ref.shape[0])  # the candidate answered every row compared here
     out = {m: np.asarray(per[m], dtype=np.float64) for m in metrics}
     out["non_finite"] = np.asarray(per["non_finite"], dtype=bool)

@@ -1,5 +1,5 @@
 """The monitor's resolved configuration: the spec's `monitoring` section plus what it needs from the rest of
-the spec (task, inputs, declared slices), with task-dependent defaults filled in and checked.
+the spec (model.task, inputs, declared slices), with model-task-dependent defaults filled in and checked.
 
 Slice rules turn one request into slice keys such as ``length=[16,32)`` or ``domain=legal``; every request also
 belongs to the slice ``all``. A rule reads the request's metadata (OIP `parameters`, or a replay row's metadata
@@ -26,7 +26,7 @@ import numpy as np
 
 from tailguard.core.derive import default_derived_slices, derive_values, row_labels
 from tailguard.core.errors import FieldError, InputError, SpecError
-from tailguard.core.metrics import ROW_METRICS, TASKS, monitor_metrics
+from tailguard.core.metrics import MODEL_TASKS, ROW_METRICS, monitor_metrics
 from tailguard.core.spec.data import SliceSpec
 from tailguard.core.spec.model import TensorSpec
 from tailguard.core.spec.monitor import MonitoringSpec, MonitorThreshold
@@ -51,12 +51,12 @@ PAIR_SEPARATOR = "&"
 # (`<name>=__new__`) instead of getting its own key: a flood of unique values costs one key (issue 22).
 NEW_VALUE = "__new__"
 MIN_TOKEN_CHARS = 16  # a shorter bearer token is refused (exit 2): guessable
-# Tracked per-row metrics by default: every one the task's parity computes for a single pair (catalogue order).
-DEFAULT_METRICS: dict[str, tuple[str, ...]] = {t: monitor_metrics(t) for t in TASKS}
+# Tracked per-row metrics by default: every one the model task's parity computes for a single pair (catalogue order).
+DEFAULT_METRICS: dict[str, tuple[str, ...]] = {t: monitor_metrics(t) for t in MODEL_TASKS}
 # Default alert thresholds. 0.97 top-1 agreement matches the per-slice gate of the example spec
 # (the project's design brief); 0.98 cosine is the usual "near-lossless" bar for INT8 sentence embeddings.
 # A candidate that fails on a sampled row (raises, times out, answers a wrong shape) scores 1 on this per-row
-# metric; it is tracked for every task and alerts at any failure (max 0) unless monitoring.thresholds sets it.
+# metric; it is tracked for every model task and alerts at any failure (max 0) unless monitoring.thresholds sets it.
 CANDIDATE_ERROR = "candidate_error_rate"
 CANDIDATE_ERROR_THRESHOLD = MonitorThreshold(max=0.0)
 DEFAULT_THRESHOLDS: dict[str, dict[str, MonitorThreshold]] = {
@@ -342,7 +342,7 @@ class MonitorConfig:
     Attributes:
         spec: the whole spec.
         mon: its monitoring section.
-        task: model.task.
+        model_task: model.task.
         inputs: model.inputs (name, dtype, shape).
         output: model.outputs[0] (the compared output).
         model_name: name in the OIP paths and the `model` metric label.
@@ -358,7 +358,7 @@ class MonitorConfig:
 
     spec: Spec
     mon: MonitoringSpec
-    task: str
+    model_task: str
     inputs: list[TensorSpec]
     output: TensorSpec
     model_name: str
@@ -589,7 +589,7 @@ def resolve_config(spec: Spec, *, source: str = "spec", centroids: Mapping[str, 
                    ) -> MonitorConfig:
     """Resolve the spec's monitoring section.
 
-    Slices: monitoring.slice_columns, else every declared slice plus, by task, `predicted` (classification) or
+    Slices: monitoring.slice_columns, else every declared slice plus, by model task, `predicted` (classification) or
     `topic` (embedding, when `centroids` has centroids for it) unless a slice of that name is declared.
 
     Args:
@@ -602,21 +602,21 @@ def resolve_config(spec: Spec, *, source: str = "spec", centroids: Mapping[str, 
         The MonitorConfig.
 
     Raises:
-        SpecError: no monitoring section; a metric or threshold the task does not produce, a threshold on the
-            wrong side of its metric or outside its range (`MonitoringSpec.task_problems`, which `spec check` runs
-            too; here also for the task's default thresholds); a quantile slice (its edges depend on data the
+        SpecError: no monitoring section; a metric or threshold the model task does not produce, a threshold on the
+            wrong side of its metric or outside its range (`MonitoringSpec.model_task_problems`, which `spec check` runs
+            too; here also for the model task's default thresholds); a quantile slice (its edges depend on data the
             monitor does not hold: give `bins`); every problem with its field path.
     """
     mon = spec.monitoring
     if mon is None:
         raise SpecError([FieldError("monitoring", "section missing")], source=source,
                         hint="add `monitoring: {sample_rate: 0.05}` (sample_rate is required)")
-    task = spec.model.task
-    errors: list[FieldError] = mon.task_problems(task)  # the checks `spec check` runs (tailguard.core.spec)
-    metrics = tuple(mon.metrics) if mon.metrics else DEFAULT_METRICS[task]
+    model_task = spec.model.task
+    errors: list[FieldError] = mon.model_task_problems(model_task)  # the checks `spec check` runs (tailguard.core.spec)
+    metrics = tuple(mon.metrics) if mon.metrics else DEFAULT_METRICS[model_task]
     if CANDIDATE_ERROR not in metrics:  # failures always count (docs/monitor.md, Failures)
         metrics = (*metrics, CANDIDATE_ERROR)
-    thresholds = dict(mon.thresholds if mon.thresholds is not None else DEFAULT_THRESHOLDS[task])
+    thresholds = dict(mon.thresholds if mon.thresholds is not None else DEFAULT_THRESHOLDS[model_task])
     thresholds.setdefault(CANDIDATE_ERROR, CANDIDATE_ERROR_THRESHOLD)
     bounds: dict[str, Bound] = {}
     for m, t in thresholds.items():
@@ -642,7 +642,7 @@ def resolve_config(spec: Spec, *, source: str = "spec", centroids: Mapping[str, 
     centroids = dict(centroids or {})
     rules: list[SliceRule] = []
     names = mon.slice_columns if mon.slice_columns is not None else list(declared)
-    for d in default_derived_slices(task):  # `predicted` / `topic` may be named in slice_columns, or added
+    for d in default_derived_slices(model_task):  # `predicted` / `topic` may be named in slice_columns, or added
         if d.name not in declared:
             declared[d.name] = d
             if mon.slice_columns is None and (d.derive.reduce != "nearest_centroid" or d.name in centroids):
@@ -686,6 +686,6 @@ def resolve_config(spec: Spec, *, source: str = "spec", centroids: Mapping[str, 
                     pairs.append(ij)  # type: ignore[arg-type]
     if errors:
         raise SpecError(errors, source=source, hint="see docs/monitor.md for the monitoring section")
-    return MonitorConfig(spec=spec, mon=mon, task=task, inputs=list(spec.model.inputs), output=spec.model.outputs[0],
-                         model_name=mon.model_name or spec.metadata.name, rules=rules, metrics=metrics, bounds=bounds,
-                         pairs=pairs, centroids=centroids)
+    return MonitorConfig(spec=spec, mon=mon, model_task=model_task, inputs=list(spec.model.inputs),
+                         output=spec.model.outputs[0], model_name=mon.model_name or spec.metadata.name, rules=rules,
+                         metrics=metrics, bounds=bounds, pairs=pairs, centroids=centroids)

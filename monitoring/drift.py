@@ -51,15 +51,15 @@ def input_features(inputs: dict[str, np.ndarray], meta: dict[str, Any], columns:
     return out
 
 
-def output_features(task: str, out: np.ndarray) -> dict[str, Any]:
+def output_features(model_task: str, out: np.ndarray) -> dict[str, Any]:
     """Drift features of one output row (see module docstring)."""
     a = np.asarray(out, dtype=np.float64).reshape(-1)
-    if task == "classification":
+    if model_task == "classification":
         z = a - a.max()
         p = np.exp(z) / np.exp(z).sum()
         return {"top1": str(int(a.argmax())), "top1_prob": float(p.max())}
     feats: dict[str, Any] = {}
-    if task == "embedding":
+    if model_task == "embedding":
         feats["norm"] = float(np.linalg.norm(a))
     for i in range(min(N_COMPONENTS, a.size)):
         feats[f"out{i}"] = float(a[i])
@@ -116,8 +116,8 @@ class DriftSnapshots:
         """Add one sampled row (a SliceMonitor record); completes a window every `snapshot_every` rows."""
         self.rows.append(input_features(record.get("inputs", {}), record.get("meta", {}),
                                         self.cfg.metadata_columns))
-        self.ref_out.append(output_features(self.cfg.task, record["reference"]))
-        self.cand_out.append(output_features(self.cfg.task, record["candidate"]))
+        self.ref_out.append(output_features(self.cfg.model_task, record["reference"]))
+        self.cand_out.append(output_features(self.cfg.model_task, record["candidate"]))
         if len(self.rows) >= self.every:
             window = (pd.DataFrame(self.rows), pd.DataFrame(self.ref_out), pd.DataFrame(self.cand_out))
             self.rows, self.ref_out, self.cand_out = [], [], []

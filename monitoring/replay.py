@@ -49,7 +49,7 @@ def _run(runner: Runner, ds: Dataset, cfg: MonitorConfig, role: str) -> np.ndarr
     (rows, time) int32 (`tokens.run_token_ids`: one batch of scores held at a time, the mask applied)."""
     spec = cfg.spec
     try:
-        if cfg.task == "token_classification":
+        if cfg.model_task == "token_classification":
             return run_token_ids(runner, ds, cfg.inputs, batch_size=spec.data.validation.batch_size,
                                  pad_values=spec.model.pad_values,
                                  mask_input=decode_settings(spec.model)["mask_input"],
@@ -74,15 +74,15 @@ def _run_candidate(runner: Runner, ds: Dataset, cfg: MonitorConfig, shape: tuple
         out = _run(runner, ds, cfg, "candidate")
     except StepError:
         out = None
-    if out is not None and cfg.task == "token_classification" and out.ndim == 2 and out.shape[0] == n and \
+    if out is not None and cfg.model_task == "token_classification" and out.ndim == 2 and out.shape[0] == n and \
             out.shape[1] < shape[1]:  # ids of a run padded shorter: positions past it are not compared
         out = align(out, np.zeros(shape, dtype=np.int32))[0]
     if out is not None and out.shape == shape:
         return out, [None] * n
     if out is not None:  # answered, but not the reference's shape: every row is a shape failure
-        return np.zeros(shape, dtype=np.int32 if cfg.task == "token_classification" else np.float32), \
+        return np.zeros(shape, dtype=np.int32 if cfg.model_task == "token_classification" else np.float32), \
             ["candidate_shape"] * n
-    rows = (np.full(shape, IGNORE, dtype=np.int32) if cfg.task == "token_classification"
+    rows = (np.full(shape, IGNORE, dtype=np.int32) if cfg.model_task == "token_classification"
             else np.zeros(shape, dtype=np.float32))
     failed: list[str | None] = []
     for j in range(n):
@@ -91,7 +91,7 @@ def _run_candidate(runner: Runner, ds: Dataset, cfg: MonitorConfig, shape: tuple
         except StepError:
             failed.append("candidate_error")
             continue
-        token = cfg.task == "token_classification" and one.ndim == 2 and one.shape[1] <= shape[1]
+        token = cfg.model_task == "token_classification" and one.ndim == 2 and one.shape[1] <= shape[1]
         if one.shape != (1, *shape[1:]) and not token:
             failed.append("candidate_shape")
             continue
@@ -170,9 +170,9 @@ def replay(spec: Spec, reference: str | Path | Runner, candidate: str | Path | R
         cand_out, failed = _run_candidate(cand_runner, sub, cfg, ref_out.shape)
         if perturb is not None:
             cand_out = perturb(cand_out.copy(), idx, ds.frame)
-        bad_ref = ((ref_out == NON_FINITE).any(axis=1) if cfg.task == "token_classification"  # ids: a sentinel
+        bad_ref = ((ref_out == NON_FINITE).any(axis=1) if cfg.model_task == "token_classification"  # ids: a sentinel
                    else reference_non_finite(ref_out))
-        values = compare_rows(cfg.task, ref_out, cand_out, cfg.metrics,
+        values = compare_rows(cfg.model_task, ref_out, cand_out, cfg.metrics,
                               probabilities=cfg.output.kind == "probabilities", decode=cfg.spec.model.decode)
         snaps = DriftSnapshots(cfg, background=False) if cfg.mon.evidently_workspace else None
         for j, i in enumerate(idx):

@@ -237,7 +237,7 @@ class SliceMonitor:
             failure = "candidate_error" if candidate is None else "candidate_shape"
         if failure is None and values is None:
             try:
-                values = compare_rows(self.cfg.task, ref, candidate, self.cfg.metrics,  # type: ignore[arg-type]
+                values = compare_rows(self.cfg.model_task, ref, candidate, self.cfg.metrics,  # type: ignore[arg-type]
                                       probabilities=self.cfg.output.kind == "probabilities",
                                       decode=self.cfg.spec.model.decode, feeds=it.feeds)
             except InputError:  # an output the task cannot score (e.g. not 2-D logits): the candidate's fault
@@ -438,7 +438,7 @@ class SliceMonitor:
         `slices`): settings, counters, thresholds."""
         st = self.decider
         mon = self.cfg.mon
-        return {"model": self.cfg.model_name, "task": self.cfg.task, "requests": self.sampler.total,
+        return {"model": self.cfg.model_name, "task": self.cfg.model_task, "requests": self.sampler.total,
                 "sampled": self.sampler.sampled_total, "compared_rows": self.compared_rows,
                 "compared_requests": self.compared_requests,
                 "sample_rate": mon.sample_rate, "window_size": mon.window_size, "min_support": mon.min_support,

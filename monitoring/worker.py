@@ -261,7 +261,7 @@ class ShadowWorkerMixin:
                 return {}
             feeds = {decode.mask_input: np.concatenate(masks)}
         try:
-            values = compare_rows(self.cfg.task, np.concatenate([judged[n][1] for n in ok]),
+            values = compare_rows(self.cfg.model_task, np.concatenate([judged[n][1] for n in ok]),
                                   np.concatenate([seconds[n][0] for n in ok]), self.cfg.metrics,
                                   probabilities=self.cfg.output.kind == "probabilities", decode=decode,
                                   feeds=feeds)

@@ -233,7 +233,7 @@ def model_output_errors(spec: Spec) -> tuple[list[FieldError], str]:
         return [], (f"model.outputs: {where} records no output signature (a state dict, or registered without "
                     f"`tailguard register`); {later}")
     errors, fixes = output_signature_errors(spec.model.outputs, found, what=f"the model ({where})",
-                                            positional=bool(recorded.get("positional")), task=spec.model.task)
+                                            positional=bool(recorded.get("positional")), model_task=spec.model.task)
     errors = [FieldError(e.loc, f"{e.message}; fix: {fix}", e.value) for e, fix in zip(errors, fixes)]
     return errors, f"model.outputs checked against {where} ({len(found)} output(s) recorded at registration)"
 

@@ -232,7 +232,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
         found = sig.onnx_output_signature(model_arg["onnx_path"])
         if model_spec is not None:
             sig.check_output_signature(model_spec.outputs, found, what=f"the ONNX graph of {path.name}",
-                                       source=str(spec), task=model_spec.task)
+                                       source=str(spec), model_task=model_spec.task)
     elif fmt == "torch_export":
         ep = logic.load_exported_program(path, field="path", trusted=trusted, fix=REGISTER_FIX)
         model_arg = {"exported_program": path}

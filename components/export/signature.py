@@ -153,7 +153,7 @@ def _fitting_shape(declared: Sequence[str | int], found: Sequence[int | str | No
 
 def output_signature_errors(declared: Sequence[Any], found: Sequence[OutputSig], *, what: str,
                             positional: bool = False, concrete: bool = False,
-                            task: str | None = None) -> tuple[list[FieldError], list[str]]:
+                            model_task: str | None = None) -> tuple[list[FieldError], list[str]]:
     """Each declared output against the model's signature: presence, dtype, rank, fixed sizes.
 
     Args:
@@ -165,7 +165,7 @@ def output_signature_errors(declared: Sequence[Any], found: Sequence[OutputSig],
             error too.
         concrete: `found` shapes are real sizes (outputs of a run): a fixed declared size is compared with them;
             otherwise a symbolic signature axis matches a fixed declared size (the run decides).
-        task: model.task, or None: a compared output (the first) that the model gives with 3 axes while the task
+        model_task: model.task, or None: a compared output (the first) that the model gives with 3 axes while the task
             is classification gets the fix "use task: token_classification" (issue 38: a CTC recognizer's
             (batch, time, classes) scores were accepted under classification and failed mid-run).
 
@@ -207,20 +207,20 @@ def output_signature_errors(declared: Sequence[Any], found: Sequence[OutputSig],
             fit = _fitting_shape(list(t.shape), list(sig.shape))
             errors.append(FieldError(f"model.outputs.{i}.shape", f"{t.name} is declared {_text(t.shape)} but {what} "
                                      f"gives {_text(sig.shape)}", list(t.shape)))
-            token = i == 0 and task == "classification" and len(sig.shape) == 3
+            token = i == 0 and model_task == "classification" and len(sig.shape) == 3
             fixes.append(f"declare {t.name}: {_text(fit)}" + (" and use task: token_classification (a (batch, "
                                                               "time, classes) output)" if token else ""))
     return errors, fixes
 
 
 def check_output_signature(declared: Sequence[Any], found: Sequence[OutputSig], *, what: str, source: str,
-                           positional: bool = False, concrete: bool = False, task: str | None = None) -> None:
+                           positional: bool = False, concrete: bool = False, model_task: str | None = None) -> None:
     """`output_signature_errors`, raised.
 
     Raises:
         SpecError: every mismatch (exit 2), source `source` (e.g. the spec file or "export"), the fixes as hint.
     """
     errors, fixes = output_signature_errors(declared, found, what=what, positional=positional, concrete=concrete,
-                                            task=task)
+                                            model_task=model_task)
     if errors:
         raise SpecError(errors, source=source, hint="; ".join(dict.fromkeys(fixes)))

@@ -24,7 +24,7 @@ Slices tested (rules of `discover_slices`):
   FDR guarantee; with the default min_support 30, 10k rows allow at most ~333 cells per column pair, so 10
   columns x 50 values (45 column pairs) yield at most ~15k eligible pairs, capped to 5000.
 
-Per-row values: the metric (`analysis.discovery.metric`, default per task: classification `top1_agreement`,
+Per-row values: the metric (`analysis.discovery.metric`, default per model task: classification `top1_agreement`,
 embedding `nn_top1_agreement`, regression/generic `abs_error.mean`) names a per-row key (`parity.row_source`).
 A one-row test compares per-row values, so a quantile or extreme metric (`cosine_similarity.p01`,
 `abs_error.max`, `kl_divergence.p99`) is replaced by the mean of the same per-row key (`cosine_similarity.mean`
@@ -83,7 +83,7 @@ from tailguard.core.parity import row_source
 from tailguard.core.slices import NULL, slice_groups, value_label
 from tailguard.core.spec.analysis import DiscoverySpec
 from tailguard.core.spec.data import SliceSpec
-from tailguard.core.spec.gates import PROPORTION_METRICS, TASK_METRICS
+from tailguard.core.spec.gates import MODEL_TASK_METRICS, PROPORTION_METRICS
 from tailguard.core.stats import benjamini_hochberg, fisher_exact_greater, mann_whitney_u_greater, rank_with_ties
 
 MAX_PAIRS_TESTED = 5000  # pair slices tested at most (the largest by support); see the module docstring
@@ -113,7 +113,7 @@ class DiscoveryResult:
             row of `table`.
         tested: number of slices tested (the BH family size m).
         method: the test, correction and counts of slices tested in words (for the report and result.json).
-        metric: the requested metric (`spec.metric` or the task default).
+        metric: the requested metric (`spec.metric` or the model task's default).
         tested_metric: the metric compared per row (`metric`, or `<key>.mean` for a quantile/max metric).
         columns: the columns searched, in order.
         skipped: column -> why it was not searched (arrays, ids, constant).
@@ -213,13 +213,13 @@ def _select_columns(frame: pd.DataFrame, spec: DiscoverySpec, exclude: Sequence[
     return [by_name[c] for c in dict.fromkeys(spec.columns)]
 
 
-def _per_row(per_sample: dict[str, np.ndarray], task: str, metric: str, rows: int) -> tuple[np.ndarray, str, str]:
+def _per_row(per_sample: dict[str, np.ndarray], model_task: str, metric: str, rows: int) -> tuple[np.ndarray, str, str]:
     """(per-row values (rows,), tested metric name, note for `method`)."""
     key, how = row_source(metric)
     if key not in per_sample:
         raise InputError(f"analysis.discovery.metric: per-row values {key!r} for {metric!r} are missing "
                          f"(per-row keys: {sorted(per_sample)})",
-                         hint="pass parity.per_sample_metrics output for the same task (accuracy needs labels: "
+                         hint="pass parity.per_sample_metrics output for the same model task (accuracy needs labels: "
                               "data.validation.label_column)")
     x = np.asarray(per_sample[key])
     if x.ndim != 1 or x.shape[0] != rows:
@@ -295,7 +295,7 @@ def tested_slices(frame: pd.DataFrame, spec: DiscoverySpec,
     return out + [(sl, val, mask) for _, sl, val, mask in pairs]
 
 
-def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, task: str, spec: DiscoverySpec,
+def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, model_task: str, spec: DiscoverySpec,
                     exclude_columns: Sequence[str] = ()) -> DiscoveryResult:
     """Find the metadata slices (and pairs of them) where per-row parity is significantly worse than the rest.
 
@@ -304,7 +304,7 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
     Args:
         frame: validation metadata, one row per validation row (`Dataset.frame`), shape (rows, columns).
         per_sample: `parity.per_sample_metrics` output for the same rows: {per-row key: array (rows,)}.
-        task: the spec's `model.task`.
+        model_task: the spec's `model.task`.
         spec: `analysis.discovery`.
         exclude_columns: columns never searched unless `spec.columns` names them (model inputs, the label).
 
@@ -314,23 +314,24 @@ def discover_slices(frame: pd.DataFrame, per_sample: dict[str, np.ndarray], *, t
         `min_support` rows on both sides.
 
     Raises:
-        InputError: unknown task; a metric not produced for the task or without per-row values
+        InputError: unknown model.task; a metric not produced for the model task or without per-row values
             (names analysis.discovery.metric); a `spec.columns` name missing from the frame (names
             analysis.discovery.columns and the available columns), or one that holds arrays/lists or has more
             than `max_values` distinct values; per-row arrays of another length.
     """
-    if task not in TASK_METRICS:
-        raise InputError(f"unknown task {task!r}", hint=f"use one of {sorted(TASK_METRICS)} (model.task)")
-    metric = spec.metric or DEFAULT_METRIC[task]
-    if metric not in TASK_METRICS[task]:
-        raise InputError(f"analysis.discovery.metric: {metric!r} is not a parity metric of task {task!r}",
-                         hint=f"choose one of {sorted(TASK_METRICS[task])}")
+    if model_task not in MODEL_TASK_METRICS:
+        raise InputError(f"unknown model.task {model_task!r}",
+                         hint=f"use one of {sorted(MODEL_TASK_METRICS)} (model.task)")
+    metric = spec.metric or DEFAULT_METRIC[model_task]
+    if metric not in MODEL_TASK_METRICS[model_task]:
+        raise InputError(f"analysis.discovery.metric: {metric!r} is not a parity metric of model.task {model_task!r}",
+                         hint=f"choose one of {sorted(MODEL_TASK_METRICS[model_task])}")
     rows = len(frame)
     if not spec.enabled:
         return DiscoveryResult(_empty_table(), {}, 0, "disabled (analysis.discovery.enabled: false)", metric,
                                metric)
     names = _select_columns(frame, spec, exclude_columns)
-    x, tested_metric, note = _per_row(per_sample, task, metric, rows)
+    x, tested_metric, note = _per_row(per_sample, model_task, metric, rows)
     hib = higher_is_better(metric)
 
     columns: list[_Column] = []

@@ -92,7 +92,7 @@ class GateResult:
 
     Attributes:
         gate: the gate's stable key (`GateSpec.key`, e.g. "top1_agreement>=0.97@per_slice:length").
-        metric: metric name (TASK_METRICS / PERF_METRICS).
+        metric: metric name (MODEL_TASK_METRICS / PERF_METRICS).
         scope: "overall", "per_slice" or "discovered".
         threshold: the threshold compared against: spec `min`/`max`, or for `max_drop` the derived
             reference score -/+ max_drop (per slice: that of the worst judged group); None when a relative
@@ -148,7 +148,7 @@ class GateResult:
 
 @dataclass
 class _Context:
-    task: str
+    model_task: str
     per_sample: dict[str, np.ndarray] | None
     masks: dict[tuple[str, str], np.ndarray] | None
     discovered: Any
@@ -256,8 +256,8 @@ def _assess(gate: GateSpec, ctx: _Context, op: str, point: Any, ref_point: Any,
             b = number_or_none(out["reference_score"] + diff)
         else:
             bs = ctx.spec.analysis.bootstrap
-            b = number_or_none(metric_bound(ctx.task, gate.metric, ctx.per_sample, mask, gate.confidence, _side(op),
-                                            bs))
+            b = number_or_none(metric_bound(ctx.model_task, gate.metric, ctx.per_sample, mask, gate.confidence,
+                                            _side(op), bs))
         out["bound"] = b
         out["observed"] = b
         if b is None:
@@ -418,7 +418,7 @@ def _discovered(gate: GateSpec, base: dict[str, Any], ctx: _Context) -> GateResu
         mask = disc.masks.get(key)
         point = ref_point = None
         if mask is not None:
-            agg = aggregate(ctx.task, ctx.per_sample, mask)
+            agg = aggregate(ctx.model_task, ctx.per_sample, mask)
             point, ref_point = agg.get(gate.metric), agg.get("reference_accuracy")
         extra = {k: rec[k] for k in ("q_value", "drop") if k in rec}
         tested.append({"slice": key[0], "value": key[1], "support": rec["support"], "point": point,
@@ -549,7 +549,7 @@ def evaluate_gates(spec: Spec, variant_name: str, overall: dict[str, float], sli
     """
     masks = None if groups is None else {(str(g.slice), str(g.value)): np.asarray(g.mask, dtype=bool)
                                          for g in groups}
-    ctx = _Context(task=spec.model.task, per_sample=per_sample, masks=masks, discovered=discovered, spec=spec)
+    ctx = _Context(model_task=spec.model.task, per_sample=per_sample, masks=masks, discovered=discovered, spec=spec)
     results: list[GateResult] = []
     for gate in spec.gates:
         op, thr = gate_op(gate), static_threshold(gate)

@@ -18,11 +18,11 @@ import numpy as np
 from tailguard.core.errors import InputError
 from tailguard.core.parity import row_source
 from tailguard.core.spec.analysis import BootstrapSpec
-from tailguard.core.spec.gates import PROPORTION_METRICS, TASK_METRICS
+from tailguard.core.spec.gates import MODEL_TASK_METRICS, PROPORTION_METRICS
 from tailguard.core.stats import Side, bootstrap_bound, wilson_bound
 
 
-def metric_bound(task: str, metric: str, per_sample: dict[str, np.ndarray], mask: np.ndarray | None,
+def metric_bound(model_task: str, metric: str, per_sample: dict[str, np.ndarray], mask: np.ndarray | None,
                  confidence: float, side: Side, bootstrap: BootstrapSpec | None = None) -> float:
     """One-sided confidence bound of a parity metric over all rows or the rows under `mask`.
 
@@ -30,8 +30,8 @@ def metric_bound(task: str, metric: str, per_sample: dict[str, np.ndarray], mask
     percentile bootstrap (`bootstrap.samples`, `bootstrap.seed`) of the metric's statistic otherwise.
 
     Args:
-        task: spec `model.task`.
-        metric: a parity metric of TASK_METRICS[task], e.g. "top1_agreement", "cosine_similarity.p01".
+        model_task: spec `model.task`.
+        metric: a parity metric of MODEL_TASK_METRICS[model_task], e.g. "top1_agreement", "cosine_similarity.p01".
         per_sample: `parity.per_sample_metrics` output, arrays of shape (rows,).
         mask: bool array of shape (rows,) selecting the rows (a slice group), or None for all rows.
         confidence: one-sided level in (0, 1).
@@ -42,16 +42,16 @@ def metric_bound(task: str, metric: str, per_sample: dict[str, np.ndarray], mask
         The bound in the metric's units; NaN when no row is selected.
 
     Raises:
-        InputError: a metric the task does not produce, its per-row values missing, or a mask of another
+        InputError: a metric the model task does not produce, its per-row values missing, or a mask of another
             length.
         ValueError: a bad confidence or side.
     """
-    if task not in TASK_METRICS or metric not in TASK_METRICS[task]:
-        raise InputError(f"metric_bound: {metric!r} is not a parity metric of task {task!r}")
+    if model_task not in MODEL_TASK_METRICS or metric not in MODEL_TASK_METRICS[model_task]:
+        raise InputError(f"metric_bound: {metric!r} is not a parity metric of model.task {model_task!r}")
     key, how = row_source(metric)
     if key not in per_sample:
         raise InputError(f"metric_bound: per-row values {key!r} missing for metric {metric!r}",
-                         hint="pass the output of per_sample_metrics for the same task")
+                         hint="pass the output of per_sample_metrics for the same model task")
     x = np.asarray(per_sample[key]).reshape(-1)
     if mask is not None:
         m = np.asarray(mask, dtype=bool).reshape(-1)

@@ -184,7 +184,7 @@ def discover(spec: Spec, scored: ScoredRows) -> Any:
     from .discovery import discover_slices
 
     label = spec.data.validation.label_column
-    return discover_slices(scored.frame, scored.per_sample, task=spec.model.task, spec=spec.analysis.discovery,
+    return discover_slices(scored.frame, scored.per_sample, model_task=spec.model.task, spec=spec.analysis.discovery,
                            exclude_columns=[label] if label is not None else [])
 
 
@@ -272,7 +272,7 @@ def write_outputs(out: Path, spec: Spec, variant_name: str, validation: Dataset,
     result = ValidationResult(worst_slice=worst_slice(spec, table), numerics=numerics,
         exact_slices=exact_table.to_dict("records") if exact_table is not None else [],
         rows_used=scoring.rows_used if scoring is not None else n_rows, sequential=sequential,
-        variant=variant_name, task=spec.model.task, rows=n_rows, overall=scored.overall, perf=perf,
+        variant=variant_name, model_task=spec.model.task, rows=n_rows, overall=scored.overall, perf=perf,
         slices=table.to_dict("records"), gates=gates, passed=passed,
         non_finite_rows=int(non_finite_rows(scored.cand).sum()), batch_sizes=list(spec.benchmark.batch_sizes),
         files=files, discovered=discovered, discovery=discovery_info)

@@ -115,7 +115,7 @@ class ValidationResult:
 
     Attributes:
         variant: variant name.
-        task: the spec's model.task.
+        model_task: the spec's model.task.
         rows: rows of the validation set.
         overall: overall-scope metrics: the parity metrics (`parity.aggregate`), plus "peak_rss_mb" (MiB)
             and "model_size_mb" (MiB) when measured.
@@ -150,7 +150,7 @@ class ValidationResult:
     """
 
     variant: str
-    task: str
+    model_task: str
     rows: int
     overall: dict[str, float]
     perf: dict[int, dict[str, Any]]
@@ -170,7 +170,7 @@ class ValidationResult:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form (perf keys become strings in JSON; `from_dict` turns them back)."""
-        return {"variant": self.variant, "task": self.task, "rows": self.rows, "overall": dict(self.overall),
+        return {"variant": self.variant, "task": self.model_task, "rows": self.rows, "overall": dict(self.overall),
                 "perf": {str(k): v for k, v in self.perf.items()}, "slices": list(self.slices),
                 "gates": [g.to_dict() for g in self.gates], "passed": self.passed,
                 "non_finite_rows": self.non_finite_rows, "batch_sizes": list(self.batch_sizes),
@@ -182,7 +182,7 @@ class ValidationResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ValidationResult":
         """Inverse of `to_dict` (also accepts the parsed result.json)."""
-        return cls(variant=d["variant"], task=d["task"], rows=int(d["rows"]), overall=dict(d["overall"]),
+        return cls(variant=d["variant"], model_task=d["task"], rows=int(d["rows"]), overall=dict(d["overall"]),
                    perf={int(k): v for k, v in d["perf"].items()}, slices=list(d["slices"]),
                    gates=[GateResult.from_dict(g) for g in d["gates"]], passed=bool(d["passed"]),
                    non_finite_rows=int(d["non_finite_rows"]), batch_sizes=[int(b) for b in d["batch_sizes"]],

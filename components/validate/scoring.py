@@ -23,7 +23,7 @@ from tailguard.core.slices import per_slice_table
 from tailguard.core.spec.root import Spec
 from tailguard.core.tokens import align, decode_settings, run_token_ids
 
-# per task: the per-row value that ranks worst_samples.csv, and whether low values are the bad ones
+# per model task: the per-row value that ranks worst_samples.csv, and whether low values are the bad ones
 WORST_SAMPLE_KEY: dict[str, tuple[str, bool]] = {
     "classification": ("kl_divergence", False),
     "embedding": ("cosine_similarity", True),
@@ -69,7 +69,7 @@ def worst_slice(spec: Spec, table: pd.DataFrame) -> dict[str, Any] | None:
             "metric": metric, "observed": float(row[metric])}
 
 
-def worst_samples(task: str, per_sample: dict[str, np.ndarray], frame: pd.DataFrame, k: int) -> pd.DataFrame:
+def worst_samples(model_task: str, per_sample: dict[str, np.ndarray], frame: pd.DataFrame, k: int) -> pd.DataFrame:
     """The k validation rows with the worst per-row parity, with their per-row metrics and metadata.
 
     Ranked by `WORST_SAMPLE_KEY[task]`: classification `kl_divergence` highest first, embedding
@@ -77,7 +77,7 @@ def worst_samples(task: str, per_sample: dict[str, np.ndarray], frame: pd.DataFr
     Non-finite rows (scored worst case by `parity.per_sample_metrics`) come first.
 
     Args:
-        task: the spec's `model.task`.
+        model_task: the spec's `model.task`.
         per_sample: `parity.per_sample_metrics` output, arrays of shape (rows,).
         frame: the validation metadata (`Dataset.frame`), `rows` rows in the same order.
         k: rows to keep (spec `analysis.worst_k`; 0 gives an empty table with the columns).
@@ -90,9 +90,9 @@ def worst_samples(task: str, per_sample: dict[str, np.ndarray], frame: pd.DataFr
     Raises:
         InputError: the per-row key is missing, or `frame` has another row count.
     """
-    key, low_is_bad = WORST_SAMPLE_KEY[task]
+    key, low_is_bad = WORST_SAMPLE_KEY[model_task]
     if key not in per_sample:
-        raise InputError(f"worst_samples: per-row values {key!r} missing for task {task!r}")
+        raise InputError(f"worst_samples: per-row values {key!r} missing for model.task {model_task!r}")
     vals = np.asarray(per_sample[key], dtype=np.float64)
     rows = vals.shape[0]
     if len(frame) != rows:
@@ -129,29 +129,29 @@ def _per_row(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray |
     """Per-row parity values of candidate outputs `cand` against the reference. `rows` None: `cand` covers every
     row of `ref` (rows, ...). Otherwise `cand` holds the rows `rows` (global indices) only and each gets the values
     it gets among all rows (embedding neighbours searched in the full FP32 set, `per_sample_metrics(query_rows=)`)."""
-    task = spec.model.task
+    model_task = spec.model.task
     emb = spec.analysis.embedding
     kw: dict[str, Any] = ({"recall_k": emb.recall_k, "knn_k": emb.knn_k, "margin_tolerance": emb.margin_tolerance}
-                          if task == "embedding" else {})
-    if task == "classification":
+                          if model_task == "embedding" else {})
+    if model_task == "classification":
         kw["probabilities"] = spec.model.outputs[0].kind == "probabilities"
-    if task == "token_classification":  # outputs are tokens.token_ids (the mask is applied in them)
+    if model_task == "token_classification":  # outputs are tokens.token_ids (the mask is applied in them)
         d = decode_settings(spec.model)
         kw.update(decode=d["decode"], blank=d["blank"])
     if rows is None:
-        return per_sample_metrics(task, ref, cand, labels=labels, **kw)
-    if task == "embedding":
+        return per_sample_metrics(model_task, ref, cand, labels=labels, **kw)
+    if model_task == "embedding":
         kw.update(reference_index=ref, query_rows=rows, index_labels=labels)
-    return per_sample_metrics(task, ref[rows], cand, labels=None if labels is None else labels[rows], **kw)
+    return per_sample_metrics(model_task, ref[rows], cand, labels=None if labels is None else labels[rows], **kw)
 
 
 def _score(spec: Spec, ref: np.ndarray, cand: np.ndarray, labels: np.ndarray | None, groups: list,
            rows: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], dict[str, float], pd.DataFrame]:
     """(per-row values (rows,), overall parity metrics, per-slice table) of candidate outputs `cand` against the
     reference `ref` (both (rows, ...), float); `rows`: as `_per_row`, with `groups` over those rows."""
-    task = spec.model.task
+    model_task = spec.model.task
     per_sample = _per_row(spec, ref, cand, labels, rows)
-    return per_sample, aggregate(task, per_sample), per_slice_table(task, per_sample, groups)
+    return per_sample, aggregate(model_task, per_sample), per_slice_table(model_task, per_sample, groups)
 
 
 def _concat(spec: Spec, parts: list[np.ndarray]) -> np.ndarray:

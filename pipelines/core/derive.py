@@ -34,7 +34,7 @@ from tailguard.core.errors import InputError
 from tailguard.core.slices import NULL, _fmt, value_label
 from tailguard.core.spec.data import SliceSpec
 
-# Slices the monitor adds by task when monitoring.slice_columns is not set (issue 35): the reference's top-1 class
+# Slices the monitor adds by model task when monitoring.slice_columns is not set (issue 35): the reference's top-1 class
 # (classification) and the nearest of DEFAULT_TOPIC_CENTROIDS topic centroids (embedding), which validation fits and
 # logs even when the spec declares no such slice, so a monitor of bare tensors gets per-topic alerts.
 DEFAULT_PREDICTED = "predicted"
@@ -304,13 +304,13 @@ def load_centroids(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def default_derived_slices(task: str) -> list[SliceSpec]:
+def default_derived_slices(model_task: str) -> list[SliceSpec]:
     """The derived slices the monitor tracks by default for `task`: `predicted` (classification: argmax of the
     reference output) or `topic` (embedding: nearest of DEFAULT_TOPIC_CENTROIDS centroids of the reference
     embeddings); [] for other tasks."""
-    if task == "classification":
+    if model_task == "classification":
         return [SliceSpec(name=DEFAULT_PREDICTED, derive={"output": "reference", "reduce": "argmax"})]
-    if task == "embedding":
+    if model_task == "embedding":
         return [SliceSpec(name=DEFAULT_TOPIC, derive={"output": "reference", "reduce": "nearest_centroid",
                                                       "centroids": DEFAULT_TOPIC_CENTROIDS})]
     return []

@@ -1,9 +1,9 @@
 """The metric catalogue: one frozen table of every metric tailguard computes, logs, gates on or monitors.
 
 Every property of a metric lives here once: its direction, how it is aggregated from per-row values, which
-confidence bound applies, which tasks produce it, its units and its meaning. The spec (`tailguard.core.spec`:
-TASK_METRICS, PERF_METRICS, PROPORTION_METRICS, ... are computed from this table), the gates, the report and the
-shadow monitor read it; none of them decides a direction on its own.
+confidence bound applies, which model tasks (model.task) produce it, its units and its meaning. The spec
+(`tailguard.core.spec`: MODEL_TASK_METRICS, PERF_METRICS, PROPORTION_METRICS, ... are computed from this table), the
+gates, the report and the shadow monitor read it; none of them decides a direction on its own.
 
 Two tables:
 
@@ -49,11 +49,11 @@ Kind = Literal["proportion", "continuous", "performance", "build", "record"]
 Aggregate = Literal["mean", "quantile", "max", "min", "ratio", "fact", "count"]
 Bound = Literal["wilson", "bootstrap", "paired_bootstrap"]
 
-TASKS: tuple[str, ...] = ("classification", "embedding", "regression", "generic", "token_classification")
-# tasks whose outputs are compared element by element (abs_error): a token_classification output is reduced to its
+MODEL_TASKS: tuple[str, ...] = ("classification", "embedding", "regression", "generic", "token_classification")
+# model tasks whose outputs are compared element by element (abs_error): a token_classification output is reduced to its
 # per-position top-1 class ids while it is run (tailguard.core.tokens), so its logits are never held whole
-ALL_TASKS = TASKS
-LABELLED_TASKS = ("classification", "embedding")  # tasks whose parity uses data.validation.label_column
+ALL_MODEL_TASKS = MODEL_TASKS
+LABELLED_MODEL_TASKS = ("classification", "embedding")  # model tasks whose parity uses data.validation.label_column
 INF = math.inf
 
 
@@ -68,7 +68,7 @@ class RowMetric:
         value_range: (lo, hi) every finite row lies in; +-inf for an unbounded side. The monitor's detector bets
             against the bound on the good side (monitoring/detector.py), so that one must be finite for monitored keys.
         units: of one row's value.
-        tasks: the tasks whose per_sample_metrics return it.
+        model_tasks: the model tasks (spec model.task) whose per_sample_metrics return it.
         monitored: the shadow monitor can track it (monitoring.metrics): computed from one (reference,
             candidate) pair alone, needing neither labels nor a neighbour index.
         needs_labels: only computed with data.validation.label_column.
@@ -82,7 +82,7 @@ class RowMetric:
     binary: bool
     value_range: tuple[float, float]
     units: str
-    tasks: tuple[str, ...]
+    model_tasks: tuple[str, ...]
     monitored: bool
     needs_labels: bool
     meaning: str
@@ -111,7 +111,8 @@ class Metric:
             iterations (latency), "ratio" of two measurements (throughput, cost, speedups), "fact" (one
             measurement or count of the artifact), "count" (rows).
         units: e.g. "fraction", "nats", "ms".
-        tasks: the tasks that produce it (every task for performance/build/record metrics).
+        model_tasks: the model tasks (spec model.task) that produce it (every one for performance/build/record
+            metrics).
         meaning: one line.
         row_key: the per-row key a parity metric aggregates (ROW_METRICS), else None.
         statistic: the reduction of `row_key` as `tailguard.core.parity` spells it ("mean", "max", "min",
@@ -134,7 +135,7 @@ class Metric:
     direction: Direction
     aggregate: Aggregate
     units: str
-    tasks: tuple[str, ...]
+    model_tasks: tuple[str, ...]
     meaning: str
     row_key: str | None = None
     statistic: str | None = None
@@ -161,10 +162,10 @@ class Metric:
 _F01 = (0.0, 1.0)
 _NONNEG = (0.0, INF)
 _TOK = ("token_classification",)
-_DENSE = tuple(t for t in TASKS if t not in _TOK)
+_DENSE = tuple(t for t in MODEL_TASKS if t not in _TOK)
 
 ROW_METRICS: tuple[RowMetric, ...] = (
-    # order: the monitor's default metrics per task are the monitored keys of the task in this order
+    # order: the monitor's default metrics per model task are the monitored keys of the task in this order
     RowMetric("top1_agree", "higher", True, _F01, "0/1", ("classification",), True, False,
               "argmax of the variant's logits equals argmax of the FP32 reference's"),
     RowMetric("kl_divergence", "lower", False, _NONNEG, "nats", ("classification",), True, False,
@@ -184,9 +185,9 @@ ROW_METRICS: tuple[RowMetric, ...] = (
     RowMetric("char_error", "lower", False, _F01, "edits per reference label", _TOK, True, False,
               "min(1, Levenshtein distance of the variant's sequence to the reference's / reference length); "
               "an empty reference scores 0 against an empty sequence, else 1"),
-    RowMetric("correct", "higher", True, _F01, "0/1", LABELLED_TASKS, False, True,
+    RowMetric("correct", "higher", True, _F01, "0/1", LABELLED_MODEL_TASKS, False, True,
               "the variant's prediction equals the label (classification: argmax; embedding: kNN label)"),
-    RowMetric("reference_correct", "higher", True, _F01, "0/1", LABELLED_TASKS, False, True,
+    RowMetric("reference_correct", "higher", True, _F01, "0/1", LABELLED_MODEL_TASKS, False, True,
               "the FP32 reference's prediction equals the label"),
     RowMetric("nn_top1_agree", "higher", True, _F01, "0/1", ("embedding",), False, False,
               "the nearest FP32-index neighbour of the variant's vector equals the reference's"),
@@ -198,18 +199,18 @@ ROW_METRICS: tuple[RowMetric, ...] = (
               "the FP32 query's top-1 minus top-2 neighbour cosine (+inf with a one-entry index): context of a flip"),
     RowMetric("nn_top1_margin_agree", "higher", True, _F01, "0/1", ("embedding",), False, False,
               "nn_top1_agree, or the FP32 top-1/top-2 gap is within analysis.embedding.margin_tolerance"),
-    RowMetric("non_finite", "lower", True, _F01, "0/1", TASKS, False, False,
+    RowMetric("non_finite", "lower", True, _F01, "0/1", MODEL_TASKS, False, False,
               "the variant's (or the reference's) output row holds NaN or +-inf (scored worst case)"),
     # monitor only (parity never computes it): 1 for a sampled row the candidate failed on (it raised, timed out
     # or answered a wrong shape), else 0; a slice's mean is the candidate's error rate there (docs/monitor.md)
-    RowMetric("candidate_error_rate", "lower", True, _F01, "0/1", TASKS, True, False,
+    RowMetric("candidate_error_rate", "lower", True, _F01, "0/1", MODEL_TASKS, True, False,
               "the candidate failed on the row (error, timeout, wrong output shape); shadow monitor only",
               from_parity=False),
 )
 
 
 # ------------------------------------------------------------------------------------------ aggregate metrics
-def _parity(name: str, kind: Kind, tasks: tuple[str, ...], units: str, meaning: str, *,
+def _parity(name: str, kind: Kind, model_tasks: tuple[str, ...], units: str, meaning: str, *,
             needs_labels: bool = False, self_score: float | None = None) -> Metric:
     """A parity metric: row key and statistic from its name (`x.p99` -> x, p99) unless it is a named mean."""
     row_key, statistic = _NAMED_MEANS.get(name) or tuple(name.rsplit(".", 1))  # type: ignore[assignment]
@@ -217,9 +218,9 @@ def _parity(name: str, kind: Kind, tasks: tuple[str, ...], units: str, meaning: 
     aggregate: Aggregate = ("quantile" if statistic.startswith("p") else statistic)  # type: ignore[assignment]
     lo, hi = row.value_range
     assert row.direction is not None  # a parity metric aggregates a row value with a direction
-    return Metric(name=name, kind=kind, direction=row.direction, aggregate=aggregate, units=units, tasks=tasks,
-                  meaning=meaning, row_key=row_key, statistic=statistic, value_range=(lo, hi), per_slice=True,
-                  bound="wilson" if kind == "proportion" else "bootstrap", needs_labels=needs_labels,
+    return Metric(name=name, kind=kind, direction=row.direction, aggregate=aggregate, units=units,
+                  model_tasks=model_tasks, meaning=meaning, row_key=row_key, statistic=statistic, value_range=(lo, hi),
+                  per_slice=True, bound="wilson" if kind == "proportion" else "bootstrap", needs_labels=needs_labels,
                   self_score=self_score)
 
 
@@ -227,8 +228,8 @@ def _perf(name: str, direction: Direction, aggregate: Aggregate, units: str, mea
           statistic: str | None = None, batched: bool = True, gateable: bool = True, bound: Bound | None = None,
           value_range: tuple[float, float] = _NONNEG) -> Metric:
     return Metric(name=name, kind="performance", direction=direction, aggregate=aggregate, units=units,
-                  tasks=TASKS, meaning=meaning, statistic=statistic, value_range=value_range, batched=batched,
-                  gateable=gateable, bound=bound)
+                  model_tasks=MODEL_TASKS, meaning=meaning, statistic=statistic, value_range=value_range,
+                  batched=batched, gateable=gateable, bound=bound)
 
 
 _ROWS = {r.key: r for r in ROW_METRICS}
@@ -243,13 +244,13 @@ _NAMED_MEANS: dict[str, tuple[str, str]] = {
 }
 _CLS, _EMB, _REG = ("classification",), ("embedding",), ("regression", "generic")
 
-# The order within a task is the order `tailguard.core.parity.aggregate` returns (TASK_METRICS[task]).
+# The order within a model task is the order `tailguard.core.parity.aggregate` returns (MODEL_TASK_METRICS[model_task]).
 METRICS: tuple[Metric, ...] = (
     # ---- parity: 0/1 means (Wilson) and continuous aggregates (bootstrap), per row -> overall and per slice
-    _parity("accuracy", "proportion", LABELLED_TASKS, "fraction",
+    _parity("accuracy", "proportion", LABELLED_MODEL_TASKS, "fraction",
             "share of rows the variant predicts correctly (classification: argmax; embedding: kNN label accuracy "
             "in the FP32 index, analysis.embedding.knn_k)", needs_labels=True),
-    _parity("reference_accuracy", "proportion", LABELLED_TASKS, "fraction",
+    _parity("reference_accuracy", "proportion", LABELLED_MODEL_TASKS, "fraction",
             "the FP32 reference's own accuracy on the same rows (what `accuracy` with max_drop is compared with)",
             needs_labels=True),
     _parity("top1_agreement", "proportion", _CLS, "fraction",
@@ -311,14 +312,14 @@ METRICS: tuple[Metric, ...] = (
           "peak resident set size of the validate process (ru_maxrss; in a local run an upper bound)", batched=False),
     _perf("model_size_mb", "lower", "fact", "MiB", "size of the variant's model file(s)", batched=False),
     # ---- build: counted once on the graph of INT8 onnxruntime variants (components/build/macs.py)
-    Metric("quantized_mac_fraction", "build", "higher", "fact", "fraction", TASKS,
+    Metric("quantized_mac_fraction", "build", "higher", "fact", "fraction", MODEL_TASKS,
            "MACs computed in INT8 / all MACs of the graph, per sample (INT8 onnxruntime variants only)",
            value_range=_F01),
     # ---- records of the run: logged on the variant's run, not gated
-    Metric("non_finite_rows", "record", "lower", "count", "rows", TASKS,
+    Metric("non_finite_rows", "record", "lower", "count", "rows", MODEL_TASKS,
            "validation rows whose variant output held NaN or +-inf", row_key="non_finite", value_range=_NONNEG,
            gateable=False),
-    Metric("gates_passed", "record", "higher", "fact", "0/1", TASKS,
+    Metric("gates_passed", "record", "higher", "fact", "0/1", MODEL_TASKS,
            "1 when the variant passed every gate that applies to it, else 0", value_range=_F01, gateable=False),
 )
 
@@ -495,29 +496,29 @@ def is_proportion(name: str) -> bool:
     return metric(name).kind == "proportion"
 
 
-def task_metrics(task: str, *, with_labels: bool = True) -> tuple[str, ...]:
-    """The parity metrics a task produces, in the order `tailguard.core.parity.aggregate` returns them.
+def model_task_metrics(model_task: str, *, with_labels: bool = True) -> tuple[str, ...]:
+    """The parity metrics a model task produces, in the order `tailguard.core.parity.aggregate` returns them.
 
     Args:
-        task: the spec's model.task.
+        model_task: the spec's model.task.
         with_labels: False leaves out those that need data.validation.label_column (accuracy,
             reference_accuracy).
 
     Raises:
-        InputError: unknown task.
+        InputError: unknown model.task.
     """
-    _check_task(task)
+    _check_model_task(model_task)
     return tuple(m.name for m in METRICS
-                 if m.is_parity and task in m.tasks and (with_labels or not m.needs_labels))
+                 if m.is_parity and model_task in m.model_tasks and (with_labels or not m.needs_labels))
 
 
-def monitor_metrics(task: str) -> tuple[str, ...]:
-    """The per-row keys the shadow monitor can track for a task (and tracks by default), in ROW_METRICS order:
+def monitor_metrics(model_task: str) -> tuple[str, ...]:
+    """The per-row keys the shadow monitor can track for a model task (and tracks by default), in ROW_METRICS order:
     classification top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error;
     regression/generic abs_error, rel_error; token_classification token_top1_agree, sequence_exact, char_error;
-    every task candidate_error_rate. Raises InputError for an unknown task."""
-    _check_task(task)
-    return tuple(r.key for r in ROW_METRICS if r.monitored and task in r.tasks)
+    every model task candidate_error_rate. Raises InputError for an unknown model.task."""
+    _check_model_task(model_task)
+    return tuple(r.key for r in ROW_METRICS if r.monitored and model_task in r.model_tasks)
 
 
 def metrics_of(kind: Kind, *, gateable: bool | None = None) -> tuple[str, ...]:
@@ -525,9 +526,9 @@ def metrics_of(kind: Kind, *, gateable: bool | None = None) -> tuple[str, ...]:
     return tuple(m.name for m in METRICS if m.kind == kind and (gateable is None or m.gateable == gateable))
 
 
-def _check_task(task: str) -> None:
-    if task not in TASKS:
-        raise InputError(f"unknown task {task!r}", hint=f"use one of {list(TASKS)} (model.task)")
+def _check_model_task(model_task: str) -> None:
+    if model_task not in MODEL_TASKS:
+        raise InputError(f"unknown model.task {model_task!r}", hint=f"use one of {list(MODEL_TASKS)} (model.task)")
 
 
 def catalogue_markdown() -> str:
@@ -540,8 +541,8 @@ def catalogue_markdown() -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
-    def tasks(t: tuple[str, ...]) -> str:
-        return "all" if t == TASKS else ", ".join(t)
+    def model_tasks(t: tuple[str, ...]) -> str:
+        return "all" if t == MODEL_TASKS else ", ".join(t)
 
     lines = ["| metric | kind | better | aggregate | units | range | tasks | meaning |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -552,11 +553,13 @@ def catalogue_markdown() -> str:
                                  ("needs labels", m.needs_labels)) if on]
         kind = m.kind + (f", {m.bound} bound" if m.bound else "")
         lines.append(f"| `{m.name}` | {kind} | {m.direction} | {how} | {m.units} | {rng(m.value_range)} | "
-                     f"{tasks(m.tasks)} | {cell(m.meaning)}{' (' + '; '.join(notes) + ')' if notes else ''} |")
+                     f"{model_tasks(m.model_tasks)} | {cell(m.meaning)}"
+                     f"{' (' + '; '.join(notes) + ')' if notes else ''} |")
     lines += ["", "| per-row value | better | 0/1 | units | range | tasks | monitor | meaning |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in ROW_METRICS:
         lines.append(f"| `{r.key}` | {r.direction or '-'} | {'yes' if r.binary else 'no'} | {r.units} | "
-                     f"{rng(r.value_range)} | {tasks(r.tasks)} | {'yes' if r.monitored else 'no'} | {cell(r.meaning)}"
+                     f"{rng(r.value_range)} | {model_tasks(r.model_tasks)} | {'yes' if r.monitored else 'no'} | "
+                     f"{cell(r.meaning)}"
                      f"{' (needs labels)' if r.needs_labels else ''} |")
     return "\n".join(lines) + "\n"

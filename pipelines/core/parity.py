@@ -4,7 +4,7 @@ Two stages, kept apart so slices and the shadow-traffic monitor reuse them:
 
 1. `per_sample_metrics` turns (reference, candidate) output arrays into one value per row and metric.
 2. `aggregate` reduces those per-row values (optionally under a boolean row mask, e.g. one slice group)
-   to the task's metrics, named exactly as `tailguard.core.spec.gates.TASK_METRICS[task]`.
+   to the model task's metrics, named exactly as `tailguard.core.spec.gates.MODEL_TASK_METRICS[model_task]`.
 
 Formulas (per row i; `ref` is the FP32 reference, `cand` the candidate variant):
 
@@ -51,7 +51,7 @@ Non-finite rows: a row whose candidate (or reference) output holds NaN or +-inf 
 (agreements False, overlap 0, cosine -1, errors and KL +inf) and flagged in the extra per-row key
 "non_finite"; `aggregate` still returns numbers (means and maxima become +inf, so any error gate fails).
 
-Aggregates (keys of TASK_METRICS): `x.mean`, `x.max`, `x.min` as named; `x.p99` / `x.p01` are the
+Aggregates (keys of MODEL_TASK_METRICS): `x.mean`, `x.max`, `x.min` as named; `x.p99` / `x.p01` are the
 99th / 1st percentiles with numpy's default "linear" interpolation (an interpolation touching +-inf gives
 +-inf, never NaN); `accuracy`, `reference_accuracy`, `top1_agreement`, `nn_top1_agreement`,
 `nn_top1_margin_agreement` are means of the 0/1 indicators; `nn_top5_agreement` is the mean overlap,
@@ -69,7 +69,7 @@ from __future__ import annotations
 import numpy as np
 
 from tailguard.core.errors import InputError
-from tailguard.core.spec.gates import TASK_METRICS
+from tailguard.core.spec.gates import MODEL_TASK_METRICS
 from tailguard.core.stats import percentile
 
 REL_EPS = 1e-6  # floor of |reference| in rel_error, so exact zeros in the reference do not divide by zero
@@ -108,9 +108,10 @@ def _rows2d(a: np.ndarray) -> np.ndarray:
     return a.reshape(a.shape[0], -1) if a.ndim != 2 else a
 
 
-def _check_pair(task: str, reference: np.ndarray, candidate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if task not in TASK_METRICS:
-        raise InputError(f"unknown task {task!r}", hint=f"use one of {sorted(TASK_METRICS)} (model.task)")
+def _check_pair(model_task: str, reference: np.ndarray, candidate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if model_task not in MODEL_TASK_METRICS:
+        raise InputError(f"unknown model.task {model_task!r}",
+                         hint=f"use one of {sorted(MODEL_TASK_METRICS)} (model.task)")
     ref, cand = np.asarray(reference), np.asarray(candidate)
     if ref.ndim == 0 or cand.ndim == 0:
         raise InputError("parity: outputs must have a leading rows axis, got a scalar")
@@ -118,11 +119,11 @@ def _check_pair(task: str, reference: np.ndarray, candidate: np.ndarray) -> tupl
         raise InputError(f"parity: candidate output shape {cand.shape} differs from the reference {ref.shape}",
                          hint="the variant must produce the first model output (model.outputs[0]) with the "
                               "same shape as the FP32 reference")
-    if task in ("classification", "embedding") and ref.ndim != 2:
-        axis = "classes" if task == "classification" else "dim"
-        raise InputError(f"parity: task {task!r} needs 2-D outputs (rows, {axis}), got shape {ref.shape}",
+    if model_task in ("classification", "embedding") and ref.ndim != 2:
+        axis = "classes" if model_task == "classification" else "dim"
+        raise InputError(f"parity: model.task {model_task!r} needs 2-D outputs (rows, {axis}), got shape {ref.shape}",
                          hint="use task: token_classification for (batch, time, classes) outputs (CTC, token "
-                              "tagging)" if task == "classification" and ref.ndim == 3 else
+                              "tagging)" if model_task == "classification" and ref.ndim == 3 else
                          "set model.task to 'generic' for other output shapes")
     return ref, cand
 
@@ -203,7 +204,7 @@ def _knn_labels(neighbours: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return lab[np.arange(lab.shape[0]), score.argmax(axis=1)]
 
 
-def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, *,
+def per_sample_metrics(model_task: str, reference: np.ndarray, candidate: np.ndarray, *,
                        labels: np.ndarray | None = None, reference_index: np.ndarray | None = None,
                        exclude_self: bool = True, index_labels: np.ndarray | None = None,
                        recall_k: int = RECALL_K, knn_k: int = KNN_K,
@@ -211,10 +212,10 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
                        query_rows: np.ndarray | None = None, probabilities: bool = False,
                        mask: np.ndarray | None = None, decode: str = "none", blank: int = 0
                        ) -> dict[str, np.ndarray]:
-    """One parity value per validation row, for the task's metrics (formulas: module docstring).
+    """One parity value per validation row, for the model task's metrics (formulas: module docstring).
 
     Args:
-        task: "classification", "embedding", "regression", "generic" or "token_classification" (spec
+        model_task: "classification", "embedding", "regression", "generic" or "token_classification" (spec
             `model.task`).
         reference: FP32 reference output, shape (rows, ...) — (rows, classes) logits for classification,
             (rows, dim) vectors for embedding; float (float16/32/64).
@@ -253,19 +254,19 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
         top-1/top-2 gap), "nn_top1_margin_agree" (bool), and with labels "correct", "reference_correct" (bool);
         regression/generic: "abs_error", "rel_error" (float64);
         token_classification: "token_top1_agree", "char_error" (float64 in [0, 1]), "sequence_exact" (bool).
-        Every task also has "non_finite" (bool): rows with NaN/inf in the candidate or reference, scored
+        Every model task also has "non_finite" (bool): rows with NaN/inf in the candidate or reference, scored
         worst-case.
 
     Raises:
-        InputError: unknown task, shapes that differ or do not suit the task, labels of the wrong length,
+        InputError: unknown model.task, shapes that differ or do not suit the model task, labels of the wrong length,
             an index of another width, or an index too small to search (fewer than 2 rows with exclude_self),
             embedding labels with a custom index but no index_labels, k < 1 or a negative margin_tolerance.
     """
-    if task == "token_classification":
+    if model_task == "token_classification":
         from tailguard.core.tokens import per_row
 
         return per_row(reference, candidate, mask=mask, decode=decode, blank=blank)
-    ref, cand = _check_pair(task, reference, candidate)
+    ref, cand = _check_pair(model_task, reference, candidate)
     rows = ref.shape[0]
     bad = non_finite_rows(cand) | non_finite_rows(ref)
     ref2 = np.where(bad[:, None], 0.0, _rows2d(ref).astype(np.float64)) if rows else _rows2d(ref).astype(np.float64)
@@ -276,7 +277,7 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
     abs_error[bad] = np.inf
     out: dict[str, np.ndarray] = {"abs_error": abs_error}
 
-    if task == "classification":
+    if model_task == "classification":
         if ref2.shape[1] < 1:
             raise InputError("parity: classification logits have 0 classes")
         ref_top, cand_top = ref2.argmax(axis=1), cand2.argmax(axis=1)
@@ -295,7 +296,7 @@ def per_sample_metrics(task: str, reference: np.ndarray, candidate: np.ndarray, 
             correct = cand_top == lab
             correct[bad] = False
             out.update(correct=correct, reference_correct=ref_top == lab)
-    elif task == "embedding":
+    elif model_task == "embedding":
         rn64, cn64 = _normalize(ref2), _normalize(cand2)
         cos = (rn64 * cn64).sum(axis=1)
         rn, cn = rn64.astype(np.float32), cn64.astype(np.float32)
@@ -425,30 +426,32 @@ def row_source(metric: str) -> tuple[str, str]:
     return key, how
 
 
-def metric_names(task: str, *, with_labels: bool) -> tuple[str, ...]:
-    """The aggregate metric names `aggregate` returns for a task (TASK_METRICS minus label metrics if no labels)."""
-    if task not in TASK_METRICS:
-        raise InputError(f"unknown task {task!r}", hint=f"use one of {sorted(TASK_METRICS)} (model.task)")
-    return tuple(m for m in TASK_METRICS[task] if with_labels or m not in _LABEL_METRICS)
+def metric_names(model_task: str, *, with_labels: bool) -> tuple[str, ...]:
+    """The aggregate metric names `aggregate` returns for a model task (MODEL_TASK_METRICS minus label metrics if
+    no labels)."""
+    if model_task not in MODEL_TASK_METRICS:
+        raise InputError(f"unknown model.task {model_task!r}",
+                         hint=f"use one of {sorted(MODEL_TASK_METRICS)} (model.task)")
+    return tuple(m for m in MODEL_TASK_METRICS[model_task] if with_labels or m not in _LABEL_METRICS)
 
 
-def aggregate(task: str, per_sample: dict[str, np.ndarray], mask: np.ndarray | None = None) -> dict[str, float]:
-    """Reduce per-row parity values to the task's metrics, over all rows or the rows under `mask`.
+def aggregate(model_task: str, per_sample: dict[str, np.ndarray], mask: np.ndarray | None = None) -> dict[str, float]:
+    """Reduce per-row parity values to the model task's metrics, over all rows or the rows under `mask`.
 
     Args:
-        task: the spec's `model.task`.
+        model_task: the spec's `model.task`.
         per_sample: output of `per_sample_metrics` (arrays of shape (rows,)).
         mask: bool array of shape (rows,) selecting the rows (a slice group); None for all rows.
 
     Returns:
-        {metric: float} with keys exactly `TASK_METRICS[task]`, except "accuracy" and "reference_accuracy"
+        {metric: float} with keys exactly `MODEL_TASK_METRICS[model_task]`, except "accuracy" and "reference_accuracy"
         which appear only when `per_sample` has labels ("correct"). NaN for every metric when no row is
         selected; +inf means/maxima when selected rows are non-finite.
 
     Raises:
-        InputError: unknown task, a per-row array missing for the task, or a mask of the wrong length.
+        InputError: unknown model.task, a per-row array missing for the model task, or a mask of the wrong length.
     """
-    names = metric_names(task, with_labels="correct" in per_sample)
+    names = metric_names(model_task, with_labels="correct" in per_sample)
     m = None
     if mask is not None:
         m = np.asarray(mask, dtype=bool).reshape(-1)
@@ -456,8 +459,8 @@ def aggregate(task: str, per_sample: dict[str, np.ndarray], mask: np.ndarray | N
     for name in names:
         key, how = row_source(name)
         if key not in per_sample:
-            raise InputError(f"aggregate: per-row values {key!r} missing for task {task!r} metric {name!r}",
-                             hint="pass the output of per_sample_metrics for the same task")
+            raise InputError(f"aggregate: per-row values {key!r} missing for model.task {model_task!r} metric {name!r}",
+                             hint="pass the output of per_sample_metrics for the same model task")
         x = np.asarray(per_sample[key])
         if m is not None:
             if m.shape[0] != x.shape[0]:

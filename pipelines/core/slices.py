@@ -193,11 +193,11 @@ def _groups(col: pd.Series, s: SliceSpec, i: int, rows: int) -> list[tuple[str, 
     return _by_value(col, s)
 
 
-def per_slice_table(task: str, per_sample: dict[str, np.ndarray], groups: list[SliceGroup]) -> pd.DataFrame:
+def per_slice_table(model_task: str, per_sample: dict[str, np.ndarray], groups: list[SliceGroup]) -> pd.DataFrame:
     """Parity metrics per slice group.
 
     Args:
-        task: the spec's `model.task`.
+        model_task: the spec's `model.task`.
         per_sample: `parity.per_sample_metrics` output, arrays of shape (rows,).
         groups: `slice_groups` output over the same rows.
 
@@ -205,11 +205,11 @@ def per_slice_table(task: str, per_sample: dict[str, np.ndarray], groups: list[S
         DataFrame with columns slice (str), value (str), support (int), then one float column per metric of
         `parity.aggregate` (NaN where support is 0), one row per group in `groups` order.
     """
-    names = metric_names(task, with_labels="correct" in per_sample)
+    names = metric_names(model_task, with_labels="correct" in per_sample)
     records = []
     for g in groups:
         rec: dict[str, object] = {"slice": g.slice, "value": g.value, "support": g.support}
-        rec.update(aggregate(task, per_sample, g.mask))
+        rec.update(aggregate(model_task, per_sample, g.mask))
         records.append(rec)
     return pd.DataFrame.from_records(records, columns=["slice", "value", "support", *names]).astype(
         {"support": "int64"})

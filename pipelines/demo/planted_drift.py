@@ -28,11 +28,11 @@ from tailguard.monitoring.replay import replay
 from tailguard.monitoring.testing import flip_top1
 
 
-def perturb_outputs(task: str, outputs: np.ndarray, mask: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:
+def perturb_outputs(model_task: str, outputs: np.ndarray, mask: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:
     """Planted drift for the rows under `mask` (see module docstring).
 
     Args:
-        task: model.task.
+        model_task: model.task.
         outputs: (rows, ...) candidate outputs.
         mask: (rows,) bool, rows to perturb.
         rate: classification: flip probability; embedding: noise mix weight (0..1); regression: offset in units
@@ -42,11 +42,11 @@ def perturb_outputs(task: str, outputs: np.ndarray, mask: np.ndarray, rate: floa
     Returns:
         Perturbed copy, same shape and dtype.
     """
-    if task == "classification":
+    if model_task == "classification":
         return flip_top1(outputs, mask, rate, seed)
     out = np.array(outputs, copy=True)
     rng = np.random.default_rng(seed)
-    if task == "embedding":
+    if model_task == "embedding":
         noise = rng.normal(size=out[mask].shape).astype(out.dtype)
         norm = np.linalg.norm(out[mask], axis=1, keepdims=True) / max(np.sqrt(out.shape[1]), 1.0)
         out[mask] = (1 - rate) * out[mask] + rate * noise * norm

@@ -28,8 +28,8 @@ def _frame(rng: np.random.Generator, rows: int) -> pd.DataFrame:
                          "length": rng.gamma(2.0, 30.0, rows)})
 
 
-def _run(frame, per_sample, task="classification", **spec) -> DiscoveryResult:
-    return discover_slices(frame, per_sample, task=task, spec=DiscoverySpec(**spec))
+def _run(frame, per_sample, model_task="classification", **spec) -> DiscoveryResult:
+    return discover_slices(frame, per_sample, model_task=model_task, spec=DiscoverySpec(**spec))
 
 
 # ------------------------------------------------------------------------------------------- planted answers
@@ -93,7 +93,7 @@ def test_discover_slices_any_discovery_rate_within_alpha_when_continuous_null():
         rng = np.random.default_rng(10_000 + seed)
         f = _frame(rng, 2000)
         cos = 1.0 - rng.exponential(0.01, 2000)
-        r = _run(f, {"cosine_similarity": cos, "nn_top1_agree": np.ones(2000, bool)}, task="embedding",
+        r = _run(f, {"cosine_similarity": cos, "nn_top1_agree": np.ones(2000, bool)}, model_task="embedding",
                  metric="cosine_similarity.mean", alpha=ALPHA)
         any_sig += bool(r.table["significant"].any())
     assert any_sig / REPS <= ALPHA + TOL
@@ -124,7 +124,7 @@ def test_discover_slices_p_values_match_scipy_when_compared_per_candidate():
     cos = 1.0 - rng.exponential(np.where(f["device"] == "ios", 0.02, 0.01))
     cos[:4] = -1.0
     r_bin = _run(f, {"top1_agree": agree}, max_results=1000)
-    r_cont = _run(f, {"cosine_similarity": cos, "nn_top1_agree": agree}, task="embedding",
+    r_cont = _run(f, {"cosine_similarity": cos, "nn_top1_agree": agree}, model_task="embedding",
                   metric="cosine_similarity.mean", max_results=1000)
     assert len(r_bin.table) >= 5 and len(r_cont.table) >= 5
     for _, row in r_bin.table.head(5).iterrows():
@@ -190,7 +190,7 @@ def test_discover_slices_finds_worse_cosine_when_metric_is_a_quantile():
     bad = (f["source"] == "news").to_numpy()
     cos = 1.0 - rng.exponential(np.where(bad, 0.03, 0.01))
     per_sample = {"cosine_similarity": cos, "nn_top1_agree": np.ones(3000, bool)}
-    r = _run(f, per_sample, task="embedding", metric="cosine_similarity.p01")
+    r = _run(f, per_sample, model_task="embedding", metric="cosine_similarity.p01")
     top = r.table.iloc[0]
     assert (top.slice, top.value, bool(top.significant)) == ("source", "news", True)
     assert top.metric == "cosine_similarity.mean" and r.tested_metric == "cosine_similarity.mean"
@@ -207,7 +207,7 @@ def test_discover_slices_lists_only_worse_slices_when_metric_is_an_error():
     big = (f["device"] == "android").to_numpy()
     small = (f["device"] == "ios").to_numpy()
     err = rng.exponential(np.where(big, 0.05, np.where(small, 0.001, 0.01)))
-    r = _run(f, {"abs_error": err, "rel_error": err}, task="regression", max_results=1000)
+    r = _run(f, {"abs_error": err, "rel_error": err}, model_task="regression", max_results=1000)
     top = r.table.iloc[0]
     assert (top.slice, top.value, bool(top.significant)) == ("device", "android", True)
     assert top.metric == "abs_error.mean" and top["drop"] == pytest.approx(err[big].mean() - err[~big].mean())
@@ -222,7 +222,7 @@ def test_discover_slices_ranks_non_finite_rows_worst_when_they_cluster_in_a_slic
     zh = np.nonzero((f["lang"] == "zh").to_numpy())[0]
     err[zh[:60]] = np.inf  # per_sample_metrics scores non-finite outputs +inf
     err[np.nonzero((f["lang"] == "de").to_numpy())[0][:1]] = np.inf  # one elsewhere
-    r = _run(f, {"abs_error": err, "rel_error": err}, task="regression")
+    r = _run(f, {"abs_error": err, "rel_error": err}, model_task="regression")
     top = r.table.iloc[0]
     assert (top.slice, top.value, bool(top.significant)) == ("lang", "zh", True)
     assert top.value_in_slice == np.inf and top["drop"] == np.inf
@@ -239,7 +239,7 @@ def test_discover_slices_skips_array_and_id_columns_when_columns_default():
                       "input_ids": rng.choice(["x", "y"], rows),
                       "label": rng.choice(["pos", "neg"], rows),
                       "topic": rng.choice(["a", "b", "c"], rows)})
-    r = discover_slices(f, {"top1_agree": rng.random(rows) < 0.95}, task="classification",
+    r = discover_slices(f, {"top1_agree": rng.random(rows) < 0.95}, model_task="classification",
                         spec=DiscoverySpec(max_results=1000), exclude_columns=["input_ids", "label"])
     assert r.columns == ["topic"]
     assert set(r.skipped) == {"id", "tokens", "vec", "const"}

@@ -15,7 +15,7 @@ from tailguard.core.parity import aggregate, per_sample_metrics
 from tailguard.core.slices import per_slice_table, slice_groups
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.data import SliceSpec
-from tailguard.core.spec.gates import PROPORTION_METRICS, TASK_METRICS
+from tailguard.core.spec.gates import MODEL_TASK_METRICS, PROPORTION_METRICS
 from tailguard.core.stats import wilson_bound
 
 DIM_PER_GROUP = 3
@@ -226,7 +226,7 @@ def _spec(gates, **analysis):
 
 def test_spec_accepts_the_new_embedding_metrics_and_rejects_a_bad_margin_tolerance():
     for m in ("nn_recall_at_k", "nn_top1_margin_agreement", "accuracy"):
-        assert m in TASK_METRICS["embedding"]
+        assert m in MODEL_TASK_METRICS["embedding"]
         _spec([{"metric": m, "min": 0.9, "confidence": 0.95, "scope": "per_slice"}])
     spec = _spec([], embedding={"recall_k": 5, "margin_tolerance": 0.02, "knn_k": 3})
     assert spec.analysis.embedding.recall_k == 5

@@ -72,43 +72,43 @@ TOKEN_ROWS = {"token_top1_agree": (True, (0.0, 1.0)), "sequence_exact": (True, (
 
 
 # ------------------------------------------------------------------------------------------ synthetic outputs
-def _outputs(task: str, seed: int = 0) -> dict:
+def _outputs(model_task: str, seed: int = 0) -> dict:
     """(reference, candidate, labels) for a task: ROWS rows, the candidate = reference + small noise, a few
     rows with a flipped top-1 (classification) so no metric is trivially constant."""
     rng = np.random.default_rng(seed)
-    width = {"classification": 5, "embedding": 8, "regression": 1, "generic": 3, "token_classification": 5}[task]
-    shape = (ROWS, 6, width) if task == "token_classification" else (ROWS, width)  # (rows, time, classes)
+    width = {"classification": 5, "embedding": 8, "regression": 1, "generic": 3, "token_classification": 5}[model_task]
+    shape = (ROWS, 6, width) if model_task == "token_classification" else (ROWS, width)  # (rows, time, classes)
     ref = rng.normal(size=shape).astype(np.float32)
     cand = (ref + rng.normal(scale=0.05, size=ref.shape)).astype(np.float32)
     labels = None
-    if task == "classification":
+    if model_task == "classification":
         labels = ref.argmax(axis=1)
         labels[:5] = (labels[:5] + 1) % width
-    elif task == "embedding":
+    elif model_task == "embedding":
         labels = np.array(["a", "b", "c", "d"])[rng.integers(0, 4, size=ROWS)]
     return {"reference": ref, "candidate": cand, "labels": labels}
 
 
-def _parity(task: str) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    per_sample = parity.per_sample_metrics(task, **_outputs(task))
-    return per_sample, parity.aggregate(task, per_sample)
+def _parity(model_task: str) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    per_sample = parity.per_sample_metrics(model_task, **_outputs(model_task))
+    return per_sample, parity.aggregate(model_task, per_sample)
 
 
 # -------------------------------------------------------------------------------------------------- coverage
-@pytest.mark.parametrize("task", M.TASKS)
-def test_catalogue_holds_every_name_parity_produces_when_run_on_each_task(task):
-    per_sample, overall = _parity(task)
-    assert tuple(overall) == M.task_metrics(task)  # same names, same order
+@pytest.mark.parametrize("model_task", M.MODEL_TASKS)
+def test_catalogue_holds_every_name_parity_produces_when_run_on_each_task(model_task):
+    per_sample, overall = _parity(model_task)
+    assert tuple(overall) == M.model_task_metrics(model_task)  # same names, same order
     for name in overall:
-        assert task in M.metric(name).tasks and M.metric(name).is_parity, name
-    assert set(per_sample) == {r.key for r in M.ROW_METRICS if task in r.tasks and r.from_parity}
-    without_labels = parity.per_sample_metrics(task, **{**_outputs(task), "labels": None})
-    assert tuple(parity.aggregate(task, without_labels)) == M.task_metrics(task, with_labels=False)
+        assert model_task in M.metric(name).model_tasks and M.metric(name).is_parity, name
+    assert set(per_sample) == {r.key for r in M.ROW_METRICS if model_task in r.model_tasks and r.from_parity}
+    without_labels = parity.per_sample_metrics(model_task, **{**_outputs(model_task), "labels": None})
+    assert tuple(parity.aggregate(model_task, without_labels)) == M.model_task_metrics(model_task, with_labels=False)
 
 
-@pytest.mark.parametrize("task", M.TASKS)
-def test_catalogue_row_key_and_statistic_reproduce_parity_when_recomputed(task):
-    per_sample, overall = _parity(task)
+@pytest.mark.parametrize("model_task", M.MODEL_TASKS)
+def test_catalogue_row_key_and_statistic_reproduce_parity_when_recomputed(model_task):
+    per_sample, overall = _parity(model_task)
     for name, value in overall.items():
         m = M.metric(name)
         x = per_sample[m.row_key].astype(np.float64)
@@ -122,15 +122,15 @@ def test_catalogue_row_key_and_statistic_reproduce_parity_when_recomputed(task):
 
 
 def test_catalogue_parses_every_key_the_validate_step_logs_when_given_a_result():
-    task = "classification"
-    per_sample, overall = _parity(task)
+    model_task = "classification"
+    per_sample, overall = _parity(model_task)
     mask = np.arange(ROWS) < ROWS // 2
     slices = [{"slice": "length", "value": "[16,32)", "support": int(mask.sum()),
-               **parity.aggregate(task, per_sample, mask)},
+               **parity.aggregate(model_task, per_sample, mask)},
               {"slice": "temp", "value": "0.5", "support": int((~mask).sum()),
-               **parity.aggregate(task, per_sample, ~mask)}]
+               **parity.aggregate(model_task, per_sample, ~mask)}]
     perf = {bs: {**{k: 1.0 for k in PERF_KEYS}, "n_iterations": 10} for bs in (1, 8)}
-    result = ValidationResult(variant="v", task=task, rows=ROWS,
+    result = ValidationResult(variant="v", model_task=model_task, rows=ROWS,
                               overall={**overall, "peak_rss_mb": 100.0, "model_size_mb": 1.0,
                                        "quantized_mac_fraction": 0.9},
                               perf=perf, slices=slices, gates=[], passed=True, non_finite_rows=0, batch_sizes=[1, 8])
@@ -204,14 +204,14 @@ def test_parity_metric_direction_follows_its_row_and_self_score_its_direction():
 
 
 def test_spec_tables_equal_the_old_literals_when_computed_from_the_catalogue():
-    for task, names in OLD_TASK_METRICS.items():
-        assert set(S.TASK_METRICS[task]) == set(names)
-        if task != "embedding":  # embedding now lists accuracy, reference_accuracy first, as classification does
-            assert S.TASK_METRICS[task] == names
+    for model_task, names in OLD_TASK_METRICS.items():
+        assert set(S.MODEL_TASK_METRICS[model_task]) == set(names)
+        if model_task != "embedding":  # embedding now lists accuracy, reference_accuracy first, as classification does
+            assert S.MODEL_TASK_METRICS[model_task] == names
     assert S.PERF_METRICS == ("latency_ms.p50", "latency_ms.p95", "latency_ms.p99", "throughput_per_s",
                               "usd_per_1m_inferences", "speedup_vs_torch", "speedup_vs_onnx_fp32", "peak_rss_mb",
                               "model_size_mb")
-    assert S.TASK_METRICS["token_classification"] == TOKEN_METRICS
+    assert S.MODEL_TASK_METRICS["token_classification"] == TOKEN_METRICS
     assert S.PROPORTION_METRICS == {"accuracy", "reference_accuracy", "top1_agreement", "nn_top1_agreement",
                                     "nn_top1_margin_agreement", "sequence_exact_match"}
     assert S.RATIO_METRICS == {"speedup_vs_onnx_fp32"} and S.BUILD_METRICS == ("quantized_mac_fraction",)
@@ -274,7 +274,8 @@ def test_resolve_config_reports_the_same_problems_when_spec_skipped_cross_field_
     spec = Spec.model_validate(doc, context={SKIP_CROSS_FIELD: True})  # the seam: a spec built without them
     with pytest.raises(SpecError) as e:
         monitor_config.resolve_config(spec)
-    assert [err.loc for err in e.value.errors] == [err.loc for err in spec.monitoring.task_problems("classification")]
+    expected = spec.monitoring.model_task_problems("classification")
+    assert [err.loc for err in e.value.errors] == [err.loc for err in expected]
     assert {err.loc for err in e.value.errors} == {"monitoring.metrics.1", "monitoring.thresholds.top1_agree.max"}
 
 

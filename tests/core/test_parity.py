@@ -9,7 +9,7 @@ import pytest
 from tailguard.core import parity
 from tailguard.core.errors import InputError
 from tailguard.core.parity import aggregate, non_finite_rows, per_sample_metrics
-from tailguard.core.spec.gates import TASK_METRICS
+from tailguard.core.spec.gates import MODEL_TASK_METRICS
 
 
 def _paired_embeddings(n_pairs: int = 20, dim: int = 32, seed: int = 0) -> np.ndarray:
@@ -36,16 +36,17 @@ def test_aggregate_keys_are_task_metrics_when_labels_given_or_not():
     with_labels = aggregate("classification", per_sample_metrics("classification", logits, logits,
                                                                  labels=np.arange(4)))
     without = aggregate("classification", per_sample_metrics("classification", logits, logits))
-    assert tuple(with_labels) == TASK_METRICS["classification"]
-    assert tuple(without) == tuple(m for m in TASK_METRICS["classification"]
+    assert tuple(with_labels) == MODEL_TASK_METRICS["classification"]
+    assert tuple(without) == tuple(m for m in MODEL_TASK_METRICS["classification"]
                                    if m not in ("accuracy", "reference_accuracy"))
     emb = _paired_embeddings(4)
     assert tuple(aggregate("embedding", per_sample_metrics("embedding", emb, emb))) == tuple(
-        m for m in TASK_METRICS["embedding"] if m not in ("accuracy", "reference_accuracy"))
+        m for m in MODEL_TASK_METRICS["embedding"] if m not in ("accuracy", "reference_accuracy"))
     assert tuple(aggregate("embedding", per_sample_metrics("embedding", emb, emb, labels=np.arange(8) // 2))) == \
-        TASK_METRICS["embedding"]
+        MODEL_TASK_METRICS["embedding"]
     reg = np.ones((3, 2))
-    assert tuple(aggregate("regression", per_sample_metrics("regression", reg, reg))) == TASK_METRICS["regression"]
+    regression = aggregate("regression", per_sample_metrics("regression", reg, reg))
+    assert tuple(regression) == MODEL_TASK_METRICS["regression"]
 
 
 def test_top1_agreement_counts_flips_when_three_of_twenty_rows_flip():
@@ -170,7 +171,7 @@ def test_per_sample_metrics_raises_input_error_when_shapes_or_task_are_wrong():
         per_sample_metrics("embedding", np.zeros((3, 4)), np.zeros((3, 5)))
     with pytest.raises(InputError, match="needs 2-D outputs"):
         per_sample_metrics("classification", np.zeros((3, 4, 2)), np.zeros((3, 4, 2)))
-    with pytest.raises(InputError, match="unknown task"):
+    with pytest.raises(InputError, match="unknown model.task"):
         per_sample_metrics("ranking", np.zeros((3, 4)), np.zeros((3, 4)))
     with pytest.raises(InputError, match="labels for 3 rows"):
         per_sample_metrics("classification", np.zeros((3, 4)), np.zeros((3, 4)), labels=np.zeros(2))
@@ -233,7 +234,7 @@ def test_spec_refuses_kind_on_an_input_and_probabilities_on_an_embedding_output(
     assert ModelSpec.model_validate(base).outputs[0].kind == "probabilities"
     with pytest.raises(ValidationError, match="inputs.0.kind: kind applies to outputs only"):
         ModelSpec.model_validate({**base, "inputs": [{**base["inputs"][0], "kind": "logits"}]})
-    with pytest.raises(ValidationError, match="outputs.0.kind: 'probabilities' applies to task classification"):
+    with pytest.raises(ValidationError, match="outputs.0.kind: 'probabilities' applies to model.task classification"):
         ModelSpec.model_validate({**base, "task": "embedding"})
 
 

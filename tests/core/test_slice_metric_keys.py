@@ -19,8 +19,8 @@ def _result(values: list[str]) -> ValidationResult:
     slices = [{"slice": "clause", "value": v, "support": 40, "top1_agreement": 0.9, "kl_divergence.p99": 0.1,
                "nn_top1_margin_agreement": 0.5} for v in values]
     numerics = {"hardware_dependent": False, "exact_overall": {"top1_agreement": 0.95}, "metric": "top1_agreement"}
-    return ValidationResult(variant="v", task="classification", rows=400, overall={"top1_agreement": 0.95}, perf={},
-                            slices=slices, gates=[], passed=True, non_finite_rows=0, batch_sizes=[1],
+    return ValidationResult(variant="v", model_task="classification", rows=400, overall={"top1_agreement": 0.95},
+                            perf={}, slices=slices, gates=[], passed=True, non_finite_rows=0, batch_sizes=[1],
                             numerics=numerics, exact_slices=slices)
 
 

@@ -8,7 +8,7 @@ from tailguard.core.errors import InputError
 from tailguard.core.parity import per_sample_metrics
 from tailguard.core.slices import per_slice_table, slice_groups
 from tailguard.core.spec.data import SliceSpec
-from tailguard.core.spec.gates import TASK_METRICS
+from tailguard.core.spec.gates import MODEL_TASK_METRICS
 
 
 def _groups(frame, **kw):
@@ -83,7 +83,7 @@ def test_per_slice_table_aggregates_each_group_when_disagreements_are_planted():
     ps = per_sample_metrics("classification", ref, cand)
     table = per_slice_table("classification", ps, slice_groups(frame, [SliceSpec(name="grp", column="g")]))
     assert list(table.columns) == ["slice", "value", "support",
-                                   *[m for m in TASK_METRICS["classification"] if "accuracy" not in m or
+                                   *[m for m in MODEL_TASK_METRICS["classification"] if "accuracy" not in m or
                                      m == "top1_agreement"]]
     assert table["top1_agreement"].tolist() == [0.5, 1.0]
     assert table["support"].tolist() == [4, 4]

@@ -9,7 +9,7 @@ from tailguard.core import metrics as M
 from tailguard.core import tokens
 from tailguard.core.errors import InputError
 from tailguard.core.parity import aggregate, per_sample_metrics
-from tailguard.core.spec.gates import TASK_METRICS
+from tailguard.core.spec.gates import MODEL_TASK_METRICS
 
 
 def _onehot(ids, classes=5):
@@ -97,14 +97,14 @@ def test_token_ids_raises_naming_mask_input_when_the_mask_time_axis_differs_from
 
 
 def test_catalogue_registers_token_metrics_with_directions_and_bounded_ranges_when_task_is_token_classification():
-    assert TASK_METRICS["token_classification"] == ("token_top1_agreement", "sequence_exact_match", "cer")
+    assert MODEL_TASK_METRICS["token_classification"] == ("token_top1_agreement", "sequence_exact_match", "cer")
     assert M.direction("cer") == "lower" and M.direction("token_top1_agreement") == "higher"
     assert M.is_proportion("sequence_exact_match") and not M.is_proportion("cer")
     assert M.metric("slice.font.DejaVuSans.cer").name == "cer"
     assert M.row_metric("char_error").value_range == (0.0, 1.0)
     assert M.monitor_metrics("token_classification") == ("token_top1_agree", "sequence_exact", "char_error",
                                                          "candidate_error_rate")
-    assert "abs_error.p99" not in TASK_METRICS["token_classification"]
+    assert "abs_error.p99" not in MODEL_TASK_METRICS["token_classification"]
     from tailguard.monitoring.config import METRIC_RANGE
 
     assert METRIC_RANGE["char_error"] == (0.0, 1.0) and METRIC_RANGE["token_top1_agree"] == (0.0, 1.0)

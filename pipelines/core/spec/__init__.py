@@ -161,9 +161,9 @@ def spec_error(errors: list[FieldError], data: Any, *, source: str = "spec") -> 
     has no parity gate)."""
     hint = "fix the fields above; `tailguard spec schema` prints every field"
     if any(e.loc == "gates" and e.message.startswith(NO_PARITY_GATE) for e in errors):
-        task = (data.get("model") or {}).get("task") if isinstance(data, dict) and isinstance(data.get("model"),
+        model_task = (data.get("model") or {}).get("task") if isinstance(data, dict) and isinstance(data.get("model"),
                                                                                                dict) else None
-        example = PARITY_GATE_EXAMPLE.get(str(task), PARITY_GATE_EXAMPLE["embedding"])
+        example = PARITY_GATE_EXAMPLE.get(str(model_task), PARITY_GATE_EXAMPLE["embedding"])
         hint = (f"add a gate on a parity metric (overall or per_slice) for every variant, e.g. "
                 f"`- {example}` under gates, or set `promotion: {{enabled: false}}` to register and report "
                 "without moving the alias; " + hint)

@@ -16,7 +16,7 @@ from tailguard.core.spec.variants import VariantSpec
 # The metric tables below are computed from the metric catalogue (tailguard.core.metrics, one row per metric with
 # its direction, aggregate, kind, tasks and units); the names stay because code and users import them.
 # Parity metrics each task produces (overall and per slice), in the order tailguard.core.parity.aggregate returns.
-TASK_METRICS: dict[str, tuple[str, ...]] = {t: _metrics.task_metrics(t) for t in _metrics.TASKS}
+MODEL_TASK_METRICS: dict[str, tuple[str, ...]] = {t: _metrics.model_task_metrics(t) for t in _metrics.MODEL_TASKS}
 # Performance metrics a gate may name (overall scope only); latency/throughput/cost/speedups are per batch size.
 PERF_METRICS: tuple[str, ...] = _metrics.metrics_of("performance", gateable=True)
 # Parity metrics that are the mean of a 0/1 value per row: their confidence bound is Wilson's score interval.
@@ -119,11 +119,11 @@ PARITY_GATE_EXAMPLE: dict[str, str] = {
 NO_PARITY_GATE = "no parity gate"  # start of the `gates` error message (parse_spec keys its fix hint on it)
 
 
-def is_parity_gate(gate: "GateSpec", task: str) -> bool:
+def is_parity_gate(gate: "GateSpec", model_task: str) -> bool:
     """Whether `gate` judges the variant's outputs against the FP32 reference: a parity metric of the task
     (not latency/throughput/speedup/cost/memory, not `reference_accuracy`, the reference's own score) with
     scope overall or per_slice. A `discovered` gate does not count: it passes when discovery finds no slice."""
-    return (gate.metric in TASK_METRICS.get(task, ()) and gate.metric != "reference_accuracy"
+    return (gate.metric in MODEL_TASK_METRICS.get(model_task, ()) and gate.metric != "reference_accuracy"
             and gate.scope in ("overall", "per_slice"))
 
 

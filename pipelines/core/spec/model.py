@@ -1,6 +1,7 @@
 """The spec's `model` section: the FP32 reference in the MLflow registry (`ModelSpec`), its inputs and outputs
 (`TensorSpec`), how it is stored (`ModelSource`), exported to ONNX (`ExportSpec`) and, for token_classification,
-decoded (`DecodeSpec`); `Task`, the ML task that decides the parity metrics (`tailguard.core.spec.gates.TASK_METRICS`).
+decoded (`DecodeSpec`); `ModelTask`, the model's ML task (the field `model.task`) that decides the parity metrics
+(`tailguard.core.spec.gates.MODEL_TASK_METRICS`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tailguard.core.spec.base import SpecModel
 
-Task = Literal["classification", "embedding", "regression", "generic", "token_classification"]
+ModelTask = Literal["classification", "embedding", "regression", "generic", "token_classification"]
 
 _AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -136,7 +137,7 @@ class ModelSpec(SpecModel):
     version: str | int = Field("latest", description=(
         "'latest', a version number (2 or '2', as `tailguard register` prints it), or '@alias'. The trigger "
         "overrides it."))
-    task: Task = Field(description="Decides the parity metrics (see components/validate/README.md).")
+    task: ModelTask = Field(description="Decides the parity metrics (see components/validate/README.md).")
     inputs: list[TensorSpec] = Field(min_length=1, description="Model inputs, in forward() order.")
     outputs: list[TensorSpec] = Field(min_length=1, description="Model outputs; the first is compared for parity.")
     source: ModelSource = Field(default_factory=ModelSource, description="Storage format and trust.")
@@ -161,7 +162,7 @@ class ModelSpec(SpecModel):
                              "or choose another task")
         if self.decode is not None:
             if self.task != "token_classification":
-                raise ValueError(f"decode: applies to task token_classification, not {self.task!r}; remove it")
+                raise ValueError(f"decode: applies to model.task token_classification, not {self.task!r}; remove it")
             names = [t.name for t in self.inputs]
             if self.decode.mask_input is not None and self.decode.mask_input not in names:
                 raise ValueError(f"decode.mask_input: {self.decode.mask_input!r} is not a model input "
@@ -179,7 +180,7 @@ class ModelSpec(SpecModel):
                                  "remove it from the input")
         for i, t in enumerate(self.outputs):
             if t.kind is not None and self.task not in ("classification", "token_classification"):
-                raise ValueError(f"outputs.{i}.kind: {t.kind!r} applies to task classification (and "
+                raise ValueError(f"outputs.{i}.kind: {t.kind!r} applies to model.task classification (and "
                                  f"token_classification), not "
                                  f"{self.task!r}; remove it")
         return self

@@ -16,7 +16,7 @@ MONITOR_METRICS: tuple[str, ...] = tuple(r.key for r in _metrics.ROW_METRICS if 
 
 
 # Direction and range of a monitored metric come from the metric catalogue (tailguard.core.metrics.ROW_METRICS);
-# `spec check` checks each threshold against them (MonitorThreshold.problems, via MonitoringSpec.task_problems).
+# `spec check` checks each threshold against them (MonitorThreshold.problems, via MonitoringSpec.model_task_problems).
 class MonitorThreshold(SpecModel):
     """When a monitored per-row parity metric is bad in a slice: an absolute bound, or an allowed drop from a
     baseline (e.g. the variant's validation value). Give exactly one of `min`, `max`, or `baseline` + `max_drop`.
@@ -145,7 +145,7 @@ class MonitoringSpec(SpecModel):
     slice_columns: list[str] | None = Field(None, description=(
         "Slices to track: names of declared `slices` (their column, header or derive rule, bins and values "
         "apply) or plain metadata columns / request parameters (grouped by value). Default: every declared "
-        "slice, plus by task `predicted` (classification: the reference's top-1 class) or `topic` (embedding: "
+        "slice, plus by model task `predicted` (classification: the reference's top-1 class) or `topic` (embedding: "
         "the nearest of the pipeline's 16 topic centroids, given with --centroids), which need nothing from "
         "the client."))
     per_row_metadata: bool = Field(False, description=(
@@ -163,7 +163,7 @@ class MonitoringSpec(SpecModel):
         "Prometheus label bound: besides 'all' and every slice with an active alert, at most this many slices "
         "(those with the most evidence) are exported; every slice is in /v1/slices and slices.json."))
     metrics: list[str] | None = Field(None, description=(
-        "Per-row parity metrics to track (tailguard.core.parity); default by task: classification "
+        "Per-row parity metrics to track (tailguard.core.parity); default by model task: classification "
         "top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error; regression/generic "
         "abs_error, rel_error. candidate_error_rate (1 for a sampled row the candidate failed on) is always "
         "tracked."))
@@ -322,30 +322,30 @@ class MonitoringSpec(SpecModel):
                 raise ValueError(f"unknown per-row metric {k!r}; choose from {sorted(known)}")
         return v
 
-    def task_problems(self, task: str) -> list[FieldError]:
+    def model_task_problems(self, model_task: str) -> list[FieldError]:
         """What is wrong with the tracked metrics and thresholds for the model's task (field paths under
         `monitoring.`); `Spec` reports them at `spec check`, `monitoring.config.resolve_config` again.
 
-        Rules: every `metrics` entry is a per-row metric the monitor computes for the task (catalogue:
+        Rules: every `metrics` entry is a per-row metric the monitor computes for the model task (catalogue:
         classification top1_agree, kl_divergence, abs_error; embedding cosine_similarity, abs_error;
         regression/generic abs_error, rel_error); every `thresholds` key is tracked (`metrics`, default all of
-        the task's); each threshold passes `MonitorThreshold.problems` (direction, range).
+        the model task's); each threshold passes `MonitorThreshold.problems` (direction, range).
 
         Args:
-            task: model.task.
+            model_task: model.task.
 
         Returns:
             One FieldError per problem, [] when sound.
         """
-        available = _metrics.monitor_metrics(task)
+        available = _metrics.monitor_metrics(model_task)
         tracked = tuple(self.metrics) if self.metrics else available
-        errors = [FieldError(f"monitoring.metrics.{i}", f"{m!r} is not a per-row metric of task {task!r}; use "
-                                                       f"{sorted(available)}", m)
+        errors = [FieldError(f"monitoring.metrics.{i}", f"{m!r} is not a per-row metric of model.task "
+                                                       f"{model_task!r}; use {sorted(available)}", m)
                   for i, m in enumerate(self.metrics or []) if m not in available]
         for m, threshold in (self.thresholds or {}).items():
             path = f"monitoring.thresholds.{m}"
             if m not in tracked:
-                why = (f"{m!r} is not a per-row metric of task {task!r} (use {sorted(available)})"
+                why = (f"{m!r} is not a per-row metric of model.task {model_task!r} (use {sorted(available)})"
                        if m not in available else f"{m!r} is not tracked (add it to monitoring.metrics)")
                 errors.append(FieldError(path, f"{why}; tracked metrics: {list(tracked)}"))
             elif m in _metrics.ROW_CATALOGUE and _metrics.ROW_CATALOGUE[m].direction is not None:

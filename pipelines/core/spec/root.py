@@ -20,11 +20,11 @@ from tailguard.core.spec.benchmark import BenchmarkSpec, CostSpec
 from tailguard.core.spec.data import DataSpec, SliceSpec, derive_errors
 from tailguard.core.spec.gates import (
     BUILD_METRICS,
+    MODEL_TASK_METRICS,
     NO_PARITY_GATE,
     PARITY_GATE_EXAMPLE,
     PERF_METRICS,
     RATIO_METRICS,
-    TASK_METRICS,
     GateSpec,
     PromotionSpec,
     build_gate_errors,
@@ -107,7 +107,7 @@ class Spec(SpecModel):
             errors.append("slices: duplicate slice names")
         for i, s in enumerate(self.slices):
             errors.extend(derive_errors(i, s, self.model))
-        allowed = set(TASK_METRICS[self.model.task]) | set(PERF_METRICS) | set(BUILD_METRICS)
+        allowed = set(MODEL_TASK_METRICS[self.model.task]) | set(PERF_METRICS) | set(BUILD_METRICS)
         for i, g in enumerate(self.gates):
             if g.metric not in allowed:
                 close = difflib.get_close_matches(g.metric, sorted(allowed), n=1)
@@ -143,9 +143,9 @@ class Spec(SpecModel):
             else:
                 errors.extend(gate_range_errors(i, g))
         dm = self.analysis.discovery.metric
-        if dm is not None and dm not in TASK_METRICS[self.model.task]:
+        if dm is not None and dm not in MODEL_TASK_METRICS[self.model.task]:
             errors.append(f"analysis.discovery.metric: {dm!r} is not a parity metric of task {self.model.task!r}; "
-                          f"choose one of {sorted(TASK_METRICS[self.model.task])}")
+                          f"choose one of {sorted(MODEL_TASK_METRICS[self.model.task])}")
         if self.promotion.enabled:
             parity = [g for g in self.gates if is_parity_gate(g, self.model.task)]
             uncovered = [n for n in names if not any(g.variants is None or n in g.variants for g in parity)]
@@ -160,7 +160,7 @@ class Spec(SpecModel):
                               f"names other variants), so they would be promoted on performance alone. Add one "
                               f"for them, e.g. {example}, or set promotion: {{enabled: false}}")
         if self.monitoring is not None:
-            errors.extend(f"{e.loc}: {e.message}" for e in self.monitoring.task_problems(self.model.task))
+            errors.extend(f"{e.loc}: {e.message}" for e in self.monitoring.model_task_problems(self.model.task))
         errors.extend(self._target_errors())
         pb = self.promotion.batch_size
         if pb is not None and pb not in self.benchmark.batch_sizes:
