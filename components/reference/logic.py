@@ -36,7 +36,7 @@ def reference_outputs(truth: Any, ds: Dataset, spec: Spec) -> list[np.ndarray]:
         spec: the validated spec (model.inputs / outputs / pad_values, data.validation.batch_size).
 
     Returns:
-        One array per `model.outputs` entry, (rows, ...), the model's dtype, original row order; for task
+        One array per `model.outputs` entry, (rows, ...), the model's dtype, original row order; for model.task
         token_classification only the first, as its per-position top-1 ids, int32 (rows, time)
         (`tailguard.core.tokens.run_token_ids`: one batch's scores held at a time).
 

@@ -82,7 +82,7 @@ class SearchStop(StrEnum):
     MAX_MINUTES = "max_minutes"          # search.max_minutes passed (sensitivity included)
 
 
-# The key parity metric when a trial has no worst slice (no slices with enough support): by task, the same
+# The key parity metric when a trial has no worst slice (no slices with enough support): by model task, the same
 # defaults as worst-slice discovery (spec DiscoverySpec.metric).
 DEFAULT_KEY_METRIC = {"classification": "top1_agreement", "embedding": "nn_top1_agreement",
                       "regression": "abs_error.mean", "generic": "abs_error.mean",

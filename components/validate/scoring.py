@@ -72,7 +72,7 @@ def worst_slice(spec: Spec, table: pd.DataFrame) -> dict[str, Any] | None:
 def worst_samples(model_task: str, per_sample: dict[str, np.ndarray], frame: pd.DataFrame, k: int) -> pd.DataFrame:
     """The k validation rows with the worst per-row parity, with their per-row metrics and metadata.
 
-    Ranked by `WORST_SAMPLE_KEY[task]`: classification `kl_divergence` highest first, embedding
+    Ranked by `WORST_SAMPLE_KEY[model_task]`: classification `kl_divergence` highest first, embedding
     `cosine_similarity` lowest first, regression/generic `abs_error` highest first; ties by row index.
     Non-finite rows (scored worst case by `parity.per_sample_metrics`) come first.
 
