@@ -235,7 +235,7 @@ def compare_passing(spec: Spec, rows: list[VariantSummary], results: dict[str, V
     from tailguard.core.hardware import CpuPressure
     from tailguard.core.latency import DECISION_MIN_ROUNDS, interleaved_benchmark, precision_reached, speed_ratio
     from tailguard.core.runtime import TIMED_ORT_SESSION, runner_for_file, timed_ort_runner
-    from tailguard.core.stats import look_confidence
+    from tailguard.core.sequential_stats import look_confidence
     from tailguard.core.torch_backend import loads_trusted
 
     def timeable(v: VariantSpec) -> bool:  # the register task runs on a CPU node: CPU variants only

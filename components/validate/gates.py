@@ -448,7 +448,7 @@ def _ratio_bound_gate(gate: GateSpec, base: dict[str, Any], ctx: _Context, row: 
     bsp = ctx.spec.analysis.bootstrap
     n_looks = int(row.get("n_looks") or 1)
     if n_looks > 1:  # timed to a precision: the bound at the level corrected for the looks (core/latency.py)
-        from tailguard.core.stats import look_confidence
+        from tailguard.core.sequential_stats import look_confidence
 
         level = look_confidence(level, n_looks)
     try:

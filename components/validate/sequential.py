@@ -9,7 +9,7 @@ values (cosine_similarity.p01, abs_error.max, kl_divergence.p99, ...) without `c
 the bad side of the threshold decides it (np.percentile's linear interpolation at position q (N - 1) / 100 between
 sorted values s[lo] and s[hi]: the value clears a `min` threshold when B <= lo and misses it when B >= hi + 1; B =
 hi = lo + 1 needs the values themselves, `_percentile_counts`). Each such count gets the prior-posterior-ratio
-confidence sequence for a population drawn without replacement (`tailguard.core.stats.wor_decide_at_least`,
+confidence sequence for a population drawn without replacement (`tailguard.core.sequential_stats.wor_decide_at_least`,
 Waudby-Smith & Ramdas 2020), at level alpha / (number of groups the gate judges) for `analysis.sequential.alpha`
 (Bonferroni over the groups): whenever scoring stops, the chance that any decision taken differs from the decision
 on all rows is at most alpha per gate. With every row scored the decisions are exactly the all-rows ones (the
@@ -51,9 +51,10 @@ import numpy as np
 from tailguard.core.data import Dataset
 from tailguard.core.results import GateStatus
 from tailguard.core.runtime import Runner
+from tailguard.core.sequential_stats import wor_confidence_sequence, wor_log_evidence
 from tailguard.core.spec.gates import BATCHED_METRICS, BUILD_METRICS, PERF_METRICS, PROPORTION_METRICS, GateSpec
 from tailguard.core.spec.root import Spec
-from tailguard.core.stats import wilson_bound, wor_confidence_sequence, wor_log_evidence
+from tailguard.core.stats import wilson_bound
 
 from .gates import GateResult, evaluate_gates, gate_op, static_threshold
 from .measurements import Measurements

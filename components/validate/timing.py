@@ -35,7 +35,7 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
       the variant) has its bound, at `look_confidence(level, looks)`, on one side of its threshold: a speed-ratio
       gate (`speedup_vs_<baseline>`, interleaved) on the paired-bootstrap bound at its `confidence` (95% for a
       gate without one: the point ratio then lies on the same side), a `latency_ms.p<q>` gate on the order-statistic
-      bound of that quantile (`stats.order_statistic_bound`). Gates no interval of the rounds decides
+      bound of that quantile (`sequential_stats.order_statistic_bound`). Gates no interval of the rounds decides
       (throughput, cost, latency_ms.mean, speedup_vs_torch: its baseline is timed in reference-pass) and, with
       `p50_decides`, the p50 at the promotion batch size (it picks a search's trial, or the variant to promote with
       `promotion.margin: null`) are decided only by the precision or the budget. No interval of fewer than
@@ -51,8 +51,8 @@ def timing_rule(spec: Spec, variant_name: str, *, baseline: str | None, target: 
             the promotion then picks the lowest validation p50; the search passes True: it picks its trial so).
     """
     from tailguard.core.latency import DECISION_MIN_ROUNDS, precision_reached, speed_ratio
+    from tailguard.core.sequential_stats import look_confidence, order_statistic_bound
     from tailguard.core.spec.gates import BATCHED_METRICS
-    from tailguard.core.stats import look_confidence, order_statistic_bound
 
     precision = spec.benchmark.precision
     if precision is None:

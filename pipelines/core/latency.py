@@ -18,11 +18,11 @@ one-sided bounds from a paired percentile bootstrap over rounds (speedup_vs_<bas
 speed gate with `confidence` is decided on the bound (components/validate/gates.py).
 
 Measured to a precision (issue 25, `benchmark.precision`): timing a batch size may stop before the budget at
-fixed looks (`tailguard.core.stats.looks`: rounds 10, 20, 40, ... and the budget), when the caller's `decide`
+fixed looks (`tailguard.core.sequential_stats.looks`: rounds 10, 20, 40, ... and the budget), when the caller's `decide`
 says so (the validate step: the speed ratio's interval is within the precision, or every speed gate with a
 confidence at that batch size is decided). Every interval reported or decided on after such timing is
-Bonferroni-corrected over the looks the batch size could take (`stats.look_confidence`): with L looks a 95% bound
-is computed at 1 - 0.05 / L, so it holds whichever look the timing stopped at. Rows then carry `n_looks`,
+Bonferroni-corrected over the looks the batch size could take (`sequential_stats.look_confidence`): with L looks a
+95% bound is computed at 1 - 0.05 / L, so it holds whichever look the timing stopped at. Rows then carry `n_looks`,
 `looks` (taken) and `stopped_by` ("decided", "max_seconds", "iterations"). p50 and p99 get distribution-free
 order-statistic bounds at the same level (`add_quantile_bounds`: latency_ms.p50.lb95 / .ub95, latency_ms.p99.ub95;
 None where the rounds are too few for one, e.g. a p99 upper bound needs 299 rounds at 95%).
@@ -47,9 +47,10 @@ import numpy as np
 from tailguard.core.data import Dataset, make_batch
 from tailguard.core.errors import InputError
 from tailguard.core.runtime import Runner
+from tailguard.core.sequential_stats import look_confidence, looks, order_statistic_bound
 from tailguard.core.spec.benchmark import BenchmarkSpec
-from tailguard.core.stats import look_confidence, looks, order_statistic_bound, paired_ratio_bootstrap
 from tailguard.core.stats import median_ratio as _median_ratio
+from tailguard.core.stats import paired_ratio_bootstrap
 
 MIN_SAMPLES = 10  # timed samples kept even past max_seconds, so the percentiles mean something
 POOL_SIZE = 32  # distinct pre-built batches cycled through per batch size
@@ -65,16 +66,16 @@ Decide = Callable[[int, Mapping[str, np.ndarray], int, int], bool]
 
 def timing_looks(bench: BenchmarkSpec) -> list[int]:
     """The rounds at which a timing with `decide` looks: MIN_SAMPLES, doubling, then `bench.iterations`
-    (`tailguard.core.stats.looks`); a `max_seconds` stop between two of them takes the later one's place, so a
-    batch size never takes more looks than this list holds."""
+    (`tailguard.core.sequential_stats.looks`); a `max_seconds` stop between two of them takes the later one's place,
+    so a batch size never takes more looks than this list holds."""
     return looks(MIN_SAMPLES, bench.iterations, LOOK_GROWTH)
 
 
 def add_quantile_bounds(row: dict[str, Any], confidence: float = 0.95) -> None:
     """Add, in place, distribution-free bounds of the p50 and p99 latency to a perf row from its `samples_ms`
-    (`stats.order_statistic_bound`, at `look_confidence(confidence, row["n_looks"])` when the row was timed with
-    looks): latency_ms.p50.lb95 / .ub95 and latency_ms.p99.ub95 (ms; None when the rounds are too few for a bound
-    at that level), and `quantile_bound_confidence` (the per-look level used)."""
+    (`sequential_stats.order_statistic_bound`, at `look_confidence(confidence, row["n_looks"])` when the row was
+    timed with looks): latency_ms.p50.lb95 / .ub95 and latency_ms.p99.ub95 (ms; None when the rounds are too few for
+    a bound at that level), and `quantile_bound_confidence` (the per-look level used)."""
     ms = np.asarray(row.get("samples_ms") or [], dtype=np.float64)
     level = look_confidence(confidence, int(row.get("n_looks") or 1))
     tag = f"{confidence * 100:g}"
@@ -403,7 +404,8 @@ def precision_reached(samples: Mapping[str, np.ndarray], precision: float, look:
     """Whether the timing of one batch size is within `precision` at this look: the interval of the speed ratio
     baseline / target (`speed_ratio`, one-sided 95% ends corrected for `n_looks` looks) has a relative half-width
     (upper - lower) / 2 / ratio <= precision; without a baseline among `samples`, the interval of the target's
-    p50 (`stats.order_statistic_bound`, same level) relative to the p50. Never before DECISION_MIN_ROUNDS rounds.
+    p50 (`sequential_stats.order_statistic_bound`, same level) relative to the p50. Never before DECISION_MIN_ROUNDS
+    rounds.
 
     Args:
         samples: {runner: ms per round so far}, as `decide` receives them.

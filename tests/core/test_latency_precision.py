@@ -21,10 +21,10 @@ from tailguard.core.latency import (
     speed_ratio,
     timing_looks,
 )
+from tailguard.core.sequential_stats import look_confidence
 from tailguard.core.spec import parse_spec
 from tailguard.core.spec.benchmark import BenchmarkSpec
 from tailguard.core.spec.model import TensorSpec
-from tailguard.core.stats import look_confidence
 
 SPECS = [TensorSpec(name="x", dtype="float32", shape=["batch", 4])]
 
