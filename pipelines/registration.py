@@ -35,10 +35,13 @@ from tailguard.core.reference import (
     EXPORTED_PROGRAM_FILE,
     REFERENCE_ARTIFACT,
     STATE_DICT_FILE,
+    sha256_file,
+)
+from tailguard.core.torch_load import (
+    build_state_dict_module,
     import_module_class,
     load_exported_program,
     read_state_dict,
-    sha256_file,
 )
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions
@@ -164,7 +167,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             $TAILGUARD_HOME (the same as `tailguard run` for a spec without `mlflow.tracking_uri`).
         experiment: MLflow experiment of the registering run.
         model_path: folders to import the class's module from (appended to sys.path; see
-            pipelines/core/reference.py `add_model_path`).
+            pipelines/core/torch_load.py `add_model_path`).
         spec: a spec YAML whose `model.outputs` (dtype, rank, fixed sizes) are checked against the model before
             anything is written: the ONNX graph's outputs (by name), a torch.export program's outputs (by
             position), or a state dict's module run on a batch shaped like `model.inputs` (by position).
@@ -188,7 +191,6 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             found, and the declaration that fits).
         UntrustedModelError: (exit 2) a `.pt2` that holds code, without `trusted`.
     """
-    from tailguard.core import reference as logic
 
     if not str(name or "").strip():
         raise InputError("name: the registered model name is empty", hint="e.g. digits-mlp")
@@ -234,7 +236,7 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             sig.check_output_signature(model_spec.outputs, found, what=f"the ONNX graph of {path.name}",
                                        source=str(spec), model_task=model_spec.task)
     elif fmt == "torch_export":
-        ep = logic.load_exported_program(path, field="path", trusted=trusted, fix=REGISTER_FIX)
+        ep = load_exported_program(path, field="path", trusted=trusted, fix=REGISTER_FIX)
         model_arg = {"exported_program": path}
         found = sig.exported_program_output_signature(ep)
         if model_spec is not None:
@@ -245,8 +247,8 @@ def register_model(name: str, path: str | Path, *, format: str | None = None, cl
             raise InputError(f"class_path: {path.name} is a state dict; it needs the class it loads into",
                              hint="--class-path 'module:Class' (the module beside the spec, in --model-path, or "
                                   "installed), with --init-kwargs JSON for its __init__")
-        weights = logic.read_state_dict(path, "path")  # (weights_only / safetensors: no code runs)
-        module = logic.build_state_dict_module(class_path, init_kwargs, weights, weights_name=path.name,
+        weights = read_state_dict(path, "path")  # (weights_only / safetensors: no code runs)
+        module = build_state_dict_module(class_path, init_kwargs, weights, weights_name=path.name,
                                                class_field="class_path", kwargs_field="init_kwargs",
                                                search_path=folders)
         class_file = _module_file(type(module))

@@ -38,7 +38,6 @@ from tailguard.core.contract import (
 )
 from tailguard.core.errors import RunInterrupted, StepError, TailguardError, error_from_dict
 from tailguard.core.home import ENV_HOME, home, quiet_environment
-from tailguard.core.reference import MODEL_PATH_ENV
 from tailguard.core.report import timing_cells
 from tailguard.core.results import BuildStatus, GateStatus
 from tailguard.core.spec import dump_spec, load_spec
@@ -46,6 +45,7 @@ from tailguard.core.spec.root import Spec
 from tailguard.core.taskhost import PRELOAD as HOST_PRELOAD
 from tailguard.core.taskhost import task_host
 from tailguard.core.taskio import find_error_records
+from tailguard.core.torch_load import MODEL_PATH_ENV
 from tailguard.core.tracking import configure, experiment_name_for, tracking_uri_for
 from tailguard.rerun import earlier_run, write_record
 
@@ -167,7 +167,7 @@ def run_local(spec: Spec, *, model_version: str | None = None,
     os.environ.update({"TAILGUARD_RUNNER_PID": str(me.pid), "TAILGUARD_RUNNER_HOST": socket.gethostname(),
                        "TAILGUARD_RUNNER_STARTED": repr(me.create_time())})
     inherited_model_path = os.environ.get(MODEL_PATH_ENV)
-    if model_path:  # tasks inherit it (tailguard.core.reference.add_model_path)
+    if model_path:  # tasks inherit it (tailguard.core.torch_load.add_model_path)
         os.environ[MODEL_PATH_ENV] = os.pathsep.join([str(Path(p).resolve()) for p in model_path]
                                                      + ([inherited_model_path] if inherited_model_path else []))
     run_dir = home() / "runs" / pipeline_run

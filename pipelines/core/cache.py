@@ -162,10 +162,9 @@ def reference_parts(resolved: ResolvedModel, spec: Spec) -> dict[str, Any] | Non
     if resolved.class_path:
         import importlib.util
 
-        from tailguard.core import reference as resolve_logic
+        from tailguard.core.torch_load import add_model_path
 
-        if hasattr(resolve_logic, "add_model_path"):  # the folders a model class is imported from
-            resolve_logic.add_model_path()
+        add_model_path()  # the folders a model class is imported from
         try:
             found = importlib.util.find_spec(resolved.class_path.split(":")[0])
         except (ImportError, ValueError):

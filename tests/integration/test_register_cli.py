@@ -26,14 +26,9 @@ from typer.testing import CliRunner
 from tailguard.cli import app
 from tailguard.core.contract import FORMAT_TAG, SHA256_TAG
 from tailguard.core.errors import InputError, UntrustedModelError
-from tailguard.core.reference import (
-    MODEL_PATH_ENV,
-    add_model_path,
-    import_module_class,
-    load_torch_reference,
-    resolve_reference,
-)
+from tailguard.core.reference import load_torch_reference, resolve_reference
 from tailguard.core.spec import parse_spec
+from tailguard.core.torch_load import MODEL_PATH_ENV, add_model_path, import_module_class
 
 runner = CliRunner()
 N_IN, HIDDEN, N_OUT = 64, 16, 10
