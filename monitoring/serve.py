@@ -34,8 +34,7 @@ def _announce_when_listening(server: Any, probe: ProbeServer | None, host: str) 
         time.sleep(0.05)
     if not server.started:
         return
-    bound = [sock.getsockname()[1] for srv in getattr(server, "servers", []) for sock in (srv.sockets or [])]
-    log.warning("HTTP ingest on %s:%d", host, bound[0] if bound else server.config.port)
+    log.warning("HTTP ingest on %s:%d", host, server.servers[0].sockets[0].getsockname()[1])  # set by startup
     if probe is not None:
         probe.start()
         log.warning("probe port (/healthz, /readyz, /metrics) on %s:%d", host, probe.port)
