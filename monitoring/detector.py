@@ -480,7 +480,7 @@ class SliceStatistics:
         are computed at once (`RowReducer.prepare_batch`, monitoring/units.py: a handful of numpy calls for the
         whole batch instead of a handful per request); then each request's groups update their slices in request
         order, so the statistics, CUSUMs and alerts are those of one `update` per group in that order (the sums
-        may differ in the last bits: a matrix product instead of a sum per group).
+        may differ in the last bits: a segmented sum instead of a sum per group).
 
         Args:
             requests: the requests in arrival order (GroupedRequest; a request with request-level slices is one

@@ -5,7 +5,7 @@ estimate's decayed weight sums and value sums (each row weighted by the decay of
 weighs 1, so adding a group of n rows is s <- decay^n s + (these sums), one recursion step per group), and per
 bounded metric its evidence units (`cusum.request_units`: the clipped excess sums the bets are taken on). Nothing
 here reads or changes a slice's state; `SliceStatistics` applies the sums in arrival order.
-`RowReducer.prepare_batch` reduces a whole micro-batch (every group of every request) in one set of matrix products.
+`RowReducer.prepare_batch` reduces a whole micro-batch (every group of every request) with one segmented sum.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class RowReducer:
         self.decay = decay
         self.max_request_rows = int(max_request_rows)
         self._geo: dict[int, tuple[np.ndarray, float]] = {}  # `decay_weights` memo
+        self._pow = np.ones(0)  # `_powers` memo
 
     def decay_weights(self, n: int) -> tuple[np.ndarray, float]:
         """(decay ** (n-1 .. 0), their sum) for an n-row update of the display estimate, memoized per n (a
@@ -127,9 +128,10 @@ class RowReducer:
     def prepare_batch(self, requests: Sequence[GroupedRequest]) -> list[list[Prepared]]:
         """Each request's groups reduced for the statistics (`Prepared`, as `prepare` of each group's rows; no
         state is read or changed), the sums of every group of every request computed at once: the requests' rows
-        are stacked into one (rows, metrics) matrix X; with each group's rows weighted by the decay weight of their
-        place in the group (the group's last row weighing 1, as `decay_weights`) in a (groups, rows) matrix W and
-        their 0/1 membership in B, the display sums are W @ X and the clipped excess sums B @ Y. A request whose
+        are stacked into one (rows, metrics) matrix X; every group's rows are gathered from X group after group,
+        each weighted by the decay weight of its place in the group (the group's last row weighing 1, as
+        `decay_weights`), and one segmented sum gives the display sums and the clipped excess sums
+        (`_prepare_stacked`). A request whose
         values hold a NaN or infinity, lack a metric, disagree in length, or with a group of more than
         max_request_rows rows takes `prepare` per group (the rare path).
 
@@ -181,7 +183,14 @@ class RowReducer:
     def _prepare_stacked(self, requests: Sequence[GroupedRequest], sizes: Sequence[int],
                          stacked: np.ndarray) -> list[list[Prepared]]:
         """`prepare_batch`'s common path: requests whose (rows_i, metrics) values are stacked in `stacked`
-        ((sum rows_i, metrics) float64, finite), every group of at most max_request_rows rows."""
+        ((sum rows_i, metrics) float64, finite), every group of at most max_request_rows rows.
+
+        Every group's rows are gathered group after group (each group's rows ascending, so a row's place in its
+        group is its rank) into one (group rows, 1 + metrics + excess columns) matrix: the row's decay weight, its
+        weighted values and its clipped excesses; one `np.add.reduceat` at the groups' starts gives every group's
+        sums, and the sampling weights scale them in place. The arrays are as long as the groups' rows (a dense
+        (groups, rows) membership matrix grows with their product), and the per-group Python work is one tuple
+        from one row of `sums.tolist()`."""
         flat_rows: list[int] = []  # every group's rows, group after group, as rows of `stacked`
         counts: list[int] = []
         offset = 0
@@ -195,25 +204,18 @@ class RowReducer:
                     flat_rows.extend([i + offset for i in idx])
                     counts.append(len(idx))
             offset += n
-        n_groups = len(counts)
         cnt = np.asarray(counts, dtype=np.int64)
         rows = np.asarray(flat_rows, dtype=np.int64)
-        gid = np.repeat(np.arange(n_groups), cnt)
-        order = np.lexsort((rows, gid))  # each group's rows ascending: a row's place in its group is its rank
-        rows = rows[order]
         first = np.cumsum(cnt) - cnt
-        rank = np.arange(rows.shape[0]) - np.repeat(first, cnt)
-        weights = self.decay ** (np.repeat(cnt, cnt) - 1 - rank)
-        w = np.zeros((n_groups, stacked.shape[0]))
-        w[gid, rows] = weights
-        member = np.zeros((n_groups, stacked.shape[0]))
-        member[gid, rows] = 1.0
-        gw = np.repeat(np.asarray([req.weight for req in requests], dtype=np.float64),
-                       [len(req.groups) for req in requests])  # (groups,) the sampling weight of each group's request
-        geo = w.sum(axis=1)
-        sw_add, sww_add = (gw * geo).tolist(), (gw * gw * geo).tolist()
-        disp = (gw[:, None] * (w @ stacked)).tolist()  # (groups, metrics)
-        ycols, slots = [], []
+        starts = first[cnt > 0]  # a group of no rows (a caller's empty index list) adds nothing
+        if rows.size > 1 and not self._ascending(rows, starts):  # a caller's unsorted group: sort within groups
+            gid = np.repeat(np.arange(cnt.shape[0]), cnt)
+            rows = rows[np.lexsort((rows, gid))]
+        from_end = np.repeat(cnt + first - 1, cnt) - np.arange(rows.shape[0])  # 0 for each group's last row
+        weights = self._powers(int(cnt.max(initial=1)))[from_end]
+        k = len(self.metrics)
+        ycols: list[np.ndarray] = []
+        slots = []  # (bounded metric, its alarm and recovery excess columns in `sums`)
         for j, m in enumerate(self.metrics):
             b = self.bounds.get(m)
             if b is None:
@@ -224,20 +226,46 @@ class RowReducer:
             else:
                 y = (np.minimum(a, b.truncate_at) if b.truncate_at is not None else a) - b.value
             alarm_bet, rec_bet = self.bets[m]
-            slots.append((m, len(ycols), len(ycols) + 1 if rec_bet is not None else None))
+            slots.append((m, 2 + k + len(ycols), 2 + k + len(ycols) + 1 if rec_bet is not None else None))
             ycols.append(np.clip(alarm_bet.sign * y, -alarm_bet.span, alarm_bet.cap))
             if rec_bet is not None:
                 ycols.append(np.clip(rec_bet.sign * y, -rec_bet.span, rec_bet.cap))
-        sums = (member @ np.stack(ycols, axis=1)).tolist() if ycols else [[] for _ in counts]
-        k = len(self.metrics)
+        # every group's rows: decay weight, weighted values, excesses: (group rows, 1 + metrics + excess columns)
+        gathered = np.empty((rows.shape[0], 1 + k + len(ycols)))
+        gathered[:, 0] = weights
+        gathered[:, 1:1 + k] = stacked[rows] * weights[:, None]
+        for c, y in enumerate(ycols):
+            gathered[:, 1 + k + c] = y[rows]
+        sums = np.zeros((cnt.shape[0], 2 + k + len(ycols)))  # (groups, w x geo, w^2 x geo, w x sums, excess sums)
+        if starts.shape[0]:
+            sums[cnt > 0, 1:] = np.add.reduceat(gathered, starts, axis=0)
+        gw = np.repeat(np.asarray([req.weight for req in requests], dtype=np.float64),
+                       [len(req.groups) for req in requests])  # (groups,) the sampling weight of each group's request
+        sums[:, 0] = gw * sums[:, 1]
+        sums[:, 1] = gw * sums[:, 0]
+        sums[:, 2:2 + k] *= gw[:, None]
         flat: list[Prepared] = []
-        for size, gs, gss, row_disp, row in zip(counts, sw_add, sww_add, disp, sums):
-            flat.append((size, gs, gss, [gs] * k, row_disp, None,
+        for size, row in zip(counts, sums.tolist()):
+            gs = row[0]
+            flat.append((size, gs, row[1], [gs] * k, row[2:2 + k], None,
                          [(m, [(size, row[ja])], [(size, row[jr])] if jr is not None else None)
                           for m, ja, jr in slots]))
         out, g = [], 0
         for req in requests:
-            k = len(req.groups)
-            out.append(flat[g:g + k])
-            g += k
+            n_groups = len(req.groups)
+            out.append(flat[g:g + n_groups])
+            g += n_groups
         return out
+
+    def _powers(self, n: int) -> np.ndarray:
+        """(n,) decay ** (0 .. n-1), float64: a row's decay weight by its distance from its group's last row."""
+        if self._pow.shape[0] < n:
+            self._pow = self.decay ** np.arange(max(n, self.max_request_rows), dtype=np.float64)
+        return self._pow
+
+    @staticmethod
+    def _ascending(rows: np.ndarray, starts: np.ndarray) -> bool:
+        """Whether each group's rows (groups starting at `starts` in `rows`) are strictly ascending."""
+        up = np.diff(rows) > 0
+        up[starts[1:] - 1] = True  # a group's first row need not follow the previous group's last
+        return bool(up.all())

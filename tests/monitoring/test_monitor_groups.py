@@ -1,5 +1,5 @@
 """The per-row slice path (issue 35): `SliceStatistics.update_groups` computes every slice group of a request at
-once (one membership matrix product) and must leave the statistics exactly where one `update` per group leaves
+once (one segmented sum, monitoring/units.py) and must leave the statistics exactly where one `update` per group leaves
 them: counts, display sums, every CUSUM and its change point, alerts. Seeded simulations and hypothesis-drawn
 requests drive two real SliceStatistics side by side; no wall clock."""
 
@@ -109,6 +109,30 @@ def test_update_batch_matches_one_update_per_group_when_cusums_rise_and_clip_wit
     key = [(a.slice, a.metric, a.request_index, round(a.value, 9), a.window_requests) for a in fired_g]
     assert key == [(a.slice, a.metric, a.request_index, round(a.value, 9), a.window_requests) for a in fired_l]
     assert ("predicted=2", "top1_agree") in [(a.slice, a.metric) for a in fired_g]
+
+
+def test_update_batch_matches_one_update_per_sorted_group_when_indices_descend_or_a_group_is_empty():
+    """A caller's group given with its row indices descending is reduced as the same rows ascending (a row's decay
+    weight is its place in the group), and a group of no rows adds nothing, first, inside or last in a batch."""
+    from tailguard.monitoring.units import GroupedRequest
+
+    grouped, looped = _pair()
+    rng = np.random.default_rng(23)
+    for b in range(40):
+        reqs = []
+        for k in range(4):
+            i = b * 4 + k
+            groups, values = _request(rng, 16, 4, agree=0.9)
+            looped_groups = list(groups)
+            shuffled = [(keys, idx[::-1].tolist()) if idx is not None else (keys, idx) for keys, idx in groups]
+            empty = (["predicted=9"], [])
+            shuffled = [empty, *shuffled] if k == 0 else [*shuffled, empty] if k == 3 else \
+                [shuffled[0], empty, *shuffled[1:]]
+            reqs.append(GroupedRequest(shuffled, values, 1.0, None, i))
+            _per_group(looped, looped_groups, values, request_index=i)
+        grouped.update_batch(reqs)
+    _assert_same(grouped, looped)
+    assert "predicted=9" not in grouped.slices or grouped.slices["predicted=9"].rows == 0
 
 
 def _per_group_ratios(st_, groups, values, ratios, **kw):
