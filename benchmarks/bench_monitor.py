@@ -779,16 +779,31 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
     svc._worker.start()
     load = _wrk(port, bodies[0], duration)
     compared, elapsed = svc.monitor.compared_requests - c0, time.perf_counter() - t0
+    shadow_cpu = _thread_cpu([svc._worker, *(t for pool in svc._pools.values() for t in pool._threads)])
     get = svc.metrics.registry.get_sample_value
     rows = svc.monitor.compared_rows - r0
     res = {"shadow_batch_rows": batch_rows, "compared_during_load": compared,
            "compares_per_s": round(compared / elapsed, 1), "compared_rows_per_s": round(rows / elapsed, 1),
+           "shadow_cpu_us_per_row": round(shadow_cpu / max(rows, 1) * 1e6, 2),
            "slices_tracked": len(svc.monitor.stats.slices), "backlog_left": svc.queue.qsize(), "http": load,
-           "queue_full": get("tailguard_monitor_dropped_total", {"reason": "queue_full"})}
+           "queue_full": get("tailguard_monitor_dropped_total", {"reason": "queue_full"}),
+           "alerts_fired": len(svc.monitor.stats.history), "slices_past_threshold": _past_threshold(svc, cfg)}
     server.should_exit = True
     th.join(10)
     svc.stop()
     return res
+
+
+def _thread_cpu(threads):
+    """CPU seconds the live `threads` have used since they started (Linux per-thread clocks)."""
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threads if t.is_alive())
+
+
+def _past_threshold(svc, cfg):
+    """The tracked slices whose display estimate of a thresholded metric is on the failing side (their detectors
+    climb: the work of a drifting slice)."""
+    return sorted({k for k, st in svc.monitor.stats.slices.items() for m, b in cfg.bounds.items()
+                   if st.swm[m] > 0 and (st.mean(m) < b.value if b.higher_is_better else st.mean(m) > b.value)})
 
 
 def _open_loop(ref, cand, batch_rows, rate, duration):
@@ -862,35 +877,55 @@ DERIVED_MODELS = {  # name -> (features, hidden): MACs per row ~ features * hidd
 }
 
 
-def bench_derived_throughput(d, duration, rounds=3, rows=16, models=("mlp", "wide")):
+DERIVED_CASES = (  # (result key, model in DERIVED_MODELS, rows per request, candidate weight noise)
+    ("mlp", "mlp", 16, 0.002), ("mlp_1row", "mlp", 1, 0.002), ("wide", "wide", 16, 0.002),
+    ("mlp_drifting_classes", "mlp", 16, 0.01))
+
+
+def bench_derived_throughput(d, duration, rounds=3, cases=DERIVED_CASES):
     """Shadow compares/s under wrk (the `shadow_throughput` set-up: 10% sampling, a queued backlog, 256-row
-    micro-batches) of `rows`-row JSON requests, with today's column slice only (`slice_columns: [domain]`, one
-    detector update per request) against the default slices with derived ones (`predicted`, the reference's
-    top-1: one update per (request, slice group)) and with an input-derived slice added, interleaved in `rounds`,
-    for each of `models` (DERIVED_MODELS). The candidate is the reference's weights plus noise (top-1 agreement
-    ~0.99, no alert: the common case; an alerting slice also runs its recovery CUSUM). Target (issue 35): derived
-    slices cost < 20% of compares/s (ratio >= 0.8)."""
+    micro-batches) of JSON requests, with today's column slice only (`slice_columns: [domain]`, one detector update
+    per request) against the default slices with derived ones (`predicted`, the reference's top-1: one update per
+    (request, slice group)) and with an input-derived slice added, interleaved in `rounds`, for each of `cases`
+    (DERIVED_CASES: model, rows per request, candidate = the reference's weights plus Gaussian noise of that
+    scale; 1-row requests are `shadow_throughput`'s, today's figures). Noise 0.002 is the common case: top-1
+    agreement ~0.998, every class at >= 0.99, no slice past its threshold (`slices_past_threshold` in each round
+    checks it). Noise 0.01 (agreement ~0.99) leaves two classes near 0.95 agreement: their detectors climb and
+    alert, the work a drifting slice costs. Target (issue 35): derived slices cost < 20% of compares/s (ratio >=
+    0.8) in the common case.
+
+    Under wrk the worker's rate follows its share of the interpreter lock against the HTTP thread, which moves
+    with whatever either thread does (an input-derived slice computed in the HTTP thread has measured faster
+    than none). `shadow_cpu_us_per_row` (the worker's and both inference threads' CPU per compared row, Linux
+    thread clocks) takes that scheduling out: `cpu_ratio_to_column_only` is the compares/s ratio of a shadow
+    worker with a core and the lock to itself."""
     out = {}
-    for name in models:
+    for key, name, rows, noise in cases:
         features, hidden = DERIVED_MODELS[name]
         ref = _mlp_classifier(d / f"{name}-ref.onnx", features=features, hidden=hidden)
-        cand = _mlp_classifier(d / f"{name}-close.onnx", features=features, hidden=hidden, noise=0.01)
-        bodies = _mlp_batch_bodies(rows, features=features)
+        cand = _mlp_classifier(d / f"{name}-close-{noise}.onnx", features=features, hidden=hidden, noise=noise)
+        bodies = _mlp_batch_bodies(rows, n=max(256, 4096 // rows), features=features)  # 4,096 distinct rows
+        backlog = max(5_000, 40_000 // rows)  # sampled requests queued: more than the worker compares in `duration`
         runs = {k: [] for k in DERIVED_SLICES}
         for _ in range(rounds):
             for mode, (slices, cols) in DERIVED_SLICES.items():
-                mon = {"max_request_rows": rows} if cols is None else {"max_request_rows": rows, "slice_columns": cols}
-                runs[mode].append(_compares_under_load(ref, cand, 256, duration, backlog=5_000, slices=slices,
+                mon = {"max_request_rows": 16} if cols is None else {"max_request_rows": 16, "slice_columns": cols}
+                runs[mode].append(_compares_under_load(ref, cand, 256, duration, backlog=backlog, slices=slices,
                                                        bodies=bodies, features=features, **mon))
         med = {k: float(np.median([r["compared_rows_per_s"] for r in v])) for k, v in runs.items()}
+        cpu = {k: float(np.median([r["shadow_cpu_us_per_row"] for r in v])) for k, v in runs.items()}
         base = med["column_only"]
-        out[name] = {"model": f"MLP {features} -> {hidden} -> 10 (ONNX Runtime, CPU), {rows}-row JSON requests, "
-                              "10% sampling",
-                     "compared_rows_per_s_median": med, "ratio_to_column_only": {k: v / base for k, v in med.items()},
-                     "meets_target": all(v / base >= 0.8 for v in med.values()), "rounds": runs}
+        out[key] = {
+            "model": f"MLP {features} -> {hidden} -> 10 (ONNX Runtime, CPU), {rows}-row JSON requests, 10% sampling",
+            "rows_per_request": rows, "candidate_noise": noise, "compared_rows_per_s_median": med,
+            "ratio_to_column_only": {k: v / base for k, v in med.items()},
+            "meets_target": all(v / base >= 0.8 for v in med.values()),
+            "shadow_cpu_us_per_row_median": cpu,
+            "cpu_ratio_to_column_only": {k: cpu["column_only"] / v for k, v in cpu.items()},
+            "worker_never_idle": all(r["backlog_left"] > 0 for v in runs.values() for r in v), "rounds": runs}
     return {"models": out, "target_ratio": 0.8,
             "note": "wrk (2 threads, 32 connections) and the monitor share the 2 cores; rounds interleaved, the "
-                    "worker always has a backlog, so its rate is its capacity under that load"}
+                    "worker always has a backlog (worker_never_idle), so its rate is its capacity under that load"}
 
 
 def _derived_detect_once(args):
