@@ -242,3 +242,33 @@ def test_engine_observe_batch_matches_one_observe_per_request_when_requests_are_
     assert (batched.compared_rows, batched.compared_requests) == (single.compared_rows, single.compared_requests)
     assert any(s.reference_failures for s in batched.stats.slices.values())
     assert fired_b, "the drifted class must alert"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_groups_gives_the_general_paths_keys_when_a_request_has_one_row(seed):
+    """A one-row request takes `row_groups`' shortcut: its one group holds the same keys, in the same order, as the
+    general path gives the same row sent twice (column, header, input- and output-derived rules, per-row metadata
+    and every pair)."""
+    from tailguard.core.spec import parse_spec
+    from tailguard.monitoring import testing as T
+    from tailguard.monitoring.config import resolve_config
+
+    slices = [{"name": "domain", "column": "domain"}, {"name": "tenant", "header": "x-tenant"},
+              {"name": "ink", "derive": {"input": "x", "select": [0, 2], "reduce": "sum"}, "bins": [-100, 0, 100]},
+              {"name": "predicted", "derive": {"output": "reference", "reduce": "argmax"}}]
+    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_pairs": True,
+                                                 "per_row_metadata": True}, slices=slices)))
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(1, T.N_FEATURES)).astype(np.float32)
+    ref = rng.normal(size=(1, T.N_CLASSES)).astype(np.float32)
+    domain = str(rng.choice(["news", "web"]))
+    meta_one, meta_two = ({"domain": [domain]}, {"domain": [domain, domain]}) if seed % 2 else \
+        ({"domain": domain}, {"domain": domain})
+    headers = {"x-tenant": "acme"}
+    keys_one, _ = cfg.row_keys(meta_one, {"x": x}, headers)
+    keys_two, _ = cfg.row_keys(meta_two, {"x": np.concatenate([x, x])}, headers)
+    one = cfg.row_groups(keys_one, ref, np.ones(1, dtype=bool))
+    two = cfg.row_groups(keys_two, np.concatenate([ref, ref]), np.ones(2, dtype=bool))
+    assert len(one) == 1 and one[0][1] is None
+    assert one == two
+    assert sum("&" in k for k in one[0][0]) == 6  # every pair of the 4 rules
