@@ -482,11 +482,9 @@ class MonitorConfig:
             elif not isinstance(lab, str):
                 lab = [lab[i] for i in kept] if n != len(lab) else lab
             per_rule.append(lab)
-        names = [r.name for r in self.rules]
-        if n == 1:  # one row: every key holds it (the keys in the order the general path below gives them)
-            return [(self._one_row_keys(names, per_rule), None)]
         rows_of: dict[str, list[int]] = {}
         whole: list[str] = [ALL_SLICE]
+        names = [r.name for r in self.rules]
         for name, lab in zip(names, per_rule):
             if isinstance(lab, str):
                 whole.append(f"{name}={lab}")
@@ -512,22 +510,6 @@ class MonitorConfig:
             else:
                 by_rows.setdefault(tuple(idx), []).append(key)
         return [(whole, None), *((ks, list(idx)) for idx, ks in by_rows.items())]
-
-    def _one_row_keys(self, names: list[str], per_rule: list[str | list[str]]) -> list[str]:
-        """`row_groups`' keys of a one-row request: ``all``, the rules and pairs with one label per request, then
-        those with a label per row, as the general path orders them."""
-        whole, per_row = [ALL_SLICE], []
-        for name, lab in zip(names, per_rule):
-            if isinstance(lab, str):
-                whole.append(f"{name}={lab}")
-            else:
-                per_row.append(f"{name}={lab[0]}")
-        for i, j in self.pairs:
-            li, lj = per_rule[i], per_rule[j]
-            key = f"{names[i]}={li if isinstance(li, str) else li[0]}{PAIR_SEPARATOR}" \
-                  f"{names[j]}={lj if isinstance(lj, str) else lj[0]}"
-            (whole if isinstance(li, str) and isinstance(lj, str) else per_row).append(key)
-        return whole + per_row
 
     def slice_keys(self, meta: Mapping[str, Any]) -> tuple[list[str], int]:
         """Slice keys of one request from its metadata alone: ``all``, ``<rule name>=<group>`` per rule, then

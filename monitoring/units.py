@@ -66,7 +66,6 @@ class RowReducer:
         self.decay = decay
         self.max_request_rows = int(max_request_rows)
         self._geo: dict[int, tuple[np.ndarray, float]] = {}  # `decay_weights` memo
-        self._pow = np.ones(0)  # `_powers` memo
 
     def decay_weights(self, n: int) -> tuple[np.ndarray, float]:
         """(decay ** (n-1 .. 0), their sum) for an n-row update of the display estimate, memoized per n (a
@@ -212,7 +211,8 @@ class RowReducer:
             gid = np.repeat(np.arange(cnt.shape[0]), cnt)
             rows = rows[np.lexsort((rows, gid))]
         from_end = np.repeat(cnt + first - 1, cnt) - np.arange(rows.shape[0])  # 0 for each group's last row
-        weights = self._powers(int(cnt.max(initial=1)))[from_end]
+        longest = int(cnt.max(initial=1))
+        weights = self.decay_weights(longest)[0][longest - 1 - from_end]  # decay ** from_end
         k = len(self.metrics)
         ycols: list[np.ndarray] = []
         slots = []  # (bounded metric, its alarm and recovery excess columns in `sums`)
@@ -256,12 +256,6 @@ class RowReducer:
             out.append(flat[g:g + n_groups])
             g += n_groups
         return out
-
-    def _powers(self, n: int) -> np.ndarray:
-        """(n,) decay ** (0 .. n-1), float64: a row's decay weight by its distance from its group's last row."""
-        if self._pow.shape[0] < n:
-            self._pow = self.decay ** np.arange(max(n, self.max_request_rows), dtype=np.float64)
-        return self._pow
 
     @staticmethod
     def _ascending(rows: np.ndarray, starts: np.ndarray) -> bool:
