@@ -246,9 +246,8 @@ def test_engine_observe_batch_matches_one_observe_per_request_when_requests_are_
 
 @pytest.mark.parametrize("seed", range(6))
 def test_row_groups_gives_the_general_paths_keys_when_a_request_has_one_row(seed):
-    """A one-row request takes `row_groups`' shortcut: its one group holds the same keys, in the same order, as the
-    general path gives the same row sent twice (column, header, input- and output-derived rules, per-row metadata
-    and every pair)."""
+    """A one-row request's one group holds the same keys, in the same order, as the same row sent twice (column,
+    header, input- and output-derived rules, per-row metadata and every pair)."""
     from tailguard.core.spec import parse_spec
     from tailguard.monitoring import testing as T
     from tailguard.monitoring.config import resolve_config
