@@ -459,7 +459,8 @@ class MonitorConfig:
                    outputs: Sequence[list[str] | None] | None = None) -> list[tuple[list[str], list[int] | None]]:
         """The request's rows grouped by slice key: [(keys whose rows are the same, row indices into the kept
         rows, ascending, or None for all of them)], ``all`` first. Each (request, slice group) with at least one
-        row is one unit of evidence for that group (docs/monitor.md, Per-row slices).
+        row is one unit of evidence for that group (docs/monitor.md, Per-row slices). `rule_labels` then
+        `groups_of`.
 
         Args:
             keys: the request's RowKeys (`row_keys`).
@@ -468,6 +469,12 @@ class MonitorConfig:
             outputs: per rule, the output-derived rule's labels of the kept rows when already computed (the
                 monitor labels a micro-batch at once), else None (computed here from `reference`).
         """
+        return self.groups_of(self.rule_labels(keys, reference, keep, outputs), int(np.count_nonzero(keep)))
+
+    def rule_labels(self, keys: RowKeys, reference: np.ndarray, keep: np.ndarray,
+                    outputs: Sequence[list[str] | None] | None = None) -> list[str | list[str]]:
+        """Per rule, the kept rows' label: a str when every row has it, else a list of one label per kept row
+        (arguments as `row_groups`; an output-derived rule the output does not fit: `missing`)."""
         kept = np.flatnonzero(keep)
         n = kept.size
         per_rule: list[str | list[str]] = []
@@ -482,6 +489,10 @@ class MonitorConfig:
             elif not isinstance(lab, str):
                 lab = [lab[i] for i in kept] if n != len(lab) else lab
             per_rule.append(lab)
+        return per_rule
+
+    def groups_of(self, per_rule: Sequence[str | list[str]], n: int) -> list[tuple[list[str], list[int] | None]]:
+        """`row_groups` from the rules' labels of n kept rows (`rule_labels`)."""
         rows_of: dict[str, list[int]] = {}
         whole: list[str] = [ALL_SLICE]
         names = [r.name for r in self.rules]
@@ -510,6 +521,17 @@ class MonitorConfig:
             else:
                 by_rows.setdefault(tuple(idx), []).append(key)
         return [(whole, None), *((ks, list(idx)) for idx, ks in by_rows.items())]
+
+    def keys_per_row(self, per_rule: Sequence[str | list[str]], n: int) -> list[list[str]]:
+        """Each of n kept rows' own slice keys, laid out as `slice_keys` lays out a request's: ``all``, one per
+        rule, one per pair (the sampled-pair record's `slices`; sink.redact_slices reads them by position)."""
+        names = [r.name for r in self.rules]
+        cols = [[f"{name}={lab}"] * n if isinstance(lab, str) else [f"{name}={x}" for x in lab]
+                for name, lab in zip(names, per_rule)]
+        labs = [[lab] * n if isinstance(lab, str) else lab for lab in per_rule]
+        pair_cols = [[f"{names[i]}={x}{PAIR_SEPARATOR}{names[j]}={y}" for x, y in zip(labs[i], labs[j])]
+                     for i, j in self.pairs]
+        return [[ALL_SLICE, *row] for row in zip(*cols, *pair_cols)] if cols else [[ALL_SLICE] for _ in range(n)]
 
     def slice_keys(self, meta: Mapping[str, Any]) -> tuple[list[str], int]:
         """Slice keys of one request from its metadata alone: ``all``, ``<rule name>=<group>`` per rule, then

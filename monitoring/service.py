@@ -149,8 +149,9 @@ class MonitorService(IngestMixin, ShadowWorkerMixin, ReadinessMixin):
             self.drift = DriftSnapshots(cfg)
         self._lock = threading.Lock()
         role = "replica" if evidence_only else "combiner" if peers or peer_dns else "standalone"
+        consumer = self.sink is not None or self.drift is not None  # without one, no per-row records are built
         self.monitor = SliceMonitor(redacted_config(cfg, self.redact), seed=seed, metrics=self.metrics,
-                                    on_sample=self._on_sample, lock=self._lock, role=role)
+                                    on_sample=self._on_sample if consumer else None, lock=self._lock, role=role)
         self.combiner: Combiner | None = None
         self._poller: PollLoop | None = None
         if self.monitor.combined is not None:

@@ -210,22 +210,26 @@ class SliceMonitor:
         kept = [j.reference[j.keep] if p else None for j, p in zip(judged, per_row)]  # per-row requests' outputs
         labels = iter(self._output_labels([ref for ref in kept if ref is not None]))
         requests: list[GroupedRequest | None] = []
+        row_labels: list[list[str | list[str]] | None] = []  # per request, its rules' labels of the kept rows
         for it, j, p, ref in zip(items, judged, per_row, kept):
+            row_labels.append(None)
             if j.rows is None:
                 requests.append(None)
                 continue
             ratios = dict(zip(it.keys, it.decision.ratios)) if it.decision.ratios else {}
             if p:
                 base = ratios.get(ALL_SLICE, 1.0)
-                groups = self.cfg.row_groups(it.keys, ref, j.keep, outputs=next(labels))  # type: ignore[arg-type]
+                per_rule = self.cfg.rule_labels(it.keys, ref, j.keep, outputs=next(labels))  # type: ignore[arg-type]
+                row_labels[-1] = per_rule
+                groups = self.cfg.groups_of(per_rule, int(ref.shape[0]))  # type: ignore[union-attr]
                 r = [[ratios.get(k, base) for k in group_keys] for group_keys, _ in groups] if ratios else None
             else:
                 groups = [(list(it.keys), None)]
                 r = [list(it.decision.ratios)] if it.decision.ratios else None
             requests.append(GroupedRequest(groups, j.rows, it.decision.weight, r, it.request_index))
         prepared = iter(self.stats.reducer.prepare_batch([r for r in requests if r is not None]))
-        return [self._add(it, j, req, next(prepared) if req is not None else None, now)
-                for it, j, req in zip(items, judged, requests)]
+        return [self._add(it, j, req, next(prepared) if req is not None else None, now, lab)
+                for it, j, req, lab in zip(items, judged, requests, row_labels)]
 
     def _judge(self, it: Observation) -> _Judged:
         """One request's per-row values (no state changed): the candidate's failure, if any, decided as `observe`
@@ -272,10 +276,11 @@ class SliceMonitor:
         return out
 
     def _add(self, it: Observation, j: _Judged, req: GroupedRequest | None, prepared: Any,
-             now: datetime | None) -> Evaluation:
+             now: datetime | None, per_rule: list[str | list[str]] | None = None) -> Evaluation:
         """The state changes of one judged request, in arrival order: counters, reference failures, the slices'
         statistics and detectors (`SliceStatistics.apply_groups`), checkpoints, alert logs, sampled-pair
-        records."""
+        records (only with an `on_sample` consumer; each row's `slices` are its own keys: with per-row slices,
+        `per_rule`, the rules' labels of the kept rows, gives them, `MonitorConfig.keys_per_row`)."""
         n_bad = int(j.keep.size - np.count_nonzero(j.keep))
         if n_bad:
             if self.metrics is not None:
@@ -293,9 +298,12 @@ class SliceMonitor:
         self.report(ev)
         if self.on_sample is not None:
             values, ref, candidate = j.values, j.reference, it.candidate
-            for i in np.flatnonzero(j.keep):
+            rows = np.flatnonzero(j.keep)
+            own = self.cfg.keys_per_row(per_rule, rows.size) if per_rule is not None else None
+            for k, i in enumerate(rows):
                 rec = {"request_id": it.request_id, "row": int(i), "request_index": it.request_index,
-                       "weight": it.decision.weight, "slices": list(it.keys), "meta": dict(it.meta or {}),
+                       "weight": it.decision.weight, "slices": own[k] if own is not None else list(it.keys),
+                       "meta": dict(it.meta or {}),
                        "inputs": {k: np.asarray(v)[i] for k, v in (it.feeds or {}).items()},
                        "reference": np.asarray(ref[i]),
                        "candidate": np.asarray(candidate[i]) if j.failure is None else None,  # type: ignore[index]

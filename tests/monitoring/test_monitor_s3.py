@@ -303,7 +303,10 @@ def test_sink_writes_every_row_when_parameters_have_lone_surrogates(s3_bucket, t
     svc = _serve_to_s3(tmp_path, port, bucket, {}, [body] * 3)
     _, df = _objects(client, bucket)
     assert len(df) == 3 and (df["domain"] == "a?").all() and "?k" not in df.columns  # no slice reads it
-    assert (df["_tg_request_id"] == "r?").all() and [list(s) for s in df["_tg_slices"]] == [["all", "domain=a?"]] * 3
+    assert (df["_tg_request_id"] == "r?").all()
+    # the row's own keys: the default `predicted` (the reference's top-1) beside the request's `domain`
+    assert [list(s)[:2] for s in df["_tg_slices"]] == [["all", "domain=a?"]] * 3
+    assert all(len(s) == 3 and s[2].startswith("predicted=") for s in df["_tg_slices"])
     assert svc.sink.spooled() == []
 
 
@@ -322,3 +325,27 @@ def test_sink_writes_slice_key_redacted_when_redacted_field_is_slice_column(s3_b
                                                     "dom=<redacted>&tier=gold"]] * 3
     assert (df["domain"] == REDACTED).all() and "legal" not in df.to_json()
     assert "legal" not in str(svc.slices()) and "legal" not in svc.metrics.exposition().decode()
+
+
+def test_sink_writes_each_rows_own_slice_keys_when_slices_are_derived_per_row(s3_bucket, tmp_path):
+    """A 6-row request with the default `predicted` slice (the reference's top-1, per row) and a request-level
+    `domain`: each Parquet row lists its own class's key, laid out as slice_keys lays them out (all, one per rule),
+    not every class some row of its request has."""
+    port, client, bucket = s3_bucket
+    import json
+
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(3)
+    xs = [rng.normal(size=(6, T.N_FEATURES)).astype(np.float32) * 3 for _ in range(4)]
+    bodies = [json.dumps(request_json({"x": x}, {"domain": "web"}, request_id=f"r{i}")).encode()
+              for i, x in enumerate(xs)]
+    svc = _serve_to_s3(tmp_path, port, bucket, {"max_request_rows": 8}, bodies)
+    _, df = _objects(client, bucket)
+    assert len(df) == 24 and svc.sink.spooled() == []
+    sess = ort.InferenceSession(str(tmp_path / "ref.onnx"))
+    want = {(f"r{i}", r): ["all", "domain=web", f"predicted={c}"]
+            for i, x in enumerate(xs) for r, c in enumerate(sess.run(None, {"x": x})[0].argmax(axis=1))}
+    assert len({v[2] for v in want.values()}) > 1  # the requests mix classes: a request-level key list would differ
+    got = {(rid, int(row)): list(s) for rid, row, s in zip(df["_tg_request_id"], df["_tg_row"], df["_tg_slices"])}
+    assert got == want
