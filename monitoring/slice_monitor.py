@@ -228,8 +228,27 @@ class SliceMonitor:
                 r = [list(it.decision.ratios)] if it.decision.ratios else None
             requests.append(GroupedRequest(groups, j.rows, it.decision.weight, r, it.request_index))
         prepared = iter(self.stats.reducer.prepare_batch([r for r in requests if r is not None]))
-        return [self._add(it, j, req, next(prepared) if req is not None else None, now, lab)
-                for it, j, req, lab in zip(items, judged, requests, row_labels)]
+        preps = [next(prepared) if req is not None else None for req in requests]
+        # requests that only add to the statistics (compared, every reference row finite) are applied a run at a
+        # time (`SliceStatistics.apply_batch`): the state after each run is the state one request at a time
+        # leaves; the others (reference failures change the slices' versions in between; a process with
+        # checkpoints takes them between requests) one at a time, in order
+        clean = [req is not None and self.checkpoints is None and bool(j.keep.all())
+                 for req, j in zip(requests, judged)]
+        out: list[Evaluation] = []
+        i = 0
+        while i < len(items):
+            end = i + 1
+            if clean[i]:
+                while end < len(items) and clean[end]:
+                    end += 1
+                evs = self.stats.apply_batch(requests[i:end], preps[i:end], now)  # type: ignore[arg-type]
+            else:
+                evs = [None]  # type: ignore[list-item]
+            out += [self._add(items[n], judged[n], requests[n], preps[n], now, row_labels[n], ev)
+                    for n, ev in zip(range(i, end), evs)]
+            i = end
+        return out
 
     def _judge(self, it: Observation) -> _Judged:
         """One request's per-row values (no state changed): the candidate's failure, if any, decided as `observe`
@@ -276,11 +295,13 @@ class SliceMonitor:
         return out
 
     def _add(self, it: Observation, j: _Judged, req: GroupedRequest | None, prepared: Any,
-             now: datetime | None, per_rule: list[str | list[str]] | None = None) -> Evaluation:
+             now: datetime | None, per_rule: list[str | list[str]] | None = None,
+             applied: Evaluation | None = None) -> Evaluation:
         """The state changes of one judged request, in arrival order: counters, reference failures, the slices'
-        statistics and detectors (`SliceStatistics.apply_groups`), checkpoints, alert logs, sampled-pair
-        records (only with an `on_sample` consumer; each row's `slices` are its own keys: with per-row slices,
-        `per_rule`, the rules' labels of the kept rows, gives them, `MonitorConfig.keys_per_row`)."""
+        statistics and detectors (`SliceStatistics.apply_groups`; `applied`: the Evaluation of a request the
+        caller has applied already, `apply_batch`), checkpoints, alert logs, sampled-pair records (only with an
+        `on_sample` consumer; each row's `slices` are its own keys: with per-row slices, `per_rule`, the rules'
+        labels of the kept rows, gives them, `MonitorConfig.keys_per_row`)."""
         n_bad = int(j.keep.size - np.count_nonzero(j.keep))
         if n_bad:
             if self.metrics is not None:
@@ -290,7 +311,7 @@ class SliceMonitor:
             self.metrics.candidate_failures.labels(j.failure).inc()
         if req is None:
             return Evaluation()
-        ev = self.stats.apply_groups(req, prepared, now)
+        ev = applied if applied is not None else self.stats.apply_groups(req, prepared, now)
         if self.checkpoints is not None:
             self.checkpoints.tick()
         self.compared_rows += int(np.count_nonzero(j.keep))

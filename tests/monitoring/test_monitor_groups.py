@@ -111,6 +111,53 @@ def test_update_batch_matches_one_update_per_group_when_cusums_rise_and_clip_wit
     assert ("predicted=2", "top1_agree") in [(a.slice, a.metric) for a in fired_g]
 
 
+@pytest.mark.parametrize("seed", [3, 8])
+def test_update_batch_composes_most_units_and_matches_one_update_per_group_when_traffic_is_mostly_good(seed):
+    """The common case of production traffic: most (request, slice group) units sit on the good side of idle
+    detectors (`SliceStatistics.apply_batch` composes them per key), while one class drifts from request 400 on,
+    some requests carry NaN values or more than M rows, some keys are new in a batch and the ratios vary: the state,
+    the slice order, change points, window marks and alerts equal one `update` per group in order, and most units
+    took the composed path (not `_apply`)."""
+    from tailguard.monitoring.units import GroupedRequest
+
+    grouped, looped = _pair(max_request_rows=12)
+    calls = {"apply": 0}
+    real_apply = grouped._apply
+
+    def counting_apply(keys, *args, **kw):  # a spy at one seam: counts the (group, key) units applied one by one
+        calls["apply"] += len(keys)
+        return real_apply(keys, *args, **kw)
+
+    grouped._apply = counting_apply
+    rng = np.random.default_rng(seed)
+    fired_g, fired_l, units = [], [], 0
+    for b in range(100):
+        reqs = []
+        for k in range(8):
+            i = b * 8 + k
+            rows = 14 if rng.random() < 0.02 else int(rng.integers(1, 13))  # 2% of requests over M = 12 rows
+            groups, values = _request(rng, rows, 3 + b // 40, agree=1.0, error_rate=0.0, kl_scale=0.01,
+                                      nan_rate=0.3 if rng.random() < 0.02 else 0.0)
+            drifted = [idx for keys, idx in groups if keys == ["predicted=2"]]
+            if i >= 400 and drifted:
+                values["top1_agree"][drifted[0]] = (rng.random(len(drifted[0])) < 0.6).astype(float)
+            ratios = [[float(rng.choice([0.25, 1.0]))] * len(keys) for keys, _ in groups] if k % 2 else None
+            reqs.append(GroupedRequest(groups, values, 1.5, ratios, i))  # the weight _per_group_ratios uses
+            units += sum(len(keys) for keys, idx in groups if idx is None or len(idx))
+            fired_l += _per_group_ratios(looped, groups, values, ratios, request_index=i)
+        fired_g += [a for ev in grouped.update_batch(reqs) for a in ev.fired]
+        if b == 49:  # before the drift: only units with NaN or over M rows, new keys and what follows them in
+            # their key's batch go one by one
+            assert calls["apply"] < units / 2, (calls, units)
+    _assert_same(grouped, looped)
+    assert [(s.version, s.incarnation) for s in grouped.slices.values()] == \
+        [(s.version, s.incarnation) for s in looped.slices.values()] and grouped.version == looped.version
+    key = [(a.slice, a.metric, a.request_index, round(a.value, 9), a.window_requests) for a in fired_g]
+    assert key == [(a.slice, a.metric, a.request_index, round(a.value, 9), a.window_requests) for a in fired_l]
+    assert ("predicted=2", "top1_agree") in [(a.slice, a.metric) for a in fired_g]
+    assert any(s.oversize for s in grouped.slices.values())
+
+
 def test_update_batch_matches_one_update_per_sorted_group_when_indices_descend_or_a_group_is_empty():
     """A caller's group given with its row indices descending is reduced as the same rows ascending (a row's decay
     weight is its place in the group), and a group of no rows adds nothing, first, inside or last in a batch."""
