@@ -125,7 +125,7 @@ from tailguard.monitoring.cusum import (
     bettings,
     window_estimate,
 )
-from tailguard.monitoring.units import GroupedRequest, Prepared, RowReducer
+from tailguard.monitoring.units import BatchSums, GroupedRequest, Prepared, RowReducer
 
 DEFAULT_MAX_REQUEST_ROWS = 64  # monitoring.max_request_rows' default (the bound M on a request's rows)
 DETECTOR = "betting_cusum"
@@ -492,7 +492,7 @@ class SliceStatistics:
         Returns:
             One Evaluation per request (the alerts its update fired and cleared).
         """
-        return self.apply_batch(requests, self.reducer.prepare_batch(requests), now)
+        return self.apply_batch(requests, self.reducer.reduce_batch(requests), now)
 
     def apply_groups(self, req: GroupedRequest, prepared: Sequence[Prepared], now: datetime | None = None
                      ) -> Evaluation:
@@ -510,84 +510,75 @@ class SliceStatistics:
                 self._apply(keys, p, r, req.request_index, now, ev)
         return ev
 
-    def apply_batch(self, requests: Sequence[GroupedRequest], prepared: Sequence[Sequence[Prepared]],
-                    now: datetime | None = None) -> list[Evaluation]:
+    def apply_batch(self, requests: Sequence[GroupedRequest], batch: BatchSums, now: datetime | None = None,
+                    first: int = 0) -> list[Evaluation]:
         """`apply_groups` of several requests, in order, with the common case composed per slice key: the
         statistics, CUSUMs, alerts, version numbers and slice order are those of one `apply_groups` per request
         (the sums may differ in the last bits: summed in another order).
 
-        The common case is a (request, slice group) of at most max_request_rows rows with finite values whose
-        every bounded metric's unit is on the good side (alarm excess sum <= 0), added to a slice whose detectors
-        are idle (no active alert, every alarm CUSUM at 0): every CUSUM stays at 0 (`Cusum.update`), and the unit
-        only moves the display recursion s <- decay^n s + a and the window sums (`add_sums`), both of which compose.
-        Per key, the run of such units from the batch's start is composed with numpy, k units as
-        s <- decay^(n_1 + .. + n_k) s + sum_i decay^(n_(i+1) + .. + n_k) a_i, one Python update per key; a key's
-        first unit outside the common case, and every later unit of that key, go through `_apply` in arrival order
-        (alerts fire only there). A batch that creates a slice (eviction order), or a replica keeping walks
-        (`export_walks`), takes `apply_groups` per request.
+        The common case is a (request, slice group) unit of at most max_request_rows rows with finite values
+        (`BatchSums.composable`) whose every bounded metric's excess sum is on the good side (alarm excess <= 0),
+        added to a slice whose detectors are idle (no active alert, every alarm CUSUM at 0): every CUSUM stays at
+        0 (`Cusum.update`), and the unit only moves the display recursion s <- decay^n s + a and the window sums
+        (`add_sums`), both of which compose. Per key, the run of such units from the batch's start is composed
+        with numpy, k units as s <- decay^(n_1 + .. + n_k) s + sum_i decay^(n_(i+1) + .. + n_k) a_i, one Python
+        update per key; a key's first unit outside the common case, and every later unit of that key, go through
+        `_apply` in arrival order (alerts fire only there). A batch that creates a slice (eviction order), or a
+        replica keeping walks (`export_walks`), takes `apply_groups` per request.
 
         Args:
             requests: the requests in arrival order (`GroupedRequest`).
-            prepared: per request, per group, its `Prepared` (`RowReducer.prepare_batch`).
+            batch: their groups' sums (`RowReducer.reduce_batch`); requests[j] is the batch's request first + j.
             now: time stamp for fired/cleared records.
+            first: the batch position of requests[0].
 
         Returns:
             One Evaluation per request (the alerts it fired and cleared).
         """
+        def each() -> list[Evaluation]:
+            return [self.apply_groups(r, batch.per_request(first + i), now) for i, r in enumerate(requests)]
+
         if self.export_walks or len(requests) < 2:
-            return [self.apply_groups(r, q, now) for r, q in zip(requests, prepared)]
+            return each()
         slices = self.slices
-        flat: list[tuple[int, Prepared]] = []  # (request position, prepared) of every group with rows, in order
-        pg: list[int] = []  # per (group, key) pair: its group in `flat`, its key's slot, its ratio
+        flat_req: list[int] = []  # per group with rows, in order: its request's position, its row in `batch`
+        flat_row: list[int] = []
+        pg: list[int] = []  # per (group, key) pair: its group in `flat_*`, its key's slot, its ratio
         ps: list[int] = []
         pr: list[float] = []
         slot_of: dict[str, int] = {}
         keys_at: list[str] = []
-        for i, (req, prep) in enumerate(zip(requests, prepared)):
+        n_rows = batch.rows.tolist()
+        starts = batch.starts.tolist()
+        for i, req in enumerate(requests):
             ratios = req.ratios
-            for g, ((keys, _), p) in enumerate(zip(req.groups, prep)):
-                if not p[0]:
+            at = starts[first + i]
+            for g, (keys, _) in enumerate(req.groups):
+                if not n_rows[at + g]:
                     continue
-                gi = len(flat)
-                flat.append((i, p))
+                gi = len(flat_row)
+                flat_req.append(i)
+                flat_row.append(at + g)
                 rat = ratios[g] if ratios is not None else None
                 for j, k in enumerate(keys):
                     u = slot_of.get(k)
                     if u is None:
                         if k not in slices:
-                            return [self.apply_groups(r, q, now) for r, q in zip(requests, prepared)]
+                            return each()
                         u = slot_of[k] = len(keys_at)
                         keys_at.append(k)
                     pg.append(gi)
                     ps.append(u)
                     pr.append(rat[j] if rat is not None else 1.0)
-        if len(flat) < 2:
-            return [self.apply_groups(r, q, now) for r, q in zip(requests, prepared)]
+        if len(flat_row) < 2:
+            return each()
         evs = [Evaluation() for _ in requests]
-        metrics, bounded, mr = self.metrics, list(self.bounds), self.max_request_rows
-        k, nb = len(metrics), len(bounded)
-        bidx = {m: b for b, m in enumerate(bounded)}
-        n_list: list[int] = []
-        common: list[bool] = []
-        sum_rows: list[list[float]] = []  # per group: w x geo, w^2 x geo, w x value weights, w x sums
-        unit_rows: list[list[float]] = []  # per group, per bounded metric: rows with a value, alarm excess sum
-        for _, p in flat:
-            n, sw_add, sww_add, gm, gx, ginf, excess = p
-            n_list.append(n)
-            sum_rows.append([sw_add, sww_add, *gm, *gx])
-            ur = [0.0] * (2 * nb)
-            ok = ginf is None and n <= mr
-            for m, au, _ in excess:
-                b = bidx[m]
-                ur[2 * b], ur[2 * b + 1] = au[0]
-                if au[0][1] > 0.0:
-                    ok = False
-            unit_rows.append(ur)
-            common.append(ok)
-        n_g = np.asarray(n_list, dtype=np.int64)
-        common_g = np.asarray(common, dtype=bool)
-        sums_g = np.asarray(sum_rows, dtype=np.float64)
-        units_g = np.asarray(unit_rows, dtype=np.float64)
+        metrics, bounded = self.metrics, self.reducer.bounded
+        k = len(metrics)
+        fr = np.asarray(flat_row, dtype=np.int64)
+        n_g = batch.rows[fr]
+        alarm_g = batch.alarm[fr]
+        common_g = batch.composable[fr] & (alarm_g <= 0.0).all(axis=1)
         n_keys = len(keys_at)
         idle = np.fromiter((not any(st.active or any(st.alarm.s) for st in slices[key].streams.values())
                             for key in keys_at), dtype=bool, count=n_keys)
@@ -602,39 +593,41 @@ class SliceStatistics:
         tail = np.sort(order[~in_prefix])  # the rest, in arrival order
         last_pair = np.zeros(n_keys, dtype=np.int64)
         np.maximum.at(last_pair, ps_a, np.arange(ps_a.shape[0]))
+        v0 = self.version
         if sel.shape[0]:
             slot = ps_a[sel]
             g = pg_a[sel]
             nn = n_g[g]
             taken = np.bincount(slot, minlength=n_keys)
-            first = np.cumsum(taken) - taken
+            begin = np.cumsum(taken) - taken
             live = np.flatnonzero(taken)
             ends = np.cumsum(nn)
-            n_key = np.add.reduceat(nn, first[live])  # rows composed per key (keys with any)
+            n_key = np.add.reduceat(nn, begin[live])  # rows composed per key (keys with any)
             total = np.zeros(n_keys, dtype=np.int64)
             total[live] = n_key
             base = np.zeros(n_keys, dtype=np.int64)
-            base[live] = (ends - nn)[first[live]]
+            base[live] = (ends - nn)[begin[live]]
             after = total[slot] - (ends - base[slot])  # rows of the key's later composed units
             w = self.decay ** after.astype(np.float64)
             r = np.asarray(pr)[sel]
-            cols = [sums_g[g] * w[:, None]]
-            for b in range(nb):
-                n_u, s_u = units_g[g, 2 * b], units_g[g, 2 * b + 1]
-                rn, rs = r * n_u, r * s_u
-                cols.append(np.stack([n_u > 0, n_u, rn, rs, rs * rs, rn * rs, rn * rn], axis=1))
-            per_key = np.add.reduceat(np.concatenate(cols, axis=1), first[live], axis=0)
+            rn = r * nn
+            cols = [batch.display[fr[g]] * w[:, None]]
+            for b in range(len(bounded)):  # the window sums (ACC_FIELDS) of each unit: n rows per metric
+                rs = r * alarm_g[g, b]
+                cols.append(np.stack([np.ones_like(r), nn.astype(np.float64), rn, rs, rs * rs, rn * rs, rn * rn],
+                                     axis=1))
+            per_key = np.add.reduceat(np.concatenate(cols, axis=1), begin[live], axis=0)
             decays = self.decay ** n_key.astype(np.float64)
             last_of = sel[np.cumsum(taken)[live] - 1]  # each key's last composed pair
-            v0 = self.version
-            for u, row, d, n_rows, c, lp in zip(live.tolist(), per_key.tolist(), decays.tolist(), n_key.tolist(),
-                                                taken[live].tolist(), last_of.tolist()):
+            width = len(ACC_FIELDS)
+            for u, row, d, rows, c, lp in zip(live.tolist(), per_key.tolist(), decays.tolist(), n_key.tolist(),
+                                              taken[live].tolist(), last_of.tolist()):
                 s = slices[keys_at[u]]
                 gi = pg[lp]
                 s.version = v0 + gi + 1
-                s.rows += n_rows
+                s.rows += rows
                 s.requests += c
-                s.last_request = requests[flat[gi][0]].request_index
+                s.last_request = requests[flat_req[gi]].request_index
                 s.sw = d * s.sw + row[0]
                 s.sww = d * s.sww + row[1]
                 swm, swx, ninf = s.swm, s.swx, s.ninf
@@ -648,16 +641,15 @@ class SliceStatistics:
                 streams = s.streams
                 for m in bounded:
                     acc = streams[m].acc
-                    for f in range(len(acc)):
+                    for f in range(width):
                         acc[f] += row[at + f]
-                    at += 7
-        v0 = self.version
+                    at += width
         for t in tail.tolist():
             gi = pg[t]
-            i, p = flat[gi]
-            req = requests[i]
-            self._apply([keys_at[ps[t]]], p, [pr[t]], req.request_index, now, evs[i], version=v0 + gi + 1)
-        self.version = v0 + len(flat)
+            i = flat_req[gi]
+            self._apply([keys_at[ps[t]]], batch.prepared(flat_row[gi]), [pr[t]], requests[i].request_index, now,
+                        evs[i], version=v0 + gi + 1)
+        self.version = v0 + len(flat_row)
         for u in np.argsort(last_pair, kind="stable").tolist():  # the slice order one update per group leaves
             key = keys_at[u]
             if key in slices:

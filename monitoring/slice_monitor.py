@@ -195,7 +195,7 @@ class SliceMonitor:
         """`observe` of several sampled requests (the shadow worker's micro-batch), in order: the same statistics,
         alerts, counters and sampled-pair records as one `observe` per request, with the per-request numpy work
         done once for the batch (the reference's output-derived labels of every row: one `output_labels` call per
-        rule; the slice groups' sums: `RowReducer.prepare_batch`, monitoring/units.py).
+        rule; the slice groups' sums: `RowReducer.reduce_batch`, monitoring/units.py).
 
         Args:
             items: the requests in arrival order (Observation: `observe`'s arguments).
@@ -227,8 +227,8 @@ class SliceMonitor:
                 groups = [(list(it.keys), None)]
                 r = [list(it.decision.ratios)] if it.decision.ratios else None
             requests.append(GroupedRequest(groups, j.rows, it.decision.weight, r, it.request_index))
-        prepared = iter(self.stats.reducer.prepare_batch([r for r in requests if r is not None]))
-        preps = [next(prepared) if req is not None else None for req in requests]
+        batch = self.stats.reducer.reduce_batch([r for r in requests if r is not None])
+        at = np.cumsum([req is not None for req in requests]).tolist()  # a request's batch position + 1
         # requests that only add to the statistics (compared, every reference row finite) are applied a run at a
         # time (`SliceStatistics.apply_batch`): the state after each run is the state one request at a time
         # leaves; the others (reference failures change the slices' versions in between; a process with
@@ -242,10 +242,12 @@ class SliceMonitor:
             if clean[i]:
                 while end < len(items) and clean[end]:
                     end += 1
-                evs = self.stats.apply_batch(requests[i:end], preps[i:end], now)  # type: ignore[arg-type]
+                evs = self.stats.apply_batch(requests[i:end], batch, now, first=at[i] - 1)  # type: ignore[arg-type]
             else:
                 evs = [None]  # type: ignore[list-item]
-            out += [self._add(items[n], judged[n], requests[n], preps[n], now, row_labels[n], ev)
+            out += [self._add(items[n], judged[n], requests[n],
+                              batch.per_request(at[n] - 1) if requests[n] is not None and ev is None else None,
+                              now, row_labels[n], ev)
                     for n, ev in zip(range(i, end), evs)]
             i = end
         return out

@@ -5,7 +5,9 @@ estimate's decayed weight sums and value sums (each row weighted by the decay of
 weighs 1, so adding a group of n rows is s <- decay^n s + (these sums), one recursion step per group), and per
 bounded metric its evidence units (`cusum.request_units`: the clipped excess sums the bets are taken on). Nothing
 here reads or changes a slice's state; `SliceStatistics` applies the sums in arrival order.
-`RowReducer.prepare_batch` reduces a whole micro-batch (every group of every request) with one segmented sum.
+`RowReducer.reduce_batch` reduces a whole micro-batch (every group of every request) with one segmented sum into
+`BatchSums` tables, which `SliceStatistics.apply_batch` composes per slice key without building a `Prepared` for the
+common case.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ class RowReducer:
         self.decay = decay
         self.max_request_rows = int(max_request_rows)
         self._geo: dict[int, tuple[np.ndarray, float]] = {}  # `decay_weights` memo
+        self.bounded = tuple(m for m in self.metrics if m in bounds)  # the metrics alerted on, in `metrics` order
+        self.excess_columns: list[tuple[str, int, int | None]] = []  # (bounded metric, its alarm and recovery
+        # excess columns in `_stack_sums`' sums)
+        col = 2 + len(self.metrics)
+        for m in self.bounded:
+            rec = bets[m][1] is not None
+            self.excess_columns.append((m, col, col + 1 if rec else None))
+            col += 2 if rec else 1
 
     def decay_weights(self, n: int) -> tuple[np.ndarray, float]:
         """(decay ** (n-1 .. 0), their sum) for an n-row update of the display estimate, memoized per n (a
@@ -125,20 +135,25 @@ class RowReducer:
                 [d[3] for d in display], excess)
 
     def prepare_batch(self, requests: Sequence[GroupedRequest]) -> list[list[Prepared]]:
-        """Each request's groups reduced for the statistics (`Prepared`, as `prepare` of each group's rows; no
-        state is read or changed), the sums of every group of every request computed at once: the requests' rows
-        are stacked into one (rows, metrics) matrix X; every group's rows are gathered from X group after group,
-        each weighted by the decay weight of its place in the group (the group's last row weighing 1, as
-        `decay_weights`), and one segmented sum gives the display sums and the clipped excess sums
-        (`_prepare_stacked`). A request whose
-        values hold a NaN or infinity, lack a metric, disagree in length, or with a group of more than
-        max_request_rows rows takes `prepare` per group (the rare path).
+        """Each request's groups reduced for the statistics, as `prepare` of each group's rows would (no state is
+        read or changed), computed at once (`reduce_batch`).
 
         Returns:
             Per request, per group, its `Prepared` (for `SliceStatistics.apply_groups`).
         """
-        out: list[list[Prepared] | None] = [None] * len(requests)
+        batch = self.reduce_batch(requests)
+        return [batch.per_request(i) for i in range(len(requests))]
+
+    def reduce_batch(self, requests: Sequence[GroupedRequest]) -> "BatchSums":
+        """Every group of every request reduced at once (`BatchSums`; no state is read or changed): the requests'
+        rows are stacked into one (rows, metrics) matrix X; every group's rows are gathered from X group after
+        group, each weighted by the decay weight of its place in the group (the group's last row weighing 1, as
+        `decay_weights`), and one segmented sum gives the display sums and the clipped excess sums
+        (`_stack_sums`). A request whose values hold a NaN or infinity, lack a metric, disagree in length, or with
+        a group of more than max_request_rows rows takes `prepare` per group (the rare path).
+        """
         metrics, mr = self.metrics, self.max_request_rows
+        batch = BatchSums(self, [len(req.groups) for req in requests])
         fast: list[int] = []
         cols: list[list[np.ndarray]] = [[] for _ in metrics]
         for i, req in enumerate(requests):
@@ -152,7 +167,7 @@ class RowReducer:
                     for c, a in zip(cols, arrays):
                         c.append(a)
                     continue
-            out[i] = self._prepare_each(req)
+            batch.set_rare(i, self._prepare_each(req))
         if fast:
             sizes = [c.shape[0] for c in cols[0]]
             stacked = np.stack([np.concatenate(c) for c in cols], axis=1)  # (rows, metrics)
@@ -161,35 +176,42 @@ class RowReducer:
                 ends = np.cumsum(sizes)
                 hit = set(np.searchsorted(ends, np.flatnonzero(bad), side="right").tolist())
                 for j in sorted(hit):
-                    out[fast[j]] = self._prepare_each(requests[fast[j]])
+                    batch.set_rare(fast[j], self._prepare_each(requests[fast[j]]))
                 keep = [j for j in range(len(fast)) if j not in hit]
                 if keep:
                     starts = ends - np.asarray(sizes)
                     stacked = stacked[np.concatenate([np.arange(starts[j], ends[j]) for j in keep])]
                 fast, sizes = [fast[j] for j in keep], [sizes[j] for j in keep]
             if fast:
-                for i, prepared in zip(fast, self._prepare_stacked([requests[i] for i in fast], sizes, stacked)):
-                    out[i] = prepared
-        return out  # type: ignore[return-value]
+                chosen = [requests[i] for i in fast]
+                counts, sums = self._stack_sums(chosen, sizes, stacked)
+                rows = np.concatenate([np.arange(batch.starts[i], batch.starts[i + 1]) for i in fast])
+                batch.set_stacked(rows, counts, sums)
+        return batch
 
     def _prepare_each(self, req: GroupedRequest) -> list[Prepared]:
-        """`prepare` of each group of one request on its own (the rare path of `prepare_batch`)."""
+        """`prepare` of each group of one request on its own (the rare path of `reduce_batch`)."""
         vals = req.values
         return [self.prepare(vals if idx is None else {m: np.atleast_1d(np.asarray(vals[m]))[idx]
                                                         for m in self.metrics if m in vals}, req.weight)
                 for _, idx in req.groups]
 
-    def _prepare_stacked(self, requests: Sequence[GroupedRequest], sizes: Sequence[int],
-                         stacked: np.ndarray) -> list[list[Prepared]]:
-        """`prepare_batch`'s common path: requests whose (rows_i, metrics) values are stacked in `stacked`
+    def _stack_sums(self, requests: Sequence[GroupedRequest], sizes: Sequence[int],
+                    stacked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`reduce_batch`'s common path: requests whose (rows_i, metrics) values are stacked in `stacked`
         ((sum rows_i, metrics) float64, finite), every group of at most max_request_rows rows.
 
         Every group's rows are gathered group after group (each group's rows ascending, so a row's place in its
         group is its rank) into one (group rows, 1 + metrics + excess columns) matrix: the row's decay weight, its
         weighted values and its clipped excesses; one `np.add.reduceat` at the groups' starts gives every group's
         sums, and the sampling weights scale them in place. The arrays are as long as the groups' rows (a dense
-        (groups, rows) membership matrix grows with their product), and the per-group Python work is one tuple
-        from one row of `sums.tolist()`."""
+        (groups, rows) membership matrix grows with their product).
+
+        Returns:
+            ((groups,) int64 rows per group, (groups, 2 + metrics + excess columns) float64 sums: w x the decay
+            weight sum, w^2 x that, per metric w x the decayed value sum, then the clipped excess sums of
+            `excess_columns`).
+        """
         flat_rows: list[int] = []  # every group's rows, group after group, as rows of `stacked`
         counts: list[int] = []
         offset = 0
@@ -215,21 +237,17 @@ class RowReducer:
         weights = self.decay_weights(longest)[0][longest - 1 - from_end]  # decay ** from_end
         k = len(self.metrics)
         ycols: list[np.ndarray] = []
-        slots = []  # (bounded metric, its alarm and recovery excess columns in `sums`)
-        for j, m in enumerate(self.metrics):
-            b = self.bounds.get(m)
-            if b is None:
-                continue
-            a = stacked[:, j]
+        for m, _, jr in self.excess_columns:
+            b = self.bounds[m]
+            a = stacked[:, self.metrics.index(m)]
             if b.higher_is_better:
                 y = b.value - a
             else:
                 y = (np.minimum(a, b.truncate_at) if b.truncate_at is not None else a) - b.value
             alarm_bet, rec_bet = self.bets[m]
-            slots.append((m, 2 + k + len(ycols), 2 + k + len(ycols) + 1 if rec_bet is not None else None))
             ycols.append(np.clip(alarm_bet.sign * y, -alarm_bet.span, alarm_bet.cap))
-            if rec_bet is not None:
-                ycols.append(np.clip(rec_bet.sign * y, -rec_bet.span, rec_bet.cap))
+            if jr is not None:
+                ycols.append(np.clip(rec_bet.sign * y, -rec_bet.span, rec_bet.cap))  # type: ignore[union-attr]
         # every group's rows: decay weight, weighted values, excesses: (group rows, 1 + metrics + excess columns)
         gathered = np.empty((rows.shape[0], 1 + k + len(ycols)))
         gathered[:, 0] = weights
@@ -244,18 +262,7 @@ class RowReducer:
         sums[:, 0] = gw * sums[:, 1]
         sums[:, 1] = gw * sums[:, 0]
         sums[:, 2:2 + k] *= gw[:, None]
-        flat: list[Prepared] = []
-        for size, row in zip(counts, sums.tolist()):
-            gs = row[0]
-            flat.append((size, gs, row[1], [gs] * k, row[2:2 + k], None,
-                         [(m, [(size, row[ja])], [(size, row[jr])] if jr is not None else None)
-                          for m, ja, jr in slots]))
-        out, g = [], 0
-        for req in requests:
-            n_groups = len(req.groups)
-            out.append(flat[g:g + n_groups])
-            g += n_groups
-        return out
+        return cnt, sums
 
     @staticmethod
     def _ascending(rows: np.ndarray, starts: np.ndarray) -> bool:
@@ -263,3 +270,67 @@ class RowReducer:
         up = np.diff(rows) > 0
         up[starts[1:] - 1] = True  # a group's first row need not follow the previous group's last
         return bool(up.all())
+
+
+class BatchSums:
+    """A micro-batch's (request, slice group) units reduced at once (`RowReducer.reduce_batch`): every group of
+    every request, request after request, one row of each table; a group's `Prepared` is built when asked
+    (`prepared`), so the common case never builds one (`SliceStatistics.apply_batch` reads the tables).
+
+    Attributes:
+        starts: (requests + 1,) int64, the first group row of each request (and the end).
+        rows: (groups,) int64, the group's rows.
+        display: (groups, 2 + 2 x metrics) float64: w x the decay weight sum, w^2 x that, per metric w x the decay
+            weight sum of rows with a value, per metric w x the decayed value sum (the display recursion's
+            addends, `Prepared` fields 1-4); zeros for a rare group.
+        alarm: (groups, bounded metrics) float64, the clipped alarm-side excess sum per metric of
+            `RowReducer.bounded` (0 for a rare group).
+        composable: (groups,) bool: one evidence unit (1 to max_request_rows rows), finite values, every metric
+            present (so its window sums add n rows per bounded metric); False for a rare group (`prepare`'s).
+    """
+
+    def __init__(self, reducer: RowReducer, groups_per_request: Sequence[int]) -> None:
+        self.reducer = reducer
+        self.starts = np.zeros(len(groups_per_request) + 1, dtype=np.int64)
+        np.cumsum(groups_per_request, out=self.starts[1:])
+        g, k = int(self.starts[-1]), len(reducer.metrics)
+        self.rows = np.zeros(g, dtype=np.int64)
+        self.display = np.zeros((g, 2 + 2 * k))
+        self.alarm = np.zeros((g, len(reducer.bounded)))
+        self.composable = np.zeros(g, dtype=bool)
+        self._raw: np.ndarray | None = None  # (groups, `_stack_sums` columns), rows of stacked groups
+        self._rare: dict[int, Prepared] = {}
+
+    def set_rare(self, i: int, prepared: Sequence[Prepared]) -> None:
+        """Request i's groups reduced one by one (`RowReducer.prepare`): not composable."""
+        for g, p in enumerate(prepared, start=int(self.starts[i])):
+            self._rare[g] = p
+            self.rows[g] = p[0]
+
+    def set_stacked(self, at: np.ndarray, counts: np.ndarray, sums: np.ndarray) -> None:
+        """The groups at rows `at`, from `_stack_sums` (counts (groups,), sums (groups, columns))."""
+        k = len(self.reducer.metrics)
+        raw = self._raw = np.zeros((self.rows.shape[0], sums.shape[1]))
+        raw[at] = sums
+        self.rows[at] = counts
+        self.display[at, :2] = sums[:, :2]
+        self.display[at, 2:2 + k] = sums[:, :1]  # finite rows: every metric has a value on every row
+        self.display[at, 2 + k:] = sums[:, 2:2 + k]
+        for b, (_, ja, _) in enumerate(self.reducer.excess_columns):
+            self.alarm[at, b] = sums[:, ja]
+        self.composable[at] = counts > 0
+
+    def prepared(self, g: int) -> Prepared:
+        """Group row g as `RowReducer.prepare` gives it."""
+        got = self._rare.get(g)
+        if got is not None:
+            return got
+        row = self._raw[g].tolist()  # type: ignore[index]
+        n, k, gs = int(self.rows[g]), len(self.reducer.metrics), row[0]
+        return (n, gs, row[1], [gs] * k, row[2:2 + k], None,
+                [(m, [(n, row[ja])], [(n, row[jr])] if jr is not None else None)
+                 for m, ja, jr in self.reducer.excess_columns])
+
+    def per_request(self, i: int) -> list[Prepared]:
+        """Request i's groups, each as `prepared`."""
+        return [self.prepared(g) for g in range(int(self.starts[i]), int(self.starts[i + 1]))]
