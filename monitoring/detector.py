@@ -543,11 +543,9 @@ class SliceStatistics:
         slices = self.slices
         flat_req: list[int] = []  # per group with rows, in order: its request's position, its row in `batch`
         flat_row: list[int] = []
-        pg: list[int] = []  # per (group, key) pair: its group in `flat_*`, its key's slot, its ratio
-        ps: list[int] = []
+        per_group: list[int] = []  # its keys
+        pk: list[str] = []  # per (group, key) pair, group after group: the key, its ratio
         pr: list[float] = []
-        slot_of: dict[str, int] = {}
-        keys_at: list[str] = []
         n_rows = batch.rows.tolist()
         starts = batch.starts.tolist()
         for i, req in enumerate(requests):
@@ -556,22 +554,19 @@ class SliceStatistics:
             for g, (keys, _) in enumerate(req.groups):
                 if not n_rows[at + g]:
                     continue
-                gi = len(flat_row)
                 flat_req.append(i)
                 flat_row.append(at + g)
-                rat = ratios[g] if ratios is not None else None
-                for j, k in enumerate(keys):
-                    u = slot_of.get(k)
-                    if u is None:
-                        if k not in slices:
-                            return each()
-                        u = slot_of[k] = len(keys_at)
-                        keys_at.append(k)
-                    pg.append(gi)
-                    ps.append(u)
-                    pr.append(rat[j] if rat is not None else 1.0)
+                per_group.append(len(keys))
+                pk.extend(keys)
+                pr.extend(ratios[g] if ratios is not None and ratios[g] is not None else [1.0] * len(keys))
         if len(flat_row) < 2:
             return each()
+        slot_of: dict[str, int] = {}
+        ps = [slot_of.setdefault(key, len(slot_of)) for key in pk]  # each pair's key slot, by first appearance
+        keys_at = list(slot_of)
+        if any(key not in slices for key in keys_at):  # a new slice: creation and eviction in arrival order
+            return each()
+        pg = np.repeat(np.arange(len(flat_row)), per_group).tolist()
         evs = [Evaluation() for _ in requests]
         metrics, bounded = self.metrics, self.reducer.bounded
         k = len(metrics)
