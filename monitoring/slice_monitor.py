@@ -323,9 +323,9 @@ class SliceMonitor:
             values, ref, candidate = j.values, j.reference, it.candidate
             rows = np.flatnonzero(j.keep)
             own = self.cfg.keys_per_row(per_rule, rows.size) if per_rule is not None else None
-            for k, i in enumerate(rows):
+            for pos, i in enumerate(rows):
                 rec = {"request_id": it.request_id, "row": int(i), "request_index": it.request_index,
-                       "weight": it.decision.weight, "slices": own[k] if own is not None else list(it.keys),
+                       "weight": it.decision.weight, "slices": own[pos] if own is not None else list(it.keys),
                        "meta": dict(it.meta or {}),
                        "inputs": {k: np.asarray(v)[i] for k, v in (it.feeds or {}).items()},
                        "reference": np.asarray(ref[i]),
