@@ -479,7 +479,7 @@ class SliceStatistics:
     def update_batch(self, requests: Sequence[GroupedRequest], now: datetime | None = None) -> list[Evaluation]:
         """Add several sampled requests (a shadow worker's micro-batch), in order, each as `update_groups` would:
         every (request, slice group) is one `update` with that group's rows. The groups' sums of every request
-        are computed at once (`RowReducer.prepare_batch`, monitoring/units.py: a handful of numpy calls for the
+        are computed at once (`RowReducer.reduce_batch`, monitoring/units.py: a handful of numpy calls for the
         whole batch instead of a handful per request); then each request's groups update their slices in request
         order, so the statistics, CUSUMs and alerts are those of one `update` per group in that order (the sums
         may differ in the last bits: a segmented sum instead of a sum per group).
@@ -496,9 +496,9 @@ class SliceStatistics:
 
     def apply_groups(self, req: GroupedRequest, prepared: Sequence[Prepared], now: datetime | None = None
                      ) -> Evaluation:
-        """Add one request's groups, prepared by `RowReducer.prepare_batch`, to their slices' statistics and
-        detectors (the second half of `update_batch`, for a caller that does more per request in between, in
-        order).
+        """Add one request's groups, prepared by `RowReducer.reduce_batch` (`BatchSums.per_request`), to their
+        slices' statistics and detectors, one group after another (`apply_batch`'s rare path, and the one a request
+        with reference failures or a replica takes).
 
         Returns:
             The alerts this request fired and cleared.

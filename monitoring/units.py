@@ -23,7 +23,7 @@ from tailguard.monitoring.cusum import Betting, request_units
 Prepared = tuple[int, float, float, list[float], list[float], list[float] | None,
                  list[tuple[str, list[tuple[int, float]], list[tuple[int, float]] | None]]]
 """One request's (or one slice group's) rows reduced for the statistics, its sampling weight w applied
-(`RowReducer.prepare`, `prepare_batch`): (rows, w x the sum of the rows' decay weights, w^2 x that sum,
+(`RowReducer.prepare`, `BatchSums.prepared`): (rows, w x the sum of the rows' decay weights, w^2 x that sum,
 per metric in `metrics` order: w x the decay weight sum over rows with a value, w x the decayed sum of finite
 values, the decayed count of infinite values (None: all 0), then [(bounded metric, alarm units, recovery units or
 None)], units from `request_units`)."""
@@ -133,16 +133,6 @@ class RowReducer:
         w = weight
         return (n, w * geo_sum, w * w * geo_sum, [w * d[1] for d in display], [w * d[2] for d in display],
                 [d[3] for d in display], excess)
-
-    def prepare_batch(self, requests: Sequence[GroupedRequest]) -> list[list[Prepared]]:
-        """Each request's groups reduced for the statistics, as `prepare` of each group's rows would (no state is
-        read or changed), computed at once (`reduce_batch`).
-
-        Returns:
-            Per request, per group, its `Prepared` (for `SliceStatistics.apply_groups`).
-        """
-        batch = self.reduce_batch(requests)
-        return [batch.per_request(i) for i in range(len(requests))]
 
     def reduce_batch(self, requests: Sequence[GroupedRequest]) -> "BatchSums":
         """Every group of every request reduced at once (`BatchSums`; no state is read or changed): the requests'
