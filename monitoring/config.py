@@ -129,7 +129,10 @@ class SliceRule:
         """
         assert self.slice is not None
         x = derive_values(self.slice, feeds, [reference] if reference is not None else None, centroids=centroids)
-        return [OTHER_VALUE if lab is None else lab for lab in row_labels(self.slice, x)]
+        labels = row_labels(self.slice, x)
+        if self.slice.values is None:  # only a `values` list leaves a row without a label
+            return labels  # type: ignore[return-value]
+        return [OTHER_VALUE if lab is None else lab for lab in labels]
 
     def group(self, value: Any) -> str:
         """The group label of one metadata value (a string; `missing` when absent or NaN)."""
@@ -493,6 +496,15 @@ class MonitorConfig:
 
     def groups_of(self, per_rule: Sequence[str | list[str]], n: int) -> list[tuple[list[str], list[int] | None]]:
         """`row_groups` from the rules' labels of n kept rows (`rule_labels`)."""
+        varying = [r for r, lab in enumerate(per_rule) if not isinstance(lab, str)]
+        if len(varying) == 1:
+            return self._groups_of_one(per_rule, varying[0], n)
+        return self._groups_of_any(per_rule, n)
+
+    def _groups_of_any(self, per_rule: Sequence[str | list[str]], n: int
+                       ) -> list[tuple[list[str], list[int] | None]]:
+        """`groups_of` for any labels: every key's rows (rule keys, then pair keys, each by first row), keys with
+        the same rows one group."""
         rows_of: dict[str, list[int]] = {}
         whole: list[str] = [ALL_SLICE]
         names = [r.name for r in self.rules]
@@ -521,6 +533,41 @@ class MonitorConfig:
             else:
                 by_rows.setdefault(tuple(idx), []).append(key)
         return [(whole, None), *((ks, list(idx)) for idx, ks in by_rows.items())]
+
+    def _groups_of_one(self, per_rule: Sequence[str | list[str]], v: int, n: int
+                       ) -> list[tuple[list[str], list[int] | None]]:
+        """`groups_of` when only rule v has labels that differ by row (the common case: `predicted` or `topic`
+        beside request-level rules): its labels partition the rows, so each label is one group (or, when it is
+        the only one, joins the group of every row), with the keys of the pairs that hold rule v beside it."""
+        rules = self.rules
+        whole: list[str] = [ALL_SLICE]
+        for r, lab in enumerate(per_rule):
+            if r != v:
+                whole.append(f"{rules[r].name}={lab}")
+        with_v: list[tuple[str, str]] = []  # (prefix, suffix) of the key of each pair holding rule v
+        for i, j in self.pairs:
+            if v not in (i, j):
+                whole.append(f"{rules[i].name}={per_rule[i]}{PAIR_SEPARATOR}{rules[j].name}={per_rule[j]}")
+            elif i == v:
+                with_v.append((f"{rules[i].name}=", f"{PAIR_SEPARATOR}{rules[j].name}={per_rule[j]}"))
+            else:
+                with_v.append((f"{rules[i].name}={per_rule[i]}{PAIR_SEPARATOR}{rules[j].name}=", ""))
+        by_label: dict[str, list[int]] = {}
+        for i, x in enumerate(per_rule[v]):
+            rows = by_label.get(x)
+            if rows is None:
+                by_label[x] = [i]
+            else:
+                rows.append(i)
+        prefix = f"{rules[v].name}="
+        if with_v:
+            groups = [([prefix + x] + [a + x + b for a, b in with_v], idx) for x, idx in by_label.items()]
+        else:
+            groups = [([prefix + x], idx) for x, idx in by_label.items()]
+        if len(groups) == 1:  # one label: every row
+            whole += groups[0][0]
+            return [(whole, None)]
+        return [(whole, None), *groups]
 
     def keys_per_row(self, per_rule: Sequence[str | list[str]], n: int) -> list[list[str]]:
         """Each of n kept rows' own slice keys, laid out as `slice_keys` lays out a request's: ``all``, one per

@@ -541,24 +541,29 @@ class SliceStatistics:
         if self.export_walks or len(requests) < 2:
             return each()
         slices = self.slices
-        flat_req: list[int] = []  # per group with rows, in order: its request's position, its row in `batch`
-        flat_row: list[int] = []
-        per_group: list[int] = []  # its keys
+        per_group: list[int] = []  # per group of the requests, in order: its keys
         pk: list[str] = []  # per (group, key) pair, group after group: the key, its ratio
         pr: list[float] = []
-        n_rows = batch.rows.tolist()
-        starts = batch.starts.tolist()
-        for i, req in enumerate(requests):
-            ratios = req.ratios
-            at = starts[first + i]
-            for g, (keys, _) in enumerate(req.groups):
-                if not n_rows[at + g]:
-                    continue
-                flat_req.append(i)
-                flat_row.append(at + g)
-                per_group.append(len(keys))
-                pk.extend(keys)
-                pr.extend(ratios[g] if ratios is not None and ratios[g] is not None else [1.0] * len(keys))
+        for req in requests:
+            groups, ratios = req.groups, req.ratios
+            counts = [len(keys) for keys, _ in groups]
+            per_group += counts
+            for keys, _ in groups:
+                pk += keys
+            if ratios is None:
+                pr += [1.0] * sum(counts)
+            else:
+                for r, c in zip(ratios, counts):
+                    pr += [1.0] * c if r is None else r
+        lo, hi = int(batch.starts[first]), int(batch.starts[first + len(requests)])
+        has_rows = batch.rows[lo:hi] > 0
+        if not has_rows.all():  # a group of no rows adds nothing: its pairs leave the lists
+            keep = np.repeat(has_rows, per_group)
+            pk = [key for key, kept in zip(pk, keep.tolist()) if kept]
+            pr = [r for r, kept in zip(pr, keep.tolist()) if kept]
+            per_group = [c for c, kept in zip(per_group, has_rows.tolist()) if kept]
+        flat_row = (np.flatnonzero(has_rows) + lo).tolist()  # per group with rows: its row in `batch`
+        flat_req = (np.searchsorted(batch.starts, flat_row, side="right") - 1 - first).tolist()  # its request
         if len(flat_row) < 2:
             return each()
         slot_of: dict[str, int] = {}
@@ -575,13 +580,22 @@ class SliceStatistics:
         alarm_g = batch.alarm[fr]
         common_g = batch.composable[fr] & (alarm_g <= 0.0).all(axis=1)
         n_keys = len(keys_at)
-        idle = np.fromiter((not any(st.active or any(st.alarm.s) for st in slices[key].streams.values())
-                            for key in keys_at), dtype=bool, count=n_keys)
+        # per key: idle (no alert, every alarm CUSUM at 0), or calm: no alert and no CUSUM at the alarm level (good
+        # units only lower its CUSUMs, so none can fire: `_compose_cusums`)
+        h = self.h
+        idle = np.zeros(n_keys, dtype=bool)
+        calm = np.zeros(n_keys, dtype=bool)
+        for u, key in enumerate(keys_at):
+            streams = slices[key].streams.values()
+            if any(st.active for st in streams):
+                continue
+            idle[u] = not any(any(st.alarm.s) for st in streams)
+            calm[u] = idle[u] or not any(st.alarm.crossed(h) for st in streams)
         pg_a = np.asarray(pg, dtype=np.int64)
         ps_a = np.asarray(ps, dtype=np.int64)
         order = np.argsort(ps_a, kind="stable")  # pairs by key, arrival order within a key
         counts = np.bincount(ps_a, minlength=n_keys)
-        bad = np.cumsum(~(common_g[pg_a] & idle[ps_a])[order])
+        bad = np.cumsum(~(common_g[pg_a] & calm[ps_a])[order])
         before = np.repeat(np.concatenate(([0], bad))[np.cumsum(counts) - counts], counts)
         in_prefix = bad == before  # no unit outside the common case so far in its key
         sel = order[in_prefix]  # the composed pairs, by key
@@ -615,9 +629,12 @@ class SliceStatistics:
             decays = self.decay ** n_key.astype(np.float64)
             last_of = sel[np.cumsum(taken)[live] - 1]  # each key's last composed pair
             width = len(ACC_FIELDS)
+            units_x = r[:, None] * alarm_g[g] / self.max_request_rows  # per composed unit and bounded metric: r x u
             for u, row, d, rows, c, lp in zip(live.tolist(), per_key.tolist(), decays.tolist(), n_key.tolist(),
                                               taken[live].tolist(), last_of.tolist()):
                 s = slices[keys_at[u]]
+                if not idle[u]:
+                    self._compose_cusums(s, units_x[begin[u]:begin[u] + c])
                 gi = pg[lp]
                 s.version = v0 + gi + 1
                 s.rows += rows
@@ -639,17 +656,66 @@ class SliceStatistics:
                     for f in range(width):
                         acc[f] += row[at + f]
                     at += width
-        for t in tail.tolist():
-            gi = pg[t]
+        tail_l = tail.tolist()
+        at = 0
+        while at < len(tail_l):  # a group's tail pairs are adjacent in arrival order: one `_apply` for them
+            gi = pg[tail_l[at]]
+            end = at + 1
+            while end < len(tail_l) and pg[tail_l[end]] == gi:
+                end += 1
+            run = tail_l[at:end]
             i = flat_req[gi]
-            self._apply([keys_at[ps[t]]], batch.prepared(flat_row[gi]), [pr[t]], requests[i].request_index, now,
-                        evs[i], version=v0 + gi + 1)
+            self._apply([keys_at[ps[t]] for t in run], batch.prepared(flat_row[gi]), [pr[t] for t in run],
+                        requests[i].request_index, now, evs[i], version=v0 + gi + 1)
+            at = end
         self.version = v0 + len(flat_row)
         for u in np.argsort(last_pair, kind="stable").tolist():  # the slice order one update per group leaves
             key = keys_at[u]
             if key in slices:
                 slices.move_to_end(key)
         return evs
+
+    def _compose_cusums(self, s: SliceState, units_x: np.ndarray) -> None:
+        """The alarm CUSUMs of a calm slice (no alert, no CUSUM at the alarm level) after k more units, all on the
+        good side, as k `_step`s in order leave them (`apply_batch`; before its window sums and counts move).
+
+        Each unit's log factors log(1 + lam_j r u) are <= 0 (u <= 0), so CUSUM j only falls: after the k units it
+        is max(0, S_j + the factors' sum), and none can fire. A stream whose CUSUMs are all 0 takes the idle path
+        (`_apply`: nothing moves); one with some CUSUM above 0 takes `Cusum.update` until every CUSUM has reached
+        0: each CUSUM at 0 then has its start one past the last such unit, and the walk holds those units' factors.
+        A unit with u = 0 moves nothing (`Cusum.update`).
+
+        Args:
+            s: the slice (its `requests`: the units before these).
+            units_x: (k, bounded metrics) float64, r x u of each unit and metric of `RowReducer.bounded`, <= 0.
+        """
+        base = s.requests
+        for b, m in enumerate(self.reducer.bounded):
+            cusum = s.streams[m].alarm
+            s0 = cusum.s
+            if not any(s0):
+                continue
+            x = units_x[:, b]
+            moved = np.flatnonzero(x)
+            if not moved.shape[0]:
+                continue
+            lam = np.asarray(self.bets[m][0].lambdas)
+            level = np.cumsum(np.log1p(x[moved, None] * lam[None, :]), axis=0)  # (moved units, N_BETS)
+            walked = level.copy()
+            level += np.asarray(s0)[None, :]
+            zero = (level <= 0.0).all(axis=1)
+            last = int(np.argmax(zero)) if zero.any() else moved.shape[0] - 1  # the last unit taking `update`
+            row = base + int(moved[last]) + 1  # that unit's number in the slice
+            end = np.maximum(level[-1], 0.0).tolist()
+            cusum.walk = [w + inc for w, inc in zip(cusum.walk, walked[last].tolist())]
+            for j, v in enumerate(end):
+                if v <= 0.0:
+                    cusum.s[j] = 0.0
+                    cusum.start[j] = row + 1
+                    cusum.start_request[j] = None
+                else:
+                    cusum.s[j] = v
+        s.peak = max((max(st.alarm.s) for st in s.streams.values()), default=0.0)
 
     def _apply(self, keys: Sequence[str], prepared: Prepared, ratios: Sequence[float] | None,
                request_index: int | None, now: datetime | None, ev: Evaluation, version: int | None = None) -> None:

@@ -216,7 +216,8 @@ class SliceMonitor:
             if j.rows is None:
                 requests.append(None)
                 continue
-            ratios = dict(zip(it.keys, it.decision.ratios)) if it.decision.ratios else {}
+            uneven = any(x != 1.0 for x in it.decision.ratios)  # else every key's ratio is 1 (None below)
+            ratios = dict(zip(it.keys, it.decision.ratios)) if uneven else {}
             if p:
                 base = ratios.get(ALL_SLICE, 1.0)
                 per_rule = self.cfg.rule_labels(it.keys, ref, j.keep, outputs=next(labels))  # type: ignore[arg-type]
@@ -225,7 +226,7 @@ class SliceMonitor:
                 r = [[ratios.get(k, base) for k in group_keys] for group_keys, _ in groups] if ratios else None
             else:
                 groups = [(list(it.keys), None)]
-                r = [list(it.decision.ratios)] if it.decision.ratios else None
+                r = [list(it.decision.ratios)] if uneven else None
             requests.append(GroupedRequest(groups, j.rows, it.decision.weight, r, it.request_index))
         batch = self.stats.reducer.reduce_batch([r for r in requests if r is not None])
         at = np.cumsum([req is not None for req in requests]).tolist()  # a request's batch position + 1

@@ -151,8 +151,9 @@ class RowReducer:
             if all(m in vals for m in metrics):
                 arrays = [np.atleast_1d(np.asarray(vals[m], dtype=np.float64)) for m in metrics]
                 n = arrays[0].shape[0]
-                if n and all(a.ndim == 1 and a.shape[0] == n for a in arrays) and all(
-                        (n if idx is None else len(idx)) <= mr for _, idx in req.groups):
+                # each group holds some of the n rows: only a request of more than M rows can have a larger one
+                if n and all(a.ndim == 1 and a.shape[0] == n for a in arrays) and (n <= mr or all(
+                        (n if idx is None else len(idx)) <= mr for _, idx in req.groups)):
                     fast.append(i)
                     for c, a in zip(cols, arrays):
                         c.append(a)
@@ -202,21 +203,20 @@ class RowReducer:
             weight sum, w^2 x that, per metric w x the decayed value sum, then the clipped excess sums of
             `excess_columns`).
         """
-        flat_rows: list[int] = []  # every group's rows, group after group, as rows of `stacked`
+        local: list[int] = []  # every group's rows, group after group, as rows of its request
         counts: list[int] = []
+        offsets: list[int] = []  # per group, its request's first row in `stacked`
         offset = 0
         for req, n in zip(requests, sizes):
+            whole = range(n)
             for _, idx in req.groups:
-                if idx is None:
-                    flat_rows.extend(range(offset, offset + n))
-                    counts.append(n)
-                else:
-                    idx = idx.tolist() if isinstance(idx, np.ndarray) else idx
-                    flat_rows.extend([i + offset for i in idx])
-                    counts.append(len(idx))
+                idx = whole if idx is None else idx
+                local.extend(idx)
+                counts.append(len(idx))
+            offsets += [offset] * len(req.groups)
             offset += n
         cnt = np.asarray(counts, dtype=np.int64)
-        rows = np.asarray(flat_rows, dtype=np.int64)
+        rows = np.asarray(local, dtype=np.int64) + np.repeat(np.asarray(offsets, dtype=np.int64), cnt)
         first = np.cumsum(cnt) - cnt
         starts = first[cnt > 0]  # a group of no rows (a caller's empty index list) adds nothing
         if rows.size > 1 and not self._ascending(rows, starts):  # a caller's unsorted group: sort within groups

@@ -237,15 +237,27 @@ def row_labels(spec: SliceSpec, x: np.ndarray) -> list[str | None]:
         pos[np.isnan(xf)] = len(names) - 1
         return [names[p] for p in pos.tolist()]
     if vals.dtype.kind in "fiub" and vals.size > 1:  # numeric: label each distinct value once
-        uniq, inverse = np.unique(vals, return_inverse=True)
-        names = [value_label(v) for v in uniq.tolist()]
-        labels = [names[i] for i in inverse.ravel().tolist()]
+        uniq, inverse = _distinct(vals.ravel())
+        labels = np.asarray([value_label(v) for v in uniq.tolist()], dtype=object)[inverse].tolist()
     else:
         labels = [value_label(v) for v in vals.tolist()]
     if spec.values is not None:
         wanted = {value_label(v) for v in spec.values}
         return [lab if lab in wanted else None for lab in labels]
     return labels
+
+
+def _distinct(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, each value's index among them) of a (rows,) numeric array: `np.unique` with
+    return_inverse, by counting for integers of a small range (an argmax's classes: no sort)."""
+    if vals.dtype.kind in "iu":
+        lo, hi = int(vals.min()), int(vals.max())
+        if hi - lo < 4096:
+            off = (vals - lo).astype(np.intp)
+            present = np.bincount(off, minlength=hi - lo + 1) > 0
+            return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[off]
+    uniq, inverse = np.unique(vals, return_inverse=True)
+    return uniq, inverse.ravel()
 
 
 def derive_dataset(slices: Sequence[SliceSpec], inputs: Mapping[str, list[np.ndarray]],

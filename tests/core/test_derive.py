@@ -86,6 +86,17 @@ def test_row_labels_equal_validation_group_labels_when_same_values():
         assert row_labels(spec, x) == from_groups
 
 
+@pytest.mark.parametrize("low, high, dtype", [(0, 10, np.int64), (-5, 3, np.int32), (0, 256, np.uint8),
+                                              (-10_000, 10_000, np.int64)])
+def test_row_labels_label_each_integer_row_by_its_value_when_the_range_is_small_or_wide(low, high, dtype):
+    """Integer values (an argmax's classes) are labelled by counting when their range is small and by sorting when
+    it is wide: either way each row gets its own value's label."""
+    pred = SliceSpec(name="predicted", derive={"output": "reference", "reduce": "argmax"})
+    x = np.random.default_rng(abs(low) + high).integers(low, high, 300).astype(dtype)
+    assert row_labels(pred, x) == [str(int(v)) for v in x]
+    assert row_labels(pred, x[:1]) == [str(int(x[0]))]
+
+
 def test_fit_centroids_give_the_same_labels_when_fitted_twice_on_the_same_outputs():
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(3, 8)) * 5

@@ -318,3 +318,83 @@ def test_row_groups_gives_the_general_paths_keys_when_a_request_has_one_row(seed
     assert len(one) == 1 and one[0][1] is None
     assert one == two
     assert sum("&" in k for k in one[0][0]) == 6  # every pair of the 4 rules
+
+
+def _four_rule_config():
+    from tailguard.core.spec import parse_spec
+    from tailguard.monitoring import testing as T
+    from tailguard.monitoring.config import resolve_config
+
+    slices = [{"name": "domain", "column": "domain"}, {"name": "tenant", "header": "x-tenant"},
+              {"name": "ink", "derive": {"input": "x", "select": [0, 2], "reduce": "sum"}, "bins": [-100, 0, 100]},
+              {"name": "predicted", "derive": {"output": "reference", "reduce": "argmax"}}]
+    return resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_pairs": True},
+                                                 slices=slices)))
+
+
+_FOUR_RULES = None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 3), st.integers(1, 20), st.data())
+def test_groups_of_matches_the_general_grouping_when_one_rule_varies_by_row(varying, rows, data):
+    """`MonitorConfig.groups_of`'s path for one rule whose labels differ by row (`predicted` beside request-level
+    rules) gives the groups, their order and their keys' order that the general grouping gives (every pair of 4
+    rules on; one label or several; labels that look like another rule's)."""
+    global _FOUR_RULES
+    if _FOUR_RULES is None:
+        _FOUR_RULES = _four_rule_config()
+    cfg = _FOUR_RULES
+    labels = st.sampled_from(["0", "1", "7", "news", "[0,100)", "missing"])
+    per_rule = [data.draw(st.lists(labels, min_size=rows, max_size=rows)) if r == varying else data.draw(labels)
+                for r in range(4)]
+    got = cfg.groups_of(per_rule, rows)
+    assert got == cfg._groups_of_any(per_rule, rows)
+    assert got[0][1] is None and got[0][0][0] == "all"
+    assert sorted(i for _, idx in got[1:] for i in idx) == (list(range(rows)) if len(got) > 1 else [])
+
+
+@pytest.mark.parametrize("good_requests", [3, 40])
+def test_update_batch_composes_good_units_when_a_slices_cusums_are_above_zero_but_below_the_alarm(good_requests):
+    """After a request that disagrees on every row, the slice's CUSUMs sit above 0 but below the alarm level; a batch
+    of agreeing requests is composed (no `_apply`) and leaves the CUSUMs, their change points and window marks, the
+    walks and the counts where one `update` per request leaves them: still above 0 after 3 requests, back at 0 (with
+    the start one past the request that brought them there) after 40."""
+    from tailguard.monitoring.units import GroupedRequest
+
+    grouped, looped = _pair(max_request_rows=16)
+    calls = {"apply": 0}
+    real_apply = grouped._apply
+
+    def counting_apply(keys, *args, **kw):  # a spy at one seam: counts the (group, key) units applied one by one
+        calls["apply"] += len(keys)
+        return real_apply(keys, *args, **kw)
+
+    grouped._apply = counting_apply
+
+    def request(i, agree):
+        rows = 8
+        values = {"top1_agree": np.full(rows, 1.0 if agree else 0.0), "kl_divergence": np.full(rows, 0.01),
+                  "abs_error": np.full(rows, 0.1), "candidate_error_rate": np.zeros(rows)}
+        return GroupedRequest([(["all", "predicted=1"], None)], values, 1.0, None, i), values
+
+    batches = [[request(0, True), request(1, True)], [request(2, False), request(3, True)],
+               [request(4 + i, True) for i in range(good_requests)]]
+    for b, batch in enumerate(batches):
+        calls["apply"] = 0
+        grouped.update_batch([req for req, _ in batch])
+        for req, values in batch:
+            looped.update(["all", "predicted=1"], values, 1.0, request_index=req.request_index)
+        if b == 1:
+            assert 0 < max(grouped.slices["all"].streams["top1_agree"].alarm.s) and \
+                not grouped.slices["all"].streams["top1_agree"].alarm.crossed(grouped.h)
+    assert calls["apply"] == 0, "the agreeing batch must be composed"
+    _assert_same(grouped, looped)
+    for key in ("all", "predicted=1"):
+        a, b = grouped.slices[key], looped.slices[key]
+        assert a.version == b.version and math.isclose(a.peak, b.peak, rel_tol=1e-9, abs_tol=1e-12)
+        ca, cb = a.streams["top1_agree"].alarm, b.streams["top1_agree"].alarm
+        assert ca.start == cb.start and ca.start_request == cb.start_request
+        assert np.allclose(ca.walk, cb.walk, rtol=1e-9, atol=1e-12)
+    cusum = grouped.slices["all"].streams["top1_agree"].alarm.s
+    assert (max(cusum) > 0) == (good_requests == 3)
