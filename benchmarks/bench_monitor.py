@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -67,6 +68,7 @@ from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.cusum import sprt_expected_samples
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay
+from tailguard.monitoring.serve import freeze_startup_heap
 from tailguard.monitoring.service import MonitorService
 from tailguard.monitoring.slice_monitor import SliceMonitor
 
@@ -769,6 +771,7 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
     svc = MonitorService(cfg, ref, cand, start=False)  # models loaded here, the worker started with the load
     svc._load_models()
     server, th, port = _server(svc)
+    freeze_startup_heap()  # as `tailguard monitor serve` does once the service is built (unfrozen after the run)
     bodies = bodies if bodies is not None else _mlp_bodies()
     svc.monitor.sampler.base_rate = 1.0
     for i in range(backlog):
@@ -776,9 +779,20 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
     svc.monitor.sampler.base_rate = 0.1
     svc._worker = threading.Thread(target=svc._work, name="tg-worker", daemon=True)
     c0, r0, t0 = svc.monitor.compared_requests, svc.monitor.compared_rows, time.perf_counter()
+    collector = {"s": 0.0, "runs": [0, 0, 0], "at": 0.0}
+
+    def on_collect(phase, info):  # the garbage collector's time in any thread of this process
+        if phase == "start":
+            collector["at"] = time.perf_counter()
+        else:
+            collector["s"] += time.perf_counter() - collector["at"]
+            collector["runs"][info["generation"]] += 1
+
+    gc.callbacks.append(on_collect)
     svc._worker.start()
     load = _wrk(port, bodies[0], duration)
     compared, elapsed = svc.monitor.compared_requests - c0, time.perf_counter() - t0
+    gc.callbacks.remove(on_collect)
     shadow_cpu = _thread_cpu([svc._worker, *(t for pool in svc._pools.values() for t in pool._threads)])
     get = svc.metrics.registry.get_sample_value
     rows = svc.monitor.compared_rows - r0
@@ -787,10 +801,12 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
            "shadow_cpu_us_per_row": round(shadow_cpu / max(rows, 1) * 1e6, 2),
            "slices_tracked": len(svc.monitor.stats.slices), "backlog_left": svc.queue.qsize(), "http": load,
            "queue_full": get("tailguard_monitor_dropped_total", {"reason": "queue_full"}),
-           "alerts_fired": len(svc.monitor.stats.history), "slices_past_threshold": _past_threshold(svc, cfg)}
+           "alerts_fired": len(svc.monitor.stats.history), "slices_past_threshold": _past_threshold(svc, cfg),
+           "gc_ms_per_s": round(collector["s"] / elapsed * 1e3, 2), "gc_runs_by_generation": collector["runs"]}
     server.should_exit = True
     th.join(10)
     svc.stop()
+    gc.unfreeze()
     return res
 
 
