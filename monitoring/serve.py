@@ -50,7 +50,8 @@ def freeze_startup_heap() -> None:
     triggers walked them all: ~100 ms of the worker (and, through the interpreter lock, of the HTTP thread) each
     time. With per-row slices a worker allocates more objects per request and triggered full collections sooner:
     4,000 one-row requests drained with `predicted` on spent 21-27 us per row in the collector against 2 us with
-    the `domain` column slice alone, and 2.5-2.9 us once frozen (/work/notes/svc_prof_gc.py, 2-core AMD EPYC).
+    the `domain` column slice alone, and 2.5-2.9 us once frozen (the worker draining a queue without HTTP load,
+    the collector timed with `gc.callbacks`, 2-core AMD EPYC).
     Frozen objects are still freed by reference counting; only a cycle among them is never collected, which the
     start-up objects, alive until exit, do not need."""
     gc.collect()
