@@ -518,13 +518,15 @@ class SliceStatistics:
 
         The common case is a (request, slice group) unit of at most max_request_rows rows with finite values
         (`BatchSums.composable`) whose every bounded metric's excess sum is on the good side (alarm excess <= 0),
-        added to a slice whose detectors are idle (no active alert, every alarm CUSUM at 0): every CUSUM stays at
-        0 (`Cusum.update`), and the unit only moves the display recursion s <- decay^n s + a and the window sums
-        (`add_sums`), both of which compose. Per key, the run of such units from the batch's start is composed
-        with numpy, k units as s <- decay^(n_1 + .. + n_k) s + sum_i decay^(n_(i+1) + .. + n_k) a_i, one Python
-        update per key; a key's first unit outside the common case, and every later unit of that key, go through
-        `_apply` in arrival order (alerts fire only there). A batch that creates a slice (eviction order), or a
-        replica keeping walks (`export_walks`), takes `apply_groups` per request.
+        added to a slice whose detectors are calm (no active alert, no CUSUM at the alarm level h): its CUSUMs can
+        only fall, so none fires. The unit moves the display recursion s <- decay^n s + a and the window sums
+        (`add_sums`), both of which compose, and on an idle detector (every alarm CUSUM at 0) nothing else; CUSUMs
+        above 0 fall in closed form (`_compose_cusums`). Per key, the run of such units from the batch's start is
+        composed with numpy, k units as s <- decay^(n_1 + .. + n_k) s + sum_i decay^(n_(i+1) + .. + n_k) a_i, one
+        Python update per key; a key's first unit outside the common case, and every later unit of that key, go
+        through `_apply` in arrival order (alerts fire only there), the keys of one group in one call. A batch that
+        creates a slice (eviction order), or a replica keeping walks (`export_walks`), takes `apply_groups` per
+        request.
 
         Args:
             requests: the requests in arrival order (`GroupedRequest`).
@@ -657,17 +659,17 @@ class SliceStatistics:
                         acc[f] += row[at + f]
                     at += width
         tail_l = tail.tolist()
-        at = 0
-        while at < len(tail_l):  # a group's tail pairs are adjacent in arrival order: one `_apply` for them
-            gi = pg[tail_l[at]]
-            end = at + 1
+        t0 = 0
+        while t0 < len(tail_l):  # a group's tail pairs are adjacent in arrival order: one `_apply` for them
+            gi = pg[tail_l[t0]]
+            end = t0 + 1
             while end < len(tail_l) and pg[tail_l[end]] == gi:
                 end += 1
-            run = tail_l[at:end]
+            run = tail_l[t0:end]
             i = flat_req[gi]
             self._apply([keys_at[ps[t]] for t in run], batch.prepared(flat_row[gi]), [pr[t] for t in run],
                         requests[i].request_index, now, evs[i], version=v0 + gi + 1)
-            at = end
+            t0 = end
         self.version = v0 + len(flat_row)
         for u in np.argsort(last_pair, kind="stable").tolist():  # the slice order one update per group leaves
             key = keys_at[u]
