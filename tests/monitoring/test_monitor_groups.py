@@ -38,6 +38,19 @@ def _request(rng, rows, classes, agree=0.95, nan_rate=0.0, error_rate=0.01, kl_s
     return groups, values
 
 
+def _count_apply(stats):
+    """A spy at one seam: {"apply": the (group, key) units `stats` applied one by one (`_apply`) so far}."""
+    calls = {"apply": 0}
+    real_apply = stats._apply
+
+    def counting_apply(keys, *args, **kw):
+        calls["apply"] += len(keys)
+        return real_apply(keys, *args, **kw)
+
+    stats._apply = counting_apply
+    return calls
+
+
 def _per_group(st_, groups, values, **kw):
     fired = []
     for keys, idx in groups:
@@ -121,14 +134,7 @@ def test_update_batch_composes_most_units_and_matches_one_update_per_group_when_
     from tailguard.monitoring.units import GroupedRequest
 
     grouped, looped = _pair(max_request_rows=12)
-    calls = {"apply": 0}
-    real_apply = grouped._apply
-
-    def counting_apply(keys, *args, **kw):  # a spy at one seam: counts the (group, key) units applied one by one
-        calls["apply"] += len(keys)
-        return real_apply(keys, *args, **kw)
-
-    grouped._apply = counting_apply
+    calls = _count_apply(grouped)
     rng = np.random.default_rng(seed)
     fired_g, fired_l, units = [], [], 0
     for b in range(100):
@@ -363,14 +369,7 @@ def test_update_batch_composes_good_units_when_a_slices_cusums_are_above_zero_bu
     from tailguard.monitoring.units import GroupedRequest
 
     grouped, looped = _pair(max_request_rows=16)
-    calls = {"apply": 0}
-    real_apply = grouped._apply
-
-    def counting_apply(keys, *args, **kw):  # a spy at one seam: counts the (group, key) units applied one by one
-        calls["apply"] += len(keys)
-        return real_apply(keys, *args, **kw)
-
-    grouped._apply = counting_apply
+    calls = _count_apply(grouped)
 
     def request(i, agree):
         rows = 8
