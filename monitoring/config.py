@@ -560,10 +560,7 @@ class MonitorConfig:
             else:
                 rows.append(i)
         prefix = f"{rules[v].name}="
-        if with_v:
-            groups = [([prefix + x] + [a + x + b for a, b in with_v], idx) for x, idx in by_label.items()]
-        else:
-            groups = [([prefix + x], idx) for x, idx in by_label.items()]
+        groups = [([prefix + x] + [a + x + b for a, b in with_v], idx) for x, idx in by_label.items()]
         if len(groups) == 1:  # one label: every row
             whole += groups[0][0]
             return [(whole, None)]

@@ -702,9 +702,8 @@ class SliceStatistics:
             if not moved.shape[0]:
                 continue
             lam = np.asarray(self.bets[m][0].lambdas)
-            level = np.cumsum(np.log1p(x[moved, None] * lam[None, :]), axis=0)  # (moved units, N_BETS)
-            walked = level.copy()
-            level += np.asarray(s0)[None, :]
+            walked = np.cumsum(np.log1p(x[moved, None] * lam[None, :]), axis=0)  # (moved units, N_BETS)
+            level = walked + np.asarray(s0)[None, :]
             zero = (level <= 0.0).all(axis=1)
             last = int(np.argmax(zero)) if zero.any() else moved.shape[0] - 1  # the last unit taking `update`
             row = base + int(moved[last]) + 1  # that unit's number in the slice

@@ -3,6 +3,7 @@ once (one segmented sum, monitoring/units.py) and must leave the statistics exac
 them: counts, display sums, every CUSUM and its change point, alerts. Seeded simulations and hypothesis-drawn
 requests drive two real SliceStatistics side by side; no wall clock."""
 
+import functools
 import math
 
 import numpy as np
@@ -301,15 +302,9 @@ def test_engine_observe_batch_matches_one_observe_per_request_when_requests_are_
 def test_row_groups_gives_the_general_paths_keys_when_a_request_has_one_row(seed):
     """A one-row request's one group holds the same keys, in the same order, as the same row sent twice (column,
     header, input- and output-derived rules, per-row metadata and every pair)."""
-    from tailguard.core.spec import parse_spec
     from tailguard.monitoring import testing as T
-    from tailguard.monitoring.config import resolve_config
 
-    slices = [{"name": "domain", "column": "domain"}, {"name": "tenant", "header": "x-tenant"},
-              {"name": "ink", "derive": {"input": "x", "select": [0, 2], "reduce": "sum"}, "bins": [-100, 0, 100]},
-              {"name": "predicted", "derive": {"output": "reference", "reduce": "argmax"}}]
-    cfg = resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_pairs": True,
-                                                 "per_row_metadata": True}, slices=slices)))
+    cfg = _four_rule_config(per_row_metadata=True)
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(1, T.N_FEATURES)).astype(np.float32)
     ref = rng.normal(size=(1, T.N_CLASSES)).astype(np.float32)
@@ -326,7 +321,9 @@ def test_row_groups_gives_the_general_paths_keys_when_a_request_has_one_row(seed
     assert sum("&" in k for k in one[0][0]) == 6  # every pair of the 4 rules
 
 
-def _four_rule_config():
+@functools.lru_cache(maxsize=None)
+def _four_rule_config(per_row_metadata=False):
+    """A column, a header, an input- and an output-derived rule, every pair of them on."""
     from tailguard.core.spec import parse_spec
     from tailguard.monitoring import testing as T
     from tailguard.monitoring.config import resolve_config
@@ -334,11 +331,8 @@ def _four_rule_config():
     slices = [{"name": "domain", "column": "domain"}, {"name": "tenant", "header": "x-tenant"},
               {"name": "ink", "derive": {"input": "x", "select": [0, 2], "reduce": "sum"}, "bins": [-100, 0, 100]},
               {"name": "predicted", "derive": {"output": "reference", "reduce": "argmax"}}]
-    return resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_pairs": True},
-                                                 slices=slices)))
-
-
-_FOUR_RULES = None
+    return resolve_config(parse_spec(T.spec_dict({"sample_rate": 1.0, "seed": 0, "slice_pairs": True,
+                                                 "per_row_metadata": per_row_metadata}, slices=slices)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -347,10 +341,7 @@ def test_groups_of_matches_the_general_grouping_when_one_rule_varies_by_row(vary
     """`MonitorConfig.groups_of`'s path for one rule whose labels differ by row (`predicted` beside request-level
     rules) gives the groups, their order and their keys' order that the general grouping gives (every pair of 4
     rules on; one label or several; labels that look like another rule's)."""
-    global _FOUR_RULES
-    if _FOUR_RULES is None:
-        _FOUR_RULES = _four_rule_config()
-    cfg = _FOUR_RULES
+    cfg = _four_rule_config()
     labels = st.sampled_from(["0", "1", "7", "news", "[0,100)", "missing"])
     per_rule = [data.draw(st.lists(labels, min_size=rows, max_size=rows)) if r == varying else data.draw(labels)
                 for r in range(4)]
