@@ -478,8 +478,7 @@ class MonitorConfig:
                     outputs: Sequence[list[str] | None] | None = None) -> list[str | list[str]]:
         """Per rule, the kept rows' label: a str when every row has it, else a list of one label per kept row
         (arguments as `row_groups`; an output-derived rule the output does not fit: `missing`)."""
-        kept = np.flatnonzero(keep)
-        n = kept.size
+        n = -1  # the kept rows, counted when a rule's labels cover every row of the request
         per_rule: list[str | list[str]] = []
         for n_rule, (r, lab) in enumerate(zip(self.rules, keys.labels)):
             if lab is None and outputs is not None and outputs[n_rule] is not None:
@@ -490,7 +489,10 @@ class MonitorConfig:
                 except InputError:
                     lab = MISSING_VALUE
             elif not isinstance(lab, str):
-                lab = [lab[i] for i in kept] if n != len(lab) else lab
+                if n < 0:
+                    n = int(np.count_nonzero(keep))
+                if n != len(lab):
+                    lab = [lab[i] for i in np.flatnonzero(keep).tolist()]
             per_rule.append(lab)
         return per_rule
 
@@ -552,19 +554,24 @@ class MonitorConfig:
                 with_v.append((f"{rules[i].name}=", f"{PAIR_SEPARATOR}{rules[j].name}={per_rule[j]}"))
             else:
                 with_v.append((f"{rules[i].name}={per_rule[i]}{PAIR_SEPARATOR}{rules[j].name}=", ""))
+        labels = per_rule[v]
+        prefix = f"{rules[v].name}="
+        first = labels[0] if n else None
+        if labels.count(first) == n:  # one label: every row (a one-row request, a request of one class)
+            if n:
+                whole += [prefix + first] + [a + first + b for a, b in with_v]  # type: ignore[operator]
+            return [(whole, None)]
         by_label: dict[str, list[int]] = {}
-        for i, x in enumerate(per_rule[v]):
+        for i, x in enumerate(labels):
             rows = by_label.get(x)
             if rows is None:
                 by_label[x] = [i]
             else:
                 rows.append(i)
-        prefix = f"{rules[v].name}="
-        groups = [([prefix + x] + [a + x + b for a, b in with_v], idx) for x, idx in by_label.items()]
-        if len(groups) == 1:  # one label: every row
-            whole += groups[0][0]
-            return [(whole, None)]
-        return [(whole, None), *groups]
+        if with_v:
+            return [(whole, None)] + [([prefix + x] + [a + x + b for a, b in with_v], idx)
+                                      for x, idx in by_label.items()]
+        return [(whole, None)] + [([prefix + x], idx) for x, idx in by_label.items()]
 
     def keys_per_row(self, per_rule: Sequence[str | list[str]], n: int) -> list[list[str]]:
         """Each of n kept rows' own slice keys, laid out as `slice_keys` lays out a request's: ``all``, one per

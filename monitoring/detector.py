@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -591,8 +592,10 @@ class SliceStatistics:
             streams = slices[key].streams.values()
             if any(st.active for st in streams):
                 continue
-            idle[u] = not any(any(st.alarm.s) for st in streams)
-            calm[u] = idle[u] or not any(st.alarm.crossed(h) for st in streams)
+            if slices[key].peak <= 0.0:  # the largest alarm CUSUM after the slice's last update
+                idle[u] = calm[u] = True
+            else:
+                calm[u] = not any(st.alarm.crossed(h) for st in streams)
         pg_a = np.asarray(pg, dtype=np.int64)
         ps_a = np.asarray(ps, dtype=np.int64)
         order = np.argsort(ps_a, kind="stable")  # pairs by key, arrival order within a key
@@ -655,8 +658,7 @@ class SliceStatistics:
                 streams = s.streams
                 for m in bounded:
                     acc = streams[m].acc
-                    for f in range(width):
-                        acc[f] += row[at + f]
+                    acc[:] = map(operator.add, acc, row[at:at + width])
                     at += width
         tail_l = tail.tolist()
         t0 = 0

@@ -62,13 +62,15 @@ class Observation:
 
 class _Judged(NamedTuple):
     """`SliceMonitor._judge`'s result: reference (batch, ...) array, keep (batch,) bool (finite reference),
-    failure, values {metric: (batch,)} (and "non_finite"), rows {metric: (kept,)} or None when no row is kept."""
+    failure, values {metric: (batch,)} (and "non_finite"), rows {metric: (kept,)} or None when no row is kept,
+    whole: every row kept."""
 
     reference: np.ndarray
     keep: np.ndarray
     failure: str | None
     values: Mapping[str, np.ndarray]
     rows: dict[str, np.ndarray] | None
+    whole: bool
 
 
 class SliceMonitor:
@@ -207,7 +209,8 @@ class SliceMonitor:
         judged = [self._judge(it) for it in items]
         per_row = [j.rows is not None and isinstance(it.keys, RowKeys) and it.keys.per_row
                    for it, j in zip(items, judged)]
-        kept = [j.reference[j.keep] if p else None for j, p in zip(judged, per_row)]  # per-row requests' outputs
+        kept = [(j.reference if j.whole else j.reference[j.keep]) if p else None  # per-row requests' outputs
+                for j, p in zip(judged, per_row)]
         labels = iter(self._output_labels([ref for ref in kept if ref is not None]))
         requests: list[GroupedRequest | None] = []
         row_labels: list[list[str | list[str]] | None] = []  # per request, its rules' labels of the kept rows
@@ -234,7 +237,7 @@ class SliceMonitor:
         # time (`SliceStatistics.apply_batch`): the state after each run is the state one request at a time
         # leaves; the others (reference failures change the slices' versions in between; a process with
         # checkpoints takes them between requests) one at a time, in order
-        clean = [req is not None and self.checkpoints is None and bool(j.keep.all())
+        clean = [req is not None and self.checkpoints is None and j.whole
                  for req, j in zip(requests, judged)]
         out: list[Evaluation] = []
         i = 0
@@ -272,8 +275,12 @@ class SliceMonitor:
             values = failure_rows(rows, self.cfg.metrics, self.cfg.bounds)
             values["non_finite"] = np.zeros(rows, dtype=bool)
         keep = ~reference_non_finite(ref)
-        kept = {m: values[m][keep] for m in self.cfg.metrics} if keep.any() else None  # type: ignore[index]
-        return _Judged(ref, keep, failure, values, kept)  # type: ignore[arg-type]
+        whole = bool(keep.all())
+        if whole:
+            kept = {m: values[m] for m in self.cfg.metrics}  # type: ignore[index]
+        else:
+            kept = {m: values[m][keep] for m in self.cfg.metrics} if keep.any() else None  # type: ignore[index]
+        return _Judged(ref, keep, failure, values, kept, whole)  # type: ignore[arg-type]
 
     def _output_labels(self, refs: list[np.ndarray]) -> list[list[list[str] | None] | None]:
         """Per request (its kept rows' reference output `refs[i]`), per rule, the labels of the output-derived
@@ -305,7 +312,7 @@ class SliceMonitor:
         caller has applied already, `apply_batch`), checkpoints, alert logs, sampled-pair records (only with an
         `on_sample` consumer; each row's `slices` are its own keys: with per-row slices, `per_rule`, the rules'
         labels of the kept rows, gives them, `MonitorConfig.keys_per_row`)."""
-        n_bad = int(j.keep.size - np.count_nonzero(j.keep))
+        n_bad = 0 if j.whole else int(j.keep.size - np.count_nonzero(j.keep))
         if n_bad:
             if self.metrics is not None:
                 self.metrics.dropped.labels("non_finite").inc(n_bad)
@@ -317,7 +324,7 @@ class SliceMonitor:
         ev = applied if applied is not None else self.stats.apply_groups(req, prepared, now)
         if self.checkpoints is not None:
             self.checkpoints.tick()
-        self.compared_rows += int(np.count_nonzero(j.keep))
+        self.compared_rows += int(j.keep.shape[0]) if j.whole else int(np.count_nonzero(j.keep))
         self.compared_requests += 1
         self.report(ev)
         if self.on_sample is not None:

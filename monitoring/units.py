@@ -176,7 +176,8 @@ class RowReducer:
             if fast:
                 chosen = [requests[i] for i in fast]
                 counts, sums = self._stack_sums(chosen, sizes, stacked)
-                rows = np.concatenate([np.arange(batch.starts[i], batch.starts[i + 1]) for i in fast])
+                rows = (np.arange(batch.starts[-1]) if len(fast) == len(requests) else  # the common case
+                        np.concatenate([np.arange(batch.starts[i], batch.starts[i + 1]) for i in fast]))
                 batch.set_stacked(rows, counts, sums)
         return batch
 

@@ -249,13 +249,22 @@ def row_labels(spec: SliceSpec, x: np.ndarray) -> list[str | None]:
 
 def _distinct(vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted distinct values, each value's index among them) of a (rows,) numeric array: `np.unique` with
-    return_inverse, by counting for integers of a small range (an argmax's classes: no sort)."""
-    if vals.dtype.kind in "iu":
-        lo, hi = int(vals.min()), int(vals.max())
+    return_inverse, by counting for integral values of a small range (an argmax's classes and a nearest
+    centroid's indices, integral floats: no sort); the distinct values keep `vals`' dtype."""
+    kind = vals.dtype.kind
+    iv = None
+    if kind in "iu":
+        iv = vals
+    elif kind == "f" and vals.size and bool(np.isfinite(vals).all()) and float(np.abs(vals).max()) < 2.0 ** 52:
+        iv = vals.astype(np.int64)
+        if not bool((iv == vals).all()):  # fractions take np.unique (as NaN and infinities do)
+            iv = None
+    if iv is not None and iv.size:
+        lo, hi = int(iv.min()), int(iv.max())
         if hi - lo < 4096:
-            off = (vals - lo).astype(np.intp)
+            off = (iv - lo).astype(np.intp)
             present = np.bincount(off, minlength=hi - lo + 1) > 0
-            return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[off]
+            return (np.flatnonzero(present) + lo).astype(vals.dtype, copy=False), (np.cumsum(present) - 1)[off]
     uniq, inverse = np.unique(vals, return_inverse=True)
     return uniq, inverse.ravel()
 

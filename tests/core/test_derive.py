@@ -97,6 +97,22 @@ def test_row_labels_label_each_integer_row_by_its_value_when_the_range_is_small_
     assert row_labels(pred, x[:1]) == [str(int(x[0]))]
 
 
+@pytest.mark.parametrize("values", [[3.0, 1.0, 3.0, 7.0], [3.0, np.nan, 1.0], [0.5, 1.0, 0.5], [1e300, 0.0, 1.0],
+                                    [np.inf, 1.0, -np.inf], [-2.0, 4.0, -0.0, 0.0], [2.0 ** 53, 1.0], [9.0]])
+def test_row_labels_label_each_float_row_as_np_unique_does_when_values_are_integral_or_not(values):
+    """Float values (derive_values gives an argmax's classes as integral floats) are labelled by counting when
+    every value is an integral float of a small range, else by np.unique: the same labels either way (NaN, an
+    infinity, a fraction, a value past 2**52 take np.unique)."""
+    pred = SliceSpec(name="predicted", derive={"output": "reference", "reduce": "argmax"})
+    x = np.asarray(values * 3, dtype=np.float64)
+    uniq = np.unique(x)
+    expected = [row_labels(pred, uniq[i:i + 1])[0] for i in np.unique(x, return_inverse=True)[1].ravel()]
+    assert row_labels(pred, x) == expected
+    with np.errstate(over="ignore"):  # 1e300 is an infinity in float32
+        x32 = x.astype(np.float32)
+    assert row_labels(pred, x32) == [row_labels(pred, x32[i:i + 1])[0] for i in range(x32.shape[0])]
+
+
 def test_fit_centroids_give_the_same_labels_when_fitted_twice_on_the_same_outputs():
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(3, 8)) * 5
