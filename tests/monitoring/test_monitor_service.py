@@ -1,6 +1,8 @@
 """The monitor's HTTP service: OIP ingest, isolation of the live path from misbehaving real references,
 /metrics, /healthz, /readyz. The app runs in-process through Starlette's TestClient (real ASGI, real models)."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -401,3 +403,13 @@ def test_slice_key_is_redacted_everywhere_when_slice_column_in_redact_fields(mod
         assert "domain=<redacted>" in slices and not any("secret" in k for k in slices)
         assert "secret" not in client.get("/metrics").text
         assert "secret" not in str(client.get("/v1/evidence").json())
+
+
+def test_tune_collector_freezes_the_heap_and_raises_only_the_young_threshold_when_called():
+    """`tailguard monitor serve` calls tune_collector once the service is built (a fresh interpreter: the test
+    process's collector is left as it is)."""
+    code = ("import gc; from tailguard.monitoring.serve import tune_collector, YOUNG_THRESHOLD; "
+            "before = gc.get_threshold(); tune_collector(); after = gc.get_threshold(); "
+            "print(gc.get_freeze_count() > 1000, after == (YOUNG_THRESHOLD, *before[1:]), YOUNG_THRESHOLD > before[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "True"]
