@@ -68,7 +68,7 @@ from tailguard.monitoring.config import resolve_config
 from tailguard.monitoring.cusum import sprt_expected_samples
 from tailguard.monitoring.oip import request_json
 from tailguard.monitoring.replay import replay
-from tailguard.monitoring.serve import freeze_startup_heap
+from tailguard.monitoring.serve import tune_collector
 from tailguard.monitoring.service import MonitorService
 from tailguard.monitoring.slice_monitor import SliceMonitor
 
@@ -775,12 +775,14 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
     svc = MonitorService(cfg, ref, cand, start=False)  # models loaded here, the worker started with the load
     svc._load_models()
     server, th, port = _server(svc)
-    freeze_startup_heap()  # as `tailguard monitor serve` does once the service is built (unfrozen after the run)
+    threshold = gc.get_threshold()
+    tune_collector()  # as `tailguard monitor serve` does once the service is built (undone after the run)
     bodies = bodies if bodies is not None else _mlp_bodies()
     svc.monitor.sampler.base_rate = 1.0
     for i in range(backlog):
         svc.ingest("infer", "tiny-clf", bodies[i % len(bodies)])
     svc.monitor.sampler.base_rate = 0.1
+    gc.freeze()  # the backlog too: it stands for a worker that always has work, not for a heap the collector walks
     svc._worker = threading.Thread(target=svc._work, name="tg-worker", daemon=True)
     c0, r0, t0 = svc.monitor.compared_requests, svc.monitor.compared_rows, time.perf_counter()
     collector = {"s": 0.0, "runs": [0, 0, 0], "at": 0.0}
@@ -832,6 +834,7 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
     th.join(10)
     svc.stop()
     gc.unfreeze()
+    gc.set_threshold(*threshold)
     return res
 
 
