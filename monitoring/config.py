@@ -47,6 +47,7 @@ METRIC_RANGE: dict[str, tuple[float, float]] = {r.key: r.value_range for r in RO
 # (tailguard_monitor_slice_values_cut_total): a label value, a JSON key and a dict key per slice stay small.
 MAX_LABEL_CHARS = 64
 PAIR_SEPARATOR = "&"
+ONE_ROW_MEMO = 4096  # `MonitorConfig.one_row_group`'s memo: at most this many distinct rows' labels
 # A slice value past monitoring.max_new_values_per_minute new values of its column is grouped under this label
 # (`<name>=__new__`) instead of getting its own key: a flood of unique values costs one key (issue 22).
 NEW_VALUE = "__new__"
@@ -357,6 +358,8 @@ class MonitorConfig:
             monitoring.max_new_values_per_minute); None: every value gets its own key (replay: deterministic).
         centroids: {slice name: (k, dim) centroids} of nearest_centroid rules (`--centroids`, the pipeline's
             centroids.npz).
+        one_row_keys: `one_row_group`'s memo, {the row's labels: its slice keys} (not an argument: each config,
+            `dataclasses.replace`'s too, starts empty).
     """
 
     spec: Spec
@@ -371,6 +374,8 @@ class MonitorConfig:
     pairs: list[tuple[int, int]] = field(default_factory=list)
     new_values: NewValueLimiter | None = None
     centroids: dict[str, np.ndarray] = field(default_factory=dict)
+    one_row_keys: dict[tuple[str | tuple[str], ...], tuple[str, ...]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def row_keys(self, meta: Mapping[str, Any], feeds: Mapping[str, np.ndarray] | None = None,
                  headers: Mapping[str, str] | None = None) -> tuple[RowKeys, int]:
@@ -495,6 +500,42 @@ class MonitorConfig:
                     lab = [lab[i] for i in np.flatnonzero(keep).tolist()]
             per_rule.append(lab)
         return per_rule
+
+    def one_row_group(self, keys: RowKeys, outputs: Sequence[list[str] | None] | None
+                      ) -> tuple[list[str | list[str]], tuple[str, ...]] | None:
+        """`rule_labels` and the one group of `groups_of` for a request of one row, kept (a one-row request's row
+        is one group of every key it carries), the keys memoized by the row's labels (`one_row_keys`, emptied past
+        ONE_ROW_MEMO entries): the same labels and keys in the same order, without grouping each request again.
+
+        Args:
+            keys: the request's RowKeys (`row_keys`; one row).
+            outputs: per rule, the output-derived rule's label of the row (a list of one) when computed already.
+
+        Returns:
+            (per_rule as `rule_labels` gives it, the group's keys), or None when an output-derived rule has no
+            label in `outputs` (the caller takes `rule_labels` and `groups_of`).
+        """
+        per_rule: list[str | list[str]] = []
+        sig: list[str | tuple[str]] = []
+        for n_rule, lab in enumerate(keys.labels):
+            if lab is None:
+                lab = outputs[n_rule] if outputs is not None else None
+                if lab is None:
+                    return None
+            per_rule.append(lab)
+            sig.append(lab if isinstance(lab, str) else (lab[0],))
+        memo = self.one_row_keys
+        key = tuple(sig)
+        got = memo.get(key)
+        if got is None:
+            groups = self.groups_of(per_rule, 1)
+            if len(groups) != 1:  # not one row
+                return None
+            got = tuple(groups[0][0])
+            if len(memo) >= ONE_ROW_MEMO:
+                memo.clear()
+            memo[key] = got
+        return per_rule, got
 
     def groups_of(self, per_rule: Sequence[str | list[str]], n: int) -> list[tuple[list[str], list[int] | None]]:
         """`row_groups` from the rules' labels of n kept rows (`rule_labels`)."""

@@ -223,9 +223,16 @@ class SliceMonitor:
             ratios = dict(zip(it.keys, it.decision.ratios)) if uneven else {}
             if p:
                 base = ratios.get(ALL_SLICE, 1.0)
-                per_rule = self.cfg.rule_labels(it.keys, ref, j.keep, outputs=next(labels))  # type: ignore[arg-type]
+                outs = next(labels)
+                one = (self.cfg.one_row_group(it.keys, outs)  # type: ignore[arg-type]
+                       if ref.shape[0] == 1 and j.whole else None)  # type: ignore[union-attr]
+                if one is not None:  # a one-row request: its row's keys, one group
+                    per_rule = one[0]
+                    groups = [(one[1], None)]
+                else:
+                    per_rule = self.cfg.rule_labels(it.keys, ref, j.keep, outputs=outs)  # type: ignore[arg-type]
+                    groups = self.cfg.groups_of(per_rule, int(ref.shape[0]))  # type: ignore[union-attr]
                 row_labels[-1] = per_rule
-                groups = self.cfg.groups_of(per_rule, int(ref.shape[0]))  # type: ignore[union-attr]
                 r = [[ratios.get(k, base) for k in group_keys] for group_keys, _ in groups] if ratios else None
             else:
                 groups = [(list(it.keys), None)]

@@ -321,6 +321,36 @@ def test_row_groups_gives_the_general_paths_keys_when_a_request_has_one_row(seed
     assert sum("&" in k for k in one[0][0]) == 6  # every pair of the 4 rules
 
 
+@pytest.mark.parametrize("per_row_metadata", [False, True])
+def test_one_row_group_gives_rule_labels_and_groups_of_when_a_request_has_one_row(per_row_metadata, monkeypatch):
+    """The one-row path (`MonitorConfig.one_row_group`, memoized by the row's labels) gives the labels and the
+    keys, in order, that `rule_labels` and `groups_of` give, for rows seen before or not; each config (a
+    `dataclasses.replace` too) keeps its own memo, bounded by ONE_ROW_MEMO; without the output rule's label it
+    leaves the request to the general path."""
+    import dataclasses
+
+    from tailguard.monitoring import config as C
+    from tailguard.monitoring import testing as T
+
+    cfg = dataclasses.replace(_four_rule_config(per_row_metadata))
+    assert cfg.one_row_keys == {} and cfg.one_row_keys is not _four_rule_config(per_row_metadata).one_row_keys
+    monkeypatch.setattr(C, "ONE_ROW_MEMO", 3)
+    rng = np.random.default_rng(5)
+    predicted = cfg.rules[3]
+    for _ in range(40):
+        x = rng.normal(size=(1, T.N_FEATURES)).astype(np.float32) * 60
+        ref = rng.normal(size=(1, T.N_CLASSES)).astype(np.float32)
+        domain = str(rng.choice(["news", "web"]))
+        meta = {"domain": [domain] if per_row_metadata else domain}
+        keys, _ = cfg.row_keys(meta, {"x": x}, {"x-tenant": str(rng.choice(["acme", "init"]))})
+        outputs = [None, None, None, cfg.output_labels(predicted, ref)]
+        per_rule = cfg.rule_labels(keys, ref, np.ones(1, dtype=bool), outputs)
+        groups = cfg.groups_of(per_rule, 1)
+        assert cfg.one_row_group(keys, outputs) == (per_rule, tuple(groups[0][0]))
+        assert len(cfg.one_row_keys) <= 3
+        assert cfg.one_row_group(keys, None) is None
+
+
 @functools.lru_cache(maxsize=None)
 def _four_rule_config(per_row_metadata=False):
     """A column, a header, an input- and an output-derived rule, every pair of them on."""
