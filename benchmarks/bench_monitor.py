@@ -1599,9 +1599,11 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists() and a.only != ap.get_default("only"):  # a partial run replaces its sections, keeps the rest
         kept = json.loads(out.read_text())
-        res = {**kept, **res, "commands": {**kept.get("commands", {}), **{k: res["command"] for k in res
-                                                                           if k not in ("machine", "hardware",
-                                                                                        "command")}}}
+        sections = {k: v for k, v in res.items() if k not in ("machine", "hardware", "command")}
+        for v in sections.values():  # the machine it ran on, with it (the top level stays the full run's)
+            if isinstance(v, dict):
+                v.update(machine=res["machine"], hardware=res["hardware"])
+        res = {**kept, **sections, "commands": {**kept.get("commands", {}), **{k: res["command"] for k in sections}}}
     out.write_text(json.dumps(res, indent=2, default=float))
     print(f"wrote {out}")
 
