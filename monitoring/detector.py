@@ -279,7 +279,8 @@ class SliceState:
                  export_walks: bool = False) -> None:
         self.incarnation = incarnation
         self.version = incarnation
-        self.peak = 0.0  # largest alarm CUSUM over the slice's metrics after its last update (ranking for export)
+        self.peak = 0.0  # largest alarm CUSUM over the slice's metrics after its last update (ranking for export;
+        # 0: every alarm CUSUM at 0, `apply_batch`'s idle check): every update that moves a CUSUM sets it
         self.rows = 0
         self.requests = 0
         self.reference_failures = 0
