@@ -796,6 +796,7 @@ def _compares_under_load(ref, cand, batch_rows, duration, backlog=40_000, *, sli
 
     gc.callbacks.append(on_collect)
     svc._worker.start()
+
     def shadow():  # the worker and the inference pools' threads (a pool starts its threads when first used)
         return [svc._worker, *(t for pool in svc._pools.values() for t in pool._threads)]
 

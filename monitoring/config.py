@@ -528,10 +528,7 @@ class MonitorConfig:
         key = tuple(sig)
         got = memo.get(key)
         if got is None:
-            groups = self.groups_of(per_rule, 1)
-            if len(groups) != 1:  # not one row
-                return None
-            got = tuple(groups[0][0])
+            got = tuple(self.groups_of(per_rule, 1)[0][0])  # one row: one group
             if len(memo) >= ONE_ROW_MEMO:
                 memo.clear()
             memo[key] = got
